@@ -1,0 +1,32 @@
+# The two commands a newcomer needs:
+#   make train   trains configs/tiny.yaml (creates .venv on first use)
+#   make test    runs the whole test suite
+# PYTHON=/path/to/python3.12 picks the interpreter; otherwise the first Python >= 3.12
+# found among python3.13, python3.12, python3 and pyenv's versions folder is used.
+SHELL := /bin/bash
+VENV  := .venv
+VPY   := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CONFIG ?= configs/tiny.yaml
+ARGS ?=
+
+.PHONY: train test venv bench clean
+train: $(STAMP)
+	$(VPY) -m jaxtrain train $(CONFIG) $(ARGS)
+
+test: $(STAMP)
+	$(VPY) -m pytest $(ARGS)
+
+bench: $(STAMP)
+	$(VPY) benchmarks/throughput.py $(ARGS)
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@py="$$(bash .ci/find_python.sh)" || exit 1; \
+	if [ ! -x $(VPY) ]; then echo "creating $(VENV) with $$py"; "$$py" -m venv $(VENV) || exit 1; fi; \
+	$(VPY) -m pip install -q --upgrade pip && \
+	$(VPY) -m pip install -q -e '.[dev]' && touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

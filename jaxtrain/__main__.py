@@ -1,0 +1,5 @@
+import sys
+
+from jaxtrain.cli import main
+
+sys.exit(main())

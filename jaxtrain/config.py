@@ -1,0 +1,296 @@
+"""Run configuration: YAML -> frozen, typed dataclasses, plus dotted overrides.
+
+Nothing here imports jax, so the CLI can validate a config (and decide how many
+CPU devices to simulate) before any backend starts. Every error is a
+`ConfigError` naming the key, the value and what was expected.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from models.config import ModelConfig
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names key, value and expectation."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Parallelism degrees per mesh axis (sharding.MESH_AXES); -1 fills the rest."""
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    context: int = 1   # reserved: ring / Ulysses attention
+    expert: int = 1    # reserved: expert parallelism
+    stage: int = 1     # reserved: pipeline parallelism
+    rules: str = "fsdp_tensor"   # sharding.PRESETS name: data_parallel | fsdp | fsdp_tensor
+
+    def sizes(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in ("data", "stage", "fsdp", "context", "expert", "tensor")}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 20
+    global_batch_size: int = 8
+    seq_len: int = 64
+    microbatches: int = 1       # gradient accumulation: the global batch is split into this many
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`."""
+    lr: float = 3e-3
+    warmup_steps: int = 5
+    decay_steps: int | None = None   # None: train.steps
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1        # applied to >= 2-D weights only
+    clip_norm: float | None = 1.0    # global-norm clipping; null disables
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    source: str = "synthetic"        # synthetic | text
+    paths: tuple[str, ...] = ()      # files or globs, for source=text
+    tokenizer: str = "byte"          # byte | path to a Hugging Face tokenizers JSON
+    shuffle: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Reserved for the checkpointing work: `every: 0` means no checkpoints."""
+    dir: str | None = None           # default {output_dir}/checkpoints
+    every: int = 0
+    keep: int = 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    every: int = 1                   # log metrics every N steps (the only host sync in the loop)
+    tensorboard: bool = True
+    progress: bool = True            # rich progress bar on the console
+    peak_flops_per_device: float | None = None  # override the table / CPU measurement (for MFU)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    output_dir: str = "runs/default"
+    seed: int = 0
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+    @property
+    def mesh_size(self) -> int:
+        """Devices the mesh needs, or None-like 0 when an axis is -1 (fills the rest)."""
+        sizes = self.mesh.sizes().values()
+        return 0 if -1 in sizes else math.prod(sizes)
+
+
+# --- building dataclasses from plain data, with type checks -------------------
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check `value` against annotation `tp`; convert where YAML is loose (int -> float, list -> tuple)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{key}={value!r}: expected {' or '.join(_type_name(a) for a in args)}")
+    if origin is tuple:
+        (item,) = typing.get_args(tp)[:1]
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r}: expected a list")
+        return tuple(_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r}: expected a mapping of {tp.__name__} fields")
+        return _build(tp, value, prefix=f"{key}.")
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r}: expected a number")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r}: expected an integer")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r}: expected true or false")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}={value!r}: expected a string")
+        return value
+    raise ConfigError(f"{key}: unsupported field type {tp}")
+
+
+def _build(cls: type, data: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in fields:
+            raise ConfigError(f"{prefix}{k}: unknown key; expected one of {', '.join(sorted(fields))}")
+    kwargs = {k: _coerce(f"{prefix}{k}", v, hints[k]) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=value` -> ("a.b", value parsed as YAML: 3 -> int, 1e-3 -> float, [a, b] -> list)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected dotted.key=value")
+    key, raw = text.split("=", 1)
+    if not key:
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    # YAML 1.1 reads "1e-3" as a string; accept numeric strings for numbers.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            pass
+    return key, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load YAML at `path` (or defaults), apply `key=value` overrides, validate."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r}: not found")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r}: not valid YAML ({e})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level")
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(data, key, value)
+    cfg = _build(Config, data)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config, num_devices: int | None = None) -> None:
+    """Cross-field checks; `num_devices` (when known) is checked against the mesh."""
+    try:
+        cfg.model.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    m, t = cfg.mesh, cfg.train
+    for axis, size in m.sizes().items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{axis}={size}: expected a positive size or -1 (fill the rest)")
+    if list(m.sizes().values()).count(-1) > 1:
+        raise ConfigError("mesh: at most one axis may be -1")
+    for name, value in (("mesh.stage", m.stage), ("mesh.context", m.context), ("mesh.expert", m.expert)):
+        if value not in (1,):
+            raise ConfigError(f"{name}={value}: reserved; only 1 is supported so far")
+    rules = ("data_parallel", "fsdp", "fsdp_tensor")
+    if m.rules not in rules:
+        raise ConfigError(f"mesh.rules={m.rules!r}: expected one of {rules}")
+    if m.tensor > 0:
+        if cfg.model.n_heads % m.tensor:
+            raise ConfigError(f"model.n_heads={cfg.model.n_heads}: expected a multiple of mesh.tensor={m.tensor}")
+        if cfg.model.n_kv_heads % m.tensor:
+            raise ConfigError(f"model.n_kv_heads={cfg.model.n_kv_heads}: expected a multiple of "
+                              f"mesh.tensor={m.tensor}")
+    if t.seq_len < 1:
+        raise ConfigError(f"train.seq_len={t.seq_len}: expected a positive integer")
+    if t.steps < 1:
+        raise ConfigError(f"train.steps={t.steps}: expected a positive integer")
+    if t.microbatches < 1:
+        raise ConfigError(f"train.microbatches={t.microbatches}: expected a positive integer")
+    if t.global_batch_size < 1:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size}: expected a positive integer")
+    if num_devices is not None:
+        sizes = m.sizes()
+        known = math.prod(s for s in sizes.values() if s != -1)
+        if -1 in sizes.values():
+            if num_devices % known:
+                raise ConfigError(f"mesh: the fixed axes multiply to {known}, which does not divide "
+                                  f"the device count {num_devices}")
+            sizes = {a: (num_devices // known if s == -1 else s) for a, s in sizes.items()}
+        elif known != num_devices:
+            raise ConfigError(f"mesh: product {known} "
+                              f"({' x '.join(f'{a}={s}' for a, s in sizes.items() if s > 1) or 'all 1'}) "
+                              f"does not equal the device count {num_devices}")
+        dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+        if t.global_batch_size % (dp * t.microbatches):
+            raise ConfigError(f"train.global_batch_size={t.global_batch_size}: expected a multiple of "
+                              f"mesh.data*mesh.fsdp*mesh.expert ({dp}) x train.microbatches ({t.microbatches})"
+                              f" = {dp * t.microbatches}")
+    elif t.global_batch_size % t.microbatches:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size}: expected a multiple of "
+                          f"train.microbatches={t.microbatches}")
+    if cfg.data.source not in ("synthetic", "text"):
+        raise ConfigError(f"data.source={cfg.data.source!r}: expected synthetic or text")
+    if cfg.data.source == "text" and not cfg.data.paths:
+        raise ConfigError("data.paths=[]: data.source=text needs at least one file or glob")
+    o = cfg.optimizer
+    if o.lr <= 0:
+        raise ConfigError(f"optimizer.lr={o.lr}: expected a positive number")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps}: expected >= 0")
+    if o.clip_norm is not None and o.clip_norm <= 0:
+        raise ConfigError(f"optimizer.clip_norm={o.clip_norm}: expected a positive number or null")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(f"optimizer.min_lr_ratio={o.min_lr_ratio}: expected a value in [0, 1]")
+    if cfg.logging.every < 1:
+        raise ConfigError(f"logging.every={cfg.logging.every}: expected a positive integer")
+
+
+def to_dict(cfg: Config) -> dict:
+    """Plain, YAML/JSON-ready dict of a config (tuples become lists)."""
+    def convert(x):
+        if isinstance(x, tuple):
+            return [convert(v) for v in x]
+        if isinstance(x, dict):
+            return {k: convert(v) for k, v in x.items()}
+        return x
+    return convert(dataclasses.asdict(cfg))

@@ -1,0 +1,71 @@
+"""Model FLOPs per token and peak FLOP/s per device, for MFU.
+
+FLOPs per token (training, forward + backward) = 6 * N (N = parameters,
+embedding lookup excluded; a tied embedding still counts once as the output
+projection) + attention: 12 * layers * seq * d_attn, halved when causal, where
+d_attn = n_heads * head_dim (= d_model for the usual shapes). This is the
+PaLM-paper convention MaxText also uses, so MFU figures compare.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+from models.config import ModelConfig
+
+# Dense bf16 peak FLOP/s per device (per chip; per GPU), from vendor spec sheets.
+PEAK_FLOPS_PER_DEVICE: dict[str, float] = {
+    "tpu v4": 275e12,
+    "tpu v5 lite": 197e12,   # v5e reports itself as "TPU v5 lite"
+    "tpu v5e": 197e12,
+    "tpu v5p": 459e12,
+    "tpu v5": 459e12,        # v5p reports itself as "TPU v5"
+    "tpu v6 lite": 918e12,   # v6e (Trillium)
+    "tpu v6e": 918e12,
+    "a100": 312e12,
+    "h100": 989e12,          # SXM dense bf16
+    "h200": 989e12,
+}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
+    n = cfg.param_count(include_embedding=cfg.tie_embeddings)
+    attn = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.resolved_head_dim
+    return 6 * n + (attn / 2 if causal else attn)
+
+
+def peak_flops_for_device_kind(device_kind: str) -> float | None:
+    """Table lookup by `jax.Device.device_kind`; longest matching key wins."""
+    kind = device_kind.lower()
+    matches = [k for k in PEAK_FLOPS_PER_DEVICE if k in kind]
+    return PEAK_FLOPS_PER_DEVICE[max(matches, key=len)] if matches else None
+
+
+@functools.cache
+def measure_matmul_flops(n: int = 1024, dtype: str = "float32", repeats: int = 5) -> float:
+    """FLOP/s of one jitted n x n matmul on the default device (best of `repeats`).
+
+    CPU has no spec-sheet peak; this measured figure is what "MFU" means there.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def peak_flops_per_device(device, override: float | None = None) -> tuple[float, str]:
+    """(peak FLOP/s, where it came from) for one device."""
+    if override:
+        return override, "config"
+    table = peak_flops_for_device_kind(device.device_kind)
+    if table:
+        return table, f"table ({device.device_kind})"
+    return measure_matmul_flops(), "measured matmul"

@@ -1,0 +1,134 @@
+"""The sharded training program: state creation and one jitted, donated step.
+
+Everything here is a pure function of (params, optimizer state, batch); the
+model is rebuilt from its graphdef inside the trace, so Orbax, Optax and the
+sharding rules all see plain nested dicts of arrays.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import models
+import sharding
+from jaxtrain.config import Config
+from jaxtrain.optimizer import learning_rate_schedule, make_optimizer
+
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+BATCH_AXES = ("batch", "seq")
+
+
+class TrainState(NamedTuple):
+    step: jax.Array          # int32 scalar
+    params: dict             # nested dict of arrays (fp32 master weights)
+    opt_state: Any           # optax state mirroring params
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainProgram:
+    """What the loop (and `jaxtrain compile`) needs: shardings and jitted functions."""
+    graphdef: nnx.GraphDef
+    abstract_params: nnx.State       # ShapeDtypeStructs with Variable metadata
+    param_axes: dict                 # logical axes per parameter
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    init: Callable[[], TrainState]   # jitted; creates the state already sharded
+    step: Callable                   # jitted (state, batch) -> (state, metrics); state donated
+    optimizer: optax.GradientTransformation
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(sum of masked next-token losses, number of counted tokens), both f32."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(losses * mask), jnp.sum(mask)
+
+
+def split_microbatches(batch: dict, n: int) -> dict:
+    """[B, ...] -> [n, B/n, ...], microbatch m = rows m, m+n, m+2n, ... so that
+    every data-parallel shard contributes equally to every microbatch."""
+    def split(x):
+        return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+    return jax.tree.map(split, batch)
+
+
+def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainProgram:
+    mcfg = cfg.model
+    make_model = lambda: models.Transformer(mcfg, rngs=nnx.Rngs(cfg.seed))
+    graphdef, abstract_params = models.abstract_model(make_model)
+    param_axes = models.logical_axes(abstract_params)
+    param_shapes = nnx.to_pure_dict(abstract_params)
+    param_shardings = sharding.tree_shardings(param_axes, rules, mesh, shapes=param_shapes)
+    tx = make_optimizer(cfg.optimizer, cfg.train.steps)
+    schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    abstract_opt = jax.eval_shape(tx.init, param_shapes)
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, abstract_opt, param_shardings,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, NamedSharding))
+    state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+    batch_sharding = sharding.named_sharding(BATCH_AXES, rules, mesh)
+
+    def init() -> TrainState:
+        params = nnx.to_pure_dict(nnx.state(make_model(), nnx.Param))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    def loss_and_grads(params, micro):
+        def loss_sum(p):
+            model = models.merge(graphdef, abstract_params, p)
+            logits = model(micro["inputs"], positions=micro["positions"],
+                           segment_ids=micro["segment_ids"])
+            return cross_entropy(logits, micro["targets"], micro["loss_mask"])
+        (total, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
+        return total, count, grads
+
+    def step(state: TrainState, batch: dict):
+        n = cfg.train.microbatches
+        if n == 1:
+            total, count, grads = loss_and_grads(state.params, batch)
+        else:
+            def accumulate(carry, micro):
+                micro = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), micro)
+                total, count, grads = loss_and_grads(state.params, micro)
+                acc_total, acc_count, acc_grads = carry
+                return (acc_total + total, acc_count + count,
+                        jax.tree.map(jnp.add, acc_grads, grads)), None
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+            init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
+            (total, count, grads), _ = jax.lax.scan(accumulate, init, split_microbatches(batch, n))
+        denom = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": total / denom, "grad_norm": optax.global_norm(grads),
+                   "lr": schedule(state.step), "tokens": count}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return TrainProgram(
+        graphdef=graphdef, abstract_params=abstract_params, param_axes=param_axes,
+        state_shardings=state_shardings, batch_sharding=batch_sharding,
+        init=jax.jit(init, out_shardings=state_shardings),
+        step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+                     out_shardings=(state_shardings, replicated), donate_argnums=0),
+        optimizer=tx)
+
+
+def batch_to_device(batch: dict, batch_sharding: NamedSharding) -> dict:
+    """This process's numpy rows -> global jax.Arrays sharded on the batch axes."""
+    return {k: jax.make_array_from_process_local_data(batch_sharding, batch[k]) for k in BATCH_KEYS}
+
+
+def abstract_batch(cfg: Config, batch_sharding: NamedSharding) -> dict:
+    """ShapeDtypeStructs of one global batch (for AOT compiles)."""
+    shape = (cfg.train.global_batch_size, cfg.train.seq_len)
+    dtypes = {"loss_mask": jnp.float32}
+    return {k: jax.ShapeDtypeStruct(shape, dtypes.get(k, jnp.int32), sharding=batch_sharding)
+            for k in BATCH_KEYS}

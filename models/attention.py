@@ -1,0 +1,69 @@
+"""The model's one attention entry point.
+
+`attend` takes projected q/k/v `[batch, seq, heads, head_dim]` (k/v may have
+fewer heads: GQA/MQA) and dispatches on `impl`:
+- "xla": plain jnp (scores materialised; fine at CPU/test sizes),
+- "pallas": the Pallas flash kernel, run inside `shard_map` over the batch and
+  head mesh axes (Mosaic/Triton kernels cannot be partitioned by XLA).
+`resolve_impl("auto")` picks pallas on GPU/TPU and xla on CPU by backend.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def resolve_impl(impl: str, platform: str | None = None) -> str:
+    if impl != "auto":
+        return impl
+    platform = platform or jax.default_backend()
+    return "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "xla"
+
+
+def attention_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, *, causal: bool,
+                   sliding_window: int | None = None) -> jax.Array:
+    """Boolean `[batch, q_len, kv_len]`: same segment (and causal / in window)."""
+    mask = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+    q_pos = jnp.arange(q_segment_ids.shape[1])[:, None]
+    k_pos = jnp.arange(kv_segment_ids.shape[1])[None, :]
+    if causal:
+        mask &= (k_pos <= q_pos)[None]
+    if sliding_window is not None:
+        mask &= (q_pos - k_pos < sliding_window)[None]
+        if not causal:
+            mask &= (k_pos - q_pos < sliding_window)[None]
+    return mask
+
+
+def xla_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None,
+                  softmax_scale=None):
+    """Reference-quality attention in XLA ops: f32 softmax, GQA without repeating K/V."""
+    b, s, h, d = q.shape
+    kv_heads = k.shape[2]
+    groups = h // kv_heads
+    scale = softmax_scale if softmax_scale is not None else d ** -0.5
+    qg = q.reshape(b, s, kv_heads, groups, d)
+    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale
+    if segment_ids is None:
+        segment_ids = jnp.ones((b, s), jnp.int32)
+    mask = attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
+    return out.reshape(b, s, h, d)
+
+
+def attend(q, k, v, *, segment_ids=None, causal=True, impl="xla", sliding_window=None):
+    """Dispatch to one attention implementation (see module docstring)."""
+    impl = resolve_impl(impl)
+    if impl == "xla":
+        return xla_attention(q, k, v, segment_ids=segment_ids, causal=causal,
+                             sliding_window=sliding_window)
+    if impl == "pallas":
+        return _pallas_attention(q, k, v, segment_ids=segment_ids, causal=causal,
+                                 sliding_window=sliding_window)
+    raise ValueError(f"attention impl={impl!r}: expected one of auto, xla, pallas")
+
+
+def _pallas_attention(q, k, v, *, segment_ids, causal, sliding_window):
+    raise NotImplementedError("attention_impl='pallas' lands with the flash attention kernel")

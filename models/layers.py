@@ -1,0 +1,99 @@
+"""Transformer building blocks (Flax NNX). Every parameter names its dims with
+logical axes (stored as `out_sharding` metadata, resolved by `sharding.rules`);
+activations are hinted with `sharding.constrain` at layer boundaries. No mesh
+axis name appears here."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention import attend
+from models.config import ModelConfig
+from sharding import constrain
+
+
+def param(rngs: nnx.Rngs, shape, logical_axes, *, std: float | None, dtype) -> nnx.Param:
+    """A parameter with logical axis names; std None means ones (norm scales)."""
+    value = (jnp.ones(shape, dtype) if std is None
+             else std * jax.random.normal(rngs.params(), shape, dtype))
+    # eager_sharding=False: we resolve names ourselves with sharding.rules, so the
+    # same names work with or without a mesh and with any rule table.
+    return nnx.Param(value, sharding_names=tuple(logical_axes), eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.scale = param(rngs, (cfg.d_model,), ("norm",), std=None, dtype=cfg.param_dtype)
+        self.eps = cfg.norm_eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, Llama "rotate half" convention. x: [b, s, h, d], positions [b, s]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles = positions[..., None].astype(jnp.float32) * inv_freq      # [b, s, d/2]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, hd = cfg.d_model, cfg.resolved_head_dim
+        p = lambda shape, axes, std: param(rngs, shape, axes, std=std, dtype=cfg.param_dtype)
+        self.wq = p((d, cfg.n_heads, hd), ("embed", "heads", "head_dim"), cfg.init_std)
+        self.wk = p((d, cfg.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        self.wv = p((d, cfg.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        self.wo = p((cfg.n_heads, hd, d), ("heads", "head_dim", "embed"),
+                    cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        self.cfg = cfg
+
+    def __call__(self, x, positions, segment_ids):
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.compute_dtype)
+        q = jnp.einsum("bsd,dhk->bshk", x, self.wq[...].astype(dt))
+        k = jnp.einsum("bsd,dhk->bshk", x, self.wk[...].astype(dt))
+        v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...].astype(dt))
+        q = constrain(rope(q, positions, cfg.rope_theta), ("batch", "seq", "act_heads", None))
+        k = constrain(rope(k, positions, cfg.rope_theta), ("batch", "seq", "act_kv_heads", None))
+        v = constrain(v, ("batch", "seq", "act_kv_heads", None))
+        out = attend(q, k, v, segment_ids=segment_ids, causal=True, impl=cfg.attention_impl)
+        out = constrain(out, ("batch", "seq", "act_heads", None))
+        return jnp.einsum("bshk,hkd->bsd", out, self.wo[...].astype(dt))
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward."""
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.mlp_dim
+        p = lambda shape, axes, std: param(rngs, shape, axes, std=std, dtype=cfg.param_dtype)
+        self.w_gate = p((d, f), ("embed", "mlp"), cfg.init_std)
+        self.w_up = p((d, f), ("embed", "mlp"), cfg.init_std)
+        self.w_down = p((f, d), ("mlp", "embed"), cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        self.dtype = jnp.dtype(cfg.compute_dtype)
+
+    def __call__(self, x):
+        dt = self.dtype
+        h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
+        h = constrain(h, ("batch", "seq", "act_mlp"))
+        return h @ self.w_down[...].astype(dt)
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x, positions, segment_ids):
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ("batch", "seq", "act_embed"))

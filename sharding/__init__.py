@@ -1,0 +1,37 @@
+"""Meshes and logical-axis sharding rules, usable by any JAX project.
+
+Imports only jax and numpy: `from sharding import rules` must not pull in flax,
+optax or the trainer (tests check this in a fresh interpreter).
+
+Mesh axes are **Auto** (classic GSPMD/Shardy propagation): parameters and a few
+activation hints carry shardings and XLA partitions the rest. We chose Auto over
+Explicit ("sharding in types") on purpose: model code stays free of
+`out_sharding=` arguments on every contraction, Pallas kernels run under
+`shard_map` either way, and `with_sharding_constraint` hints at layer
+boundaries are enough for XLA to pick the collectives we want. See README.
+"""
+from sharding.mesh import MESH_AXES, make_mesh, mesh_shape_from_sizes
+from sharding.rules import (
+    DATA_PARALLEL,
+    DEFAULT_RULES,
+    FSDP,
+    FSDP_TENSOR,
+    PRESETS,
+    AxisRules,
+    axis_rules,
+    constrain,
+    current_rules,
+    logical_to_spec,
+    named_sharding,
+    parameter_table,
+    format_parameter_table,
+    tree_shardings,
+    tree_specs,
+)
+
+__all__ = [
+    "MESH_AXES", "make_mesh", "mesh_shape_from_sizes",
+    "DATA_PARALLEL", "DEFAULT_RULES", "FSDP", "FSDP_TENSOR", "PRESETS", "AxisRules",
+    "axis_rules", "constrain", "current_rules", "logical_to_spec", "named_sharding",
+    "parameter_table", "format_parameter_table", "tree_shardings", "tree_specs",
+]

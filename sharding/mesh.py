@@ -1,0 +1,87 @@
+"""Build a named device mesh from per-axis sizes.
+
+Axis order is fixed (outermost first): data, stage, fsdp, context, expert,
+tensor. The innermost axes get the closest devices (on TPU, neighbours on the
+ICI torus via `mesh_utils`), so tensor parallelism, the most communication
+hungry, sits on the fastest links; data parallelism, which only all-reduces
+gradients once per step, sits outermost (and across slices/hosts via DCN).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "context", "expert", "tensor")
+
+
+def mesh_shape_from_sizes(axis_sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
+    """Resolve sizes (one may be -1: fill the rest) into a full {axis: size} dict.
+
+    Missing axes default to 1. Raises ValueError naming the axis and value when
+    an axis is unknown, a size is invalid, or the product does not equal
+    `num_devices`.
+    """
+    unknown = [a for a in axis_sizes if a not in MESH_AXES]
+    if unknown:
+        raise ValueError(f"mesh axis {unknown[0]!r} is unknown; expected one of {MESH_AXES}")
+    sizes = {a: int(axis_sizes.get(a, 1)) for a in MESH_AXES}
+    fill = [a for a, s in sizes.items() if s == -1]
+    if len(fill) > 1:
+        raise ValueError(f"mesh axes {fill} are all -1; at most one axis may fill the rest")
+    for a, s in sizes.items():
+        if s == 0 or s < -1:
+            raise ValueError(f"mesh.{a}={s}: expected a positive size or -1 (fill the remaining devices)")
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if fill:
+        if num_devices % known:
+            raise ValueError(
+                f"mesh.{fill[0]}=-1: the other axes multiply to {known}, which does not divide "
+                f"the {num_devices} devices")
+        sizes[fill[0]] = num_devices // known
+    product = math.prod(sizes.values())
+    if product != num_devices:
+        shape = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all 1"
+        raise ValueError(
+            f"mesh product {product} ({shape}) does not equal the device count {num_devices}")
+    return sizes
+
+
+def make_mesh(axis_sizes: Mapping[str, int], devices: Sequence[jax.Device] | None = None,
+              *, dcn_axis_sizes: Mapping[str, int] | None = None) -> Mesh:
+    """Make a `Mesh` with all of MESH_AXES (size-1 ones included) and Auto axis types.
+
+    `axis_sizes` are per-slice (ICI) degrees; `dcn_axis_sizes` multiply them
+    across slices / hosts (multi-slice TPU, multi-node GPU). Device order comes
+    from `mesh_utils` (torus-aware on TPU), falling back to plain order where
+    it has no opinion (CPU, compile-only devices it does not know).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    dcn = {a: int(s) for a, s in (dcn_axis_sizes or {}).items()}
+    n_slices = math.prod(dcn.values()) if dcn else 1
+    if len(devices) % n_slices:
+        raise ValueError(f"dcn axis sizes {dcn} (product {n_slices}) do not divide {len(devices)} devices")
+    ici = mesh_shape_from_sizes(axis_sizes, len(devices) // n_slices)
+    ici_shape = tuple(ici[a] for a in MESH_AXES)
+    if n_slices > 1:
+        dcn_full = mesh_shape_from_sizes(dcn, n_slices)
+        dcn_shape = tuple(dcn_full[a] for a in MESH_AXES)
+        try:
+            grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices,
+                                                        allow_split_physical_axes=True)
+        except Exception:  # devices without slice/process structure mesh_utils understands
+            grid = _plain_grid(devices, tuple(i * d for i, d in zip(ici_shape, dcn_shape)))
+    else:
+        try:
+            grid = mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
+        except Exception:  # e.g. CPU or GPU counts mesh_utils has no physical layout for
+            grid = _plain_grid(devices, ici_shape)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _plain_grid(devices: Sequence[jax.Device], shape: tuple[int, ...]) -> np.ndarray:
+    return np.asarray(devices, dtype=object).reshape(shape)

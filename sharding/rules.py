@@ -1,0 +1,228 @@
+"""Logical axis names -> mesh axes, as data.
+
+Models name every parameter and activation dimension with a *logical* axis
+("embed", "mlp", "batch", ...). An ordered rule table maps each logical name to
+mesh axes; changing a parallelism plan is editing that table, not model code.
+
+Resolution for one array (`logical_to_spec`): for each dimension, the rules
+whose logical name matches are tried in order; from a rule's mesh axes we drop
+those of size 1 (or missing from the mesh), those already used by an earlier
+dimension of the same array, and -- when the shape is known -- those whose size
+does not divide the dimension. The first rule with any axes left wins. So one
+table serves every mesh: with `tensor=1` all tensor rules simply drop out.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MeshAxes = str | tuple[str, ...] | None
+AxisRules = tuple[tuple[str, MeshAxes], ...]
+LogicalAxes = tuple[str | None, ...]
+
+# Activation names carry an `act_` prefix where the parameter dimension of the
+# same meaning is sharded differently: parameters are stored FSDP-sharded on
+# `embed` (ZeRO-3), while activations keep `act_embed` whole and are sharded on
+# `batch` instead.
+_ACTIVATIONS: AxisRules = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("seq", ("context",)),
+    ("act_embed", None),
+    ("act_heads", ("tensor",)),
+    ("act_kv_heads", ("tensor",)),
+    ("act_mlp", ("tensor",)),
+    ("act_vocab", ("tensor",)),
+)
+
+#: Pure data parallelism: parameters and optimizer state replicated, batch
+#: split over every data-like axis (data, fsdp).
+DATA_PARALLEL: AxisRules = _ACTIVATIONS
+
+#: FSDP / ZeRO-3: parameters and optimizer state sharded over `fsdp` on their
+#: embed dimension (all-gathered in the forward pass, gradients
+#: reduce-scattered), batch over data x fsdp.
+FSDP: AxisRules = _ACTIVATIONS + (
+    ("embed", ("fsdp",)),
+)
+
+#: FSDP + Megatron tensor parallelism: heads / mlp / vocab dims over `tensor`.
+FSDP_TENSOR: AxisRules = FSDP + (
+    ("vocab", ("tensor",)),
+    ("heads", ("tensor",)),
+    ("kv_heads", ("tensor",)),
+    ("mlp", ("tensor",)),
+    ("layers", ("stage",)),
+    ("expert", ("expert",)),
+)
+
+DEFAULT_RULES: AxisRules = FSDP_TENSOR
+PRESETS: dict[str, AxisRules] = {
+    "data_parallel": DATA_PARALLEL,
+    "fsdp": FSDP,
+    "fsdp_tensor": FSDP_TENSOR,
+}
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _validate_rules(rules: AxisRules) -> None:
+    for i, rule in enumerate(rules):
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise ValueError(f"rules[{i}]={rule!r}: expected a (logical_name, mesh_axes) pair")
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules: AxisRules,
+                    mesh: Mesh | jax.sharding.AbstractMesh,
+                    shape: Sequence[int] | None = None) -> PartitionSpec:
+    """The PartitionSpec for one array whose dims carry `logical_axes` names.
+
+    `None` in `logical_axes` means "never sharded". See the module docstring for
+    the resolution order.
+    """
+    _validate_rules(rules)
+    if shape is not None and len(shape) != len(logical_axes):
+        raise ValueError(
+            f"logical_axes {tuple(logical_axes)} has {len(logical_axes)} names but the array "
+            f"has shape {tuple(shape)}")
+    sizes = dict(mesh.shape)
+    used: set[str] = set()
+    spec: list[MeshAxes] = []
+    for dim, name in enumerate(logical_axes):
+        chosen: tuple[str, ...] = ()
+        if name is not None:
+            for rule_name, rule_axes in rules:
+                if rule_name != name:
+                    continue
+                axes = [a for a in _as_tuple(rule_axes) if sizes.get(a, 1) > 1 and a not in used]
+                if shape is not None:
+                    kept, prod = [], 1
+                    for a in axes:
+                        if shape[dim] % (prod * sizes[a]) == 0:
+                            kept.append(a)
+                            prod *= sizes[a]
+                    axes = kept
+                if axes:
+                    chosen = tuple(axes)
+                    break
+        used.update(chosen)
+        spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return PartitionSpec(*spec)
+
+
+def named_sharding(logical_axes: Sequence[str | None], rules: AxisRules, mesh: Mesh,
+                   shape: Sequence[int] | None = None) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh, shape))
+
+
+def _is_axes_leaf(x: Any) -> bool:
+    return x is None or (isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x))
+
+
+def tree_specs(logical_tree: Any, rules: AxisRules, mesh: Mesh, shapes: Any = None) -> Any:
+    """Map a pytree whose leaves are logical-axes tuples to PartitionSpecs.
+
+    `shapes`, if given, is a matching pytree of arrays / ShapeDtypeStructs; it
+    lets non-dividing mesh axes drop out per array.
+    """
+    if shapes is None:
+        return jax.tree.map(lambda ax: logical_to_spec(ax or (), rules, mesh), logical_tree,
+                            is_leaf=_is_axes_leaf)
+    return jax.tree.map(lambda ax, x: logical_to_spec(ax or (), rules, mesh, np.shape(x)),
+                        logical_tree, shapes, is_leaf=_is_axes_leaf)
+
+
+def tree_shardings(logical_tree: Any, rules: AxisRules, mesh: Mesh, shapes: Any = None) -> Any:
+    """Like `tree_specs`, but returns NamedShardings on `mesh`."""
+    specs = tree_specs(logical_tree, rules, mesh, shapes)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+# --- activation constraints -------------------------------------------------
+
+_RULES: contextvars.ContextVar[AxisRules | None] = contextvars.ContextVar("axis_rules", default=None)
+
+
+@contextlib.contextmanager
+def axis_rules(rules: AxisRules) -> Iterator[AxisRules]:
+    """Make `rules` the table `constrain` uses (together with `jax.set_mesh`)."""
+    _validate_rules(rules)
+    token = _RULES.set(tuple(rules))
+    try:
+        yield rules
+    finally:
+        _RULES.reset(token)
+
+
+def current_rules() -> AxisRules | None:
+    return _RULES.get()
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Hint XLA that activation `x` is laid out by `logical_axes`.
+
+    A no-op unless a mesh is set (`jax.set_mesh`) and rules are active
+    (`axis_rules`), so models stay runnable as plain single-device code.
+    """
+    rules = _RULES.get()
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty:
+        return x
+    if x.ndim != len(logical_axes):
+        raise ValueError(f"constrain: array of shape {x.shape} given logical_axes {tuple(logical_axes)}")
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, rules, mesh, x.shape))
+
+
+# --- a table for humans -------------------------------------------------------
+
+def _path_str(path: tuple) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def parameter_table(params: Any, logical_tree: Any, rules: AxisRules, mesh: Mesh) -> list[dict]:
+    """One row per parameter: name, shape, dtype, logical axes, spec, bytes per device."""
+    sizes = dict(mesh.shape)
+    flat_params, _ = jax.tree_util.tree_flatten_with_path(params)
+    flat_axes = jax.tree.leaves(logical_tree, is_leaf=_is_axes_leaf)
+    if len(flat_params) != len(flat_axes):
+        raise ValueError(f"params has {len(flat_params)} leaves but logical_tree has {len(flat_axes)}")
+    rows = []
+    for (path, x), axes in zip(flat_params, flat_axes):
+        shape = tuple(np.shape(x))
+        spec = logical_to_spec(axes or (), rules, mesh, shape)
+        local = list(shape)
+        for dim, entry in enumerate(spec):
+            n = math.prod(sizes[a] for a in _as_tuple(entry))
+            local[dim] = -(-shape[dim] // n)
+        itemsize = np.dtype(x.dtype).itemsize
+        rows.append(dict(name=_path_str(path), shape=shape, dtype=str(np.dtype(x.dtype)),
+                         logical_axes=tuple(axes or ()), spec=spec,
+                         bytes_per_device=math.prod(local) * itemsize,
+                         bytes_total=math.prod(shape) * itemsize))
+    return rows
+
+
+def format_parameter_table(rows: list[dict]) -> str:
+    """Render `parameter_table` rows as aligned text, with a total line."""
+    head = ("name", "shape", "logical axes", "spec", "MiB/device")
+    body = [(r["name"], "x".join(map(str, r["shape"])) or "scalar",
+             ",".join(a or "-" for a in r["logical_axes"]), str(tuple(r["spec"])),
+             f"{r['bytes_per_device'] / 2**20:.3f}") for r in rows]
+    total = sum(r["bytes_per_device"] for r in rows)
+    body.append(("total", "", "", "", f"{total / 2**20:.3f}"))
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+    fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+    return "\n".join([fmt(head), fmt(tuple("-" * w for w in widths)), *map(fmt, body)])
