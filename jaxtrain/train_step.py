@@ -40,6 +40,7 @@ class TrainProgram:
     batch_sharding: NamedSharding
     init: Callable[[], TrainState]   # jitted; creates the state already sharded
     step: Callable                   # jitted (state, batch) -> (state, metrics); state donated
+    loss_and_grads: Callable         # jitted (params, batch) -> (loss, tokens, grads); for tests/tools
     optimizer: optax.GradientTransformation
 
 
@@ -81,7 +82,7 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
         params = nnx.to_pure_dict(nnx.state(make_model(), nnx.Param))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-    def loss_and_grads(params, micro):
+    def micro_loss_and_grads(params, micro):
         def loss_sum(p):
             model = models.merge(graphdef, abstract_params, p)
             logits = model(micro["inputs"], positions=micro["positions"],
@@ -90,25 +91,32 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
         (total, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
         return total, count, grads
 
-    def step(state: TrainState, batch: dict):
+    def loss_and_grads(params, batch):
+        """Mean loss over counted tokens, their number, and the mean-loss gradients,
+        accumulated over `train.microbatches` (sums first, one division at the end,
+        so the result does not depend on how the batch is split)."""
         n = cfg.train.microbatches
         if n == 1:
-            total, count, grads = loss_and_grads(state.params, batch)
+            total, count, grads = micro_loss_and_grads(params, batch)
         else:
             def accumulate(carry, micro):
                 micro = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), micro)
-                total, count, grads = loss_and_grads(state.params, micro)
+                total, count, grads = micro_loss_and_grads(params, micro)
                 acc_total, acc_count, acc_grads = carry
                 return (acc_total + total, acc_count + count,
                         jax.tree.map(jnp.add, acc_grads, grads)), None
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
             (total, count, grads), _ = jax.lax.scan(accumulate, init, split_microbatches(batch, n))
         denom = jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, state.params)
+        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
+        return total / denom, count, grads
+
+    def step(state: TrainState, batch: dict):
+        loss, count, grads = loss_and_grads(state.params, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": total / denom, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state.step), "tokens": count}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
@@ -118,6 +126,8 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
         init=jax.jit(init, out_shardings=state_shardings),
         step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, replicated), donate_argnums=0),
+        loss_and_grads=jax.jit(loss_and_grads, in_shardings=(param_shardings, batch_sharding),
+                               out_shardings=(replicated, replicated, param_shardings)),
         optimizer=tx)
 
 

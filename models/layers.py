@@ -19,7 +19,7 @@ def param(rngs: nnx.Rngs, shape, logical_axes, *, std: float | None, dtype) -> n
              else std * jax.random.normal(rngs.params(), shape, dtype))
     # eager_sharding=False: we resolve names ourselves with sharding.rules, so the
     # same names work with or without a mesh and with any rule table.
-    return nnx.Param(value, sharding_names=tuple(logical_axes), eager_sharding=False)
+    return nnx.Param(value, out_sharding=tuple(logical_axes), eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):

@@ -1,0 +1,117 @@
+"""The NNX transformer against an independent naive jnp Llama (tests/reference_llama.py)."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import models
+from tests.reference_llama import forward as reference_forward
+
+SMALL = models.ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                           mlp_dim=96, rope_theta=500.0)
+F32_TOL = dict(rtol=2e-5, atol=2e-5)   # f32, different op order than the reference
+
+
+def build(cfg, seed=0):
+    model = models.Transformer(cfg, rngs=nnx.Rngs(seed))
+    return model, nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def tokens(b=2, s=24, vocab=97, seed=1):
+    return jax.random.randint(jax.random.key(seed), (b, s), 0, vocab)
+
+
+@pytest.mark.parametrize("kv_heads,tie", [(4, False), (2, True), (1, False)],
+                         ids=["mha", "gqa-tied", "mqa"])
+def test_logits_match_reference(kv_heads, tie):
+    cfg = dataclasses.replace(SMALL, n_kv_heads=kv_heads, tie_embeddings=tie)
+    model, params = build(cfg)
+    tok = tokens()
+    np.testing.assert_allclose(model(tok), reference_forward(params, tok, cfg), **F32_TOL)
+
+
+def test_param_count_matches_built_model():
+    for cfg in (SMALL, dataclasses.replace(SMALL, tie_embeddings=True, head_dim=8)):
+        _, params = build(cfg)
+        assert sum(x.size for x in jax.tree.leaves(params)) == cfg.param_count()
+
+
+def test_causal_future_tokens_do_not_change_past_logits():
+    model, _ = build(SMALL)
+    tok = tokens(b=1, s=16)
+    changed = tok.at[:, 10:].set((tok[:, 10:] + 1) % SMALL.vocab_size)
+    a, b = model(tok), model(changed)
+    np.testing.assert_allclose(a[:, :10], b[:, :10], **F32_TOL)
+    assert not np.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_packed_segments_equal_separate_documents():
+    """Two documents packed in one row (segment ids, positions restarting) give the
+    same logits as each document alone."""
+    model, _ = build(SMALL)
+    doc_a, doc_b = tokens(b=1, s=10, seed=2), tokens(b=1, s=14, seed=3)
+    packed = jnp.concatenate([doc_a, doc_b], axis=1)
+    seg = jnp.array([[1] * 10 + [2] * 14])
+    pos = jnp.array([list(range(10)) + list(range(14))])
+    out = model(packed, positions=pos, segment_ids=seg)
+    np.testing.assert_allclose(out[:, :10], model(doc_a), **F32_TOL)
+    np.testing.assert_allclose(out[:, 10:], model(doc_b), **F32_TOL)
+
+
+def test_remat_and_unrolled_layers_change_nothing():
+    tok = tokens()
+    _, params = build(SMALL)
+
+    def loss_and_grad(cfg):
+        model, _ = build(cfg)
+        gd, state = nnx.split(model)
+
+        def loss(p):
+            return jnp.mean(models.merge(gd, state, p)(tok) ** 2)
+        return jax.value_and_grad(loss)(params)
+
+    base_loss, base_grads = loss_and_grad(SMALL)
+    for variant in (dict(remat="full"), dict(remat="save_matmuls"), dict(scan_layers=False)):
+        loss, grads = loss_and_grad(dataclasses.replace(SMALL, **variant))
+        np.testing.assert_allclose(loss, base_loss, rtol=1e-6)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                     grads, base_grads)
+
+
+def test_bf16_compute_close_to_f32():
+    model32, params = build(SMALL)
+    model16, _ = build(dataclasses.replace(SMALL, compute_dtype="bfloat16"))
+    tok = tokens()
+    out16 = model16(tok)
+    assert out16.dtype == jnp.bfloat16
+    # bf16 has an 8-bit mantissa: 2e-2 relative to the logit scale.
+    scale = float(jnp.max(jnp.abs(model32(tok))))
+    assert float(jnp.max(jnp.abs(out16.astype(jnp.float32) - model32(tok)))) <= 2e-2 * scale
+
+
+def test_every_parameter_has_logical_axes():
+    _, state = models.abstract_model(lambda: models.Transformer(SMALL, rngs=nnx.Rngs(0)))
+    axes = models.logical_axes(state)
+    shapes = nnx.to_pure_dict(state)
+    flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+    flat_shapes = jax.tree.leaves(shapes)
+    assert len(flat_axes) == len(flat_shapes)
+    for ax, x in zip(flat_axes, flat_shapes):
+        assert len(ax) == len(x.shape) and all(isinstance(a, str) for a in ax)
+    assert axes["blocks"]["attn"]["wq"] == ("layers", "embed", "heads", "head_dim")
+
+
+@pytest.mark.parametrize("field,value", [("n_kv_heads", 3), ("d_model", 66), ("remat", "some"),
+                                         ("attention_impl", "cuda"), ("compute_dtype", "int8")])
+def test_bad_model_config_names_the_key(field, value):
+    with pytest.raises(ValueError, match=f"model.{field}" if field != "d_model" else "model.d_model"):
+        dataclasses.replace(SMALL, **{field: value}).validate()
+
+
+def test_tokens_must_be_2d():
+    model, _ = build(SMALL)
+    with pytest.raises(ValueError, match="tokens"):
+        model(jnp.zeros((4,), jnp.int32))
