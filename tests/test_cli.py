@@ -1,0 +1,71 @@
+"""The CLI end to end (subprocess, as a user runs it) and its error contract:
+exit code 2 and one line naming key, value and expectation, before any compile."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxtrain.cli import main
+from tests.conftest import REPO
+
+TINY = os.path.join(REPO, "configs", "tiny.yaml")
+
+
+def run_cli(*args, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # the CLI picks the count
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "jaxtrain", *args], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=600)
+
+
+def test_train_end_to_end_on_a_sharded_mesh(tmp_path):
+    out = run_cli("train", TINY, f"output_dir={tmp_path}", "train.steps=4", "logging.every=2",
+                  "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]
+    for r in records:
+        assert {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_second", "mfu"} <= set(r)
+        assert r["tokens_per_second"] > 0 and 0 < r["mfu"] < 1
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tensorboard").iterdir())
+    assert (tmp_path / "config.yaml").is_file()
+    assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in out.stderr
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["nope=1"], "nope: unknown key"),
+    (["model.n_layerz=2"], "model.n_layerz: unknown key"),
+    (["train.steps=many"], "train.steps='many': expected an integer"),
+    (["model.n_kv_heads=3"], "model.n_kv_heads=3: expected a divisor of model.n_heads=4"),
+    (["mesh.tensor=4", "model.n_kv_heads=2"], "model.n_kv_heads=2: expected a multiple of mesh.tensor=4"),
+    (["mesh.tensor=8"], "model.n_heads=4: expected a multiple of mesh.tensor=8"),
+    (["train.seq_len=0"], "train.seq_len=0: expected a positive integer"),
+    (["mesh.data=8", "train.global_batch_size=12"], "train.global_batch_size=12: expected a multiple of"),
+    (["mesh.data=2", "train.microbatches=3", "train.global_batch_size=8"], "train.global_batch_size=8"),
+    (["mesh.data=3"], "mesh: product 3 (data=3) does not equal the device count 8"),
+    (["mesh.data=8", "data.source=text", "data.paths=[/nonexistent/file.txt]"], "/nonexistent/file.txt"),
+    (["mesh.data=8", "data.source=text", "data.paths=[" + os.path.join(REPO, "README.md") + "]",
+      "model.vocab_size=100"], "model.vocab_size"),
+])
+def test_config_errors_exit_2_with_one_line(capsys, overrides, expected):
+    # In-process: the test process already has 8 CPU devices, so "mesh product != device
+    # count" is reachable; a compile would take seconds, these return at once.
+    code = main(["train", TINY, "logging.progress=false", *overrides])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("jaxtrain: error: "), err
+    assert expected in err[0], err[0]
+
+
+def test_subprocess_config_error_is_one_line_and_fast():
+    out = run_cli("train", TINY, "model.n_kv_heads=3")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "jaxtrain: error: model.n_kv_heads=3: expected a divisor of model.n_heads=4"]
+
+
+def test_missing_config_file():
+    out = run_cli("train", "no/such.yaml")
+    assert out.returncode == 2 and "no/such.yaml" in out.stderr
