@@ -1,0 +1,84 @@
+"""Training throughput of configs/bench-peer.yaml, optionally side by side with MaxText.
+
+    python benchmarks/throughput.py [--steps 30] [--peer] [--dtypes float32,bfloat16]
+
+Runs the peer model (see the config) on 8 simulated CPU devices (fsdp=8) in each
+compute dtype, one run at a time, and prints the median step time over steps
+3..N-1, tokens/s and MFU (against the matmul peak measured in the same
+process). With --peer it then runs ../shared/bench/maxtext_peer.sh with the
+same model and prints our/peer ratios (>1 means jaxtrain is faster).
+Nothing else may run on the machine meanwhile: this is a timing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PEER = REPO.parent / "shared" / "bench" / "maxtext_peer.sh"
+
+
+def run_ours(dtype: str, steps: int, extra: list[str]) -> dict:
+    out = tempfile.mkdtemp(prefix=f"bench-{dtype}-")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "jaxtrain", "train", str(REPO / "configs" / "bench-peer.yaml"),
+           f"output_dir={out}", f"train.steps={steps}", f"model.compute_dtype={dtype}", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    if proc.returncode:
+        sys.exit(f"jaxtrain run failed:\n{proc.stderr[-3000:]}")
+    records = [json.loads(l) for l in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in records if 3 <= r["step"] <= steps - 1]
+    step_time = statistics.median(r["step_time_s"] for r in timed)
+    mfu = statistics.median(r["mfu"] for r in timed)
+    peak = re.search(r"peak=(\S+) FLOP/s", proc.stderr)
+    return {"step_time_s": step_time, "tokens_per_second": 4096 / step_time, "mfu": mfu,
+            "final_loss": records[-1]["loss"], "peak": peak.group(1) if peak else "?"}
+
+
+def run_peer(dtype: str, steps: int) -> dict:
+    proc = subprocess.run(["bash", str(PEER), "8", dtype, str(steps)], capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"peer run failed:\n{proc.stderr[-3000:]}")
+    last = proc.stdout.strip().splitlines()[-1]
+    fields = dict(kv.split("=") for kv in last.split()[1:])
+    return {"step_time_s": float(fields["step_time_s"]),
+            "tokens_per_second": float(fields["tokens_per_second"])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--peer", action="store_true", help="also run MaxText (../shared/bench/maxtext_peer.sh)")
+    ap.add_argument("overrides", nargs="*", help="extra jaxtrain overrides, e.g. model.remat=none")
+    args = ap.parse_args()
+    rows = []
+    for dtype in args.dtypes.split(","):
+        ours = run_ours(dtype, args.steps, args.overrides)
+        row = {"dtype": dtype, **ours}
+        if args.peer:
+            peer = run_peer(dtype, args.steps)
+            row.update(peer_step_time_s=peer["step_time_s"], peer_tokens_per_second=peer["tokens_per_second"],
+                       ratio=peer["step_time_s"] / ours["step_time_s"])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print("\n| compute dtype | jaxtrain s/step | jaxtrain tokens/s | MFU (vs measured matmul peak) |"
+          + (" MaxText s/step | MaxText tokens/s | ratio (MaxText time / ours) |" if args.peer else ""))
+    print("|---|---|---|---|" + ("---|---|---|" if args.peer else ""))
+    for r in rows:
+        line = (f"| {r['dtype']} | {r['step_time_s']:.2f} | {r['tokens_per_second']:.0f} | "
+                f"{100 * r['mfu']:.1f}% (peak {r['peak']} FLOP/s) |")
+        if args.peer:
+            line += f" {r['peer_step_time_s']:.2f} | {r['peer_tokens_per_second']:.0f} | {r['ratio']:.2f} |"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
