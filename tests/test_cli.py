@@ -85,3 +85,13 @@ def test_text_demo_config_trains_on_local_files(tmp_path):
     assert len(losses) == 3 and all(l == l for l in losses)   # finite
     # untrained model: loss near log(vocab) over the counted tokens
     assert abs(losses[0] - __import__("math").log(cfg.model.vocab_size)) < 0.5
+
+
+def test_configure_host_pins_cpu_and_sets_device_count():
+    code = ("from jaxtrain.platform import configure_host; configure_host(4); import jax; "
+            "print(jax.default_backend(), jax.device_count())")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["cpu", "4"]
+    assert "cuDNN" not in out.stderr   # the CUDA plugin did not try to start
