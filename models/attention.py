@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import sharding
+
 
 def resolve_impl(impl: str, platform: str | None = None) -> str:
     if impl != "auto":
@@ -65,5 +67,24 @@ def attend(q, k, v, *, segment_ids=None, causal=True, impl="xla", sliding_window
     raise ValueError(f"attention impl={impl!r}: expected one of auto, xla, pallas")
 
 
+def _mesh_axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _pallas_attention(q, k, v, *, segment_ids, causal, sliding_window):
-    raise NotImplementedError("attention_impl='pallas' lands with the flash attention kernel")
+    """The flash kernel per shard: batch and heads split as the active rules split
+    the `batch` / `act_heads` activations, so no collective is needed around it."""
+    from pallas_kernels import sharded_flash_attention
+
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = sharding.current_rules()
+    if mesh.empty or rules is None:
+        return sharded_flash_attention(q, k, v, mesh=None, batch_axes=(), head_axes=(),
+                                       causal=causal, segment_ids=segment_ids,
+                                       sliding_window=sliding_window)
+    batch_spec = sharding.logical_to_spec(("batch",), rules, mesh, shape=q.shape[:1])
+    head_spec = sharding.logical_to_spec(("act_heads",), rules, mesh, shape=q.shape[2:3])
+    return sharded_flash_attention(
+        q, k, v, mesh=mesh, batch_axes=_mesh_axes(batch_spec[0] if batch_spec else None),
+        head_axes=_mesh_axes(head_spec[0] if head_spec else None), causal=causal,
+        segment_ids=segment_ids, sliding_window=sliding_window)

@@ -1,0 +1,20 @@
+"""Pallas kernels (Mosaic TPU / Triton / CPU interpret) with plain-jnp references.
+
+    from pallas_kernels import flash_attention, reference
+    out = flash_attention(q, k, v, causal=True)          # [batch, seq, heads, head_dim]
+    ref = reference.attention(q, k, v, causal=True)      # the oracle
+
+Imports only jax and numpy.
+"""
+
+from pallas_kernels import reference
+from pallas_kernels.flash_attention import BlockSizes, default_block_sizes, flash_attention
+from pallas_kernels.sharded import sharded_flash_attention
+
+__all__ = [
+    "BlockSizes",
+    "default_block_sizes",
+    "flash_attention",
+    "reference",
+    "sharded_flash_attention",
+]
