@@ -28,13 +28,20 @@ class MeshConfig:
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
-    context: int = 1   # reserved: ring / Ulysses attention
-    expert: int = 1    # reserved: expert parallelism
+    context: int = 1   # sequence shards: ring / Ulysses attention (model.context_impl)
+    expert: int = 1    # expert parallelism (MoE experts split over it; also a batch axis)
     stage: int = 1     # reserved: pipeline parallelism
     rules: str = "fsdp_tensor"   # sharding.PRESETS name: data_parallel | fsdp | fsdp_tensor
+    # DCN tier (across TPU slices / GPU hosts): these multiply the ICI degrees above,
+    # which then count devices per slice. See `jaxtrain compile --slices`.
+    dcn_data: int = 1
+    dcn_fsdp: int = 1
 
     def sizes(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in ("data", "stage", "fsdp", "context", "expert", "tensor")}
+
+    def dcn_sizes(self) -> dict[str, int]:
+        return {"data": self.dcn_data, "fsdp": self.dcn_fsdp}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,6 +50,7 @@ class TrainConfig:
     global_batch_size: int = 8
     seq_len: int = 64
     microbatches: int = 1       # gradient accumulation: the global batch is split into this many
+    init_from: str | None = None  # converted weights (`jaxtrain convert hf-to-ckpt`) to start from
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,10 +77,44 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """Reserved for the checkpointing work: `every: 0` means no checkpoints."""
+    """Orbax checkpoints of the whole run state (params, optimizer, step, data
+    position, fault-monitor state, resolved config); see jaxtrain/checkpoint.py."""
     dir: str | None = None           # default {output_dir}/checkpoints
-    every: int = 0
-    keep: int = 3
+    every: int = 0                   # save every N steps and at the last step; 0: never save
+    keep: int = 3                    # keep the newest K checkpoints ...
+    keep_every: int = 0              # ... plus, forever, every step that is a multiple of M (0: none)
+    resume: bool = True              # start from the newest complete checkpoint in `dir`, if any
+    async_save: bool = True          # write in the background; the loop waits only for the snapshot
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """Multi-controller runs (one process per host): jax.distributed.initialize.
+
+    With `coordinator_address` null, JAX's cluster auto-detection is used where
+    it applies (Cloud TPU pods, SLURM, Open MPI) and a single process otherwise.
+    """
+    coordinator_address: str | None = None   # host:port of process 0, e.g. 10.0.0.1:1234
+    num_processes: int | None = None
+    process_id: int | None = None
+    auto_detect: bool = True                 # TPU pod / SLURM / Open MPI environments
+    initialization_timeout: int = 300        # seconds to wait for every process to connect
+    heartbeat_timeout: int = 60              # a process silent this long is lost: the others exit non-zero
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FaultsConfig:
+    """Numerical faults: a non-finite loss/gradient (update skipped inside the step)
+    or a loss spike. `max_consecutive` faults in a row trigger `on_too_many`."""
+    skip_nonfinite: bool = True      # skip the update when loss or gradients are not finite
+    spike_factor: float | None = None  # a loss > spike_factor x running median is a fault (null: off)
+    spike_window: int = 32           # steps in that running median
+    max_consecutive: int = 3         # consecutive faulty steps before acting
+    on_too_many: str = "rollback"    # rollback: to the last checkpoint, past the bad batches | stop
+    max_rollbacks: int = 3           # rollbacks in one run before stopping instead
+    # TESTING HOOK (fault-injection tests only): these global batch indices get
+    # loss_mask = inf, so their loss and gradients are not finite.
+    testing_poison_batches: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,12 +136,18 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    faults: FaultsConfig = dataclasses.field(default_factory=FaultsConfig)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir if self.checkpoint.dir is not None else str(Path(self.output_dir) / "checkpoints")
 
     @property
     def mesh_size(self) -> int:
         """Devices the mesh needs, or None-like 0 when an axis is -1 (fills the rest)."""
         sizes = self.mesh.sizes().values()
-        return 0 if -1 in sizes else math.prod(sizes)
+        return 0 if -1 in sizes else math.prod(sizes) * math.prod(self.mesh.dcn_sizes().values())
 
 
 # --- building dataclasses from plain data, with type checks -------------------
@@ -228,9 +276,24 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             raise ConfigError(f"mesh.{axis}={size}: expected a positive size or -1 (fill the rest)")
     if list(m.sizes().values()).count(-1) > 1:
         raise ConfigError("mesh: at most one axis may be -1")
-    for name, value in (("mesh.stage", m.stage), ("mesh.context", m.context), ("mesh.expert", m.expert)):
-        if value not in (1,):
-            raise ConfigError(f"{name}={value}: reserved; only 1 is supported so far")
+    for axis, size in m.dcn_sizes().items():
+        if size < 1:
+            raise ConfigError(f"mesh.dcn_{axis}={size}: expected a positive integer")
+    if m.stage != 1:
+        raise ConfigError(f"mesh.stage={m.stage}: reserved; only 1 is supported so far")
+    moe = cfg.model.moe
+    if m.expert > 1 and moe is not None and moe.num_experts % m.expert:
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts}: expected a multiple of "
+                          f"mesh.expert={m.expert} (experts are split evenly over the expert axis)")
+    if m.context > 1:
+        # Context parallelism keeps batches in zig-zag order: 2 chunks per shard.
+        if t.seq_len % (2 * m.context):
+            raise ConfigError(f"train.seq_len={t.seq_len}: expected a multiple of 2 * mesh.context="
+                              f"{2 * m.context} (load-balanced context parallelism)")
+        if cfg.model.context_impl == "ulysses" and cfg.model.n_heads % (m.context * max(m.tensor, 1)):
+            raise ConfigError(f"model.context_impl='ulysses' needs model.n_heads={cfg.model.n_heads} "
+                              f"divisible by mesh.context={m.context} x mesh.tensor={m.tensor}; "
+                              f"use model.context_impl=ring")
     rules = ("data_parallel", "fsdp", "fsdp_tensor")
     if m.rules not in rules:
         raise ConfigError(f"mesh.rules={m.rules!r}: expected one of {rules}")
@@ -250,6 +313,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size}: expected a positive integer")
     if num_devices is not None:
         sizes = m.sizes()
+        dcn = m.dcn_sizes()   # slices / hosts: the per-slice axes see num_devices / their product
+        if num_devices % math.prod(dcn.values()) == 0:
+            num_devices //= math.prod(dcn.values())
         known = math.prod(s for s in sizes.values() if s != -1)
         if -1 in sizes.values():
             if num_devices % known:
@@ -260,7 +326,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             raise ConfigError(f"mesh: product {known} "
                               f"({' x '.join(f'{a}={s}' for a, s in sizes.items() if s > 1) or 'all 1'}) "
                               f"does not equal the device count {num_devices}")
-        dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+        dp = sizes["data"] * dcn["data"] * sizes["fsdp"] * dcn["fsdp"] * sizes["expert"]
         if t.global_batch_size % (dp * t.microbatches):
             raise ConfigError(f"train.global_batch_size={t.global_batch_size}: expected a multiple of "
                               f"mesh.data*mesh.fsdp*mesh.expert ({dp}) x train.microbatches ({t.microbatches})"
@@ -283,6 +349,55 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"optimizer.min_lr_ratio={o.min_lr_ratio}: expected a value in [0, 1]")
     if cfg.logging.every < 1:
         raise ConfigError(f"logging.every={cfg.logging.every}: expected a positive integer")
+    _validate_fault_tolerance(cfg)
+
+
+def _validate_fault_tolerance(cfg: Config) -> None:
+    c, d, f = cfg.checkpoint, cfg.distributed, cfg.faults
+    if c.every < 0:
+        raise ConfigError(f"checkpoint.every={c.every}: expected >= 0 (0 turns saving off)")
+    if c.keep < 1:
+        raise ConfigError(f"checkpoint.keep={c.keep}: expected a positive integer")
+    if c.keep_every < 0:
+        raise ConfigError(f"checkpoint.keep_every={c.keep_every}: expected >= 0 (0: keep only the newest)")
+    if c.dir == "":
+        raise ConfigError("checkpoint.dir='': expected a path or null ({output_dir}/checkpoints)")
+    explicit = {k: getattr(d, k) for k in ("coordinator_address", "num_processes", "process_id")}
+    given = [k for k, v in explicit.items() if v is not None]
+    if given and len(given) < 3:
+        missing = [k for k in explicit if k not in given]
+        raise ConfigError(f"distributed.{given[0]}={explicit[given[0]]!r}: expected "
+                          f"{', '.join('distributed.' + k for k in missing)} to be set too")
+    if d.coordinator_address is not None:
+        host, _, port = d.coordinator_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"distributed.coordinator_address={d.coordinator_address!r}: "
+                              "expected host:port")
+    if d.num_processes is not None and d.num_processes < 1:
+        raise ConfigError(f"distributed.num_processes={d.num_processes}: expected a positive integer")
+    if d.process_id is not None and d.num_processes is not None and not 0 <= d.process_id < d.num_processes:
+        raise ConfigError(f"distributed.process_id={d.process_id}: expected 0 <= process_id < "
+                          f"distributed.num_processes={d.num_processes}")
+    if d.num_processes and cfg.mesh_size and cfg.mesh_size % d.num_processes:
+        raise ConfigError(f"distributed.num_processes={d.num_processes}: expected a divisor of the "
+                          f"mesh size {cfg.mesh_size}")
+    for key in ("initialization_timeout", "heartbeat_timeout"):
+        if getattr(d, key) < 1:
+            raise ConfigError(f"distributed.{key}={getattr(d, key)}: expected a positive number of seconds")
+    if f.spike_factor is not None and f.spike_factor <= 1:
+        raise ConfigError(f"faults.spike_factor={f.spike_factor}: expected a number > 1 or null")
+    if f.spike_window < 3:
+        raise ConfigError(f"faults.spike_window={f.spike_window}: expected >= 3")
+    if f.max_consecutive < 1:
+        raise ConfigError(f"faults.max_consecutive={f.max_consecutive}: expected a positive integer")
+    if f.on_too_many not in ("rollback", "stop"):
+        raise ConfigError(f"faults.on_too_many={f.on_too_many!r}: expected rollback or stop")
+    if f.max_rollbacks < 0:
+        raise ConfigError(f"faults.max_rollbacks={f.max_rollbacks}: expected >= 0")
+    bad = [b for b in f.testing_poison_batches if b < 0]
+    if bad:
+        raise ConfigError(f"faults.testing_poison_batches={list(f.testing_poison_batches)}: "
+                          "expected batch indices >= 0")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -1,8 +1,8 @@
 """Model FLOPs per token and peak FLOP/s per device, for MFU.
 
-FLOPs per token (training, forward + backward) = 6 * N (N = parameters,
-embedding lookup excluded; a tied embedding still counts once as the output
-projection) + attention: 12 * layers * seq * d_attn, halved when causal, where
+FLOPs per token (training, forward + backward) = 6 * N (N = parameters a
+token uses: for MoE, the top-k routed and shared experts only; embedding lookup
+excluded; a tied embedding still counts once as the output projection) + attention: 12 * layers * seq * d_attn, halved when causal, where
 d_attn = n_heads * head_dim (= d_model for the usual shapes). This is the
 PaLM-paper convention MaxText also uses, so MFU figures compare.
 """
@@ -29,7 +29,7 @@ PEAK_FLOPS_PER_DEVICE: dict[str, float] = {
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
-    n = cfg.param_count(include_embedding=cfg.tie_embeddings)
+    n = cfg.active_param_count(include_embedding=cfg.tie_embeddings)
     attn = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.resolved_head_dim
     return 6 * n + (attn / 2 if causal else attn)
 

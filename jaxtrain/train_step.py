@@ -19,6 +19,7 @@ import models
 import sharding
 from jaxtrain.config import Config
 from jaxtrain.optimizer import learning_rate_schedule, make_optimizer
+from models.moe import update_router_bias
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 BATCH_AXES = ("batch", "seq")
@@ -83,41 +84,75 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
     def micro_loss_and_grads(params, micro):
+        """(CE sum, token count, gradients of the objective, MoE stats). The objective is
+        the CE sum, plus for MoE models count * (weighted router losses), so that
+        after the division by the total count the router losses enter as their
+        token-weighted mean over microbatches."""
         def loss_sum(p):
             model = models.merge(graphdef, abstract_params, p)
-            logits = model(micro["inputs"], positions=micro["positions"],
-                           segment_ids=micro["segment_ids"])
-            return cross_entropy(logits, micro["targets"], micro["loss_mask"])
-        (total, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
-        return total, count, grads
+            if mcfg.moe is None:
+                logits = model(micro["inputs"], positions=micro["positions"],
+                               segment_ids=micro["segment_ids"])
+                total, count = cross_entropy(logits, micro["targets"], micro["loss_mask"])
+                return total, (total, count, {})
+            logits, stats = model(micro["inputs"], positions=micro["positions"],
+                                  segment_ids=micro["segment_ids"], return_aux=True)
+            total, count = cross_entropy(logits, micro["targets"], micro["loss_mask"])
+            router = (mcfg.moe.aux_loss_weight * stats["moe_aux_loss"]
+                      + mcfg.moe.z_loss_weight * stats["moe_z_loss"])
+            return total + count * router, (total, count, stats)
+        (_, (total, count, stats)), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
+        return total, count, grads, stats
 
-    def loss_and_grads(params, batch):
+    def loss_grads_and_stats(params, batch):
         """Mean loss over counted tokens, their number, and the mean-loss gradients,
         accumulated over `train.microbatches` (sums first, one division at the end,
-        so the result does not depend on how the batch is split)."""
+        so the result does not depend on how the batch is split); plus MoE stats
+        (mean over microbatches; {} for dense models)."""
         n = cfg.train.microbatches
         if n == 1:
-            total, count, grads = micro_loss_and_grads(params, batch)
+            total, count, grads, stats = micro_loss_and_grads(params, batch)
         else:
             def accumulate(carry, micro):
                 micro = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), micro)
-                total, count, grads = micro_loss_and_grads(params, micro)
-                acc_total, acc_count, acc_grads = carry
+                total, count, grads, stats = micro_loss_and_grads(params, micro)
+                acc_total, acc_count, acc_grads, acc_stats = carry
                 return (acc_total + total, acc_count + count,
-                        jax.tree.map(jnp.add, acc_grads, grads)), None
+                        jax.tree.map(jnp.add, acc_grads, grads),
+                        jax.tree.map(lambda a, s: a + s / n, acc_stats, stats)), None
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-            init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
-            (total, count, grads), _ = jax.lax.scan(accumulate, init, split_microbatches(batch, n))
+            zero_stats = {} if mcfg.moe is None else jax.tree.map(
+                lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
+                    lambda: micro_loss_and_grads(params, jax.tree.map(lambda x: x[::n], batch))[3]))
+            init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros, zero_stats)
+            (total, count, grads, stats), _ = jax.lax.scan(accumulate, init,
+                                                           split_microbatches(batch, n))
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
-        return total / denom, count, grads
+        return total / denom, count, grads, stats
+
+    def loss_and_grads(params, batch):
+        return loss_grads_and_stats(params, batch)[:3]
 
     def step(state: TrainState, batch: dict):
-        loss, count, grads = loss_and_grads(state.params, batch)
+        loss, count, grads, moe_stats = loss_grads_and_stats(state.params, batch)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                   "lr": schedule(state.step), "tokens": count}
+        if mcfg.moe is not None and mcfg.moe.score_bias:
+            params = update_router_bias(params, moe_stats["moe_expert_load"], mcfg.moe.score_bias_rate)
+        skipped = jnp.zeros((), jnp.int32)
+        if cfg.faults.skip_nonfinite:
+            # A non-finite loss or gradient leaves params and optimizer state exactly as
+            # they were (a select, so nothing leaves the device); the step counter still
+            # advances because the batch was consumed. The loop counts these skips.
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                             (params, opt_state), (state.params, state.opt_state))
+            skipped = (~finite).astype(jnp.int32)
+        metrics = {"loss": loss, "grad_norm": grad_norm,
+                   "lr": schedule(state.step), "tokens": count, "skipped": skipped}
+        metrics.update({k: v for k, v in moe_stats.items() if k != "moe_expert_load"})
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return TrainProgram(

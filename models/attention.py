@@ -5,6 +5,11 @@ fewer heads: GQA/MQA) and dispatches on `impl`:
 - "xla": plain jnp (scores materialised; fine at CPU/test sizes),
 - "pallas": the Pallas flash kernel, run inside `shard_map` over the batch and
   head mesh axes (Mosaic/Triton kernels cannot be partitioned by XLA).
+When the mesh in context has a `context` axis > 1 (the `seq` activations are
+sharded over it), `context_impl` picks ring attention or DeepSpeed-Ulysses
+instead, combined with the same batch/head sharding; `impl` then only picks the
+per-block compute (flash kernel or XLA). Sequences are then in zig-zag order
+(`sharding.context`, applied to every batch by the trainer).
 `resolve_impl("auto")` picks pallas on GPU/TPU and xla on CPU by backend.
 """
 from __future__ import annotations
@@ -55,9 +60,13 @@ def xla_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None
     return out.reshape(b, s, h, d)
 
 
-def attend(q, k, v, *, segment_ids=None, causal=True, impl="xla", sliding_window=None):
+def attend(q, k, v, *, segment_ids=None, causal=True, impl="xla", sliding_window=None,
+           context_impl="ring"):
     """Dispatch to one attention implementation (see module docstring)."""
     impl = resolve_impl(impl)
+    if _context_size() > 1:
+        return _context_attention(q, k, v, segment_ids=segment_ids, causal=causal, impl=impl,
+                                  sliding_window=sliding_window, context_impl=context_impl)
     if impl == "xla":
         return xla_attention(q, k, v, segment_ids=segment_ids, causal=causal,
                              sliding_window=sliding_window)
@@ -88,3 +97,37 @@ def _pallas_attention(q, k, v, *, segment_ids, causal, sliding_window):
         q, k, v, mesh=mesh, batch_axes=_mesh_axes(batch_spec[0] if batch_spec else None),
         head_axes=_mesh_axes(head_spec[0] if head_spec else None), causal=causal,
         segment_ids=segment_ids, sliding_window=sliding_window)
+
+
+def _context_size() -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "context" not in mesh.axis_names:
+        return 1
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))["context"]
+
+
+def _context_attention(q, k, v, *, segment_ids, causal, impl, sliding_window, context_impl):
+    """Ring or Ulysses attention over the `context` mesh axis; batch and heads split
+    as the active rules split the `batch` / `act_heads` activations. Inputs are in
+    zig-zag order (load balanced)."""
+    from pallas_kernels import ring_attention, ulysses_attention
+
+    if sliding_window is not None:
+        raise ValueError(f"sliding_window={sliding_window} is not supported with mesh.context > 1")
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = sharding.current_rules()
+    if rules is None:
+        raise ValueError("context parallel attention needs the logical axis rules in context "
+                         "(sharding.axis_rules)")
+    batch_spec = sharding.logical_to_spec(("batch",), rules, mesh, shape=q.shape[:1])
+    head_spec = sharding.logical_to_spec(("act_heads",), rules, mesh, shape=q.shape[2:3])
+    batch_axes = tuple(a for a in _mesh_axes(batch_spec[0] if batch_spec else None) if a != "context")
+    head_axes = tuple(a for a in _mesh_axes(head_spec[0] if head_spec else None) if a != "context")
+    kwargs = dict(mesh=mesh, axis_name="context", causal=causal, segment_ids=segment_ids,
+                  load_balanced=True, batch_axes=batch_axes, head_axes=head_axes,
+                  block_impl=impl)
+    if context_impl == "ring":
+        return ring_attention(q, k, v, **kwargs)
+    if context_impl == "ulysses":
+        return ulysses_attention(q, k, v, **kwargs)
+    raise ValueError(f"context_impl={context_impl!r}: expected ring or ulysses")

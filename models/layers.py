@@ -33,10 +33,31 @@ class RMSNorm(nnx.Module):
         return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+    """Inverse frequencies [head_dim / 2], with the configured long-context scaling.
+
+    `llama3`: Llama 3.1's rule (wavelengths longer than original_max_position /
+    low_freq_factor are slowed by `factor`, shorter than .../high_freq_factor kept,
+    smooth in between); `linear`: all divided by `factor`.
+    """
+    d = cfg.resolved_head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    factor = cfg.rope_scaling_factor
+    if cfg.rope_scaling == "linear":
+        return inv_freq / factor
+    if cfg.rope_scaling == "llama3":
+        old = cfg.rope_original_max_position
+        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        wavelen = 2 * jnp.pi / inv_freq
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        return jnp.where(wavelen > old / low, inv_freq / factor,
+                         jnp.where(wavelen < old / high, inv_freq, smoothed))
+    return inv_freq
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotary embedding, Llama "rotate half" convention. x: [b, s, h, d], positions [b, s]."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     angles = positions[..., None].astype(jnp.float32) * inv_freq      # [b, s, d/2]
     cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -60,10 +81,12 @@ class Attention(nnx.Module):
         q = jnp.einsum("bsd,dhk->bshk", x, self.wq[...].astype(dt))
         k = jnp.einsum("bsd,dhk->bshk", x, self.wk[...].astype(dt))
         v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...].astype(dt))
-        q = constrain(rope(q, positions, cfg.rope_theta), ("batch", "seq", "act_heads", None))
-        k = constrain(rope(k, positions, cfg.rope_theta), ("batch", "seq", "act_kv_heads", None))
+        inv_freq = rope_frequencies(cfg)
+        q = constrain(rope(q, positions, inv_freq), ("batch", "seq", "act_heads", None))
+        k = constrain(rope(k, positions, inv_freq), ("batch", "seq", "act_kv_heads", None))
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))
-        out = attend(q, k, v, segment_ids=segment_ids, causal=True, impl=cfg.attention_impl)
+        out = attend(q, k, v, segment_ids=segment_ids, causal=True, impl=cfg.attention_impl,
+                     sliding_window=cfg.sliding_window, context_impl=cfg.context_impl)
         out = constrain(out, ("batch", "seq", "act_heads", None))
         return jnp.einsum("bshk,hkd->bsd", out, self.wo[...].astype(dt))
 

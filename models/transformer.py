@@ -9,6 +9,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import Block, RMSNorm, param
+from models.moe import MoEBlock
 from sharding import constrain
 
 # What the backward pass may keep from the forward pass, per `cfg.remat`.
@@ -25,23 +26,31 @@ class Transformer(nnx.Module):
         self.embedding = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                                std=cfg.init_std, dtype=cfg.param_dtype)
 
-        @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs=rngs)
-
-        self.blocks = make_blocks(rngs)
+        # MoE models: a scan over the dense prefix (`blocks`, first_dense_layers of them),
+        # then one over `moe_blocks`, each a group of `moe.every` layers ending in an MoE
+        # layer. Two scans (two compiled layer bodies) whatever the depth; dense models
+        # keep exactly one stack, `blocks`.
+        n_dense = cfg.n_layers if cfg.moe is None else cfg.moe.first_dense_layers
+        if n_dense:
+            self.blocks = _stack(Block, n_dense, cfg, rngs)
+        if cfg.moe is not None:
+            group = MoEBlock if cfg.moe.every == 1 else MoEGroup
+            self.moe_blocks = _stack(group, cfg.moe.num_moe_layers(cfg), cfg, rngs)
         self.final_norm = RMSNorm(cfg, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                                  std=cfg.init_std, dtype=cfg.param_dtype)
 
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None, return_aux: bool = False):
         """tokens int [batch, seq] -> logits [batch, seq, vocab] (compute dtype).
 
         `positions` (RoPE) default to 0..seq-1; `segment_ids` (packed documents,
         attention stays within a segment) default to one segment per row.
+        `return_aux=True` returns (logits, aux): for MoE models the router losses and
+        load statistics averaged over MoE layers (`moe_aux_loss`, `moe_z_loss`,
+        `moe_dropped_fraction`, `moe_max_load`; max over layers for the latter) and
+        `moe_expert_load` [moe layers, experts]; {} for dense models.
         """
         cfg = self.cfg
         if tokens.ndim != 2:
@@ -55,16 +64,53 @@ class Transformer(nnx.Module):
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(dt)
         x = constrain(x, ("batch", "seq", "act_embed"))
 
-        graphdef, layer_state = nnx.split(self.blocks)
+        def run(stack, x):
+            graphdef, layer_state = nnx.split(stack)
+            n = jax.tree.leaves(layer_state)[0].shape[0]
 
-        def layer(x, state):
-            return nnx.merge(graphdef, state)(x, positions, segment_ids), None
+            def layer(x, state):
+                out = nnx.merge(graphdef, state)(x, positions, segment_ids)
+                return out if isinstance(out, tuple) else (out, None)
 
-        if cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, layer_state,
-                            unroll=1 if cfg.scan_layers else cfg.n_layers)
+            if cfg.remat != "none":
+                # Inside a scan XLA cannot CSE the recompute away, and prevent_cse=True would
+                # only add barriers; unrolled, it is what keeps the remat a remat.
+                layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat],
+                                       prevent_cse=not cfg.scan_layers)
+            return jax.lax.scan(layer, x, layer_state, unroll=1 if cfg.scan_layers else n)
+
+        aux = {}
+        if hasattr(self, "blocks"):
+            x, _ = run(self.blocks, x)
+        if cfg.moe is not None:
+            x, stats = run(self.moe_blocks, x)
+            aux = {f"moe_{k}": (jnp.max(v) if k == "max_load" else jnp.mean(v, axis=0))
+                   for k, v in stats.items() if k != "expert_load"}
+            aux["moe_expert_load"] = stats["expert_load"]
         x = self.final_norm(x)
         head = self.embedding[...].T if cfg.tie_embeddings else self.lm_head[...]
-        logits = x @ head.astype(dt)
-        return constrain(logits, ("batch", "seq", "act_vocab"))
+        logits = constrain(x @ head.astype(dt), ("batch", "seq", "act_vocab"))
+        return (logits, aux) if return_aux else logits
+
+
+def _stack(cls, n: int, cfg: ModelConfig, rngs: nnx.Rngs):
+    """`n` layers of `cls` stacked on a leading `layers` axis (scanned in __call__)."""
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs: nnx.Rngs):
+        return cls(cfg, rngs=rngs)
+    return make(rngs)
+
+
+class MoEGroup(nnx.Module):
+    """`moe.every` layers: every - 1 dense blocks (`dense_0`, ...), then an MoE block (`moe`)."""
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.n_dense = cfg.moe.every - 1
+        for i in range(self.n_dense):
+            setattr(self, f"dense_{i}", Block(cfg, rngs=rngs))
+        self.moe = MoEBlock(cfg, rngs=rngs)
+
+    def __call__(self, x, positions, segment_ids):
+        for i in range(self.n_dense):
+            x = getattr(self, f"dense_{i}")(x, positions, segment_ids)
+        return self.moe(x, positions, segment_ids)

@@ -22,11 +22,13 @@ import jax
 import numpy as np
 
 __all__ = [
+    "A100_SXM_TARGET_CONFIG",
     "H100_SXM_TARGET_CONFIG",
     "DevicelessUnavailableError",
     "compiled_cost",
     "compiled_memory",
     "custom_call_targets",
+    "a100_devices",
     "h100_devices",
     "has_custom_call",
     "tpu_available",
@@ -60,6 +62,35 @@ gpu_device_info {
 platform_name: "CUDA"
 dnn_version_info { major: 9 minor: 10 }
 device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+
+# The same for one A100 SXM 80GB (compute capability 8.0, 108 SMs, 164 KiB opt-in
+# shared memory per block, 40 MB L2, 2.04 TB/s).
+A100_SXM_TARGET_CONFIG = """\
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_block_optin: 166912
+  shared_memory_per_core: 167936
+  threads_per_core_limit: 2048
+  core_count: 108
+  fpus_per_core: 64
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 2039000000000
+  l2_cache_size: 41943040
+  clock_rate_ghz: 1.41
+  device_memory_size: 85051572224
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  cuda_compute_capability { major: 8 minor: 0 }
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 10 }
+device_description_str: "NVIDIA A100-SXM4-80GB"
 """
 
 
@@ -97,6 +128,10 @@ def tpu_topology_devices(
     raise DevicelessUnavailableError(
         "deviceless TPU compiles need libtpu: pip install 'jax[tpu]' "
         "(the 'tpu' extra of this project)")
+  # libtpu takes a machine-wide lock file unless told otherwise; compile-only use
+  # never touches a chip, so let several processes (tests, benchmarks) load it.
+  import os
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies
   try:
     topo = topologies.get_topology_desc(
@@ -114,11 +149,19 @@ def tpu_topology_devices(
   return list(topo.devices)
 
 
-def h100_devices(num_hosts: int = 1, gpus_per_host: int = 8) -> list[Any]:
+def a100_devices(num_hosts: int = 1, gpus_per_host: int = 8) -> list[Any]:
+  """Compile-only A100 SXM 80GB devices: ``num_hosts`` x ``gpus_per_host`` GPUs."""
+  return h100_devices(num_hosts, gpus_per_host, target_config=A100_SXM_TARGET_CONFIG)
+
+
+def h100_devices(num_hosts: int = 1, gpus_per_host: int = 8, *,
+                 target_config: str = H100_SXM_TARGET_CONFIG) -> list[Any]:
   """Compile-only H100 SXM devices: ``num_hosts`` x ``gpus_per_host`` GPUs.
 
-  Needs jax-cuda12-plugin and JAX_PLATFORMS=cpu (see module docstring).
-  Raises DevicelessUnavailableError when the plugin is missing or unusable.
+  ``target_config`` (a GpuTargetConfigProto in text format) picks another GPU
+  (see ``a100_devices``). Needs jax-cuda12-plugin and JAX_PLATFORMS=cpu (see
+  module docstring). Raises DevicelessUnavailableError when the plugin is
+  missing or unusable.
   """
   if num_hosts < 1:
     raise ValueError(f"num_hosts must be >= 1, got {num_hosts}")
@@ -133,7 +176,7 @@ def h100_devices(num_hosts: int = 1, gpus_per_host: int = 8) -> list[Any]:
     topo = topologies.get_topology_desc(
         platform="cuda",
         topology=f"{num_hosts}x1x{gpus_per_host}",
-        target_config=H100_SXM_TARGET_CONFIG,
+        target_config=target_config,
     )
   except Exception as e:
     raise DevicelessUnavailableError(

@@ -27,3 +27,13 @@ def test_tied_embedding_counts_once_as_output_projection():
                                        ("NVIDIA H100 80GB HBM3", 989e12), ("cpu", None)])
 def test_peak_table(kind, peak):
     assert peak_flops_for_device_kind(kind) == peak
+
+
+def test_moe_counts_only_active_experts():
+    from models.config import MoEConfig
+    dense = ModelConfig(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, mlp_dim=16)
+    moe = ModelConfig(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, mlp_dim=16,
+                      moe=MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=16))
+    # per MoE layer, a token uses 2 experts' SwiGLU (2x dense mlp) plus the router d*E
+    extra_per_layer = 3 * 32 * 16 + 32 * 8
+    assert flops_per_token(moe, 8) == flops_per_token(dense, 8) + 6 * 2 * extra_per_layer

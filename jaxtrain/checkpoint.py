@@ -1,0 +1,237 @@
+"""Checkpoints: an Orbax CheckpointManager that saves asynchronously and restores onto any mesh.
+
+One checkpoint is a step directory `{dir}/{step}` with three items:
+  state  the TrainState (step, params, optimizer state) as sharded arrays (OCDBT/zarr)
+  data   the data iterator's position (`DataIterator.get_state()`: a batch index)
+  meta   the resolved config, the fault monitor's state and the seed
+
+The model has no random state of its own (no dropout); the data order is a pure
+function of (seed, batch index), so `data` and `seed` are the whole RNG state.
+
+Atomicity is Orbax's: a save is written to `{step}.orbax-checkpoint-tmp*` and
+renamed when complete, so a killed run leaves at most a tmp directory, which
+`steps()` never lists. A complete-looking checkpoint that fails to load
+(truncated or missing file) is logged, renamed to `{step}.unreadable` (kept
+for inspection, out of Orbax's way) and the previous one is tried, so a bad
+checkpoint is never crash-looped on. A checkpoint whose parameter shapes
+differ from the model's is a `CheckpointMismatchError` and is not touched.
+
+Restoring reads each array straight into the target sharding (Orbax
+`StandardRestore` with ShapeDtypeStructs carrying NamedShardings), so a
+checkpoint written on one mesh restores onto another, with a different
+device count or process count (Universal-Checkpointing style resharding).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as policies
+
+from jaxtrain.train_step import TrainProgram, TrainState
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message names the directory and the reason."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint's parameters do not fit the configured model (the checkpoint is left as is)."""
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    state: TrainState
+    data_state: dict
+    meta: dict
+
+
+def abstract_state(program: TrainProgram) -> TrainState:
+    """ShapeDtypeStructs of the train state with the program's (concrete-mesh) shardings:
+    the restore target. Nothing is allocated."""
+    shapes = jax.eval_shape(program.init)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, program.state_shardings)
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> {"a/b/c": leaf}, in sorted key order."""
+    if isinstance(tree, dict):
+        out = {}
+        for k in sorted(tree):
+            out.update(_flatten(tree[k], f"{prefix}{k}/"))
+        return out
+    return {prefix.rstrip("/"): tree}
+
+
+def first_param_mismatch(saved: dict, expected: dict) -> str | None:
+    """Describe the first parameter (sorted by path) whose presence or shape differs, or None."""
+    saved_flat, expected_flat = _flatten(saved), _flatten(expected)
+    for path in sorted(set(saved_flat) | set(expected_flat)):
+        if path not in saved_flat:
+            return f"parameter {path!r} is in the model but not in the checkpoint"
+        if path not in expected_flat:
+            return f"parameter {path!r} is in the checkpoint but not in the model"
+        got, want = tuple(saved_flat[path].shape), tuple(expected_flat[path].shape)
+        if got != want:
+            return f"parameter {path!r} has shape {got} in the checkpoint but {want} in the model"
+    return None
+
+
+def _all_processes_agree(ok: bool) -> bool:
+    """True only if `ok` holds on every process (so all take the same branch)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+    import numpy as np
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(int(ok)))))
+
+
+class Checkpointer:
+    """Save / find / restore train-state checkpoints under `directory`.
+
+    keep: the newest `keep` checkpoints are kept; keep_every: every step that is
+    a multiple of it is also kept, forever (0: none). async_save: write in a
+    background thread; `save` then blocks only while device arrays are copied.
+    Every process must call every method (Orbax synchronizes them).
+    """
+
+    def __init__(self, directory: str | Path, *, keep: int = 3, keep_every: int = 0,
+                 async_save: bool = True, log: Callable[[str], None] = print):
+        if keep < 1:
+            raise ValueError(f"keep={keep}: expected a positive integer")
+        if keep_every < 0:
+            raise ValueError(f"keep_every={keep_every}: expected >= 0")
+        self.directory = Path(directory).absolute()
+        self.log = log
+        keep_policies = [policies.LatestN(n=keep)]
+        if keep_every:
+            keep_policies.append(policies.EveryNSteps(interval_steps=keep_every))
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=async_save,
+            preservation_policy=policies.AnyPreservationPolicy(keep_policies),
+            cleanup_tmp_directories=True,   # leftovers of killed writes
+            create=True)
+        # Handlers named up front, so a fresh manager can read item metadata before any save.
+        registry = ocp.handlers.create_default_handler_registry(
+            state=ocp.StandardCheckpointHandler(), data=ocp.JsonCheckpointHandler(),
+            meta=ocp.JsonCheckpointHandler())
+        self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+
+    # --- saving --------------------------------------------------------------
+
+    def save(self, step: int, state: TrainState, data_state: dict, meta: dict) -> float | None:
+        """Start saving `state` as checkpoint `step`; returns the seconds the caller was
+        blocked (device-to-host snapshot, plus waiting for a previous write still in
+        flight), or None if checkpoint `step` already exists."""
+        if step in self.manager.all_steps():
+            return None
+        jax.block_until_ready(state)   # time the save, not the step still running
+        t0 = time.perf_counter()
+        self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=ocp.args.JsonSave(data_state),
+            meta=ocp.args.JsonSave(meta)), force=True)
+        return time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Block until every started save is on disk (finalized)."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    # --- finding and restoring -----------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Complete checkpoints on disk, oldest first (Orbax tmp directories excluded)."""
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    def restore_latest(self, target: TrainState, *, before: int | None = None) -> Restored | None:
+        """Restore the newest readable checkpoint (with step < `before`, if given) onto
+        `target`'s shardings. Unreadable ones are logged, set aside and skipped; a
+        parameter-shape mismatch raises CheckpointMismatchError. None if there is none."""
+        for step in reversed(self.steps()):
+            if before is not None and step >= before:
+                continue
+            restored = self._try_restore(step, target)
+            if restored is not None:
+                return restored
+        return None
+
+    def restore(self, step: int, target: TrainState) -> Restored:
+        """Restore checkpoint `step` onto `target` (raises CheckpointError if unreadable)."""
+        self._check_fits(step, target)
+        items = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target),
+            data=ocp.args.JsonRestore(),
+            meta=ocp.args.JsonRestore()))
+        state = items["state"]
+        if not isinstance(state, TrainState):   # older Orbax returns the target's structure as a dict
+            state = TrainState(**state)
+        return Restored(step=step, state=state, data_state=dict(items["data"]), meta=dict(items["meta"] or {}))
+
+    def _check_fits(self, step: int, target: TrainState) -> None:
+        path = self.directory / str(step)
+        try:
+            metadata = self.manager.item_metadata(step)["state"]
+            saved_params = metadata["params"]
+        except Exception as e:  # noqa: BLE001 - any failure to read metadata means unreadable
+            raise CheckpointError(f"checkpoint {path}: metadata unreadable ({type(e).__name__}: {e})") from e
+        if saved_params is None:
+            raise CheckpointError(f"checkpoint {path}: metadata unreadable (no state metadata)")
+        mismatch = first_param_mismatch(dict(saved_params), target.params)
+        if mismatch:
+            raise CheckpointMismatchError(
+                f"checkpoint {path}: {mismatch}. The model config changed since this run was "
+                "checkpointed; restore the old model settings, or train into a new output_dir "
+                "(or checkpoint.dir). The checkpoint was left untouched")
+
+    def _try_restore(self, step: int, target: TrainState) -> Restored | None:
+        path = self.directory / str(step)
+        error = None
+        try:
+            restored = self.restore(step, target)
+        except CheckpointMismatchError:
+            raise
+        except Exception as e:  # noqa: BLE001 - truncated/missing files surface as many types
+            restored, error = None, e
+        if _all_processes_agree(error is None):
+            return restored
+        detail = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}" if error else "unreadable on another process"
+        aside = self._set_aside(step)
+        self.log(f"checkpoint {path} is unreadable ({detail}); moved it to {aside.name} "
+                 "and trying the previous one")
+        return None
+
+    def _set_aside(self, step: int) -> Path:
+        """Rename step directory out of Orbax's namespace (`{step}.unreadable[-n]`)."""
+        src = self.directory / str(step)
+        dst = src.with_name(f"{step}.unreadable")
+        n = 1
+        while dst.exists():
+            n += 1
+            dst = src.with_name(f"{step}.unreadable-{n}")
+        if jax.process_index() == 0:
+            src.rename(dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"jaxtrain_set_aside_{step}")
+        self.manager.reload()
+        return dst
+
+    def discard_after(self, step: int) -> list[int]:
+        """Delete checkpoints newer than `step` (after a rollback they belong to an abandoned
+        timeline, and Orbax only saves steps newer than the newest). Returns their steps."""
+        newer = [s for s in self.steps() if s > step]
+        for s in newer:
+            self.manager.delete(s)
+        return newer

@@ -1,0 +1,310 @@
+"""Mixture-of-experts feed-forward (GShard / Switch / Mixtral / DeepSeek-MoE).
+
+Parameters of one MoE layer (stacked on a leading `layers` axis in the model;
+E experts, D = d_model, F = expert_mlp_dim), the layout HF conversion relies on:
+
+    w_router    [D, E]     ("embed", None)            router logits = x @ w_router
+    router_bias [E]        (None,)                     only with moe.score_bias (not trained by gradients)
+    w_gate      [E, D, F]  ("expert", "embed", "mlp")  expert e: silu(x @ w_gate[e]) * (x @ w_up[e]) @ w_down[e]
+    w_up        [E, D, F]  ("expert", "embed", "mlp")
+    w_down      [E, F, D]  ("expert", "mlp", "embed")
+    shared_gate [D, S*F], shared_up [D, S*F], shared_down [S*F, D]   only with S = num_shared_experts > 0
+                (S always-on experts fused into one SwiGLU of width S*F; output added to the routed one)
+
+Routing (per token, router in f32): scores = softmax(logits) or sigmoid(logits);
+the top_k experts are chosen by scores (+ router_bias, selection only); their
+weights are the chosen scores, renormalised to sum to 1 if normalize_top_k.
+
+Losses (global over the batch, whatever the mesh):
+  load-balancing (Switch): E * sum_e f_e * P_e, f_e = share of the T*k assignments
+      routed to e, P_e = mean router probability of e (sigmoid scores normalised
+      per token); exactly 1.0 when balanced;
+  z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2.
+
+Dispatch:
+  capacity  GShard: groups are sequences (mesh-independent), each expert takes
+            C = ceil(k * seq * capacity_factor / E) assignments per sequence, first
+            choices of all tokens before second choices, in token order; the rest
+            are dropped (their output is 0, the residual passes them on);
+            dispatch/combine are one-hot einsums.
+  dropless  assignments sorted by expert, `jax.lax.ragged_dot` grouped matmul.
+
+Expert parallelism: with a mesh set (`jax.set_mesh` + `sharding.axis_rules`) the
+layer runs in `jax.shard_map`: tokens stay sharded on their batch axes, experts
+are sharded on the mesh axes the rules give logical "expert" (and "mlp" over
+tensor: Megatron-style, psum after w_down). Tokens travel to their experts'
+devices with `all_to_all`; dropless uses a padded all_to_all (every source sends a
+[A, D] buffer to every expert shard, A = its local assignments: no drops,
+ep x the memory) or `ragged_all_to_all` (exchange=ragged; TPU/GPU only,
+unimplemented on XLA:CPU). exchange=auto: ragged on TPU/GPU, padded on CPU.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import sharding
+from models.config import ModelConfig, MoEConfig
+from models.layers import Attention, RMSNorm, param
+
+F32 = jnp.float32
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        m = cfg.moe
+        d, f, e = cfg.d_model, m.mlp_dim(cfg), m.num_experts
+        p = lambda shape, axes, std: param(rngs, shape, axes, std=std, dtype=cfg.param_dtype)
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.w_router = p((d, e), ("embed", None), cfg.init_std)
+        if m.score_bias:
+            self.router_bias = nnx.Param(jnp.zeros((e,), cfg.param_dtype), out_sharding=(None,),
+                                         eager_sharding=False)
+        self.w_gate = p((e, d, f), ("expert", "embed", "mlp"), cfg.init_std)
+        self.w_up = p((e, d, f), ("expert", "embed", "mlp"), cfg.init_std)
+        self.w_down = p((e, f, d), ("expert", "mlp", "embed"), out_std)
+        if m.num_shared_experts:
+            fs = m.num_shared_experts * f
+            self.shared_gate = p((d, fs), ("embed", "mlp"), cfg.init_std)
+            self.shared_up = p((d, fs), ("embed", "mlp"), cfg.init_std)
+            self.shared_down = p((fs, d), ("mlp", "embed"), out_std)
+        self.moe = m
+        self.dtype = jnp.dtype(cfg.compute_dtype)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
+        """x [b, s, d] -> (y [b, s, d], per-layer stats: see `moe_layer`)."""
+        dt = self.dtype
+        bias = self.router_bias[...] if self.moe.score_bias else None
+        y, stats = moe_layer(x, self.w_router[...], bias, self.w_gate[...].astype(dt),
+                             self.w_up[...].astype(dt), self.w_down[...].astype(dt), self.moe)
+        if self.moe.num_shared_experts:
+            h = jax.nn.silu(x @ self.shared_gate[...].astype(dt)) * (x @ self.shared_up[...].astype(dt))
+            h = sharding.constrain(h, ("batch", "seq", "act_mlp"))
+            y = y + h @ self.shared_down[...].astype(dt)
+        return y, stats
+
+
+class MoEBlock(nnx.Module):
+    """A decoder block (as layers.Block) whose feed-forward is MoE; returns (x, stats)."""
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg, rngs=rngs)
+        self.mlp = MoE(cfg, rngs=rngs)
+
+    def __call__(self, x, positions, segment_ids):
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        y, stats = self.mlp(self.mlp_norm(x))
+        return sharding.constrain(x + y, ("batch", "seq", "act_embed")), stats
+
+
+# --- the layer as a function -----------------------------------------------------
+
+def capacity(seq_len: int, m: MoEConfig) -> int:
+    """Slots per expert per sequence (capacity dispatch)."""
+    return max(1, math.ceil(m.top_k * seq_len * m.capacity_factor / m.num_experts))
+
+
+def route(x, w_router, bias, m: MoEConfig):
+    """-> (logits f32 [..., E], scores [..., E], top-k expert ids [..., k], their weights f32 [..., k])."""
+    logits = jnp.einsum("...d,de->...e", x.astype(F32), w_router.astype(F32))
+    scores = jax.nn.softmax(logits, axis=-1) if m.scoring == "softmax" else jax.nn.sigmoid(logits)
+    select = scores if bias is None else scores + jax.lax.stop_gradient(bias.astype(F32))
+    _, idx = jax.lax.top_k(select, m.top_k)
+    weights = jnp.take_along_axis(scores, idx, axis=-1)
+    if m.normalize_top_k:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return logits, scores, idx, weights
+
+
+def _swiglu(x, w_gate, w_up, w_down, eq_in: str, eq_out: str):
+    h = jax.nn.silu(jnp.einsum(eq_in, x, w_gate)) * jnp.einsum(eq_in, x, w_up)
+    return jnp.einsum(eq_out, h, w_down)
+
+
+def _ragged_swiglu(x, w_gate, w_up, w_down, group_sizes):
+    rd = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes)
+    return rd(jax.nn.silu(rd(x, w_gate)) * rd(x, w_up), w_down)
+
+
+def _capacity_positions(idx, m: MoEConfig, cap: int):
+    """Slot of each assignment in its expert's queue [b, s, k] and whether it fits.
+    Priority: all first choices (in token order), then all second choices, ..."""
+    b, s, k = idx.shape
+    onehot = jax.nn.one_hot(idx, m.num_experts, dtype=jnp.int32)          # [b, s, k, E]
+    flat = onehot.transpose(0, 2, 1, 3).reshape(b, k * s, m.num_experts)   # k-major order
+    pos = jnp.sum((jnp.cumsum(flat, axis=1) - 1) * flat, axis=-1)           # [b, k*s]
+    pos = pos.reshape(b, k, s).transpose(0, 2, 1)
+    return pos, pos < cap
+
+
+def _local_moe(x, w_router, bias, w_gate, w_up, w_down, *, m: MoEConfig, batch_axes,
+               expert_axes, tensor_axes, exchange: str):
+    """The layer on this device's tokens x [b, s, d] (all of them without a mesh)."""
+    b, s, d = x.shape
+    E, k = m.num_experts, m.top_k
+    ep = 1 if not expert_axes else jax.lax.axis_size(expert_axes)
+    psum = lambda v, axes: jax.lax.psum(v, axes) if axes else v
+    logits, scores, idx, weights = route(x, w_router, bias, m)
+
+    # Global statistics: sums over this shard, then over the batch axes.
+    counts = jnp.sum(jax.nn.one_hot(idx, E, dtype=F32), axis=(0, 1, 2))      # [E] assignments
+    probs = scores if m.scoring == "softmax" else scores / jnp.sum(scores, -1, keepdims=True)
+    sums = dict(counts=counts, probs=jnp.sum(probs, axis=(0, 1)),
+                z=jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
+                tokens=jnp.asarray(b * s, F32))
+
+    if m.dispatch == "capacity":
+        cap = capacity(s, m)
+        pos, keep = _capacity_positions(idx, m, cap)
+        slot = jax.nn.one_hot(jnp.where(keep, pos, cap), cap, dtype=F32)        # dropped: all-zero row
+        expert = jax.nn.one_hot(idx, E, dtype=F32)
+        dispatch = jnp.einsum("bske,bskc->bsec", expert, slot)
+        combine = jnp.einsum("bske,bskc,bsk->bsec", expert, slot, weights)
+        xin = jnp.einsum("bsec,bsd->ebcd", dispatch.astype(x.dtype), x)           # [E, b, cap, d]
+        if ep > 1:   # send expert e's slots to the device holding e; receive all sources' slots
+            xin = jax.lax.all_to_all(xin, expert_axes, 0, 1, tiled=True)       # [E/ep, ep*b, cap, d]
+        out = _swiglu(xin, w_gate, w_up, w_down, "ebcd,edf->ebcf", "ebcf,efd->ebcd")
+        out = psum(out, tensor_axes)
+        if ep > 1:
+            out = jax.lax.all_to_all(out, expert_axes, 1, 0, tiled=True)       # [E, b, cap, d]
+        y = jnp.einsum("bsec,ebcd->bsd", combine.astype(x.dtype), out)
+        sums["dropped"] = jnp.sum(1.0 - keep.astype(F32))
+    else:
+        a = b * s * k
+        flat_e = idx.reshape(a)
+        order = jnp.argsort(flat_e, stable=True)                             # assignments by expert
+        xs = x.reshape(b * s, d)[order // k]
+        group_sizes = counts.astype(jnp.int32)
+        if ep == 1:
+            out = _ragged_swiglu(xs, w_gate, w_up, w_down, group_sizes)
+            out = psum(out, tensor_axes)
+        else:
+            out = _dropless_exchange(xs, flat_e[order], group_sizes, w_gate, w_up, w_down,
+                                     ep=ep, expert_axes=expert_axes, tensor_axes=tensor_axes,
+                                     exchange=exchange)
+        out = out[jnp.argsort(order)].reshape(b, s, k, d)                      # back to token order
+        y = jnp.einsum("bskd,bsk->bsd", out, weights.astype(x.dtype))
+        sums["dropped"] = jnp.zeros((), F32)
+
+    sums = {key: psum(v, batch_axes) for key, v in sums.items()}
+    n = sums["tokens"]
+    load = sums["counts"] / (n * k)                                            # [E], sums to 1
+    stats = {"aux_loss": E * jnp.sum(load * sums["probs"] / n),
+             "z_loss": sums["z"] / n,
+             "dropped_fraction": sums["dropped"] / (n * k),
+             "max_load": jnp.max(load) * E,                                    # max / mean load
+             "expert_load": load}
+    return y, stats
+
+
+def _dropless_exchange(xs, sorted_e, group_sizes, w_gate, w_up, w_down, *, ep, expert_axes,
+                       tensor_axes, exchange):
+    """Expert-parallel dropless: xs [A, d] sorted by expert -> expert outputs [A, d], same order.
+
+    Every source sends each expert shard j a buffer of A rows (its rows for j's
+    experts first, zeros after); the receiver sorts what it got by local expert and
+    runs one ragged_dot. exchange=ragged moves only the real rows."""
+    a, d = xs.shape
+    e_local = w_gate.shape[0]
+    dest = sorted_e // e_local                                               # [A] expert shard
+    send_counts = group_sizes.reshape(ep, e_local)                           # rows per (shard, local expert)
+    per_dest = jnp.sum(send_counts, axis=1)
+    dest_start = jnp.cumsum(per_dest) - per_dest
+    pos = jnp.arange(a) - dest_start[dest]
+    recv_counts = jax.lax.all_to_all(send_counts, expert_axes, 0, 0, tiled=True)  # [ep src, e_local]
+    if exchange == "ragged":
+        me = jax.lax.axis_index(expert_axes)
+        recv_sizes = jnp.sum(recv_counts, axis=1)
+        out_offsets = jnp.full((ep,), me * a, jnp.int32)      # source me lands at row me*A on every shard
+        recv = jax.lax.ragged_all_to_all(xs, jnp.zeros((ep * a, d), xs.dtype), dest_start.astype(jnp.int32),
+                                         per_dest.astype(jnp.int32), out_offsets,
+                                         recv_sizes.astype(jnp.int32), axis_name=expert_axes)
+        recv = recv.reshape(ep, a, d)
+    else:
+        send = jnp.zeros((ep, a, d), xs.dtype).at[dest, pos].set(xs)
+        recv = jax.lax.all_to_all(send, expert_axes, 0, 0, tiled=True)       # [ep src, A, d]
+    # Local expert of every received row (e_local: padding), then one grouped matmul.
+    ends = jnp.cumsum(recv_counts, axis=1)                                   # [ep, e_local]
+    local_e = jnp.sum(jnp.arange(a)[None, :, None] >= ends[:, None, :], axis=-1).reshape(ep * a)
+    order = jnp.argsort(local_e, stable=True)
+    out = _ragged_swiglu(recv.reshape(ep * a, d)[order], w_gate, w_up, w_down,
+                         jnp.sum(recv_counts, axis=0).astype(jnp.int32))
+    if tensor_axes:
+        out = jax.lax.psum(out, tensor_axes)
+    out = out[jnp.argsort(order)]                                            # [ep*A, d] by source
+    if exchange == "ragged":
+        # Each source's rows go back to where it keeps them: its dest_start[this shard].
+        back_offsets = jax.lax.all_to_all(dest_start.reshape(ep, 1), expert_axes, 0, 0, tiled=True)
+        src_sizes = jnp.sum(recv_counts, axis=1).astype(jnp.int32)
+        return jax.lax.ragged_all_to_all(out, jnp.zeros((a, d), out.dtype),
+                                         (jnp.arange(ep) * a).astype(jnp.int32), src_sizes,
+                                         back_offsets.reshape(ep).astype(jnp.int32),
+                                         per_dest.astype(jnp.int32), axis_name=expert_axes)
+    back = jax.lax.all_to_all(out.reshape(ep, a, d), expert_axes, 0, 0, tiled=True)  # [ep dest, A, d]
+    return back[dest, pos]
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def resolve_exchange(m: MoEConfig) -> str:
+    if m.exchange != "auto":
+        return m.exchange
+    return "padded" if jax.default_backend() == "cpu" else "ragged"
+
+
+def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig):
+    """Routed experts on x [b, s, d] -> (y [b, s, d], stats dict of f32 scalars + expert_load [E]).
+
+    Without a mesh (or rules) in context: plain single-device code. With one: a
+    shard_map over the whole mesh, experts sharded as the rules say (see module doc).
+    """
+    if x.ndim != 3:
+        raise ValueError(f"moe_layer: x must be [batch, seq, d_model], got shape {x.shape}")
+    exchange = resolve_exchange(m)
+    rules, mesh = sharding.current_rules(), jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty or mesh.size == 1:
+        return _local_moe(x, w_router, bias, w_gate, w_up, w_down, m=m, batch_axes=(),
+                          expert_axes=(), tensor_axes=(), exchange=exchange)
+    x_spec = sharding.logical_to_spec(("batch", None, None), rules, mesh, x.shape)
+    in_spec = sharding.logical_to_spec(("expert", None, "mlp"), rules, mesh, w_gate.shape)
+    in_spec = P(*in_spec, *[None] * (3 - len(in_spec)))
+    out_spec = P(in_spec[0], in_spec[2], None)
+    batch_axes = _axes(x_spec[0] if len(x_spec) else None)
+    expert_axes, tensor_axes = _axes(in_spec[0]), _axes(in_spec[2])
+    if not set(expert_axes) <= set(batch_axes):
+        raise ValueError(f"moe_layer: expert mesh axes {expert_axes} must also shard the batch "
+                         f"(batch axes here: {batch_axes}); check the sharding rules")
+    if set(tensor_axes) & set(batch_axes):
+        raise ValueError(f"moe_layer: mlp mesh axes {tensor_axes} also shard the batch")
+    fn = lambda *a: _local_moe(*a, m=m, batch_axes=batch_axes, expert_axes=expert_axes,
+                               tensor_axes=tensor_axes, exchange=exchange)
+    bias_spec = () if bias is None else (P(),)
+    args = (x, w_router) + (() if bias is None else (bias,)) + (w_gate, w_up, w_down)
+    body = fn if bias is not None else (lambda x, r, g, u, dn: fn(x, r, None, g, u, dn))
+    stats_spec = {k: P() for k in ("aux_loss", "z_loss", "dropped_fraction", "max_load", "expert_load")}
+    return jax.shard_map(body, in_specs=(x_spec, P(), *bias_spec, in_spec, in_spec, out_spec),
+                         out_specs=(x_spec, stats_spec))(*args)
+
+
+# --- helpers for the trainer --------------------------------------------------------
+
+STAT_KEYS = ("aux_loss", "z_loss", "dropped_fraction", "max_load")
+
+
+def update_router_bias(params: dict, expert_load: jax.Array, rate: float) -> dict:
+    """Aux-loss-free balancing (DeepSeek-V3): after each step, every `router_bias`
+    [layers, E] moves by `rate` towards balance: + for under-loaded experts, - for
+    over-loaded ones (sign of mean load - load). `expert_load` [layers, E]."""
+    def update(path, v):
+        if getattr(path[-1], "key", None) != "router_bias":
+            return v
+        step = rate * jnp.sign(jnp.mean(expert_load, axis=-1, keepdims=True) - expert_load)
+        return v + step.astype(v.dtype)
+    return jax.tree_util.tree_map_with_path(update, params)

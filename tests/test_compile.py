@@ -1,0 +1,126 @@
+"""`jaxtrain compile`: deviceless AOT compiles of the real train step (TPU via libtpu,
+H100 via the CUDA PJRT plugin). Skipped where those plugins are not installed."""
+import json
+import os
+
+import pytest
+
+from jaxtrain import cli
+from jaxtrain.compile import parse_target
+from jaxtrain.config import ConfigError
+from sharding import targets
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "configs", "tiny.yaml")
+LLAMA2_7B = os.path.join(REPO, "configs", "llama2-7b.yaml")
+LLAMA2_70B = os.path.join(REPO, "configs", "llama2-70b.yaml")
+
+needs_tpu = pytest.mark.skipif(not targets.tpu_available(), reason="libtpu not installed")
+needs_cuda = pytest.mark.skipif(not targets.cuda_available(), reason="jax-cuda12-plugin not installed")
+
+
+def run_compile(capsys, *args):
+    code = cli.main(["compile", *args, "--json"])
+    out = capsys.readouterr().out.strip()
+    return code, (json.loads(out.splitlines()[-1]) if out else None)
+
+
+@pytest.mark.parametrize("text, topology, chips", [
+    ("tpu:v5p-8", "v5p:2x2x1", 4), ("tpu:v5p-64", "v5p:2x4x4", 32), ("tpu:v5p-256", "v5p:4x4x8", 128),
+    ("tpu:v5p-512", "v5p:4x8x8", 256), ("tpu:v4-128", "v4:4x4x4", 64), ("tpu:v5e-256", "v5e:16x16", 256),
+    ("tpu:v6e-64", "v6e:8x8", 64),
+])
+def test_parse_tpu_targets(text, topology, chips):
+    t = parse_target(text)
+    assert (t.topology, t.chips, t.num_devices) == (topology, chips, chips)
+
+
+def test_parse_bad_targets():
+    for bad in ("tpu:v5p-6x", "tpu:v9-8", "gpu:v100", "h100", "tpu:v5p-24"):
+        with pytest.raises(ConfigError, match="--target"):
+            parse_target(bad)
+    assert parse_target("gpu:h100", hosts=2, gpus_per_host=8).num_devices == 16
+
+
+def test_config_error_exits_2(capsys):
+    assert cli.main(["compile", TINY, "--target", "tpu:v5q-8"]) == 2
+    assert "--target" in capsys.readouterr().err
+    # tensor=3 does not divide the 4 chips of a v5p-8
+    assert cli.main(["compile", TINY, "mesh.tensor=2", "mesh.fsdp=3", "--target", "tpu:v5p-8"]) == 2
+    assert "does not equal the device count 4" in capsys.readouterr().err
+
+
+@needs_tpu
+def test_tiny_compiles_for_tpu_v5p_8(capsys):
+    code, r = run_compile(capsys, TINY, "mesh.fsdp=-1", "--target", "tpu:v5p-8")
+    assert code == 0 and r["fits"] and r["num_devices"] == 4 and r["device_kind"].startswith("TPU v5")
+    assert r["attention_impl"] == "pallas" and r["pallas_in_program"]   # auto resolved for the target
+    assert 0 < r["memory"]["total"] < r["hbm_bytes"]
+    assert "all-gather" in r["collectives"]          # FSDP gathers the weights
+    # The 1-/2-layer extrapolation matches the analytic count (tiny, remat none: within 2x).
+    assert 0.5 < r["xla_flops_over_model_flops"] < 2.0
+    assert r["step_seconds_est"] > 0 and 0 < r["mfu_est"] < 1
+
+
+@needs_cuda
+def test_tiny_compiles_for_h100_1x8(capsys):
+    code, r = run_compile(capsys, TINY, "mesh.fsdp=-1", "--target", "gpu:h100", "--hosts", "1",
+                          "--gpus-per-host", "8")
+    assert code == 0 and r["fits"] and r["num_devices"] == 8 and "H100" in r["device_kind"]
+    assert r["pallas_in_program"] and r["step_seconds_est"] is None   # no cost analysis on GPU
+
+
+@needs_tpu
+def test_two_slices_put_data_parallelism_on_dcn(capsys):
+    code, r = run_compile(capsys, TINY, "mesh.fsdp=-1", "--target", "tpu:v5p-8", "--slices", "2",
+                          "--no-estimate")
+    assert code == 0 and r["num_devices"] == 8
+    assert r["mesh"] == {"data": 2, "fsdp": 4} and r["mesh_dcn"] == {"data": 2}
+    # The gradient reduction across slices is a DCN (megascale) all-reduce in the compiled program;
+    # a single slice has none.
+    assert r["collectives"]["dcn-all-reduce"]["count"] > 0
+    _, single = run_compile(capsys, TINY, "mesh.fsdp=-1", "--target", "tpu:v5p-8", "--no-estimate")
+    assert not any(k.startswith("dcn-") for k in single["collectives"])
+
+
+@needs_tpu
+def test_two_slice_mesh_puts_slices_on_the_data_axis():
+    import sharding
+    from jaxtrain.compile import config_for_target, target_devices
+    from jaxtrain.config import load_config
+    t = parse_target("tpu:v5p-8", slices=2)
+    _, ici, dcn = config_for_target(load_config(TINY, ["mesh.fsdp=-1"]), t)
+    mesh = sharding.make_mesh(ici, target_devices(t), dcn_axis_sizes=dcn)
+    data_axis = list(mesh.axis_names).index("data")
+    for i in range(2):
+        assert {d.slice_index for d in mesh.devices.take(i, axis=data_axis).flat} == {i}
+
+
+@needs_tpu
+def test_70b_on_v5p_8_does_not_fit(capsys):
+    code = cli.main(["compile", LLAMA2_70B, "train.global_batch_size=16", "--target", "tpu:v5p-8",
+                     "--no-estimate"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "DOES NOT FIT" in out and "over" in out
+    assert "GiB over" in out
+    assert "use at least ~17 devices" in out   # names the knob that would help: more devices
+
+
+@pytest.mark.slow
+@needs_tpu
+def test_llama2_7b_fits_on_v5p_64(capsys):
+    code, r = run_compile(capsys, LLAMA2_7B, "--target", "tpu:v5p-64", "--no-estimate")
+    assert code == 0 and r["fits"] and r["num_devices"] == 32 and r["per_device_batch"] == 4
+    assert r["memory"]["total"] < 17.0 * 2**30   # MaxText 0.2.5, same batch/seq/remat: 17.0 GiB
+    assert r["pallas_in_program"]
+
+
+@pytest.mark.slow
+@needs_cuda
+def test_llama2_7b_fits_on_2x8_h100(capsys):
+    code, r = run_compile(capsys, LLAMA2_7B, "train.global_batch_size=64", "--target", "gpu:h100",
+                          "--hosts", "2", "--gpus-per-host", "8")
+    assert code == 0 and r["fits"] and r["num_devices"] == 16 and r["per_device_batch"] == 4
+    assert r["memory"]["total"] < 36.3 * 2**30   # MaxText 0.2.5, same batch/seq/remat: 36.3 GiB
+    assert r["pallas_in_program"]

@@ -1,0 +1,255 @@
+"""Mixture of experts: the layer against a per-expert Python-loop oracle (both
+dispatch paths, the exact tokens capacity drops), hand-computed router losses,
+expert parallelism against the single-device run, and tiny-moe training."""
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import sharding
+from jaxtrain.config import ConfigError, load_config
+from jaxtrain.data import make_data_iterator
+from jaxtrain.train_step import batch_to_device, build_program
+from jaxtrain.trainer import train
+from models import ModelConfig, MoEConfig, Transformer
+from models.moe import _capacity_positions, capacity, moe_layer
+from tests.conftest import REPO
+
+# f32 throughout; the oracle runs in float64 numpy, so differences are f32 rounding.
+LAYER_RTOL, LAYER_ATOL = 1e-5, 1e-6
+
+
+def reference_moe(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig):
+    """Per token, per chosen expert, a plain loop. Returns (y, kept [b, s, k])."""
+    x, w_router = np.float64(x), np.float64(w_router)
+    b, s, d = x.shape
+    E, k = m.num_experts, m.top_k
+    logits = x @ w_router
+    if m.scoring == "softmax":
+        scores = np.exp(logits - logits.max(-1, keepdims=True))
+        scores /= scores.sum(-1, keepdims=True)
+    else:
+        scores = 1 / (1 + np.exp(-logits))
+    select = scores + (0 if bias is None else np.float64(bias))
+    cap = capacity(s, m) if m.dispatch == "capacity" else b * s * k
+    y = np.zeros_like(x)
+    kept = np.zeros((b, s, k), bool)
+    for row in range(b):
+        used = [0] * E
+        choices = [np.argsort(-select[row, t], kind="stable")[:k] for t in range(s)]
+        for j in range(k):                       # first choices of all tokens, then second, ...
+            for t in range(s):
+                e = choices[t][j]
+                w = scores[row, t, choices[t]]
+                w = w / w.sum() if m.normalize_top_k else w
+                if used[e] >= cap:
+                    continue
+                used[e] += 1
+                kept[row, t, j] = True
+                h = x[row, t] @ w_gate[e]
+                h = h / (1 + np.exp(-h)) * (x[row, t] @ w_up[e])
+                y[row, t] += w[j] * (h @ w_down[e])
+    return y, kept
+
+
+def random_layer(key, E=4, d=8, f=16, bias=False):
+    ks = jax.random.split(key, 6)
+    n = lambda k, shape, std: std * jax.random.normal(k, shape, jnp.float32)
+    return (n(ks[0], (d, E), 1.0), n(ks[1], (E,), 0.1) if bias else None,
+            n(ks[2], (E, d, f), 0.3), n(ks[3], (E, d, f), 0.3), n(ks[4], (E, f, d), 0.3))
+
+
+CASES = {
+    "capacity-top2-drops": MoEConfig(num_experts=4, top_k=2, dispatch="capacity", capacity_factor=0.6),
+    "capacity-top1-switch": MoEConfig(num_experts=4, top_k=1, dispatch="capacity", capacity_factor=1.0),
+    "dropless-top2": MoEConfig(num_experts=4, top_k=2, dispatch="dropless"),
+    "dropless-sigmoid-bias": MoEConfig(num_experts=4, top_k=3, dispatch="dropless", scoring="sigmoid",
+                                       score_bias=True, normalize_top_k=False),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layer_matches_per_expert_loop(name):
+    m = CASES[name]
+    params = random_layer(jax.random.key(1), bias=m.score_bias)
+    x = jax.random.normal(jax.random.key(2), (3, 10, 8), jnp.float32)
+    y, stats = jax.jit(lambda x, *p: moe_layer(x, *p, m))(x, *params)
+    ref, kept = reference_moe(np.asarray(x), *[None if p is None else np.asarray(p) for p in params], m)
+    np.testing.assert_allclose(y, ref, rtol=LAYER_RTOL, atol=LAYER_ATOL)
+    if m.dispatch == "capacity":
+        # The very same assignments are dropped (not just the same number).
+        from models.moe import route
+        _, _, idx, _ = route(x, params[0], params[1], m)
+        _, keep = _capacity_positions(idx, m, capacity(x.shape[1], m))
+        np.testing.assert_array_equal(np.asarray(keep), kept)
+        assert 0 < (~kept).sum() < kept.size, "the case should drop some assignments, not all"
+    np.testing.assert_allclose(float(stats["dropped_fraction"]), (~kept).mean(), rtol=1e-6)
+
+
+def test_router_losses_by_hand():
+    """2 tokens, 2 experts, top-1, router logits [ln 3, 0] for both tokens:
+    softmax = [3/4, 1/4]; both tokens pick expert 0, so f = [1, 0], P = [3/4, 1/4]:
+    aux = E * sum f*P = 2 * 3/4 = 1.5; z = logsumexp^2 = ln(4)^2; max/mean load = 2;
+    capacity ceil(1 * 2 * 1.0 / 2) = 1 slot, so the second token is dropped: 1/2."""
+    m = MoEConfig(num_experts=2, top_k=1, dispatch="capacity", capacity_factor=1.0)
+    x = jnp.array([[[math.log(3.0), 0.0], [math.log(3.0), 0.0]]], jnp.float32)
+    w_router = jnp.eye(2, dtype=jnp.float32)
+    w = jnp.zeros((2, 2, 4), jnp.float32)
+    _, stats = moe_layer(x, w_router, None, w, w, jnp.zeros((2, 4, 2)), m)
+    np.testing.assert_allclose(float(stats["aux_loss"]), 1.5, rtol=1e-6)
+    np.testing.assert_allclose(float(stats["z_loss"]), math.log(4.0) ** 2, rtol=1e-6)
+    np.testing.assert_allclose(float(stats["max_load"]), 2.0, rtol=1e-6)
+    np.testing.assert_allclose(float(stats["dropped_fraction"]), 0.5, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(stats["expert_load"]), [1.0, 0.0])
+
+
+def small_model(**moe):
+    return ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=2, n_kv_heads=2, mlp_dim=64,
+                       moe=MoEConfig(num_experts=4, top_k=2, **moe))
+
+
+@pytest.mark.parametrize("moe", [dict(), dict(every=2), dict(first_dense_layers=1, num_shared_experts=2,
+                                                                score_bias=True)],
+                         ids=["all-moe", "every-2", "deepseek-like"])
+def test_model_layout_and_param_count(moe):
+    cfg = small_model(**moe)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    assert sum(x.size for x in jax.tree.leaves(params)) == cfg.param_count()
+    m = cfg.moe
+    moe_mlp = params["moe_blocks"]["mlp"] if m.every == 1 else params["moe_blocks"]["moe"]["mlp"]
+    G = m.num_moe_layers(cfg)
+    assert moe_mlp["w_gate"].shape == (G, 4, 32, 64) and moe_mlp["w_down"].shape == (G, 4, 64, 32)
+    assert moe_mlp["w_router"].shape == (G, 32, 4)
+    assert ("blocks" in params) == (m.first_dense_layers > 0)
+    logits, aux = model(jnp.zeros((2, 8), jnp.int32), return_aux=True)
+    assert logits.shape == (2, 8, 64) and aux["moe_expert_load"].shape == (G, 4)
+    assert model(jnp.zeros((2, 8), jnp.int32)).shape == (2, 8, 64)   # HF-style call: logits only
+
+
+def test_dense_model_has_no_moe_parts():
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, mlp_dim=64)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    assert set(params) == {"embedding", "blocks", "final_norm", "lm_head"}
+    logits, aux = model(jnp.zeros((1, 4), jnp.int32), return_aux=True)
+    assert aux == {}
+
+
+@pytest.mark.parametrize("override,key", [
+    ("model.moe.top_k=9", "model.moe.top_k"),
+    ("model.moe.dispatch=magic", "model.moe.dispatch"),
+    ("model.moe.every=3", "model.moe.every"),
+    ("model.moe.first_dense_layers=2", "model.moe.first_dense_layers"),
+    ("mesh.expert=3", "model.moe.num_experts"),
+])
+def test_bad_moe_config_names_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(os.path.join(REPO, "configs", "tiny-moe.yaml"), [override])
+
+
+# --- expert parallelism ----------------------------------------------------------
+
+# Sharding changes summation order only (and the all_to_all moves data exactly).
+EP_LOSS_RTOL, EP_GRAD_RTOL, EP_GRAD_ATOL = 1e-5, 2e-4, 1e-6
+
+
+def ep_loss_and_grads(dispatch, **mesh):
+    cfg = load_config(os.path.join(REPO, "configs", "tiny-moe.yaml"), [
+        "logging.progress=false", "logging.tensorboard=false", "model.d_model=64",
+        "model.vocab_size=128", "train.seq_len=32", "model.moe.capacity_factor=1.0",
+        f"model.moe.dispatch={dispatch}", *[f"mesh.{k}={v}" for k, v in mesh.items()]])
+    n = math.prod(cfg.mesh.sizes().values())
+    mesh_ = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:n])
+    rules = sharding.PRESETS[cfg.mesh.rules]
+    data = make_data_iterator(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
+                              global_batch_size=cfg.train.global_batch_size, seed=cfg.seed)
+    with jax.set_mesh(mesh_), sharding.axis_rules(rules):
+        program = build_program(cfg, mesh_, rules)
+        state = program.init()
+        batch = batch_to_device(next(data), program.batch_sharding)
+        loss, _, grads = program.loss_and_grads(state.params, batch)
+        spec = grads["moe_blocks"]["mlp"]["w_gate"].sharding.spec
+        return float(loss), jax.device_get(grads), spec
+
+
+_single = {}
+
+
+def single_device(dispatch):
+    if dispatch not in _single:
+        _single[dispatch] = ep_loss_and_grads(dispatch)
+    return _single[dispatch]
+
+
+EP_MESHES = [
+    ("dropless", dict(expert=8)),
+    ("capacity", dict(data=2, expert=4)),
+    pytest.param("dropless", dict(data=2, expert=4), marks=pytest.mark.slow),
+    pytest.param("capacity", dict(expert=8), marks=pytest.mark.slow),
+    pytest.param("dropless", dict(expert=2), marks=pytest.mark.slow),
+    pytest.param("dropless", dict(expert=2, fsdp=2, tensor=2), marks=pytest.mark.slow),
+    pytest.param("capacity", dict(expert=4), marks=pytest.mark.slow),
+    pytest.param("capacity", dict(expert=2, fsdp=2, tensor=2), marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("dispatch,mesh", EP_MESHES, ids=lambda x: x if isinstance(x, str) else
+                         ",".join(f"{k}={v}" for k, v in x.items()))
+def test_expert_parallel_matches_single_device(dispatch, mesh):
+    ref_loss, ref_grads, _ = single_device(dispatch)
+    loss, grads, spec = ep_loss_and_grads(dispatch, **mesh)
+    np.testing.assert_allclose(loss, ref_loss, rtol=EP_LOSS_RTOL)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=EP_GRAD_RTOL, atol=EP_GRAD_ATOL),
+                 grads, ref_grads)
+    assert spec[1] == "expert", f"experts should be sharded on the expert axis, got {spec}"
+
+
+# --- training ------------------------------------------------------------------------
+
+def test_tiny_moe_trains_and_logs_expert_load(tmp_path):
+    cfg = load_config(os.path.join(REPO, "configs", "tiny-moe.yaml"), [
+        "logging.progress=false", "logging.tensorboard=false", f"output_dir={tmp_path}",
+        "train.steps=15", "mesh.expert=2", "model.moe.score_bias=true"])
+    result = train(cfg, devices=jax.devices()[:2])
+    losses = [r["loss"] for r in result.metrics]
+    assert losses[-1] < losses[0] - 0.5, losses
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "loss" in r]
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_max_load"):
+        assert all(key in r and math.isfinite(r[key]) for r in records), key
+    assert all(r["moe_max_load"] >= 1.0 and r["moe_dropped_fraction"] == 0.0 for r in records)
+    # Aux-loss-free balancing moved the (non-gradient) router bias.
+    bias = jax.device_get(result.state.params["moe_blocks"]["mlp"]["router_bias"])
+    assert np.abs(bias).max() > 0
+
+
+def test_moe_microbatches_match_one_batch():
+    """Gradient accumulation runs for MoE models: 2 microbatches give the one-batch loss
+    (capacity groups are rows, so the split drops the same tokens) and the step
+    reports the router metrics (averaged over microbatches)."""
+    ref_loss, _, _ = single_device("capacity")
+    cfg = load_config(os.path.join(REPO, "configs", "tiny-moe.yaml"), [
+        "logging.progress=false", "logging.tensorboard=false", "model.d_model=64",
+        "model.vocab_size=128", "train.seq_len=32", "model.moe.capacity_factor=1.0",
+        "model.moe.dispatch=capacity", "train.microbatches=2", "model.moe.aux_loss_weight=0",
+        "model.moe.z_loss_weight=0"])
+    mesh_ = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:1])
+    rules = sharding.PRESETS[cfg.mesh.rules]
+    data = make_data_iterator(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
+                              global_batch_size=cfg.train.global_batch_size, seed=cfg.seed)
+    with jax.set_mesh(mesh_), sharding.axis_rules(rules):
+        program = build_program(cfg, mesh_, rules)
+        state = program.init()
+        batch = batch_to_device(next(data), program.batch_sharding)
+        loss, _, _ = program.loss_and_grads(state.params, batch)
+        _, metrics = program.step(state, batch)
+    # CE is exactly additive over microbatches; router losses are off here, so the
+    # loss equals the one-batch loss (which had them on: they do not enter `loss`).
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=EP_LOSS_RTOL)
+    assert {"moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_max_load"} <= set(metrics)

@@ -1,0 +1,181 @@
+"""Two local processes with 4 CPU devices each (coordinator on 127.0.0.1, gloo collectives)
+train the tiny model as one 8-device mesh; checkpoints cross between the two-process
+and the one-process layout; a killed peer makes the survivor exit in bounded time.
+
+Oracle: the single-process 8-device run of the same config (in this pytest process).
+Cross-process collectives (gloo) may sum in another order than in-process ones, so
+losses are compared at rtol 1e-5 (f32), as in test_sharded_training."""
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain.trainer import train
+from tests.conftest import REPO, tiny_config
+from tests.test_checkpoint_kill import env as cli_env
+from tests.test_checkpoint_kill import records
+
+TINY = os.path.join(REPO, "configs", "tiny.yaml")
+COMMON = ["model.d_model=64", "model.mlp_dim=128", "train.seq_len=32", "optimizer.decay_steps=6",
+          "mesh.data=2", "mesh.fsdp=4"]
+RTOL = 1e-5
+pytestmark = pytest.mark.timeout(600)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(out_dir, *extra, heartbeat=20):
+    port = free_port()
+    env = cli_env()
+    procs = []
+    for pid in range(2):
+        cmd = [sys.executable, "-m", "jaxtrain", "train", TINY, f"output_dir={out_dir}",
+               "logging.progress=false", "logging.tensorboard=false", *COMMON, *extra,
+               f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
+               f"distributed.process_id={pid}", "distributed.initialization_timeout=60",
+               f"distributed.heartbeat_timeout={heartbeat}"]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+    return procs
+
+
+def wait_all(procs, timeout=300):
+    results = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                if q.poll() is None:
+                    os.killpg(q.pid, signal.SIGKILL)
+            pytest.fail(f"two-process run did not finish within {timeout} s")
+        results.append((p.returncode, out, err))
+    return results
+
+
+def assert_ok(results):
+    for i, (code, out, err) in enumerate(results):
+        assert code == 0, f"process {i} exited {code}:\n{err[-3000:]}"
+
+
+def test_two_processes_train_as_one_mesh_and_checkpoints_cross(tmp_path):
+    # single-process oracle on this process's 8 devices; its step-3 checkpoint is reused below
+    ref_cfg = tiny_config(tmp_path / "ref", *COMMON, "train.steps=6", "checkpoint.every=3")
+    ref = {r["step"]: r["loss"] for r in train(ref_cfg, devices=jax.devices()).metrics}
+
+    # 1) two processes, steps 1-3, checkpoint at 3
+    results = wait_all(launch(tmp_path / "two", "train.steps=3", "checkpoint.every=3"))
+    assert_ok(results)
+    assert "process 1 of 2 (explicit, coordinator 127.0.0.1:" in " ".join(results[1][2].split())
+    two = records(tmp_path / "two")                   # written by process 0 only
+    assert [r["step"] for r in two] == [1, 2, 3]
+    np.testing.assert_allclose([r["loss"] for r in two], [ref[1], ref[2], ref[3]], rtol=RTOL)
+
+    # 2) ... restored by one process with 8 devices: steps 4-6
+    cfg = tiny_config(tmp_path / "two", *COMMON, "train.steps=6", "checkpoint.every=3")
+    one = train(cfg, devices=jax.devices())
+    assert one.start_step == 3
+    np.testing.assert_allclose([r["loss"] for r in one.metrics], [ref[4], ref[5], ref[6]], rtol=RTOL)
+
+    # 3) the single-process checkpoint at step 3, restored by two processes: steps 4-6
+    shutil.copytree(tmp_path / "ref" / "checkpoints", tmp_path / "cross" / "checkpoints")
+    shutil.rmtree(tmp_path / "cross" / "checkpoints" / "6")
+    results = wait_all(launch(tmp_path / "cross", "train.steps=6", "checkpoint.every=3"))
+    assert_ok(results)
+    assert "resumed from step 3" in results[0][1]
+    cross = records(tmp_path / "cross")
+    assert [r["step"] for r in cross] == [4, 5, 6]
+    np.testing.assert_allclose([r["loss"] for r in cross], [ref[4], ref[5], ref[6]], rtol=RTOL)
+
+
+def test_killed_peer_makes_survivor_exit_in_bounded_time_then_both_resume(tmp_path):
+    heartbeat = 10   # seconds; short for the test (default 60), long enough for a loaded CI box
+    args = ("train.steps=16", "checkpoint.every=4")
+    procs = launch(tmp_path, *args, heartbeat=heartbeat)
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "checkpoints" / "4").is_dir():   # finalized step 4
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            pytest.fail("the two-process run never wrote checkpoint 4: "
+                        + " | ".join(p.communicate()[1][-1500:] for p in procs))
+        time.sleep(0.05)
+    os.killpg(procs[1].pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    procs[1].communicate()
+    (code, _, err), = wait_all(procs[:1], timeout=120)
+    elapsed = time.monotonic() - killed_at
+    # bounded: the timeout plus a few heartbeat periods (and slack for a loaded CI machine)
+    detail = f"exit {code} after {elapsed:.1f} s:\n{err[-3000:]}"
+    assert code == 4 and elapsed < heartbeat + 20, detail
+    assert "jaxtrain: error: lost process 1 of 2: no heartbeat for" in err, detail
+
+    results = wait_all(launch(tmp_path, *args, heartbeat=heartbeat))
+    assert_ok(results)
+    assert "resumed from step" in results[0][1]
+    steps = [r["step"] for r in records(tmp_path)]
+    assert steps[-1] == 16
+
+
+def test_cluster_auto_detection(monkeypatch):
+    from jaxtrain import distributed
+    from jaxtrain.config import DistributedConfig
+
+    for var in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"):
+        monkeypatch.delenv(var, raising=False)
+    assert distributed.detect_cluster() is None
+    assert distributed.initialize(DistributedConfig()) is None       # plain single process
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node[1-2]")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_LOCALID", "0")
+    assert distributed.detect_cluster() == "SlurmCluster"
+
+
+class _FakeKV:
+    """The two key-value calls the watchdog uses, over a dict shared by 'processes'."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.store[key] = value
+
+    def key_value_try_get(self, key):
+        if key not in self.store:
+            raise KeyError(key)
+        return self.store[key]
+
+
+def test_watchdog_names_the_silent_peer_and_ignores_finished_ones(capsys):
+    from jaxtrain.distributed import EXIT_PEER_LOST, PeerWatchdog
+
+    store, exits = {}, []
+    # process 0 of 3 watches: process 1 finished cleanly, process 2 never heartbeats
+    store["jaxtrain/heartbeat/1"] = "done"
+    dog = PeerWatchdog(_FakeKV(store), 0, 3, timeout=1.0, exit_fn=exits.append)
+    dog.interval = 0.05
+    t0 = time.monotonic()
+    dog.start()
+    while not exits and time.monotonic() - t0 < 10:
+        time.sleep(0.02)
+    dog.finish()
+    assert exits[:1] == [EXIT_PEER_LOST] and 1.0 <= time.monotonic() - t0 < 5
+    err = capsys.readouterr().err
+    assert "jaxtrain: error: lost process 2 of 3: no heartbeat for 1 s" in err
+    assert "process 1" not in err.split("lost")[1].split(";")[0]
+    assert store["jaxtrain/heartbeat/0"] == "done"
