@@ -17,8 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import re
 import statistics

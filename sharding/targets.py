@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-import jax
 import numpy as np
 
 __all__ = [

@@ -9,6 +9,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=8").strip()
 
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
@@ -35,3 +36,25 @@ def replace(cfg, **sections):
     """dataclasses.replace on nested sections: replace(cfg, train=dict(steps=3))."""
     return dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), **v)
                                        for k, v in sections.items()})
+
+
+@contextlib.contextmanager
+def program_on_mesh(cfg):
+    """cfg's mesh on the first devices it needs, its rules, the train program, a fresh
+    state and the data iterator; yields (program, state, data) inside the mesh and rules."""
+    import math
+
+    import jax
+
+    import sharding
+    from jaxtrain.data import make_data_iterator
+    from jaxtrain.train_step import build_program
+
+    n = math.prod(cfg.mesh.sizes().values())
+    mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:n])
+    rules = sharding.PRESETS[cfg.mesh.rules]
+    data = make_data_iterator(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
+                              global_batch_size=cfg.train.global_batch_size, seed=cfg.seed)
+    with jax.set_mesh(mesh), sharding.axis_rules(rules):
+        program = build_program(cfg, mesh, rules)
+        yield program, program.init(), data

@@ -1,7 +1,6 @@
 """The model's attention dispatcher: `attention_impl=pallas` (the flash kernel in
 interpret mode, inside shard_map over batch/heads) trains like `xla`, with packed
 multi-document rows; `auto` resolves by backend."""
-import dataclasses
 import json
 
 import jax

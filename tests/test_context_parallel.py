@@ -14,7 +14,7 @@ import pytest
 
 from jaxtrain.config import ConfigError
 from jaxtrain.trainer import train
-from tests.conftest import replace, tiny_config
+from tests.conftest import tiny_config
 
 LOSS_RTOL = 1e-4
 

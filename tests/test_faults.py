@@ -16,9 +16,9 @@ from jaxtrain.cli import main
 from jaxtrain.config import ConfigError, FaultsConfig, load_config
 from jaxtrain.data import make_data_iterator
 from jaxtrain.faults import FaultMonitor, TrainingFault
-from jaxtrain.train_step import batch_to_device, build_program
+from jaxtrain.train_step import batch_to_device
 from jaxtrain.trainer import train
-from tests.conftest import REPO, tiny_config
+from tests.conftest import REPO, program_on_mesh, tiny_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,13 +30,7 @@ def small(tmp_path, *overrides):
 
 def test_nonfinite_update_is_skipped_inside_the_step(tmp_path):
     cfg = small(tmp_path, "mesh.fsdp=2")
-    mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:2])
-    rules = sharding.PRESETS[cfg.mesh.rules]
-    data = make_data_iterator(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
-                              global_batch_size=cfg.train.global_batch_size, seed=cfg.seed)
-    with jax.set_mesh(mesh), sharding.axis_rules(rules):
-        program = build_program(cfg, mesh, rules)
-        state = program.init()
+    with program_on_mesh(cfg) as (program, state, data):
         good = next(data)
         state, _ = program.step(state, batch_to_device(good, program.batch_sharding))  # non-trivial opt state
         before = jax.device_get(state)

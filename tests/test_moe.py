@@ -11,14 +11,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import sharding
 from jaxtrain.config import ConfigError, load_config
-from jaxtrain.data import make_data_iterator
-from jaxtrain.train_step import batch_to_device, build_program
+from jaxtrain.train_step import batch_to_device
 from jaxtrain.trainer import train
 from models import ModelConfig, MoEConfig, Transformer
 from models.moe import _capacity_positions, capacity, moe_layer
-from tests.conftest import REPO
+from tests.conftest import REPO, program_on_mesh
 
 # f32 throughout; the oracle runs in float64 numpy, so differences are f32 rounding.
 LAYER_RTOL, LAYER_ATOL = 1e-5, 1e-6
@@ -164,14 +162,7 @@ def ep_loss_and_grads(dispatch, **mesh):
         "logging.progress=false", "logging.tensorboard=false", "model.d_model=64",
         "model.vocab_size=128", "train.seq_len=32", "model.moe.capacity_factor=1.0",
         f"model.moe.dispatch={dispatch}", *[f"mesh.{k}={v}" for k, v in mesh.items()]])
-    n = math.prod(cfg.mesh.sizes().values())
-    mesh_ = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:n])
-    rules = sharding.PRESETS[cfg.mesh.rules]
-    data = make_data_iterator(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
-                              global_batch_size=cfg.train.global_batch_size, seed=cfg.seed)
-    with jax.set_mesh(mesh_), sharding.axis_rules(rules):
-        program = build_program(cfg, mesh_, rules)
-        state = program.init()
+    with program_on_mesh(cfg) as (program, state, data):
         batch = batch_to_device(next(data), program.batch_sharding)
         loss, _, grads = program.loss_and_grads(state.params, batch)
         spec = grads["moe_blocks"]["mlp"]["w_gate"].sharding.spec
@@ -239,13 +230,7 @@ def test_moe_microbatches_match_one_batch():
         "model.vocab_size=128", "train.seq_len=32", "model.moe.capacity_factor=1.0",
         "model.moe.dispatch=capacity", "train.microbatches=2", "model.moe.aux_loss_weight=0",
         "model.moe.z_loss_weight=0"])
-    mesh_ = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:1])
-    rules = sharding.PRESETS[cfg.mesh.rules]
-    data = make_data_iterator(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
-                              global_batch_size=cfg.train.global_batch_size, seed=cfg.seed)
-    with jax.set_mesh(mesh_), sharding.axis_rules(rules):
-        program = build_program(cfg, mesh_, rules)
-        state = program.init()
+    with program_on_mesh(cfg) as (program, state, data):
         batch = batch_to_device(next(data), program.batch_sharding)
         loss, _, _ = program.loss_and_grads(state.params, batch)
         _, metrics = program.step(state, batch)

@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 
 import sharding
-from jaxtrain.data import make_data_iterator
-from jaxtrain.train_step import batch_to_device, build_program
+from jaxtrain.train_step import batch_to_device
 from jaxtrain.trainer import train
-from tests.conftest import replace, tiny_config
+from tests.conftest import program_on_mesh, replace, tiny_config
 
 MESHES = [(1, 1, 1), (8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)]
 # f32: sharded reductions change the summation order only.
@@ -24,14 +23,7 @@ def small_cfg(**mesh):
 
 
 def loss_and_grads(cfg):
-    n = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
-    mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:n])
-    rules = sharding.PRESETS[cfg.mesh.rules]
-    data = make_data_iterator(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
-                              global_batch_size=cfg.train.global_batch_size, seed=cfg.seed)
-    with jax.set_mesh(mesh), sharding.axis_rules(rules):
-        program = build_program(cfg, mesh, rules)
-        state = program.init()
+    with program_on_mesh(cfg) as (program, state, data):
         batch = batch_to_device(next(data), program.batch_sharding)
         loss, count, grads = program.loss_and_grads(state.params, batch)
         specs = jax.tree.map(lambda g: g.sharding.spec, grads)
