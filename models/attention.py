@@ -76,8 +76,13 @@ def attend(q, k, v, *, segment_ids=None, causal=True, impl="xla", sliding_window
     raise ValueError(f"attention impl={impl!r}: expected one of auto, xla, pallas")
 
 
-def _mesh_axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+def _batch_and_head_axes(q, rules, mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The mesh axes the active rules give the `batch` and `act_heads` dims of `q`."""
+    def axes(logical, dim):
+        spec = sharding.logical_to_spec((logical,), rules, mesh, shape=q.shape[dim:dim + 1])
+        entry = spec[0] if spec else None
+        return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return axes("batch", 0), axes("act_heads", 2)
 
 
 def _pallas_attention(q, k, v, *, segment_ids, causal, sliding_window):
@@ -91,11 +96,9 @@ def _pallas_attention(q, k, v, *, segment_ids, causal, sliding_window):
         return sharded_flash_attention(q, k, v, mesh=None, batch_axes=(), head_axes=(),
                                        causal=causal, segment_ids=segment_ids,
                                        sliding_window=sliding_window)
-    batch_spec = sharding.logical_to_spec(("batch",), rules, mesh, shape=q.shape[:1])
-    head_spec = sharding.logical_to_spec(("act_heads",), rules, mesh, shape=q.shape[2:3])
+    batch_axes, head_axes = _batch_and_head_axes(q, rules, mesh)
     return sharded_flash_attention(
-        q, k, v, mesh=mesh, batch_axes=_mesh_axes(batch_spec[0] if batch_spec else None),
-        head_axes=_mesh_axes(head_spec[0] if head_spec else None), causal=causal,
+        q, k, v, mesh=mesh, batch_axes=batch_axes, head_axes=head_axes, causal=causal,
         segment_ids=segment_ids, sliding_window=sliding_window)
 
 
@@ -119,10 +122,9 @@ def _context_attention(q, k, v, *, segment_ids, causal, impl, sliding_window, co
     if rules is None:
         raise ValueError("context parallel attention needs the logical axis rules in context "
                          "(sharding.axis_rules)")
-    batch_spec = sharding.logical_to_spec(("batch",), rules, mesh, shape=q.shape[:1])
-    head_spec = sharding.logical_to_spec(("act_heads",), rules, mesh, shape=q.shape[2:3])
-    batch_axes = tuple(a for a in _mesh_axes(batch_spec[0] if batch_spec else None) if a != "context")
-    head_axes = tuple(a for a in _mesh_axes(head_spec[0] if head_spec else None) if a != "context")
+    batch_axes, head_axes = _batch_and_head_axes(q, rules, mesh)
+    batch_axes = tuple(a for a in batch_axes if a != "context")
+    head_axes = tuple(a for a in head_axes if a != "context")
     kwargs = dict(mesh=mesh, axis_name="context", causal=causal, segment_ids=segment_ids,
                   load_balanced=True, batch_axes=batch_axes, head_axes=head_axes,
                   block_impl=impl)
