@@ -189,7 +189,7 @@ def config_for_target(cfg: Config, target: Target) -> tuple[Config, dict[str, in
 
 # --- compiling ----------------------------------------------------------------
 
-def _compile_step(cfg: Config, mesh, rules):
+def _compile_step(cfg: Config, mesh, rules, compiler_options: dict | None = None):
     import jax
 
     import sharding
@@ -203,7 +203,7 @@ def _compile_step(cfg: Config, mesh, rules):
         state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                              shapes, program.state_shardings)
         batch = abstract_batch(cfg, program.batch_sharding)
-        return program.step.lower(state, batch).compile()
+        return program.step.lower(state, batch).compile(compiler_options=compiler_options)
 
 
 class OutOfMemoryAtCompile(RuntimeError):

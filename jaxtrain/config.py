@@ -290,6 +290,10 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         if t.seq_len % (2 * m.context):
             raise ConfigError(f"train.seq_len={t.seq_len}: expected a multiple of 2 * mesh.context="
                               f"{2 * m.context} (load-balanced context parallelism)")
+        if cfg.model.sliding_window is not None and cfg.model.context_impl != "ulysses":
+            raise ConfigError(f"model.sliding_window={cfg.model.sliding_window} with mesh.context="
+                              f"{m.context}: expected model.context_impl=ulysses (ring attention "
+                              f"has no sliding-window schedule)")
         if cfg.model.context_impl == "ulysses" and cfg.model.n_heads % (m.context * max(m.tensor, 1)):
             raise ConfigError(f"model.context_impl='ulysses' needs model.n_heads={cfg.model.n_heads} "
                               f"divisible by mesh.context={m.context} x mesh.tensor={m.tensor}; "

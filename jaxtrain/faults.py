@@ -1,23 +1,23 @@
 """Numerical fault policy: which steps are faults, and what to do after a run of them.
 
-A step is a *fault* when its update was skipped inside the jitted step (loss or
-gradients not finite, see `train_step.build_program`) or when its loss spikes
-above `faults.spike_factor` x the median of the last `faults.spike_window`
-good losses. After `faults.max_consecutive` faults in a row the policy says
-`rollback` (restore the newest checkpoint from before the streak and continue
-past the streak's batches, as PaLM did for its loss spikes) or `stop`.
+Each step is judged inside the jitted step, before its update is applied
+(`train_step.judge_step`): a *fault* is a loss or gradient that is not finite,
+or a loss above `faults.spike_factor` x the median of the last
+`faults.spike_window` good losses; a faulty step's update is skipped and its
+`fault` metric says why. This monitor, on the host, reads those verdicts in
+step order and applies the policy: after `faults.max_consecutive` faults in a
+row it says `rollback` (restore the newest checkpoint from before the streak
+and continue past the streak's batches, as PaLM did for its loss spikes) or
+`stop`.
 
-The monitor is host-side and deterministic: every process sees the same
-(replicated) metrics, so every process reaches the same verdict at the same
-step. Its state goes into each checkpoint, so a resumed run judges exactly as
-an uninterrupted one would. Nothing here imports jax.
+Deterministic: every process sees the same (replicated) metrics, so every
+process reaches the same verdict at the same step; the loss window lives in the
+train state and the monitor's counters in each checkpoint, so a resumed run
+judges exactly as an uninterrupted one would. Nothing here imports jax.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
-import statistics
-from collections import deque
 
 from jaxtrain.config import FaultsConfig
 
@@ -40,32 +40,27 @@ class Streak:
         return self.last_step - self.first_step + 1
 
 
+# The step's `fault` metric (train_step.FAULT_*) -> the name used in messages.
+FAULT_REASONS = {0: None, 1: "nonfinite", 2: "spike"}
+
+
 class FaultMonitor:
-    """Feed it every step's (loss, skipped) in order; it returns None, "rollback" or "stop"."""
+    """Feed it every step's (loss, skipped, fault code) in order; it returns None,
+    "rollback" or "stop"."""
 
     def __init__(self, cfg: FaultsConfig):
         self.cfg = cfg
-        self.window: deque[float] = deque(maxlen=cfg.spike_window)
         self.streak: Streak | None = None
         self.skipped_total = 0
         self.spikes_total = 0
         self.rollbacks = 0
 
-    def classify(self, loss: float, skipped: bool) -> str | None:
-        """"nonfinite", "spike" or None (a good step)."""
-        if skipped or not math.isfinite(loss):
-            return "nonfinite"
-        if (self.cfg.spike_factor is not None and len(self.window) == self.window.maxlen
-                and loss > self.cfg.spike_factor * statistics.median(self.window)):
-            return "spike"
-        return None
-
-    def observe(self, step: int, batch_index: int, loss: float, skipped: bool) -> str | None:
+    def observe(self, step: int, batch_index: int, loss: float, skipped: bool,
+                fault: int) -> str | None:
         """Record one step; returns the action due ("rollback" or "stop"), if any."""
-        reason = self.classify(loss, skipped)
+        reason = FAULT_REASONS[int(fault)]
         self.skipped_total += int(bool(skipped))
         if reason is None:
-            self.window.append(loss)
             self.streak = None
             return None
         if reason == "spike":
@@ -98,7 +93,7 @@ class FaultMonitor:
             "rerunning resumes from the newest checkpoint")
 
     def after_rollback(self, restored: dict | None) -> None:
-        """Rolled back: the streak is dealt with; take the checkpoint's window, keep the totals."""
+        """Rolled back: the streak is dealt with; keep the totals."""
         rollbacks, skipped, spikes = self.rollbacks + 1, self.skipped_total, self.spikes_total
         if restored:
             self.load_state_dict(restored)
@@ -106,12 +101,11 @@ class FaultMonitor:
         self.rollbacks, self.skipped_total, self.spikes_total = rollbacks, skipped, spikes
 
     def state_dict(self) -> dict:
-        return {"window": list(self.window), "skipped_total": self.skipped_total,
+        return {"skipped_total": self.skipped_total,
                 "spikes_total": self.spikes_total, "rollbacks": self.rollbacks,
                 "streak": dataclasses.asdict(self.streak) if self.streak else None}
 
     def load_state_dict(self, state: dict) -> None:
-        self.window = deque(state.get("window", []), maxlen=self.cfg.spike_window)
         self.skipped_total = int(state.get("skipped_total", 0))
         self.spikes_total = int(state.get("spikes_total", 0))
         self.rollbacks = int(state.get("rollbacks", 0))

@@ -29,6 +29,34 @@ class TrainState(NamedTuple):
     step: jax.Array          # int32 scalar
     params: dict             # nested dict of arrays (fp32 master weights)
     opt_state: Any           # optax state mirroring params
+    loss_window: jax.Array   # f32[faults.spike_window]: last good losses, oldest first; NaN = empty
+
+
+# metrics["fault"]: why the step's update was skipped (0: it was applied).
+FAULT_NONE, FAULT_NONFINITE, FAULT_SPIKE = 0, 1, 2
+FAULT_NAMES = {FAULT_NONFINITE: "nonfinite", FAULT_SPIKE: "spike"}
+
+
+def judge_step(loss, grad_norm, window, *, skip_nonfinite: bool, spike_factor: float | None):
+    """(apply the update?, fault code, next loss window) for one step, on device.
+
+    A step is a fault when its loss or gradient norm is not finite, or when its
+    loss exceeds ``spike_factor`` x the median of the last good losses (judged
+    only once the window is full). Faulty steps do not enter the window. Run
+    inside the step, before the update is applied, so a spike never reaches the
+    weights; and the window is part of the train state, so a resumed or
+    rolled-back run judges exactly as an uninterrupted one.
+    """
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    spike = jnp.zeros((), bool)
+    if spike_factor is not None:
+        full = jnp.all(jnp.isfinite(window))
+        spike = finite & full & (loss > spike_factor * jnp.median(window))
+    good = finite & ~spike
+    fault = jnp.where(~finite, FAULT_NONFINITE, jnp.where(spike, FAULT_SPIKE, FAULT_NONE))
+    apply = good if skip_nonfinite else ~spike
+    window = jnp.where(good, jnp.concatenate([window[1:], loss[None].astype(window.dtype)]), window)
+    return apply, fault.astype(jnp.int32), window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,12 +104,14 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
         tx, lambda _, s: s, abstract_opt, param_shardings,
         transform_non_params=lambda _: replicated,
         is_leaf=lambda x: isinstance(x, NamedSharding))
-    state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+    state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
+                                 loss_window=replicated)
     batch_sharding = sharding.named_sharding(BATCH_AXES, rules, mesh)
 
     def init() -> TrainState:
         params = nnx.to_pure_dict(nnx.state(make_model(), nnx.Param))
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                          loss_window=jnp.full((cfg.faults.spike_window,), jnp.nan, jnp.float32))
 
     def micro_loss_and_grads(params, micro):
         """(CE sum, token count, gradients of the objective, MoE stats). The objective is
@@ -141,19 +171,21 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
         params = optax.apply_updates(state.params, updates)
         if mcfg.moe is not None and mcfg.moe.score_bias:
             params = update_router_bias(params, moe_stats["moe_expert_load"], mcfg.moe.score_bias_rate)
-        skipped = jnp.zeros((), jnp.int32)
-        if cfg.faults.skip_nonfinite:
-            # A non-finite loss or gradient leaves params and optimizer state exactly as
-            # they were (a select, so nothing leaves the device); the step counter still
-            # advances because the batch was consumed. The loop counts these skips.
-            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+        # A faulty step (non-finite, or a loss spike) leaves params and optimizer state
+        # exactly as they were (a select, so nothing leaves the device); the step
+        # counter still advances because the batch was consumed. The loop counts these.
+        apply, fault, window = judge_step(loss, grad_norm, state.loss_window,
+                                          skip_nonfinite=cfg.faults.skip_nonfinite,
+                                          spike_factor=cfg.faults.spike_factor)
+        if cfg.faults.skip_nonfinite or cfg.faults.spike_factor is not None:
+            params, opt_state = jax.tree.map(lambda new, old: jnp.where(apply, new, old),
                                              (params, opt_state), (state.params, state.opt_state))
-            skipped = (~finite).astype(jnp.int32)
+        skipped = (~apply).astype(jnp.int32)
         metrics = {"loss": loss, "grad_norm": grad_norm,
-                   "lr": schedule(state.step), "tokens": count, "skipped": skipped}
+                   "lr": schedule(state.step), "tokens": count, "skipped": skipped, "fault": fault}
         metrics.update({k: v for k, v in moe_stats.items() if k != "moe_expert_load"})
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                          loss_window=window), metrics
 
     return TrainProgram(
         graphdef=graphdef, abstract_params=abstract_params, param_axes=param_axes,

@@ -239,7 +239,8 @@ def train(cfg: Config, *, devices=None) -> TrainResult:
                     fetched = jax.device_get([m for _, _, m in pending])   # the loop's host sync
                     action = None
                     for (s, b, _), m in zip(pending, fetched):
-                        action = monitor.observe(s, b, float(m["loss"]), bool(m["skipped"])) or action
+                        action = monitor.observe(s, b, float(m["loss"]), bool(m["skipped"]),
+                                                 int(m["fault"])) or action
                         if action:
                             break
                     pending.clear()

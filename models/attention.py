@@ -115,8 +115,9 @@ def _context_attention(q, k, v, *, segment_ids, causal, impl, sliding_window, co
     zig-zag order (load balanced)."""
     from pallas_kernels import ring_attention, ulysses_attention
 
-    if sliding_window is not None:
-        raise ValueError(f"sliding_window={sliding_window} is not supported with mesh.context > 1")
+    if sliding_window is not None and context_impl != "ulysses":
+        raise ValueError(f"model.sliding_window={sliding_window} with mesh.context > 1 needs "
+                         f"model.context_impl=ulysses (the ring has no windowed chunk schedule)")
     mesh = jax.sharding.get_abstract_mesh()
     rules = sharding.current_rules()
     if rules is None:
@@ -131,5 +132,5 @@ def _context_attention(q, k, v, *, segment_ids, causal, impl, sliding_window, co
     if context_impl == "ring":
         return ring_attention(q, k, v, **kwargs)
     if context_impl == "ulysses":
-        return ulysses_attention(q, k, v, **kwargs)
+        return ulysses_attention(q, k, v, sliding_window=sliding_window, **kwargs)
     raise ValueError(f"context_impl={context_impl!r}: expected ring or ulysses")

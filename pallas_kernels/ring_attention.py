@@ -19,9 +19,15 @@ outputs if they need sequence order. Per ring step each shard then computes
 only the chunk pairs that are not fully masked (the rest are skipped, not
 computed and discarded); balanced, every shard computes the same number, and
 the one pair that differs between "kv from an earlier shard" and "from a later
-one" is picked with a select rather than a conditional, so the step's kernels
-sit in the loop body where XLA can schedule them between the ring transfer's
-start and done (benchmarks/context.py checks the compiled schedule).
+one" is chosen by a scalar chunk index, not a conditional, so the step's
+kernels sit in the loop body where XLA can schedule them between the ring
+transfer's start and done (benchmarks/context.py checks the compiled schedule).
+
+Memory. Chunks are read with dynamic slices of the shard's buffers and results
+accumulated with dynamic_update_slice, which XLA does in place: no
+split/concatenate copies and no select over whole chunks. Per device the ring
+holds a fixed number of shard-sized buffers (f32 dQ/dK/dV, the dK/dV and K/V
+in flight), so its memory falls as 1/context from context 2 on.
 
 Per-block compute: the Pallas flash kernel on GPU/TPU (its forward and backward
 kernels with separate q and kv segment ids), an XLA block on CPU. Both return
@@ -247,10 +253,6 @@ class _Ring:
         return 2 if self.balanced else 1
 
 
-def _split(x, chunks):
-    return list(jnp.split(x, chunks, axis=1)) if x is not None else [None] * chunks
-
-
 def _shift(ring: _Ring, xs):
     """Send to the next shard on the ring (i -> i+1)."""
     if ring.n == 1:
@@ -259,62 +261,72 @@ def _shift(ring: _Ring, xs):
     return jax.tree.map(lambda x: lax.ppermute(x, ring.axis, perm), xs)
 
 
-def _select(ring: _Ring, step, branches, fn, operand):
-    """Run fn(pairs, operand) for this shard's relation to the kv it holds at ``step``.
+# A pair is (q chunk index, kv chunk index, diagonal); an index is a Python int
+# or, where the step's relation ("before"/"after" in the ring) decides it, a
+# traced int32 scalar. Chunks are read with dynamic_slice and accumulated with
+# dynamic_update_slice into whole-shard buffers, which XLA updates in place:
+# no split/concatenate copies and no select over whole chunks, so per-device
+# memory is a fixed number of shard-sized buffers at every context size.
 
-    ``pairs`` holds static (q_chunk, kv_chunk, diagonal) triples and, where the
-    'before' and 'after' relations differ by exactly one pair (the balanced
-    causal layout), one ``_Either`` whose chunks are picked with a select: the
-    step then has no conditional around its kernels, so XLA's scheduler can
-    overlap them with the ring transfer. Otherwise a ``lax.cond`` picks the
-    relation's pairs (masked pairs are skipped either way).
+def _chunk(x, idx, size, axis=1):
+    if x is None:
+        return None
+    if isinstance(idx, int):
+        return lax.slice_in_dim(x, idx * size, (idx + 1) * size, axis=axis)
+    return lax.dynamic_slice_in_dim(x, idx * size, size, axis=axis)
+
+
+def _put(acc, idx, size, val, axis=1):
+    if isinstance(idx, int):
+        idx = jnp.int32(idx)
+    return lax.dynamic_update_slice_in_dim(acc, val.astype(acc.dtype), idx * size, axis=axis)
+
+
+def _step_pairs(ring: _Ring, step):
+    """The (q chunk, kv chunk, diagonal) pairs this shard computes at ``step``.
+
+    Step 0 is the shard's own kv. Later steps depend on whether the kv came
+    from an earlier or a later shard; where the two relations differ by one
+    pair with the same diagonal flag (the balanced causal layout), the chunk
+    indices of that pair are picked with a scalar select, so the step has no
+    conditional around its kernels and XLA can overlap them with the ring
+    transfer. Returns None where a ``lax.cond`` is needed instead (contiguous
+    causal: the kv from a later shard is fully masked).
     """
-    if len(branches) == 1:
-        return fn(next(iter(branches.values())), operand)
-    before, after = branches["before"], branches["after"]
+    if isinstance(step, int) and step == 0:
+        return _pairs(ring.causal, ring.balanced, "self")
+    before = _pairs(ring.causal, ring.balanced, "before")
+    after = _pairs(ring.causal, ring.balanced, "after")
     if before == after:
-        return fn(before, operand)
-    i = lax.axis_index(ring.axis)
-    is_before = (i - step) % ring.n < i
+        return before
     only_b = [p for p in before if p not in after]
     only_a = [p for p in after if p not in before]
     if len(only_b) == len(only_a) == 1 and only_b[0][2] == only_a[0][2]:
-        common = [p for p in before if p in after]
-        return fn(common + [_Either(is_before, only_b[0], only_a[0])], operand)
-    return lax.cond(is_before, lambda o: fn(before, o), lambda o: fn(after, o), operand)
+        is_before = _is_before(ring, step)
+        pick = lambda t, f: t if t == f else jnp.where(is_before, jnp.int32(t), jnp.int32(f))
+        (bq, bk, diag), (aq, ak, _) = only_b[0], only_a[0]
+        return [p for p in before if p in after] + [(pick(bq, aq), pick(bk, ak), diag)]
+    return None
 
 
-@dataclasses.dataclass(frozen=True)
-class _Either:
-    """The pair ``if_true`` where ``pred`` holds, else ``if_false`` (same diagonal flag)."""
-    pred: jax.Array
-    if_true: tuple
-    if_false: tuple
-
-    def pick(self, xs, pos):
-        """xs[pair[pos]] of the chosen pair (pos 0: q chunk, 1: kv chunk)."""
-        t, f = self.if_true[pos], self.if_false[pos]
-        if t == f or xs[t] is None:
-            return xs[t]
-        return jnp.where(self.pred, xs[t], xs[f])
-
-    def gates(self, pos):
-        """(chunk, gate) for each chunk the chosen pair may write at ``pos``; gate None = always."""
-        t, f = self.if_true[pos], self.if_false[pos]
-        if t == f:
-            return [(t, None)]
-        return [(t, self.pred), (f, jnp.logical_not(self.pred))]
+def _is_before(ring: _Ring, step):
+    i = lax.axis_index(ring.axis)
+    return (i - step) % ring.n < i
 
 
-def _gated(gate, new, old):
-    if gate is None:
-        return new
-    return jax.tree.map(lambda n, o: jnp.where(gate, n, o), new, old)
+def _run_step(ring: _Ring, step, fn, state):
+    """fn(pairs, state) for this step's pairs (a lax.cond where unavoidable)."""
+    pairs = _step_pairs(ring, step)
+    if pairs is not None:
+        return fn(pairs, state)
+    before = _pairs(ring.causal, ring.balanced, "before")
+    after = _pairs(ring.causal, ring.balanced, "after")
+    return lax.cond(_is_before(ring, step), lambda s: fn(before, s), lambda s: fn(after, s), state)
 
 
 def _ring_loop(ring: _Ring, kv, state, step_fn, after_step=None):
-    """Run step_fn(step, pairs_by_relation, kv, state) for steps 0..n-1, the kv
-    slice moving one shard along the ring per step.
+    """Run step_fn(step, kv, state) for steps 0..n-1, the kv slice moving one
+    shard along the ring per step.
 
     Step 0 (the shard's own kv) and the last step are outside the loop; steps
     1..n-2 are a ``fori_loop``, so the program size does not grow with n. The
@@ -337,64 +349,50 @@ def _ring_loop(ring: _Ring, kv, state, step_fn, after_step=None):
     return after_step(step_fn(ring.n - 1, kv, state))
 
 
-def _relations(ring: _Ring, step):
-    if isinstance(step, int) and step == 0:
-        return {"self": _pairs(ring.causal, ring.balanced, "self")}
-    return {r: _pairs(ring.causal, ring.balanced, r) for r in ("before", "after")}
-
-
 def _ring_fwd_local(ring: _Ring, q, k, v, seg):
     b, L, h, d = q.shape
-    cq = ring.chunks
-    qs, segs = _split(q, cq), _split(seg, cq)
-    acc = tuple((jnp.zeros((b, L // cq, h, d), jnp.float32),
-                 jnp.full((b, h, L // cq), _NEG_INF, jnp.float32)) for _ in range(cq))
+    c = L // ring.chunks
+    acc = (jnp.zeros((b, L, h, d), jnp.float32), jnp.full((b, h, L), _NEG_INF, jnp.float32))
 
     def step_fn(step, kv, acc):
-        def compute(pairs, state):
-            acc = list(state)
-            ks, vs, ksegs = _split(kv[0], cq), _split(kv[1], cq), _split(kv[2], cq)
-            for pair in pairs:
-                e = pair if isinstance(pair, _Either) else _Either(None, pair, pair)
-                o_b, lse_b = _block_fwd(ring.block, e.pick(qs, 0), e.pick(ks, 1), e.pick(vs, 1),
-                                        e.pick(segs, 0), e.pick(ksegs, 1), e.if_true[2])
-                for a, gate in e.gates(0):
-                    acc[a] = _gated(gate, _merge(*acc[a], o_b, lse_b), acc[a])
-            return tuple(acc)
-        return _select(ring, step, _relations(ring, step), compute, acc)
+        ks, vs, ksegs = kv
 
-    acc = _ring_loop(ring, (k, v, seg), acc, step_fn)
-    o = jnp.concatenate([a[0] for a in acc], axis=1).astype(q.dtype)
-    lse = jnp.concatenate([a[1] for a in acc], axis=2)
-    return o, lse
+        def compute(pairs, acc):
+            o, lse = acc
+            for qi, ki, diagonal in pairs:
+                o_b, lse_b = _block_fwd(ring.block, _chunk(q, qi, c), _chunk(ks, ki, c),
+                                        _chunk(vs, ki, c), _chunk(seg, qi, c), _chunk(ksegs, ki, c),
+                                        diagonal)
+                o_a, lse_a = _merge(_chunk(o, qi, c), _chunk(lse, qi, c, axis=2), o_b, lse_b)
+                o, lse = _put(o, qi, c, o_a), _put(lse, qi, c, lse_a, axis=2)
+            return o, lse
+        return _run_step(ring, step, compute, acc)
+
+    o, lse = _ring_loop(ring, (k, v, seg), acc, step_fn)
+    return o.astype(q.dtype), lse
 
 
 def _ring_bwd_local(ring: _Ring, q, k, v, seg, o, lse, do):
-    cq = ring.chunks
+    c = q.shape[1] // ring.chunks
     delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
-    qs, segs, dos = _split(q, cq), _split(seg, cq), _split(do, cq)
-    lses, deltas = jnp.split(lse, cq, axis=2), jnp.split(delta, cq, axis=2)
     grads = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
              jnp.zeros(v.shape, jnp.float32))
 
     def step_fn(step, kv, grads):
-        def compute(pairs, state):
-            dq, dk, dv = state
-            dqs, dks, dvs = _split(dq, cq), _split(dk, cq), _split(dv, cq)
-            ks, vs, ksegs = _split(kv[0], cq), _split(kv[1], cq), _split(kv[2], cq)
-            for pair in pairs:
-                e = pair if isinstance(pair, _Either) else _Either(None, pair, pair)
-                gq, gk, gv = _block_bwd(ring.block, e.pick(qs, 0), e.pick(ks, 1), e.pick(vs, 1),
-                                        e.pick(segs, 0), e.pick(ksegs, 1), e.if_true[2],
-                                        e.pick(lses, 0), e.pick(dos, 0), e.pick(deltas, 0))
-                for a, gate in e.gates(0):
-                    dqs[a] = _gated(gate, dqs[a] + gq, dqs[a])
-                for c, gate in e.gates(1):
-                    dks[c] = _gated(gate, dks[c] + gk, dks[c])
-                    dvs[c] = _gated(gate, dvs[c] + gv, dvs[c])
-            cat = lambda xs: jnp.concatenate(xs, axis=1)
-            return cat(dqs), cat(dks), cat(dvs)
-        return _select(ring, step, _relations(ring, step), compute, grads)
+        ks, vs, ksegs = kv
+
+        def compute(pairs, grads):
+            dq, dk, dv = grads
+            for qi, ki, diagonal in pairs:
+                gq, gk, gv = _block_bwd(ring.block, _chunk(q, qi, c), _chunk(ks, ki, c),
+                                        _chunk(vs, ki, c), _chunk(seg, qi, c), _chunk(ksegs, ki, c),
+                                        diagonal, _chunk(lse, qi, c, axis=2), _chunk(do, qi, c),
+                                        _chunk(delta, qi, c, axis=2))
+                dq = _put(dq, qi, c, _chunk(dq, qi, c) + gq)
+                dk = _put(dk, ki, c, _chunk(dk, ki, c) + gk)
+                dv = _put(dv, ki, c, _chunk(dv, ki, c) + gv)
+            return dq, dk, dv
+        return _run_step(ring, step, compute, grads)
 
     def send_kv_grads(grads):
         # dK/dV accumulators travel with their K/V; after n hops they are home.

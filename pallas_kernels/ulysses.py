@@ -40,12 +40,14 @@ def _zigzag(seq_len: int, n: int) -> np.ndarray:
 def ulysses_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool = True,
                       segment_ids=None, softmax_scale: float | None = None,
                       load_balanced: bool = False, batch_axes=(), head_axes=(),
-                      block_impl: str | None = None):
+                      block_impl: str | None = None, sliding_window: int | None = None):
     """Attention on ``[batch, seq, heads, head_dim]`` arrays sharded on seq over
     ``axis_name``; output sharded the same way. See the module docstring.
 
     block_impl: 'pallas' (flash kernel; interpret mode on CPU) or 'xla'
     (materialised scores: test sizes only); None picks by the mesh's platform.
+    sliding_window: as for ``flash_attention`` (in sequence order: each shard
+    sees the whole sequence, so the window needs nothing from the ring).
     """
     check_inputs(q, k, v, mesh=mesh, axis_name=axis_name)
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
@@ -90,10 +92,10 @@ def ulysses_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool
             seg = None if seg is None else seg[:, inv]
         if block_impl == "pallas":
             o = flash_attention(q, k, v, causal=causal, segment_ids=seg,
-                                softmax_scale=softmax_scale)
+                                softmax_scale=softmax_scale, sliding_window=sliding_window)
         else:
             o = reference.attention(q, k, v, causal=causal, segment_ids=seg,
-                                    softmax_scale=softmax_scale)
+                                    softmax_scale=softmax_scale, sliding_window=sliding_window)
         if perm is not None:
             o = o[:, perm]
         return heads_to_seq(o)

@@ -49,6 +49,27 @@ def test_ulysses_data2_context2_matches_single_device(tmp_path, single_device_lo
     np.testing.assert_allclose(losses, single_device_losses, rtol=LOSS_RTOL)
 
 
+def test_ring_context2_tensor2_data2_matches_single_device(tmp_path, single_device_losses):
+    """Context composes with tensor parallelism (heads split inside the ring's
+    shard_map) and data parallelism on one 8-device mesh."""
+    losses = _losses(_cfg(tmp_path, "ring_tp", "mesh.context=2", "mesh.tensor=2", "mesh.data=2",
+                          "mesh.fsdp=1"))
+    np.testing.assert_allclose(losses, single_device_losses, rtol=LOSS_RTOL)
+
+
+@pytest.mark.slow
+def test_ulysses_sliding_window_context2_matches_single_device(tmp_path):
+    """Mistral-style sliding window under context parallelism (Ulysses sees the
+    whole sequence per head, so the window is applied in sequence order)."""
+    window = ("model.sliding_window=8",)
+    one = _losses(_cfg(tmp_path, "win_one", *window))
+    full = _losses(_cfg(tmp_path, "win_full"))
+    losses = _losses(_cfg(tmp_path, "win_ulysses", *window, "mesh.context=2",
+                          "model.context_impl=ulysses"))
+    np.testing.assert_allclose(losses, one, rtol=LOSS_RTOL)
+    assert not np.allclose(one, full, rtol=LOSS_RTOL)   # the window changes the model
+
+
 def test_config_validation():
     with pytest.raises(ConfigError, match="multiple of 2 \\* mesh.context"):
         tiny_config(None, "mesh.context=4", "train.seq_len=36")
@@ -56,4 +77,6 @@ def test_config_validation():
         tiny_config(None, "mesh.context=8", "model.context_impl=ulysses")   # 4 heads
     with pytest.raises(ConfigError, match="context_impl"):
         tiny_config(None, "model.context_impl=zigzag")
+    with pytest.raises(ConfigError, match="sliding_window=8 with mesh.context=2: expected model.context_impl=ulysses"):
+        tiny_config(None, "mesh.context=2", "model.sliding_window=8")
     assert tiny_config(None, "mesh.context=2").mesh.context == 2

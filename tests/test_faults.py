@@ -3,10 +3,12 @@ rolls back past a streak of bad batches, or stops, by policy; spike detection.
 
 Faults are injected with the testing hook `faults.testing_poison_batches` (those
 global batches get loss_mask = inf, so loss and gradients are NaN)."""
+import functools
 import math
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -16,7 +18,8 @@ from jaxtrain.cli import main
 from jaxtrain.config import ConfigError, FaultsConfig, load_config
 from jaxtrain.data import make_data_iterator
 from jaxtrain.faults import FaultMonitor, TrainingFault
-from jaxtrain.train_step import batch_to_device
+from jaxtrain.train_step import (FAULT_NONE, FAULT_NONFINITE, FAULT_SPIKE, batch_to_device,
+                                 judge_step)
 from jaxtrain.trainer import train
 from tests.conftest import REPO, program_on_mesh, tiny_config
 
@@ -96,25 +99,68 @@ def test_cli_exit_code_3_for_a_training_fault(monkeypatch, capsys):
     assert capsys.readouterr().err.splitlines() == ["jaxtrain: error: 2 consecutive faulty steps 4..5; stopping"]
 
 
-def test_monitor_spikes_streaks_and_state_roundtrip():
+def test_judge_step_spike_and_nonfinite_verdicts():
+    """The in-step verdict against hand-computed medians: window (3, 2.5, 2, 1.9) has
+    median 2.25, so with factor 2 a loss above 4.5 is a spike."""
+    judge = jax.jit(functools.partial(judge_step, skip_nonfinite=True, spike_factor=2.0))
+    window = jnp.array([3.0, 2.5, 2.0, 1.9])
+    cases = [(5.0, 1.0, False, FAULT_SPIKE), (4.0, 1.0, True, FAULT_NONE),
+             (float("nan"), 1.0, False, FAULT_NONFINITE), (1.0, float("inf"), False, FAULT_NONFINITE)]
+    for loss, gnorm, applied, fault in cases:
+        apply, code, new = jax.device_get(judge(jnp.float32(loss), jnp.float32(gnorm), window))
+        assert (bool(apply), int(code)) == (applied, fault), (loss, gnorm)
+        expected = [2.5, 2.0, 1.9, loss] if applied else [3.0, 2.5, 2.0, 1.9]
+        np.testing.assert_array_equal(new, np.float32(expected))
+    # a window that is not full yet judges no spikes
+    partial = jnp.array([jnp.nan, jnp.nan, 1.0, 1.0])
+    apply, code, _ = judge(jnp.float32(100.0), jnp.float32(1.0), partial)
+    assert bool(apply) and int(code) == FAULT_NONE
+    # skip_nonfinite=False: a non-finite step is reported but its update applied
+    keep = functools.partial(judge_step, skip_nonfinite=False, spike_factor=None)
+    apply, code, _ = keep(jnp.float32(jnp.nan), jnp.float32(1.0), window)
+    assert bool(apply) and int(code) == FAULT_NONFINITE
+
+
+def test_loss_spike_update_is_skipped_inside_the_step(tmp_path):
+    """A spike never reaches the weights: with a window of losses 1.0 (threshold 1.5)
+    the tiny model's first loss (about ln 512 = 6.2) is a spike, params and
+    optimizer state stay as they were; with a window of 5.0 (threshold 7.5) it is not."""
+    cfg = small(tmp_path, "faults.spike_factor=1.5", "faults.spike_window=3")
+    with program_on_mesh(cfg) as (program, state, data):
+        batch = batch_to_device(next(data), program.batch_sharding)
+        low = state._replace(loss_window=jnp.ones(3, jnp.float32))
+        before = jax.device_get(low)
+        after, metrics = jax.device_get(program.step(low, batch))
+        assert (int(metrics["fault"]), int(metrics["skipped"])) == (FAULT_SPIKE, 1)
+        assert 1.5 < float(metrics["loss"]) < 7.5
+        same = jax.tree.map(np.array_equal, (after.params, after.opt_state, after.loss_window),
+                            (before.params, before.opt_state, before.loss_window))
+        assert all(jax.tree.leaves(same))
+        high = program.init()._replace(loss_window=jnp.full(3, 5.0, jnp.float32))
+        after, metrics = jax.device_get(program.step(high, batch))
+        assert (int(metrics["fault"]), int(metrics["skipped"])) == (FAULT_NONE, 0)
+        np.testing.assert_array_equal(after.loss_window, np.float32([5.0, 5.0, metrics["loss"]]))
+        changed = jax.tree.map(np.array_equal, after.opt_state, before.opt_state)
+        assert not all(jax.tree.leaves(changed))    # applied (lr is 0 at step 0: look at Adam's moments)
+
+
+def test_monitor_streaks_policy_and_state_roundtrip():
     cfg = FaultsConfig(spike_factor=2.0, spike_window=4, max_consecutive=2, on_too_many="rollback",
                        max_rollbacks=1)
     m = FaultMonitor(cfg)
     for step, loss in enumerate([4.0, 3.0, 2.5, 2.0, 1.9], start=1):
-        assert m.observe(step, step - 1, loss, False) is None
-    assert m.classify(5.0, False) == "spike"           # 5 > 2 x median(3, 2.5, 2, 1.9)
-    assert m.classify(4.0, False) is None
-    assert m.classify(1.0, True) == "nonfinite"
-    assert m.observe(6, 5, 9.0, False) is None and m.spikes_total == 1
+        assert m.observe(step, step - 1, loss, False, FAULT_NONE) is None
+    assert m.observe(6, 5, 9.0, True, FAULT_SPIKE) is None and m.spikes_total == 1
     copy = FaultMonitor(cfg)
     copy.load_state_dict(m.state_dict())
     for mon in (m, copy):                               # same verdicts after a checkpoint round trip
-        assert mon.observe(7, 6, float("nan"), True) == "rollback"
+        assert mon.observe(7, 6, float("nan"), True, FAULT_NONFINITE) == "rollback"
         assert mon.streak.first_step == 6 and mon.streak.last_batch == 6
+        assert "step 6: spike (loss 9)" in mon.describe_streak()
     m.after_rollback(None)
-    assert m.rollbacks == 1 and m.streak is None and m.skipped_total == 1
-    m.observe(8, 9, 50.0, False)
-    assert m.observe(9, 10, 50.0, False) == "stop"      # max_rollbacks used up
+    assert m.rollbacks == 1 and m.streak is None and m.skipped_total == 2
+    m.observe(8, 9, 50.0, True, FAULT_SPIKE)
+    assert m.observe(9, 10, 50.0, True, FAULT_SPIKE) == "stop"      # max_rollbacks used up
     assert "faults.max_rollbacks=1" in str(m.stop_error())
 
 

@@ -44,7 +44,7 @@ def _inputs(heads, kv_heads, with_segments, seed=0):
 
 
 def _check_against_reference(attn, *, context, data=1, causal, heads=4, kv_heads=4,
-                             with_segments, load_balanced, **kwargs):
+                             with_segments, load_balanced, sliding_window=None, **kwargs):
     mesh = _mesh(data, context)
     q, k, v, w, seg = _inputs(heads, kv_heads, with_segments)
     perm = zigzag_permutation(S, context) if load_balanced else np.arange(S)
@@ -54,11 +54,13 @@ def _check_against_reference(attn, *, context, data=1, causal, heads=4, kv_heads
     def sharded(q, k, v):
         out = attn(q[:, perm], k[:, perm], v[:, perm], mesh=mesh, causal=causal,
                    segment_ids=None if seg is None else seg[:, perm],
-                   load_balanced=load_balanced, batch_axes=batch_axes, **kwargs)
+                   load_balanced=load_balanced, batch_axes=batch_axes,
+                   **({"sliding_window": sliding_window} if sliding_window else {}), **kwargs)
         return out[:, inv]
 
     def ref(q, k, v):
-        return reference.attention(q, k, v, causal=causal, segment_ids=seg)
+        return reference.attention(q, k, v, causal=causal, segment_ids=seg,
+                                   sliding_window=sliding_window)
 
     loss = lambda f: (lambda *a: jnp.sum(f(*a) * w))
     out, grads = jax.jit(lambda *a: (sharded(*a), jax.grad(loss(sharded), (0, 1, 2))(*a)))(q, k, v)
@@ -90,6 +92,14 @@ def test_matches_reference(impl, context, data, causal, heads, kv_heads, segment
     attn = {"ring": ring_attention, "ulysses": ulysses_attention}[impl]
     _check_against_reference(attn, context=context, data=data, causal=causal, heads=heads,
                              kv_heads=kv_heads, with_segments=segments, load_balanced=balanced)
+
+
+@pytest.mark.parametrize("block_impl", ["xla", "pallas"])
+def test_ulysses_sliding_window_matches_reference(block_impl):
+    """Window 6 spans shard and zig-zag chunk boundaries (chunks of 4 tokens)."""
+    _check_against_reference(ulysses_attention, context=4, causal=True, heads=4, kv_heads=2,
+                             with_segments=True, load_balanced=True, sliding_window=6,
+                             block_impl=block_impl)
 
 
 @pytest.mark.slow
