@@ -16,8 +16,15 @@ for inspection, out of Orbax's way) and the previous one is tried, so a bad
 checkpoint is never crash-looped on. A checkpoint whose parameter shapes
 differ from the model's is a `CheckpointMismatchError` and is not touched.
 
+Saving blocks the loop only for the device-to-host copy. Orbax's replica-parallel
+writing (replicated arrays split so that each replica writes a slice) is
+turned off in a single process, where there is only one writer, and kept in
+multi-process runs only for slices of at least 16 MiB: every slice shape
+costs an XLA compile on the first save, which otherwise blocked the first save
+for about 0.6 s (16.9% of a bench-peer step) for nothing.
+
 Restoring reads each array straight into the target sharding (Orbax
-`StandardRestore` with ShapeDtypeStructs carrying NamedShardings), so a
+`PyTreeRestore` with ShapeDtypeStructs carrying NamedShardings), so a
 checkpoint written on one mesh restores onto another, with a different
 device count or process count (Universal-Checkpointing style resharding).
 """
@@ -30,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
@@ -93,6 +101,21 @@ def _all_processes_agree(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.asarray(int(ok)))))
 
 
+MIN_REPLICA_SLICE_BYTES = 16 * 2**20
+
+
+def _array_handlers():
+    """Orbax type handlers for the train state (arrays and scalars), with
+    replica-parallel writing only across processes and for large slices (see the
+    module docstring)."""
+    th = ocp.type_handlers
+    arrays = th.ArrayHandler(use_replica_parallel=jax.process_count() > 1,
+                             min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES)
+    return th.create_type_handler_registry(
+        (jax.Array, arrays), (np.ndarray, th.NumpyHandler()), (np.number, th.ScalarHandler()),
+        (int, th.ScalarHandler()), (float, th.ScalarHandler()))
+
+
 class Checkpointer:
     """Save / find / restore train-state checkpoints under `directory`.
 
@@ -120,8 +143,8 @@ class Checkpointer:
             create=True)
         # Handlers named up front, so a fresh manager can read item metadata before any save.
         registry = ocp.handlers.create_default_handler_registry(
-            state=ocp.StandardCheckpointHandler(), data=ocp.JsonCheckpointHandler(),
-            meta=ocp.JsonCheckpointHandler())
+            state=ocp.PyTreeCheckpointHandler(type_handler_registry=_array_handlers()),
+            data=ocp.JsonCheckpointHandler(), meta=ocp.JsonCheckpointHandler())
         self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
 
     # --- saving --------------------------------------------------------------
@@ -135,7 +158,7 @@ class Checkpointer:
         jax.block_until_ready(state)   # time the save, not the step still running
         t0 = time.perf_counter()
         self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
+            state=ocp.args.PyTreeSave(state),
             data=ocp.args.JsonSave(data_state),
             meta=ocp.args.JsonSave(meta)), force=True)
         return time.perf_counter() - t0
@@ -171,7 +194,8 @@ class Checkpointer:
         """Restore checkpoint `step` onto `target` (raises CheckpointError if unreadable)."""
         self._check_fits(step, target)
         items = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target),
+            state=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)),
             data=ocp.args.JsonRestore(),
             meta=ocp.args.JsonRestore()))
         state = items["state"]

@@ -93,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     configure_host()   # platform first (before jax is imported), device count below
     from jaxtrain import distributed
 
+    # Multi-process: this process becomes a supervisor around the worker that trains,
+    # so that a lost coordinator is reported by name (jaxtrain/distributed.py).
+    code = distributed.supervise(cfg.distributed, list(sys.argv[1:] if argv is None else argv))
+    if code is not None:
+        return code
     # Join a multi-process job before the backend starts; each process then simulates
     # (on CPU) only its share of the mesh's devices.
     try:

@@ -13,15 +13,23 @@ process bumps a counter in the coordinator's key-value store every
 `heartbeat_timeout / 10` seconds and watches the others' counters; a peer
 whose counter has not moved for `heartbeat_timeout` seconds is declared lost
 and this process exits with EXIT_PEER_LOST and one line naming it. JAX's own
-heartbeat timeout is set a little longer, as a backstop. If the lost process
-is the coordinator (process 0), JAX's client aborts the survivors within about
-a second, before the watchdog can speak; its message then says "the leader
-task ... died".
+heartbeat timeout is set a little longer, as a backstop.
+
+If the lost process is the coordinator (process 0), JAX's client aborts the
+survivors (SIGABRT, a C++ fatal log) within about a second, before any Python
+code can speak. So a multi-process `jaxtrain train` runs as a small supervisor
+(`supervise`: no jax backend, forwards SIGTERM) around the real worker
+process; when the worker is aborted, the supervisor probes the coordinator's
+address and exits EXIT_PEER_LOST with one line naming the lost coordinator
+(or, if it still answers, saying JAX's runtime aborted the worker).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -30,6 +38,7 @@ from jaxtrain.config import DistributedConfig
 
 EXIT_PEER_LOST = 4
 _KEY = "jaxtrain/heartbeat"
+_SUPERVISED = "JAXTRAIN_SUPERVISED"   # set in the worker's environment by `supervise`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,3 +185,59 @@ class PeerWatchdog(threading.Thread):
                 elif now - last_change > self.timeout:
                     self._lost(peer, f"no heartbeat for {now - last_change:.0f} s "
                                      f"(distributed.heartbeat_timeout={self.timeout:.0f})")
+
+
+# ----------------------------------------------------------------------------
+# The supervisor: names a lost coordinator after JAX's runtime aborts the worker.
+# ----------------------------------------------------------------------------
+
+def is_multiprocess(cfg: DistributedConfig) -> bool:
+    """Whether `initialize` will join a multi-process job (explicitly or detected)."""
+    if cfg.coordinator_address is not None:
+        return (cfg.num_processes or 1) > 1
+    return cfg.auto_detect and detect_cluster() is not None
+
+
+def coordinator_reachable(address: str, timeout: float = 2.0) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def supervise(cfg: DistributedConfig, argv: list[str]) -> int | None:
+    """Run `python -m jaxtrain *argv` as a worker and return its exit code, or None
+    if this process is the worker (or the run is single-process) and should train.
+
+    The supervisor imports no jax backend. SIGTERM is forwarded to the worker
+    (preemption: it saves and exits 0); SIGINT is ignored here, since a terminal
+    sends it to the worker too. A worker killed by SIGABRT (JAX's distributed
+    runtime terminating it) becomes EXIT_PEER_LOST with a line naming the lost
+    coordinator where the probe confirms it.
+    """
+    if os.environ.get(_SUPERVISED) or not is_multiprocess(cfg):
+        return None
+    worker = subprocess.Popen([sys.executable, "-m", "jaxtrain", *argv],
+                              env={**os.environ, _SUPERVISED: "1"})
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda s, f: worker.send_signal(s)),
+                signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
+    try:
+        code = worker.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if code != -signal.SIGABRT:
+        return code if code >= 0 else 128 - code
+    me = "this process" if cfg.process_id is None else f"process {cfg.process_id}"
+    address = cfg.coordinator_address
+    if address and cfg.process_id != 0 and not coordinator_reachable(address):
+        n = f" of {cfg.num_processes}" if cfg.num_processes else ""
+        why = f"lost the coordinator, process 0{n}: {address} no longer accepts connections"
+    else:
+        why = ("JAX's distributed runtime aborted the worker: a peer process died or the "
+               "network failed (see the runtime's message above)")
+    print(f"jaxtrain: error: {why}; {me} exits (code {EXIT_PEER_LOST}). Restart every "
+          "process to resume from the newest checkpoint.", file=sys.stderr, flush=True)
+    return EXIT_PEER_LOST

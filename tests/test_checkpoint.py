@@ -100,7 +100,8 @@ def test_reshard_8_to_4_devices(tmp_path):
     wq = on4.params["blocks"]["attn"]["wq"]
     assert set(wq.sharding.device_set) == set(jax.devices()[:4])
     assert wq.sharding.spec == prog4.state_shardings.params["blocks"]["attn"]["wq"].spec
-    same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), on8, on4)
+    same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True),
+                        on8, on4)   # the loss window holds NaN for empty slots
     assert all(jax.tree.leaves(same))
 
     run4 = train(cfg4, devices=jax.devices()[:4])

@@ -6,6 +6,7 @@ Oracle: the single-process 8-device run of the same config (in this pytest proce
 Cross-process collectives (gloo) may sum in another order than in-process ones, so
 losses are compared at rtol 1e-5 (f32), as in test_sharded_training."""
 import os
+import re
 import shutil
 import signal
 import socket
@@ -100,9 +101,9 @@ def test_two_processes_train_as_one_mesh_and_checkpoints_cross(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in cross], [ref[4], ref[5], ref[6]], rtol=RTOL)
 
 
-def test_killed_peer_makes_survivor_exit_in_bounded_time_then_both_resume(tmp_path):
-    heartbeat = 10   # seconds; short for the test (default 60), long enough for a loaded CI box
-    args = ("train.steps=16", "checkpoint.every=4")
+def _start_then_kill(tmp_path, victim, *args, heartbeat=10):
+    """Launch two processes, SIGKILL `victim`'s process group once checkpoint 4 is
+    final; returns (survivor's exit code, stderr, seconds from the kill to its exit)."""
     procs = launch(tmp_path, *args, heartbeat=heartbeat)
     deadline = time.monotonic() + 240
     while not (tmp_path / "checkpoints" / "4").is_dir():   # finalized step 4
@@ -113,11 +114,17 @@ def test_killed_peer_makes_survivor_exit_in_bounded_time_then_both_resume(tmp_pa
             pytest.fail("the two-process run never wrote checkpoint 4: "
                         + " | ".join(p.communicate()[1][-1500:] for p in procs))
         time.sleep(0.05)
-    os.killpg(procs[1].pid, signal.SIGKILL)
+    os.killpg(procs[victim].pid, signal.SIGKILL)
     killed_at = time.monotonic()
-    procs[1].communicate()
-    (code, _, err), = wait_all(procs[:1], timeout=120)
-    elapsed = time.monotonic() - killed_at
+    procs[victim].communicate()
+    (code, _, err), = wait_all(procs[1 - victim:2 - victim], timeout=120)
+    return code, err, time.monotonic() - killed_at
+
+
+def test_killed_peer_makes_survivor_exit_in_bounded_time_then_both_resume(tmp_path):
+    heartbeat = 10   # seconds; short for the test (default 60), long enough for a loaded CI box
+    args = ("train.steps=16", "checkpoint.every=4")
+    code, err, elapsed = _start_then_kill(tmp_path, 1, *args, heartbeat=heartbeat)
     # bounded: the timeout plus a few heartbeat periods (and slack for a loaded CI machine)
     detail = f"exit {code} after {elapsed:.1f} s:\n{err[-3000:]}"
     assert code == 4 and elapsed < heartbeat + 20, detail
@@ -128,6 +135,16 @@ def test_killed_peer_makes_survivor_exit_in_bounded_time_then_both_resume(tmp_pa
     assert "resumed from step" in results[0][1]
     steps = [r["step"] for r in records(tmp_path)]
     assert steps[-1] == 16
+
+
+def test_killed_coordinator_is_named_by_the_survivor(tmp_path):
+    """JAX's runtime aborts a survivor whose coordinator (process 0) died within about a
+    second; the supervisor turns that into exit 4 and a line naming process 0."""
+    code, err, elapsed = _start_then_kill(tmp_path, 0, "train.steps=40", "checkpoint.every=4")
+    detail = f"exit {code} after {elapsed:.1f} s:\n{err[-3000:]}"
+    assert code == 4 and elapsed < 30, detail
+    assert re.search(r"jaxtrain: error: lost the coordinator, process 0 of 2: 127\.0\.0\.1:\d+ no "
+                     r"longer accepts connections; process 1 exits \(code 4\)", err), detail
 
 
 def test_cluster_auto_detection(monkeypatch):
