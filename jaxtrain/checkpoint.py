@@ -213,10 +213,16 @@ class Checkpointer:
         if saved_params is None:
             raise CheckpointError(f"checkpoint {path}: metadata unreadable (no state metadata)")
         mismatch = first_param_mismatch(dict(saved_params), target.params)
+        window = metadata.get("loss_window") if hasattr(metadata, "get") else None
+        want = tuple(target.loss_window.shape)
+        if not mismatch and (window is None or tuple(window.shape) != want):
+            got = "none" if window is None else f"{tuple(window.shape)[0]} losses"
+            mismatch = (f"its loss window (spike detection) holds {got}, the run expects "
+                        f"faults.spike_window={want[0]}")
         if mismatch:
             raise CheckpointMismatchError(
-                f"checkpoint {path}: {mismatch}. The model config changed since this run was "
-                "checkpointed; restore the old model settings, or train into a new output_dir "
+                f"checkpoint {path}: {mismatch}. The config changed since this run was "
+                "checkpointed; restore the old settings, or train into a new output_dir "
                 "(or checkpoint.dir). The checkpoint was left untouched")
 
     def _try_restore(self, step: int, target: TrainState) -> Restored | None:

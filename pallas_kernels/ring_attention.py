@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 fa = importlib.import_module("pallas_kernels.flash_attention")
 from pallas_kernels.sharded import _axes_tuple, _has_explicit_axes, _mesh_platform
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "chunked_attention"]
 
 _NEG_INF = -jnp.inf
 
@@ -420,6 +420,128 @@ def _ring_bwd(ring, res, do):
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ----------------------------------------------------------------------------
+# The same blocks on one device: attention over sequence chunks (no ring).
+# ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Chunked:
+    chunks: int
+    causal: bool
+    block: _BlockSpec
+
+
+def _chunk_pairs(spec: _Chunked):
+    """(q chunk, kv chunk, diagonal) pairs in sequence order; causal skips j > i."""
+    m = spec.chunks
+    return [(i, j, spec.causal and i == j) for i in range(m) for j in range(m)
+            if not (spec.causal and j > i)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked(spec: _Chunked, q, k, v, seg):
+    return _chunked_fwd_local(spec, q, k, v, seg)[0]
+
+
+def _chunked_fwd_local(spec, q, k, v, seg):
+    c = q.shape[1] // spec.chunks
+    outs, lses = [], []
+    for i in range(spec.chunks):
+        acc = None
+        for qi, ki, diagonal in _chunk_pairs(spec):
+            if qi != i:
+                continue
+            o_b, lse_b = _block_fwd(spec.block, _chunk(q, qi, c), _chunk(k, ki, c), _chunk(v, ki, c),
+                                    _chunk(seg, qi, c), _chunk(seg, ki, c), diagonal)
+            acc = (o_b.astype(jnp.float32), lse_b) if acc is None else _merge(*acc, o_b, lse_b)
+        outs.append(acc[0].astype(q.dtype))
+        lses.append(acc[1])
+    return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
+
+
+def _chunked_fwd(spec, q, k, v, seg):
+    o, lse = _chunked_fwd_local(spec, q, k, v, seg)
+    return o, (q, k, v, seg, o, lse)
+
+
+def _chunked_bwd(spec, res, do):
+    q, k, v, seg, o, lse = res
+    c = q.shape[1] // spec.chunks
+    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+    dq, dk, dv = (jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+    for qi, ki, diagonal in _chunk_pairs(spec):
+        gq, gk, gv = _block_bwd(spec.block, _chunk(q, qi, c), _chunk(k, ki, c), _chunk(v, ki, c),
+                                _chunk(seg, qi, c), _chunk(seg, ki, c), diagonal,
+                                _chunk(lse, qi, c, axis=2), _chunk(do, qi, c),
+                                _chunk(delta, qi, c, axis=2))
+        dq = _put(dq, qi, c, _chunk(dq, qi, c) + gq)
+        dk = _put(dk, ki, c, _chunk(dk, ki, c) + gk)
+        dv = _put(dv, ki, c, _chunk(dv, ki, c) + gv)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def flash_chunks_needed(seq: int, head_dim: int, dtype, *, backend: str,
+                        block_sizes: fa.BlockSizes | None = None, max_chunks: int = 64) -> int:
+    """How many sequence chunks the flash kernels need on `backend`: 1 unless one
+    head's whole K/V does not fit TPU VMEM (the kernels keep it there); then the
+    smallest power of two whose chunk fits."""
+    if backend != "tpu":
+        return 1
+    m = 1
+    while m <= max_chunks:
+        if seq % m == 0:
+            spec = _BlockSpec(backend=backend, scale=1.0, chunk=seq // m, q_heads=1, kv_heads=1,
+                              head_dim=head_dim, block_sizes=block_sizes, interpret=False,
+                              use_flash=True)
+            try:
+                _flash_cfg(spec, True, dtype)
+                return m
+            except ValueError:
+                pass
+        m *= 2
+    raise ValueError(f"seq={seq}: no power-of-two chunking up to {max_chunks} fits the TPU flash "
+                     "kernels; shard the sequence over more devices")
+
+
+def chunked_attention(q, k, v, *, causal: bool = True, segment_ids=None,
+                      softmax_scale: float | None = None, chunks: int | None = None,
+                      block_sizes: fa.BlockSizes | None = None, backend: str | None = None,
+                      interpret: bool | None = None, block_impl: str | None = None):
+    """Exact attention on one device's ``[batch, seq, heads, head_dim]`` arrays, the
+    sequence cut into ``chunks`` pieces: the ring's per-block kernels for every
+    (q chunk, kv chunk) pair that is not fully masked, merged through the
+    log-sum-exp, with nothing travelling. It lets the TPU flash kernels (which
+    keep one head's whole K/V in VMEM) run sequences of any length, e.g. after
+    Ulysses' all_to_all. ``chunks=None``: as few as the kernels need
+    (``flash_chunks_needed``). Sequence order, no permutation.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name} must have rank 4 ([batch, seq, heads, head_dim]), "
+                             f"got shape {getattr(x, 'shape', None)}")
+    batch, seq, q_heads, head_dim = q.shape
+    if backend is None:
+        backend = fa.resolve_backend(q)
+    if block_impl is None:
+        block_impl = "pallas" if backend in ("tpu", "gpu") else "xla"
+    if chunks is None:
+        chunks = (flash_chunks_needed(seq, head_dim, q.dtype, backend=backend, block_sizes=block_sizes)
+                  if block_impl == "pallas" else 1)
+    if chunks < 1 or seq % chunks:
+        raise ValueError(f"seq={seq} must be a multiple of chunks={chunks}")
+    if interpret is None:
+        interpret = backend == "cpu"
+    block = _BlockSpec(backend=backend, scale=float(softmax_scale or 1.0 / math.sqrt(head_dim)),
+                       chunk=seq // chunks, q_heads=q_heads, kv_heads=k.shape[2], head_dim=head_dim,
+                       block_sizes=block_sizes, interpret=bool(interpret),
+                       use_flash=block_impl == "pallas")
+    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    return _chunked(_Chunked(chunks=chunks, causal=bool(causal), block=block), q, k, v, seg)
 
 
 # ----------------------------------------------------------------------------

@@ -61,12 +61,12 @@ def sharded_flash_attention(q, k, v, *, mesh, batch_axes: Sequence[str] | str | 
   kwargs = dict(causal=causal, segment_ids=segment_ids, sliding_window=sliding_window,
                 softmax_scale=softmax_scale, block_sizes=block_sizes, interpret=interpret)
   if mesh is None:
-    return flash_attention(q, k, v, **kwargs)
+    return _any_length(q, k, v, **kwargs)
   backend = _mesh_platform(mesh)
   if backend not in ("tpu", "gpu"):
     backend = "cpu"
   if math.prod(mesh.axis_sizes) == 1:
-    return flash_attention(q, k, v, backend=backend, **kwargs)
+    return _any_length(q, k, v, backend=backend, **kwargs)
 
   batch_axes = _axes_tuple("batch_axes", batch_axes)
   head_axes = _axes_tuple("head_axes", head_axes)
@@ -116,9 +116,9 @@ def sharded_flash_attention(q, k, v, *, mesh, batch_axes: Sequence[str] | str | 
         idx = (first_q_head + jnp.arange(local_q_heads)) // group
         k = jnp.take(k, idx, axis=2)
         v = jnp.take(v, idx, axis=2)
-    return flash_attention(q, k, v, causal=causal, segment_ids=seg,
-                           sliding_window=sliding_window, softmax_scale=softmax_scale,
-                           block_sizes=block_sizes, backend=backend, interpret=interpret)
+    return _any_length(q, k, v, causal=causal, segment_ids=seg,
+                       sliding_window=sliding_window, softmax_scale=softmax_scale,
+                       block_sizes=block_sizes, backend=backend, interpret=interpret)
 
   seg_spec = P(b_spec, None)
   in_specs = (q_spec, kv_spec, kv_spec, None if segment_ids is None else seg_spec)
@@ -137,6 +137,22 @@ def sharded_flash_attention(q, k, v, *, mesh, batch_axes: Sequence[str] | str | 
                  jax.reshard(x, spec if abstract else jax.NamedSharding(mesh, spec))
                  for x, spec in zip(args, in_specs))
   return fn(*args)
+
+
+def _any_length(q, k, v, *, backend=None, **kwargs):
+  """flash_attention, or over sequence chunks where one head's K/V would not fit
+  the TPU kernels' VMEM (``ring_attention.chunked_attention``; no sliding window)."""
+  from pallas_kernels.flash_attention import resolve_backend
+  from pallas_kernels.ring_attention import chunked_attention, flash_chunks_needed
+  resolved = backend or resolve_backend(q)
+  if resolved == "tpu" and kwargs.get("sliding_window") is None:
+    chunks = flash_chunks_needed(q.shape[1], q.shape[3], q.dtype, backend=resolved,
+                                 block_sizes=kwargs.get("block_sizes"))
+    if chunks > 1:
+      kwargs.pop("sliding_window")
+      return chunked_attention(q, k, v, chunks=chunks, backend=resolved, block_impl="pallas",
+                               **kwargs)
+  return flash_attention(q, k, v, backend=backend, **kwargs)
 
 
 def _has_explicit_axes(mesh) -> bool:

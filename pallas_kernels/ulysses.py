@@ -7,6 +7,9 @@ whole sequence for heads/n of the heads), ordinary attention runs per shard
 ``all_to_all`` shards the output back to sequence. Work is balanced whatever
 the mask; the degree is capped by the number of heads: q heads must divide by
 n. K/V heads that do not divide by n (GQA) are repeated up to the q heads first.
+Where one head's whole sequence does not fit the TPU flash kernels' VMEM, the
+local attention runs over sequence chunks (``chunked_attention``: the ring's
+blocks merged through the log-sum-exp, nothing travelling).
 
 With ``load_balanced=True`` the inputs are in zig-zag order (as for
 ``ring_attention``); after the all_to_all each shard holds the whole sequence
@@ -23,7 +26,8 @@ from jax import lax
 
 from pallas_kernels import reference
 from pallas_kernels.flash_attention import flash_attention
-from pallas_kernels.ring_attention import check_inputs, shard_over_sequence
+from pallas_kernels.ring_attention import (check_inputs, chunked_attention, flash_chunks_needed,
+                                           shard_over_sequence)
 from pallas_kernels.sharded import _axes_tuple, _mesh_platform
 
 __all__ = ["ulysses_attention"]
@@ -90,7 +94,15 @@ def ulysses_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool
         if inv is not None:
             q, k, v = (x[:, inv] for x in (q, k, v))
             seg = None if seg is None else seg[:, inv]
-        if block_impl == "pallas":
+        chunks = 1
+        if block_impl == "pallas" and sliding_window is None:
+            chunks = flash_chunks_needed(q.shape[1], q.shape[3], q.dtype,
+                                         backend=_mesh_platform(mesh) or "cpu")
+        if chunks > 1:
+            # One head's whole sequence does not fit the TPU kernels' VMEM: chunk it.
+            o = chunked_attention(q, k, v, causal=causal, segment_ids=seg,
+                                  softmax_scale=softmax_scale, chunks=chunks, block_impl="pallas")
+        elif block_impl == "pallas":
             o = flash_attention(q, k, v, causal=causal, segment_ids=seg,
                                 softmax_scale=softmax_scale, sliding_window=sliding_window)
         else:

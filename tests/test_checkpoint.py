@@ -129,6 +129,12 @@ def test_model_shape_change_is_a_clear_error_and_leaves_checkpoint(tmp_path, cap
                        r"\(2, 128, 64\) in the checkpoint but \(2, 256, 64\) in the model"):
         train(small(tmp_path, "train.steps=4", "checkpoint.every=2", "model.mlp_dim=256"),
               devices=jax.devices()[:1])
+    # the spike detector's window is train state too: a different length is named, not "unreadable"
+    with pytest.raises(CheckpointMismatchError, match=r"loss window \(spike detection\) holds 32 "
+                       r"losses, the run expects faults.spike_window=8"):
+        train(small(tmp_path, "train.steps=4", "checkpoint.every=2", "faults.spike_window=8"),
+              devices=jax.devices()[:1])
+    assert _tree_digest(tmp_path / "checkpoints") == before
     # the CLI: exit 2 and one line
     tiny = os.path.join(REPO, "configs", "tiny.yaml")
     code = main(["train", tiny, f"output_dir={tmp_path}", "logging.progress=false",

@@ -67,3 +67,18 @@ def test_ring_compiles_with_permutes_and_no_kv_gather(target):
     # short sequence fixed-size buffers weigh more; at seq 131072 the benchmark
     # shows temp halving from context 4 to 8).
     assert large["memory"]["temp"] * 2.5 <= small["memory"]["temp"]
+
+
+def test_ulysses_on_tpu_beyond_one_heads_vmem_compiles_with_chunks():
+    """At seq 131072 one head's K/V (64 MiB of bf16 K+V) does not fit the TPU flash
+    kernels' VMEM: Ulysses then runs its local attention over sequence chunks
+    (chunked_attention) and compiles; before, it failed with the VMEM error."""
+    if _available("tpu"):
+        pytest.skip(_available("tpu"))
+    from pallas_kernels.ring_attention import flash_chunks_needed
+    import jax.numpy as jnp
+    assert flash_chunks_needed(131072, 128, jnp.bfloat16, backend="tpu") > 1
+    r = compile_ring("tpu", 8, 131072, impl="ulysses")
+    assert "error" not in r, r
+    print(f"ulysses tpu context=8 seq 131072: temp {r['memory']['temp'] >> 20} MiB")
+    assert r["gathers"] == 0

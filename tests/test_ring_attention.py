@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import AxisType
 
 from pallas_kernels import reference, ring_attention, ulysses_attention
+from pallas_kernels.ring_attention import chunked_attention
 from sharding.context import (causal_block_pairs, chunk_of_shard, inverse_permutation,
                               permute_batch, zigzag_permutation)
 
@@ -100,6 +101,21 @@ def test_ulysses_sliding_window_matches_reference(block_impl):
     _check_against_reference(ulysses_attention, context=4, causal=True, heads=4, kv_heads=2,
                              with_segments=True, load_balanced=True, sliding_window=6,
                              block_impl=block_impl)
+
+
+@pytest.mark.parametrize("causal,block_impl", [(True, "xla"), (True, "pallas"), (False, "pallas")])
+def test_chunked_attention_matches_reference(causal, block_impl):
+    """One device, the sequence in 4 chunks (what Ulysses and the flash path do on TPU
+    when one head's K/V exceeds VMEM): GQA, packed segments, outputs and gradients."""
+    q, k, v, w, seg = _inputs(4, 2, True)
+    attn = lambda q, k, v: chunked_attention(q, k, v, causal=causal, segment_ids=seg, chunks=4,
+                                             block_impl=block_impl)
+    ref = lambda q, k, v: reference.attention(q, k, v, causal=causal, segment_ids=seg)
+    loss = lambda f: (lambda *a: jnp.sum(f(*a) * w))
+    np.testing.assert_allclose(attn(q, k, v), ref(q, k, v), atol=TOL, rtol=0)
+    for name, g, gr in zip("qkv", jax.grad(loss(attn), (0, 1, 2))(q, k, v),
+                           jax.grad(loss(ref), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(g, gr, atol=TOL, rtol=0, err_msg=f"d{name}")
 
 
 @pytest.mark.slow
