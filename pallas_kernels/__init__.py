@@ -9,12 +9,13 @@ Imports only jax and numpy.
 
 from pallas_kernels import reference
 from pallas_kernels.flash_attention import BlockSizes, default_block_sizes, flash_attention
-from pallas_kernels.ring_attention import ring_attention
+from pallas_kernels.ring_attention import chunked_attention, ring_attention
 from pallas_kernels.sharded import sharded_flash_attention
 from pallas_kernels.ulysses import ulysses_attention
 
 __all__ = [
     "BlockSizes",
+    "chunked_attention",
     "default_block_sizes",
     "flash_attention",
     "reference",

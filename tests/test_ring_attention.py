@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from pallas_kernels import reference, ring_attention, ulysses_attention
-from pallas_kernels.ring_attention import chunked_attention
+from pallas_kernels import chunked_attention, reference, ring_attention, ulysses_attention
 from sharding.context import (causal_block_pairs, chunk_of_shard, inverse_permutation,
                               permute_batch, zigzag_permutation)
 
