@@ -207,6 +207,16 @@ def coordinator_reachable(address: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def _die_with_parent() -> None:
+    """In the worker (Linux): SIGKILL it if the supervisor dies, so that killing the
+    supervisor alone never leaves an orphan holding devices."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def supervise(cfg: DistributedConfig, argv: list[str]) -> int | None:
     """Run `python -m jaxtrain *argv` as a worker and return its exit code, or None
     if this process is the worker (or the run is single-process) and should train.
@@ -220,7 +230,7 @@ def supervise(cfg: DistributedConfig, argv: list[str]) -> int | None:
     if os.environ.get(_SUPERVISED) or not is_multiprocess(cfg):
         return None
     worker = subprocess.Popen([sys.executable, "-m", "jaxtrain", *argv],
-                              env={**os.environ, _SUPERVISED: "1"})
+                              env={**os.environ, _SUPERVISED: "1"}, preexec_fn=_die_with_parent)
     previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda s, f: worker.send_signal(s)),
                 signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
     try:

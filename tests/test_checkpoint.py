@@ -52,6 +52,9 @@ def test_keep_policy_and_exact_resume_after_losing_newest_checkpoints(tmp_path):
     assert all(got[s] == want[s] for s in got), (got, want)   # bit for bit
 
 
+# A failed restore leaves Orbax's other shard-read coroutines unfinished; their
+# GeneratorExit on garbage collection is expected here, not a defect of the test.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_corrupted_latest_checkpoints_are_skipped_not_crash_looped(tmp_path, capsys):
     cfg = small(tmp_path, "train.steps=6", "checkpoint.every=2")
     first = train(cfg, devices=jax.devices()[:1])
