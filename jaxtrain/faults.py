@@ -40,8 +40,10 @@ class Streak:
         return self.last_step - self.first_step + 1
 
 
-# The step's `fault` metric (train_step.FAULT_*) -> the name used in messages.
-FAULT_REASONS = {0: None, 1: "nonfinite", 2: "spike"}
+# The step's `fault` metric (set by train_step.judge_step): why its update was
+# skipped, and the name used in messages.
+FAULT_NONE, FAULT_NONFINITE, FAULT_SPIKE = 0, 1, 2
+FAULT_REASONS = {FAULT_NONE: None, FAULT_NONFINITE: "nonfinite", FAULT_SPIKE: "spike"}
 
 
 class FaultMonitor:

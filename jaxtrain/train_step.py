@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import models
 import sharding
 from jaxtrain.config import Config
+from jaxtrain.faults import FAULT_NONE, FAULT_NONFINITE, FAULT_SPIKE
 from jaxtrain.optimizer import learning_rate_schedule, make_optimizer
 from models.moe import update_router_bias
 
@@ -30,11 +31,6 @@ class TrainState(NamedTuple):
     params: dict             # nested dict of arrays (fp32 master weights)
     opt_state: Any           # optax state mirroring params
     loss_window: jax.Array   # f32[faults.spike_window]: last good losses, oldest first; NaN = empty
-
-
-# metrics["fault"]: why the step's update was skipped (0: it was applied).
-FAULT_NONE, FAULT_NONFINITE, FAULT_SPIKE = 0, 1, 2
-FAULT_NAMES = {FAULT_NONFINITE: "nonfinite", FAULT_SPIKE: "spike"}
 
 
 def judge_step(loss, grad_norm, window, *, skip_nonfinite: bool, spike_factor: float | None):

@@ -349,57 +349,75 @@ def _ring_loop(ring: _Ring, kv, state, step_fn, after_step=None):
     return after_step(step_fn(ring.n - 1, kv, state))
 
 
-def _ring_fwd_local(ring: _Ring, q, k, v, seg):
+def _fwd_pairs(block: _BlockSpec, pairs, c, q, seg, kv, acc):
+    """Attend q's chunks to kv = (k, v, kv segment ids)'s chunks for each (q chunk,
+    kv chunk, diagonal) pair, merging into acc = (o f32, lse) in place."""
+    ks, vs, ksegs = kv
+    o, lse = acc
+    for qi, ki, diagonal in pairs:
+        o_b, lse_b = _block_fwd(block, _chunk(q, qi, c), _chunk(ks, ki, c), _chunk(vs, ki, c),
+                                _chunk(seg, qi, c), _chunk(ksegs, ki, c), diagonal)
+        o_a, lse_a = _merge(_chunk(o, qi, c), _chunk(lse, qi, c, axis=2), o_b, lse_b)
+        o, lse = _put(o, qi, c, o_a), _put(lse, qi, c, lse_a, axis=2)
+    return o, lse
+
+
+def _bwd_pairs(block: _BlockSpec, pairs, c, q, seg, kv, lse, do, delta, grads):
+    """The backward of _fwd_pairs: adds each pair's dQ to its q chunk and dK/dV to its
+    kv chunk of grads = (dq, dk, dv) f32, in place."""
+    ks, vs, ksegs = kv
+    dq, dk, dv = grads
+    for qi, ki, diagonal in pairs:
+        gq, gk, gv = _block_bwd(block, _chunk(q, qi, c), _chunk(ks, ki, c), _chunk(vs, ki, c),
+                                _chunk(seg, qi, c), _chunk(ksegs, ki, c), diagonal,
+                                _chunk(lse, qi, c, axis=2), _chunk(do, qi, c),
+                                _chunk(delta, qi, c, axis=2))
+        dq = _put(dq, qi, c, _chunk(dq, qi, c) + gq)
+        dk = _put(dk, ki, c, _chunk(dk, ki, c) + gk)
+        dv = _put(dv, ki, c, _chunk(dv, ki, c) + gv)
+    return dq, dk, dv
+
+
+def _empty_output(q):
+    """(o, lse) accumulators before any key: zeros and -inf."""
     b, L, h, d = q.shape
-    c = L // ring.chunks
-    acc = (jnp.zeros((b, L, h, d), jnp.float32), jnp.full((b, h, L), _NEG_INF, jnp.float32))
+    return jnp.zeros((b, L, h, d), jnp.float32), jnp.full((b, h, L), _NEG_INF, jnp.float32)
+
+
+def _zero_grads(q, k, v):
+    return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+
+
+def _delta(o, do):
+    """rowsum(dO * O) per query, [b, h, L] f32: the softmax backward's correction term."""
+    return jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+
+
+def _ring_fwd_local(ring: _Ring, q, k, v, seg):
+    c = q.shape[1] // ring.chunks
 
     def step_fn(step, kv, acc):
-        ks, vs, ksegs = kv
+        return _run_step(ring, step, lambda pairs, acc: _fwd_pairs(ring.block, pairs, c, q, seg,
+                                                                   kv, acc), acc)
 
-        def compute(pairs, acc):
-            o, lse = acc
-            for qi, ki, diagonal in pairs:
-                o_b, lse_b = _block_fwd(ring.block, _chunk(q, qi, c), _chunk(ks, ki, c),
-                                        _chunk(vs, ki, c), _chunk(seg, qi, c), _chunk(ksegs, ki, c),
-                                        diagonal)
-                o_a, lse_a = _merge(_chunk(o, qi, c), _chunk(lse, qi, c, axis=2), o_b, lse_b)
-                o, lse = _put(o, qi, c, o_a), _put(lse, qi, c, lse_a, axis=2)
-            return o, lse
-        return _run_step(ring, step, compute, acc)
-
-    o, lse = _ring_loop(ring, (k, v, seg), acc, step_fn)
+    o, lse = _ring_loop(ring, (k, v, seg), _empty_output(q), step_fn)
     return o.astype(q.dtype), lse
 
 
 def _ring_bwd_local(ring: _Ring, q, k, v, seg, o, lse, do):
     c = q.shape[1] // ring.chunks
-    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
-    grads = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
-             jnp.zeros(v.shape, jnp.float32))
+    delta = _delta(o, do)
 
     def step_fn(step, kv, grads):
-        ks, vs, ksegs = kv
-
-        def compute(pairs, grads):
-            dq, dk, dv = grads
-            for qi, ki, diagonal in pairs:
-                gq, gk, gv = _block_bwd(ring.block, _chunk(q, qi, c), _chunk(ks, ki, c),
-                                        _chunk(vs, ki, c), _chunk(seg, qi, c), _chunk(ksegs, ki, c),
-                                        diagonal, _chunk(lse, qi, c, axis=2), _chunk(do, qi, c),
-                                        _chunk(delta, qi, c, axis=2))
-                dq = _put(dq, qi, c, _chunk(dq, qi, c) + gq)
-                dk = _put(dk, ki, c, _chunk(dk, ki, c) + gk)
-                dv = _put(dv, ki, c, _chunk(dv, ki, c) + gv)
-            return dq, dk, dv
-        return _run_step(ring, step, compute, grads)
+        return _run_step(ring, step, lambda pairs, grads: _bwd_pairs(
+            ring.block, pairs, c, q, seg, kv, lse, do, delta, grads), grads)
 
     def send_kv_grads(grads):
         # dK/dV accumulators travel with their K/V; after n hops they are home.
         dq, dk, dv = grads
         return (dq, *_shift(ring, (dk, dv)))
 
-    dq, dk, dv = _ring_loop(ring, (k, v, seg), grads, step_fn, send_kv_grads)
+    dq, dk, dv = _ring_loop(ring, (k, v, seg), _zero_grads(q, k, v), step_fn, send_kv_grads)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -447,18 +465,8 @@ def _chunked(spec: _Chunked, q, k, v, seg):
 
 def _chunked_fwd_local(spec, q, k, v, seg):
     c = q.shape[1] // spec.chunks
-    outs, lses = [], []
-    for i in range(spec.chunks):
-        acc = None
-        for qi, ki, diagonal in _chunk_pairs(spec):
-            if qi != i:
-                continue
-            o_b, lse_b = _block_fwd(spec.block, _chunk(q, qi, c), _chunk(k, ki, c), _chunk(v, ki, c),
-                                    _chunk(seg, qi, c), _chunk(seg, ki, c), diagonal)
-            acc = (o_b.astype(jnp.float32), lse_b) if acc is None else _merge(*acc, o_b, lse_b)
-        outs.append(acc[0].astype(q.dtype))
-        lses.append(acc[1])
-    return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
+    o, lse = _fwd_pairs(spec.block, _chunk_pairs(spec), c, q, seg, (k, v, seg), _empty_output(q))
+    return o.astype(q.dtype), lse
 
 
 def _chunked_fwd(spec, q, k, v, seg):
@@ -469,16 +477,8 @@ def _chunked_fwd(spec, q, k, v, seg):
 def _chunked_bwd(spec, res, do):
     q, k, v, seg, o, lse = res
     c = q.shape[1] // spec.chunks
-    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
-    dq, dk, dv = (jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
-    for qi, ki, diagonal in _chunk_pairs(spec):
-        gq, gk, gv = _block_bwd(spec.block, _chunk(q, qi, c), _chunk(k, ki, c), _chunk(v, ki, c),
-                                _chunk(seg, qi, c), _chunk(seg, ki, c), diagonal,
-                                _chunk(lse, qi, c, axis=2), _chunk(do, qi, c),
-                                _chunk(delta, qi, c, axis=2))
-        dq = _put(dq, qi, c, _chunk(dq, qi, c) + gq)
-        dk = _put(dk, ki, c, _chunk(dk, ki, c) + gk)
-        dv = _put(dv, ki, c, _chunk(dv, ki, c) + gv)
+    dq, dk, dv = _bwd_pairs(spec.block, _chunk_pairs(spec), c, q, seg, (k, v, seg), lse, do,
+                            _delta(o, do), _zero_grads(q, k, v))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 

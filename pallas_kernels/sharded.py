@@ -149,7 +149,7 @@ def _any_length(q, k, v, *, backend=None, **kwargs):
     chunks = flash_chunks_needed(q.shape[1], q.shape[3], q.dtype, backend=resolved,
                                  block_sizes=kwargs.get("block_sizes"))
     if chunks > 1:
-      kwargs.pop("sliding_window")
+      kwargs.pop("sliding_window", None)
       return chunked_attention(q, k, v, chunks=chunks, backend=resolved, block_impl="pallas",
                                **kwargs)
   return flash_attention(q, k, v, backend=backend, **kwargs)

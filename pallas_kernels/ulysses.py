@@ -25,10 +25,8 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels import reference
-from pallas_kernels.flash_attention import flash_attention
-from pallas_kernels.ring_attention import (check_inputs, chunked_attention, flash_chunks_needed,
-                                           shard_over_sequence)
-from pallas_kernels.sharded import _axes_tuple, _mesh_platform
+from pallas_kernels.ring_attention import check_inputs, shard_over_sequence
+from pallas_kernels.sharded import _any_length, _axes_tuple, _mesh_platform
 
 __all__ = ["ulysses_attention"]
 
@@ -78,6 +76,8 @@ def ulysses_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool
         block_impl = "pallas" if _mesh_platform(mesh) in ("tpu", "gpu") else "xla"
     if block_impl not in ("xla", "pallas"):
         raise ValueError(f"block_impl={block_impl!r}: expected 'xla', 'pallas' or None")
+    backend = _mesh_platform(mesh)
+    backend = backend if backend in ("tpu", "gpu") else "cpu"
     perm = _zigzag(seq, n) if load_balanced else None
     inv = None if perm is None else np.argsort(perm)
 
@@ -94,17 +94,11 @@ def ulysses_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool
         if inv is not None:
             q, k, v = (x[:, inv] for x in (q, k, v))
             seg = None if seg is None else seg[:, inv]
-        chunks = 1
-        if block_impl == "pallas" and sliding_window is None:
-            chunks = flash_chunks_needed(q.shape[1], q.shape[3], q.dtype,
-                                         backend=_mesh_platform(mesh) or "cpu")
-        if chunks > 1:
-            # One head's whole sequence does not fit the TPU kernels' VMEM: chunk it.
-            o = chunked_attention(q, k, v, causal=causal, segment_ids=seg,
-                                  softmax_scale=softmax_scale, chunks=chunks, block_impl="pallas")
-        elif block_impl == "pallas":
-            o = flash_attention(q, k, v, causal=causal, segment_ids=seg,
-                                softmax_scale=softmax_scale, sliding_window=sliding_window)
+        if block_impl == "pallas":
+            # The flash kernels, over sequence chunks where one head's whole sequence
+            # does not fit the TPU kernels' VMEM (as sharded_flash_attention).
+            o = _any_length(q, k, v, causal=causal, segment_ids=seg, softmax_scale=softmax_scale,
+                            sliding_window=sliding_window, backend=backend)
         else:
             o = reference.attention(q, k, v, causal=causal, segment_ids=seg,
                                     softmax_scale=softmax_scale, sliding_window=sliding_window)
