@@ -101,9 +101,10 @@ def test_two_processes_train_as_one_mesh_and_checkpoints_cross(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in cross], [ref[4], ref[5], ref[6]], rtol=RTOL)
 
 
-def _start_then_kill(tmp_path, victim, *args, heartbeat=10):
-    """Launch two processes, SIGKILL `victim`'s process group once checkpoint 4 is
-    final; returns (survivor's exit code, stderr, seconds from the kill to its exit)."""
+def _start_then_kill(tmp_path, victim, *args, heartbeat=10, supervisor_only=False):
+    """Launch two processes, SIGKILL `victim`'s process group (or, supervisor_only, just
+    its supervisor) once checkpoint 4 is final; returns (survivor's exit code, stderr,
+    seconds from the kill to its exit, the victim's worker pids)."""
     procs = launch(tmp_path, *args, heartbeat=heartbeat)
     deadline = time.monotonic() + 240
     while not (tmp_path / "checkpoints" / "4").is_dir():   # finalized step 4
@@ -114,17 +115,29 @@ def _start_then_kill(tmp_path, victim, *args, heartbeat=10):
             pytest.fail("the two-process run never wrote checkpoint 4: "
                         + " | ".join(p.communicate()[1][-1500:] for p in procs))
         time.sleep(0.05)
-    os.killpg(procs[victim].pid, signal.SIGKILL)
+    workers = subprocess.run(["ps", "-o", "pid=", "--ppid", str(procs[victim].pid)],
+                             capture_output=True, text=True).stdout.split()
+    (os.kill if supervisor_only else os.killpg)(procs[victim].pid, signal.SIGKILL)
     killed_at = time.monotonic()
     procs[victim].communicate()
     (code, _, err), = wait_all(procs[1 - victim:2 - victim], timeout=120)
-    return code, err, time.monotonic() - killed_at
+    return code, err, time.monotonic() - killed_at, workers
+
+
+def test_worker_dies_with_its_supervisor(tmp_path):
+    """Killing only a supervisor takes its worker down (PR_SET_PDEATHSIG), so no orphan
+    keeps training or holds devices; the survivor then names the lost process."""
+    code, err, elapsed, workers = _start_then_kill(tmp_path, 1, "train.steps=40", "checkpoint.every=4",
+                                                   supervisor_only=True)
+    assert len(workers) == 1, workers
+    assert not os.path.exists(f"/proc/{workers[0]}"), f"worker {workers[0]} outlived its supervisor"
+    assert code == 4 and "jaxtrain: error: lost process 1 of 2" in err, f"exit {code}:\n{err[-3000:]}"
 
 
 def test_killed_peer_makes_survivor_exit_in_bounded_time_then_both_resume(tmp_path):
     heartbeat = 10   # seconds; short for the test (default 60), long enough for a loaded CI box
     args = ("train.steps=16", "checkpoint.every=4")
-    code, err, elapsed = _start_then_kill(tmp_path, 1, *args, heartbeat=heartbeat)
+    code, err, elapsed, _ = _start_then_kill(tmp_path, 1, *args, heartbeat=heartbeat)
     # bounded: the timeout plus a few heartbeat periods (and slack for a loaded CI machine)
     detail = f"exit {code} after {elapsed:.1f} s:\n{err[-3000:]}"
     assert code == 4 and elapsed < heartbeat + 20, detail
@@ -140,7 +153,7 @@ def test_killed_peer_makes_survivor_exit_in_bounded_time_then_both_resume(tmp_pa
 def test_killed_coordinator_is_named_by_the_survivor(tmp_path):
     """JAX's runtime aborts a survivor whose coordinator (process 0) died within about a
     second; the supervisor turns that into exit 4 and a line naming process 0."""
-    code, err, elapsed = _start_then_kill(tmp_path, 0, "train.steps=40", "checkpoint.every=4")
+    code, err, elapsed, _ = _start_then_kill(tmp_path, 0, "train.steps=40", "checkpoint.every=4")
     detail = f"exit {code} after {elapsed:.1f} s:\n{err[-3000:]}"
     assert code == 4 and elapsed < 30, detail
     assert re.search(r"jaxtrain: error: lost the coordinator, process 0 of 2: 127\.0\.0\.1:\d+ no "
