@@ -41,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print the report as one JSON object")
     c.add_argument("--no-estimate", dest="estimate", action="store_false",
                    help="skip the 1-/2-layer compiles behind the step-time estimate (TPU)")
+    c.add_argument("--kernels-uncharged", dest="charge_kernels", action="store_false",
+                   help="estimate with the Pallas kernels left out of XLA's cost model, as for "
+                        "kernels without a cost estimate (MaxText's splash attention): for "
+                        "like-for-like comparisons; the step time then omits attention")
     v = sub.add_parser("convert", help="convert weights: hf-to-ckpt HF_DIR OUT_DIR | ckpt-to-hf CKPT_DIR OUT_DIR")
     v.add_argument("direction", choices=("hf-to-ckpt", "ckpt-to-hf"))
     v.add_argument("source", help="Hugging Face directory (hf-to-ckpt) or converted checkpoint (ckpt-to-hf)")
@@ -165,7 +169,7 @@ def _compile(args) -> int:
     from jaxtrain.compile import compile_report, format_report
     from sharding.targets import DevicelessUnavailableError
     try:
-        report = compile_report(cfg, target, estimate=args.estimate)
+        report = compile_report(cfg, target, estimate=args.estimate, charge_kernels=args.charge_kernels)
     except (ConfigError, DevicelessUnavailableError) as e:
         return _fail(str(e))
     if args.json:

@@ -35,6 +35,7 @@ the two minor dims so a per-head tile of ``[B, S, H, D]`` is not contiguous.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -46,7 +47,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-__all__ = ["BlockSizes", "flash_attention", "default_block_sizes", "resolve_backend"]
+__all__ = ["BlockSizes", "cost_estimates", "flash_attention", "default_block_sizes", "resolve_backend"]
 
 # Finite stand-in for -inf: keeps exp() and max() free of inf - inf = NaN.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -142,6 +143,9 @@ class _Config:
   blocks: BlockSizes
   head_major: bool        # kernel arrays are [B, H, S, D] (else [B, S, H*D])
   vmem_limit: int | None  # TPU only
+  # Attach a pl.CostEstimate (read from cost_estimates() when built, so that the
+  # jit cache of _flash_padded keys on it).
+  charge_cost: bool = dataclasses.field(default_factory=lambda: _CHARGE_COST)
 
   @property
   def group(self) -> int:
@@ -500,7 +504,32 @@ def _visited_blocks(cfg: _Config, kind: str) -> int:
   return total * bq * bk
 
 
-def _cost(cfg: _Config, kind: str, batch: int, operands, outputs) -> pl.CostEstimate:
+# Whether pallas_calls traced from here carry a cost estimate (see cost_estimates).
+_CHARGE_COST = True
+
+
+@contextlib.contextmanager
+def cost_estimates(enabled: bool):
+  """Trace the kernels with (default) or without their ``pl.CostEstimate``.
+
+  XLA's TPU cost model charges a Mosaic custom call only what its cost
+  estimate says; without one the kernel counts as free (0 FLOPs, ~0 s). Other
+  stacks' kernels (MaxText's splash attention) carry none, so their estimated
+  step times leave attention out. ``jaxtrain compile --kernels-uncharged``
+  traces under ``cost_estimates(False)`` to compare on those terms. Affects
+  tracing only: compiled programs and numerics are unchanged.
+  """
+  global _CHARGE_COST
+  before, _CHARGE_COST = _CHARGE_COST, bool(enabled)
+  try:
+    yield
+  finally:
+    _CHARGE_COST = before
+
+
+def _cost(cfg: _Config, kind: str, batch: int, operands, outputs) -> pl.CostEstimate | None:
+  if not cfg.charge_cost:
+    return None
   pairs = _visited_blocks(cfg, kind) * batch * cfg.q_heads
   matmuls = {"fwd": 2, "dq": 3, "dkv": 4}[kind]
   nbytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
