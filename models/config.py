@@ -32,6 +32,11 @@ class MoEConfig:
     dispatch: str = "dropless"          # capacity (GShard, drops over-capacity tokens) | dropless (ragged_dot)
     capacity_factor: float = 1.25       # capacity: slots per expert per sequence = ceil(k * seq * cf / E)
     exchange: str = "auto"              # dropless expert parallelism: padded all_to_all | ragged_all_to_all
+    # Dropless expert parallelism: rows of each shard's receive buffer, as a multiple of one
+    # source's assignments A (1.0 = the balanced load). 0: ep x A, the worst case, never drops;
+    # f > 0: ceil(f x A), the grouped matmul shrinks to match and overflow is dropped
+    # (counted in dropped_fraction), as MaxText's ragged_buffer_factor.
+    receive_factor: float = 0.0
     aux_loss_weight: float = 0.01       # Switch load-balancing loss (1.0 when perfectly balanced)
     z_loss_weight: float = 1e-3         # router z-loss: mean logsumexp(router logits)^2
     first_dense_layers: int = 0
@@ -54,6 +59,12 @@ class MoEConfig:
                 raise ValueError(f"model.moe.{key}={getattr(self, key)!r}: expected one of {allowed}")
         if self.capacity_factor <= 0:
             raise ValueError(f"model.moe.capacity_factor={self.capacity_factor}: expected > 0")
+        if self.receive_factor < 0:
+            raise ValueError(f"model.moe.receive_factor={self.receive_factor}: expected >= 0 "
+                             "(0: worst-case receive buffer, no drops)")
+        if self.receive_factor and self.dispatch != "dropless":
+            raise ValueError(f"model.moe.receive_factor={self.receive_factor}: applies to "
+                             f"dispatch=dropless only (got dispatch={self.dispatch!r}); expected 0")
         for key in ("aux_loss_weight", "z_loss_weight", "score_bias_rate"):
             if getattr(self, key) < 0:
                 raise ValueError(f"model.moe.{key}={getattr(self, key)}: expected >= 0")

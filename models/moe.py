@@ -37,6 +37,12 @@ devices with `all_to_all`; dropless uses a padded all_to_all (every source sends
 [A, D] buffer to every expert shard, A = its local assignments: no drops,
 ep x the memory) or `ragged_all_to_all` (exchange=ragged; TPU/GPU only,
 unimplemented on XLA:CPU). exchange=auto: ragged on TPU/GPU, padded on CPU.
+Each shard receives into a buffer of R rows (`receive_rows`): ep x A by default,
+which cannot overflow, and over which the grouped matmul is sized (XLA costs
+ragged_dot over the whole buffer); with moe.receive_factor f, R = ceil(f x A).
+A shard then keeps a prefix of what it is sent (sources in mesh order, each
+source's rows by local expert) and drops the rest, as MaxText's
+ragged_buffer_factor; both exchanges keep the same rows.
 """
 from __future__ import annotations
 
@@ -183,13 +189,14 @@ def _local_moe(x, w_router, bias, w_gate, w_up, w_down, *, m: MoEConfig, batch_a
         if ep == 1:
             out = _ragged_swiglu(xs, w_gate, w_up, w_down, group_sizes)
             out = psum(out, tensor_axes)
+            dropped = jnp.zeros((), jnp.int32)
         else:
-            out = _dropless_exchange(xs, flat_e[order], group_sizes, w_gate, w_up, w_down,
-                                     ep=ep, expert_axes=expert_axes, tensor_axes=tensor_axes,
-                                     exchange=exchange)
+            out, dropped = _dropless_exchange(
+                xs, flat_e[order], group_sizes, w_gate, w_up, w_down, ep=ep, expert_axes=expert_axes,
+                tensor_axes=tensor_axes, exchange=exchange, rows=receive_rows(a, ep, m))
         out = out[jnp.argsort(order)].reshape(b, s, k, d)                      # back to token order
         y = jnp.einsum("bskd,bsk->bsd", out, weights.astype(x.dtype))
-        sums["dropped"] = jnp.zeros((), F32)
+        sums["dropped"] = dropped.astype(F32)
 
     sums = {key: psum(v, batch_axes) for key, v in sums.items()}
     n = sums["tokens"]
@@ -202,51 +209,68 @@ def _local_moe(x, w_router, bias, w_gate, w_up, w_down, *, m: MoEConfig, batch_a
     return y, stats
 
 
-def _dropless_exchange(xs, sorted_e, group_sizes, w_gate, w_up, w_down, *, ep, expert_axes,
-                       tensor_axes, exchange):
-    """Expert-parallel dropless: xs [A, d] sorted by expert -> expert outputs [A, d], same order.
+def receive_rows(a: int, ep: int, m: MoEConfig) -> int:
+    """Rows of a shard's dropless receive buffer, for A = `a` assignments per source:
+    ep x A (every source may send all its rows to one shard) or ceil(receive_factor x A)."""
+    if not m.receive_factor:
+        return ep * a
+    return max(1, min(ep * a, math.ceil(m.receive_factor * a)))
 
-    Every source sends each expert shard j a buffer of A rows (its rows for j's
-    experts first, zeros after); the receiver sorts what it got by local expert and
-    runs one ragged_dot. exchange=ragged moves only the real rows."""
+
+def _dropless_exchange(xs, sorted_e, group_sizes, w_gate, w_up, w_down, *, ep, expert_axes,
+                       tensor_axes, exchange, rows):
+    """Expert-parallel dropless: xs [A, d] sorted by expert -> (expert outputs [A, d] in the
+    same order, zero for rows the receiver had no room for; how many such rows, int32).
+
+    Each shard receives into `rows` rows: from every source, in mesh order, the rows
+    for its experts (sorted by local expert), as long as there is room. The receiver
+    sorts the buffer by local expert and runs one ragged_dot over it. exchange=ragged
+    moves only the kept rows; padded sends every shard an [A, d] buffer and compacts."""
     a, d = xs.shape
     e_local = w_gate.shape[0]
+    a2a = lambda v: jax.lax.all_to_all(v, expert_axes, 0, 0, tiled=True)
     dest = sorted_e // e_local                                               # [A] expert shard
     send_counts = group_sizes.reshape(ep, e_local)                           # rows per (shard, local expert)
     per_dest = jnp.sum(send_counts, axis=1)
     dest_start = jnp.cumsum(per_dest) - per_dest
     pos = jnp.arange(a) - dest_start[dest]
-    recv_counts = jax.lax.all_to_all(send_counts, expert_axes, 0, 0, tiled=True)  # [ep src, e_local]
+    recv_counts = a2a(send_counts)                                           # [ep src, e_local]
+    # What fits: a prefix of the (source, local expert) order, `rows` in all.
+    kept = jnp.diff(jnp.minimum(jnp.cumsum(recv_counts.reshape(-1)), rows), prepend=0)
+    kept = kept.reshape(ep, e_local)
+    recv_sizes = jnp.sum(kept, axis=1)                                       # [ep src] rows kept per source
+    recv_start = jnp.cumsum(recv_sizes) - recv_sizes                         # where they start in the buffer
+    sent = a2a(recv_sizes.reshape(ep, 1)).reshape(ep)                        # [ep dest] my rows each one kept
+    # Buffer row r: source src[r], its row i[r]; rows past the kept total are padding.
+    r = jnp.arange(rows)
+    src = jnp.minimum(jnp.sum(r[:, None] >= (recv_start + recv_sizes)[None, :], axis=1), ep - 1)
+    i = r - recv_start[src]
+    valid = r < jnp.sum(recv_sizes)
     if exchange == "ragged":
-        me = jax.lax.axis_index(expert_axes)
-        recv_sizes = jnp.sum(recv_counts, axis=1)
-        out_offsets = jnp.full((ep,), me * a, jnp.int32)      # source me lands at row me*A on every shard
-        recv = jax.lax.ragged_all_to_all(xs, jnp.zeros((ep * a, d), xs.dtype), dest_start.astype(jnp.int32),
-                                         per_dest.astype(jnp.int32), out_offsets,
-                                         recv_sizes.astype(jnp.int32), axis_name=expert_axes)
-        recv = recv.reshape(ep, a, d)
+        out_offsets = a2a(recv_start.reshape(ep, 1)).reshape(ep)             # where my rows land on each
+        buf = jax.lax.ragged_all_to_all(xs, jnp.zeros((rows, d), xs.dtype), dest_start.astype(jnp.int32),
+                                        sent.astype(jnp.int32), out_offsets.astype(jnp.int32),
+                                        recv_sizes.astype(jnp.int32), axis_name=expert_axes)
     else:
-        send = jnp.zeros((ep, a, d), xs.dtype).at[dest, pos].set(xs)
-        recv = jax.lax.all_to_all(send, expert_axes, 0, 0, tiled=True)       # [ep src, A, d]
-    # Local expert of every received row (e_local: padding), then one grouped matmul.
-    ends = jnp.cumsum(recv_counts, axis=1)                                   # [ep, e_local]
-    local_e = jnp.sum(jnp.arange(a)[None, :, None] >= ends[:, None, :], axis=-1).reshape(ep * a)
+        recv = a2a(jnp.zeros((ep, a, d), xs.dtype).at[dest, pos].set(xs))   # [ep src, A, d]
+        buf = jnp.where(valid[:, None], recv[src, jnp.minimum(i, a - 1)], 0)
+    # Local expert of every buffer row (e_local: padding), then one grouped matmul.
+    ends = jnp.cumsum(kept, axis=1)[src]                                     # [rows, e_local]
+    local_e = jnp.where(valid, jnp.sum(i[:, None] >= ends, axis=1), e_local)
     order = jnp.argsort(local_e, stable=True)
-    out = _ragged_swiglu(recv.reshape(ep * a, d)[order], w_gate, w_up, w_down,
-                         jnp.sum(recv_counts, axis=0).astype(jnp.int32))
+    out = _ragged_swiglu(buf[order], w_gate, w_up, w_down, jnp.sum(kept, axis=0).astype(jnp.int32))
     if tensor_axes:
         out = jax.lax.psum(out, tensor_axes)
-    out = out[jnp.argsort(order)]                                            # [ep*A, d] by source
+    out = out[jnp.argsort(order)]                                            # [rows, d] buffer order
+    dropped = jnp.sum(per_dest - sent)
     if exchange == "ragged":
         # Each source's rows go back to where it keeps them: its dest_start[this shard].
-        back_offsets = jax.lax.all_to_all(dest_start.reshape(ep, 1), expert_axes, 0, 0, tiled=True)
-        src_sizes = jnp.sum(recv_counts, axis=1).astype(jnp.int32)
-        return jax.lax.ragged_all_to_all(out, jnp.zeros((a, d), out.dtype),
-                                         (jnp.arange(ep) * a).astype(jnp.int32), src_sizes,
-                                         back_offsets.reshape(ep).astype(jnp.int32),
-                                         per_dest.astype(jnp.int32), axis_name=expert_axes)
-    back = jax.lax.all_to_all(out.reshape(ep, a, d), expert_axes, 0, 0, tiled=True)  # [ep dest, A, d]
-    return back[dest, pos]
+        back_offsets = a2a(dest_start.reshape(ep, 1)).reshape(ep)
+        return jax.lax.ragged_all_to_all(out, jnp.zeros((a, d), out.dtype), recv_start.astype(jnp.int32),
+                                         recv_sizes.astype(jnp.int32), back_offsets.astype(jnp.int32),
+                                         sent.astype(jnp.int32), axis_name=expert_axes), dropped
+    back = jnp.zeros((ep, a, d), out.dtype).at[src, jnp.where(valid, i, a)].set(out, mode="drop")
+    return a2a(back)[dest, pos], dropped                                     # unsent rows stay zero
 
 
 def _axes(entry) -> tuple[str, ...]:
