@@ -18,7 +18,7 @@ MaxText's splash-attention calls carry none (the table counts them), so its
 estimate leaves attention out; "uncharged" rows compare on those terms. The
 "derived" MaxText row adds our kernels' per-layer charge to MaxText's
 estimate: an inference, not a compile. MFU everywhere is our analytic model
-FLOPs (6N + causal attention, PaLM convention) over step time x v5p peak.
+FLOPs (6N + causal attention, PaLM convention) over step time x the chip's peak.
 All figures are compiler estimates, not measurements.
 """
 from __future__ import annotations
@@ -36,6 +36,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from jaxtrain.flops import peak_flops_for_device_kind  # noqa: E402
 PEER_REQS = REPO.parent / "shared" / "bench" / "maxtext-requirements.txt"
 PEER_VENV = Path(os.environ.get("PEER_VENV", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                                 / "jaxtrain-peer" / "maxtext-venv"))
@@ -51,8 +53,9 @@ ROWS = {
 }
 
 
-def ensure_peer_venv() -> Path:
-    """The MaxText venv (created as maxtext_peer.sh does) with our libtpu added."""
+def ensure_peer_venv() -> tuple[Path, str]:
+    """(python, MaxText package dir) of the MaxText venv (created as maxtext_peer.sh
+    does) with our libtpu added."""
     py = PEER_VENV / "bin" / "python"
     if not py.exists() or subprocess.run([py, "-c", "import maxtext"], capture_output=True).returncode:
         if not PEER_REQS.exists():
@@ -63,17 +66,17 @@ def ensure_peer_venv() -> Path:
     if subprocess.run([py, "-c", f"import importlib.metadata as m, sys; "
                        f"sys.exit(m.version('libtpu') != '{libtpu}')"], capture_output=True).returncode:
         subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", f"libtpu=={libtpu}"], check=True)
-    return py
+    mt = subprocess.run([py, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
+                        capture_output=True, text=True, check=True).stdout.strip()
+    return py, mt
 
 
-def maxtext_compile(py: Path, model: str, topology: str, batch: int, layers: int | None) -> dict:
+def maxtext_compile(py: Path, mt: str, model: str, topology: str, batch: int, layers: int | None) -> dict:
     """One MaxText train_compile: cost analysis, memory, and its TPU custom calls.
 
     layers=None: the real scanned program with default flags (memory);
     otherwise an unscanned variant with that many layers (cost).
     """
-    mt = subprocess.run([py, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
-                        capture_output=True, text=True, check=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
         args = [f"{mt}/configs/base.yml", f"model_name={model}", f"compile_topology={topology}",
                 "compile_topology_num_slices=1", f"per_device_batch_size={batch}",
@@ -121,16 +124,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="7b", help=f"comma-separated, of {','.join(ROWS)}")
     args = ap.parse_args()
-    py = ensure_peer_venv()
+    py, mt = ensure_peer_venv()
     print("| model | target | stack | attention kernels | memory GiB/dev | XLA TFLOP/layer | "
           "est. ms/layer | est. step s | est. MFU |\n|---|---|---|---|---:|---:|---:|---:|---:|", flush=True)
     notes = []
     for key in args.rows.split(","):
         preset, topo, mt_model, batch, L = ROWS[key]
         charged, free = ours(preset, topo, True), ours(preset, topo, False)
-        model_flops, peak = charged["model_flops_per_device"], 459e12
-        m1, m2 = (maxtext_compile(py, mt_model, topo, batch, n) for n in (1, 2))
-        mfull = maxtext_compile(py, mt_model, topo, batch, None)
+        model_flops = charged["model_flops_per_device"]
+        peak = peak_flops_for_device_kind(charged["device_kind"])
+        m1, m2 = (maxtext_compile(py, mt, mt_model, topo, batch, n) for n in (1, 2))
+        mfull = maxtext_compile(py, mt, mt_model, topo, batch, None)
         mt_layer_s, mt_layer_f = m2["seconds"] - m1["seconds"], m2["flops"] - m1["flops"]
         mt_step = m1["seconds"] + (L - 1) * mt_layer_s
         charge_s = (charged["xla_cost"]["optimal_seconds per layer"]

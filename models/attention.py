@@ -80,8 +80,7 @@ def _batch_and_head_axes(q, rules, mesh) -> tuple[tuple[str, ...], tuple[str, ..
     """The mesh axes the active rules give the `batch` and `act_heads` dims of `q`."""
     def axes(logical, dim):
         spec = sharding.logical_to_spec((logical,), rules, mesh, shape=q.shape[dim:dim + 1])
-        entry = spec[0] if spec else None
-        return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        return sharding.axes_tuple(spec[0] if spec else None)
     return axes("batch", 0), axes("act_heads", 2)
 
 

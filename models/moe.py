@@ -273,10 +273,6 @@ def _dropless_exchange(xs, sorted_e, group_sizes, w_gate, w_up, w_down, *, ep, e
     return a2a(back)[dest, pos], dropped                                     # unsent rows stay zero
 
 
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def resolve_exchange(m: MoEConfig) -> str:
     if m.exchange != "auto":
         return m.exchange
@@ -300,8 +296,8 @@ def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig):
     in_spec = sharding.logical_to_spec(("expert", None, "mlp"), rules, mesh, w_gate.shape)
     in_spec = P(*in_spec, *[None] * (3 - len(in_spec)))
     out_spec = P(in_spec[0], in_spec[2], None)
-    batch_axes = _axes(x_spec[0] if len(x_spec) else None)
-    expert_axes, tensor_axes = _axes(in_spec[0]), _axes(in_spec[2])
+    batch_axes = sharding.axes_tuple(x_spec[0] if len(x_spec) else None)
+    expert_axes, tensor_axes = sharding.axes_tuple(in_spec[0]), sharding.axes_tuple(in_spec[2])
     if not set(expert_axes) <= set(batch_axes):
         raise ValueError(f"moe_layer: expert mesh axes {expert_axes} must also shard the batch "
                          f"(batch axes here: {batch_axes}); check the sharding rules")

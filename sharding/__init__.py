@@ -18,6 +18,7 @@ from sharding.rules import (
     FSDP_TENSOR,
     PRESETS,
     AxisRules,
+    axes_tuple,
     axis_rules,
     constrain,
     current_rules,
@@ -32,6 +33,6 @@ from sharding.rules import (
 __all__ = [
     "MESH_AXES", "make_mesh", "mesh_shape_from_sizes",
     "DATA_PARALLEL", "DEFAULT_RULES", "FSDP", "FSDP_TENSOR", "PRESETS", "AxisRules",
-    "axis_rules", "constrain", "current_rules", "logical_to_spec", "named_sharding",
+    "axes_tuple", "axis_rules", "constrain", "current_rules", "logical_to_spec", "named_sharding",
     "parameter_table", "format_parameter_table", "tree_shardings", "tree_specs",
 ]

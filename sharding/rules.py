@@ -70,7 +70,8 @@ PRESETS: dict[str, AxisRules] = {
 }
 
 
-def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+def axes_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    """Mesh axes of a rule or PartitionSpec entry (None, a name, or names) as a tuple."""
     if axes is None:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -104,7 +105,7 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: AxisRules,
             for rule_name, rule_axes in rules:
                 if rule_name != name:
                     continue
-                axes = [a for a in _as_tuple(rule_axes) if sizes.get(a, 1) > 1 and a not in used]
+                axes = [a for a in axes_tuple(rule_axes) if sizes.get(a, 1) > 1 and a not in used]
                 if shape is not None:
                     kept, prod = [], 1
                     for a in axes:
@@ -205,7 +206,7 @@ def parameter_table(params: Any, logical_tree: Any, rules: AxisRules, mesh: Mesh
         spec = logical_to_spec(axes or (), rules, mesh, shape)
         local = list(shape)
         for dim, entry in enumerate(spec):
-            n = math.prod(sizes[a] for a in _as_tuple(entry))
+            n = math.prod(sizes[a] for a in axes_tuple(entry))
             local[dim] = -(-shape[dim] // n)
         itemsize = np.dtype(x.dtype).itemsize
         rows.append(dict(name=_path_str(path), shape=shape, dtype=str(np.dtype(x.dtype)),
