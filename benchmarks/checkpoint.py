@@ -14,6 +14,7 @@ On CPU the "device" is host memory and the background write competes with the
 training step for the same cores, so the overhead here is an upper bound for an
 accelerator, where the step runs on the device while the host writes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,12 @@ def main() -> None:
     from jaxtrain.config import load_config
     from jaxtrain.platform import configure_host
 
-    base = ["logging.progress=false", "logging.tensorboard=false", f"train.steps={args.steps}",
-            *args.overrides]
+    base = [
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        f"train.steps={args.steps}",
+        *args.overrides,
+    ]
     cfg = load_config(args.config, base)
     configure_host(cfg.mesh_size or None)
     import jax
@@ -49,15 +54,20 @@ def main() -> None:
     runs = {}
     with tempfile.TemporaryDirectory(prefix="jaxtrain-ckpt-bench-") as tmp:
         for name, every in (("no checkpoints", 0), (f"save every {args.every}", args.every)):
-            run_cfg = load_config(args.config, [*base, f"output_dir={tmp}/{every}",
-                                                f"checkpoint.every={every}"])
+            run_cfg = load_config(
+                args.config, [*base, f"output_dir={tmp}/{every}", f"checkpoint.every={every}"]
+            )
             t0 = time.perf_counter()
             result = train(run_cfg)
             runs[name] = (result.metrics, time.perf_counter() - t0)
-        ckpt_bytes = sum(os.path.getsize(os.path.join(d, f))
-                         for d, _, fs in os.walk(f"{tmp}/{args.every}/checkpoints") for f in fs)
+        ckpt_bytes = sum(
+            os.path.getsize(os.path.join(d, f))
+            for d, _, fs in os.walk(f"{tmp}/{args.every}/checkpoints")
+            for f in fs
+        )
         # One save in isolation (nothing else running in this process): snapshot vs whole write.
         from jaxtrain.checkpoint import Checkpointer
+
         isolated = []
         ckpt = Checkpointer(f"{tmp}/isolated", keep=1)
         for i in range(2):
@@ -73,32 +83,45 @@ def main() -> None:
     base_med = statistics.median(r["step_time_s"] for r in base_m[1:])
     ck_med = statistics.median(r["step_time_s"] for r in ck_m[1:])
     saves = [(r["step"], r["checkpoint_blocked_s"]) for r in ck_m if "checkpoint_blocked_s" in r]
-    print(f"config {os.path.relpath(args.config, REPO)}: {cfg.model.param_count():,} params, "
-          f"{jax.device_count()} {jax.devices()[0].platform} devices, mesh "
-          f"{ {k: v for k, v in cfg.mesh.sizes().items() if v > 1} }, {args.steps} steps; "
-          f"checkpoint {ckpt_bytes / 2**20:.0f} MiB on disk (all kept steps)")
+    print(
+        f"config {os.path.relpath(args.config, REPO)}: {cfg.model.param_count():,} params, "
+        f"{jax.device_count()} {jax.devices()[0].platform} devices, mesh "
+        f"{ {k: v for k, v in cfg.mesh.sizes().items() if v > 1} }, {args.steps} steps; "
+        f"checkpoint {ckpt_bytes / 2**20:.0f} MiB on disk (all kept steps)"
+    )
     print(f"{'run':<18} {'mean step s (2..N)':>19} {'median':>8} {'wall s':>8}  step times s")
-    for name, m, mean, med, wall in ((base_name, base_m, base_step, base_med, base_wall),
-                                     (ck_name, ck_m, ck_step, ck_med, ck_wall)):
+    for name, m, mean, med, wall in (
+        (base_name, base_m, base_step, base_med, base_wall),
+        (ck_name, ck_m, ck_step, ck_med, ck_wall),
+    ):
         times = " ".join(f"{r['step_time_s']:.2f}{'*' if 'checkpoint_blocked_s' in r else ''}" for r in m)
         print(f"{name:<18} {mean:>19.3f} {med:>8.3f} {wall:>8.1f}  {times}")
     print("(* = a save step)")
     for step, blocked in saves:
-        print(f"save at step {step:>3}: loop blocked {blocked * 1e3:7.1f} ms = "
-              f"{100 * blocked / base_step:5.1f}% of a step (target <= 10%)")
+        print(
+            f"save at step {step:>3}: loop blocked {blocked * 1e3:7.1f} ms = "
+            f"{100 * blocked / base_step:5.1f}% of a step (target <= 10%)"
+        )
     for i, (blocked, whole) in enumerate(isolated, 1):
         print(f"isolated save {i}: blocked {blocked * 1e3:.1f} ms, written and finalized after {whole:.2f} s")
-    print(f"throughput overhead of saving every {args.every} steps, run vs run: mean "
-          f"{100 * (ck_step / base_step - 1):+.1f}%, median {100 * (ck_med / base_med - 1):+.1f}% (target <= 5%)")
+    print(
+        f"throughput overhead of saving every {args.every} steps, run vs run: mean "
+        f"{100 * (ck_step / base_step - 1):+.1f}%, "
+        f"median {100 * (ck_med / base_med - 1):+.1f}% (target <= 5%)"
+    )
     # Within the saving run (robust to load drifting between the two runs on a shared host):
     # the extra time of each save step and the step after it (background write) over the median.
     times = {r["step"]: r["step_time_s"] for r in ck_m}
     excess = sum(times[s] - ck_med + (times[s + 1] - ck_med if s + 1 in times else 0) for s, _ in saves)
     n = len(times) - 1
-    print(f"throughput overhead within the saving run (save step + next step over the median): "
-          f"{100 * excess / (n * ck_med):+.1f}% over {n} steps (target <= 5%)")
-    print(f"host load average (1/5/15 min) at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
-          f"on {os.cpu_count()} cores")
+    print(
+        f"throughput overhead within the saving run (save step + next step over the median): "
+        f"{100 * excess / (n * ck_med):+.1f}% over {n} steps (target <= 5%)"
+    )
+    print(
+        f"host load average (1/5/15 min) at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
+        f"on {os.cpu_count()} cores"
+    )
 
 
 if __name__ == "__main__":

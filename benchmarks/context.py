@@ -14,6 +14,7 @@ sequence (must be 0: no device gathers K/V), and the compile time.
 These are compiler facts (it partitions, fits, emits these collectives), not
 speed measurements.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,18 +30,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import ring_attention, ulysses_attention  # noqa: E402
-from sharding import targets  # noqa: E402
+from jaxtrain.pallas_kernels import ring_attention, ulysses_attention  # noqa: E402
+from jaxtrain.sharding import targets  # noqa: E402
 
 BATCH, HEADS, HEAD_DIM = 1, 16, 128
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
 
 def context_mesh(target: str, n: int) -> Mesh:
-    devices = (targets.tpu_topology_devices("v5p:2x2x2") if target == "tpu"
-               else targets.h100_devices(1, 8))
+    devices = targets.tpu_topology_devices("v5p:2x2x2") if target == "tpu" else targets.h100_devices(1, 8)
     return Mesh(np.array(devices[:n]), ("context",))
 
 
@@ -80,8 +81,9 @@ def compile_ring(target: str, n: int, seq: int, impl: str = "ring") -> dict:
     """Deviceless compile of fwd+bwd ring (or Ulysses) attention over n devices."""
     mesh = context_mesh(target, n)
     attn = {"ring": ring_attention, "ulysses": ulysses_attention}[impl]
-    x = jax.ShapeDtypeStruct((BATCH, seq, HEADS, HEAD_DIM), jnp.bfloat16,
-                             sharding=NamedSharding(mesh, P(None, "context")))
+    x = jax.ShapeDtypeStruct(
+        (BATCH, seq, HEADS, HEAD_DIM), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "context"))
+    )
 
     def loss(q, k, v):
         o = attn(q, k, v, mesh=mesh, causal=True, load_balanced=True)
@@ -95,11 +97,13 @@ def compile_ring(target: str, n: int, seq: int, impl: str = "ring") -> dict:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return {"error": first[:160], "seconds": time.perf_counter() - start}
     hlo = compiled.as_text()
-    return {"memory": targets.compiled_memory(compiled),
-            "permutes": len(re.findall(r"collective-permute(-start)?\(", hlo)),
-            "gathers": full_sequence_all_gathers(hlo, seq),
-            "overlapped": overlapped_permutes(hlo),
-            "seconds": time.perf_counter() - start}
+    return {
+        "memory": targets.compiled_memory(compiled),
+        "permutes": len(re.findall(r"collective-permute(-start)?\(", hlo)),
+        "gathers": full_sequence_all_gathers(hlo, seq),
+        "overlapped": overlapped_permutes(hlo),
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def _mib(n: int) -> str:
@@ -114,27 +118,35 @@ def main(argv=None) -> int:
     parser.add_argument("--impls", default="ring", help="ring,ulysses")
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
-    print(f"context-parallel attention fwd+bwd, batch {BATCH}, seq {args.seq}, {HEADS} heads, head_dim "
-          f"{HEAD_DIM}, bf16, causal, load-balanced; deviceless compiles, per device\n")
-    print("| impl | target | context | tokens/device | temp | arguments | temp x context "
-          "| collective-permutes | async, kernel between start/done | full-seq all-gathers | compile s |")
+    print(
+        f"context-parallel attention fwd+bwd, batch {BATCH}, seq {args.seq}, {HEADS} heads, head_dim "
+        f"{HEAD_DIM}, bf16, causal, load-balanced; deviceless compiles, per device\n"
+    )
+    print(
+        "| impl | target | context | tokens/device | temp | arguments | temp x context "
+        "| collective-permutes | async, kernel between start/done | full-seq all-gathers | compile s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     failed = False
-    runs = [(i, t, n) for i in args.impls.split(",") for t in args.targets.split(",") if t
-            for n in contexts]
+    runs = [(i, t, n) for i in args.impls.split(",") for t in args.targets.split(",") if t for n in contexts]
     for impl, target, n in runs:
         r = compile_ring(target, n, args.seq, impl)
         name = f"{impl} | " + ("TPU v5p" if target == "tpu" else "H100")
         if "error" in r:
             failed = True
-            print(f"| {name} | {n} | {args.seq // n} | fails: {r['error'].replace('|', '/')} "
-                  f"| | | | | | {r['seconds']:.0f} |", flush=True)
+            print(
+                f"| {name} | {n} | {args.seq // n} | fails: {r['error'].replace('|', '/')} "
+                f"| | | | | | {r['seconds']:.0f} |",
+                flush=True,
+            )
             continue
         m, ov = r["memory"], r["overlapped"]
-        print(f"| {name} | {n} | {args.seq // n} | {_mib(m['temp'])} | {_mib(m['argument'])} "
-              f"| {_mib(m['temp'] * n)} | {r['permutes']} | {ov[0]} of {ov[1]} | {r['gathers']} "
-              f"| {r['seconds']:.0f} |",
-              flush=True)
+        print(
+            f"| {name} | {n} | {args.seq // n} | {_mib(m['temp'])} | {_mib(m['argument'])} "
+            f"| {_mib(m['temp'] * n)} | {r['permutes']} | {ov[0]} of {ov[1]} | {r['gathers']} "
+            f"| {r['seconds']:.0f} |",
+            flush=True,
+        )
     return 1 if failed else 0
 
 

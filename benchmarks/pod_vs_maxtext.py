@@ -21,6 +21,7 @@ estimate: an inference, not a compile. MFU everywhere is our analytic model
 FLOPs (6N + causal attention, PaLM convention) over step time x the chip's peak.
 All figures are compiler estimates, not measurements.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,12 +39,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from jaxtrain.flops import peak_flops_for_device_kind  # noqa: E402
+
 PEER_REQS = REPO.parent / "shared" / "bench" / "maxtext-requirements.txt"
-PEER_VENV = Path(os.environ.get("PEER_VENV", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-                                / "jaxtrain-peer" / "maxtext-venv"))
-WINDOWED_OFF = ("--xla_tpu_enable_windowed_einsum_for_all_gather=false "
-                "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false")
-GIB = 2 ** 30
+PEER_VENV = Path(
+    os.environ.get(
+        "PEER_VENV",
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxtrain-peer" / "maxtext-venv",
+    )
+)
+WINDOWED_OFF = (
+    "--xla_tpu_enable_windowed_einsum_for_all_gather=false "
+    "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false"
+)
+GIB = 2**30
 
 # key: (our preset, target, MaxText model_name, MaxText per_device_batch_size, layers)
 ROWS = {
@@ -63,11 +71,17 @@ def ensure_peer_venv() -> tuple[Path, str]:
         subprocess.run([sys.executable, "-m", "venv", PEER_VENV], check=True)
         subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "-r", PEER_REQS], check=True)
     libtpu = importlib.metadata.version("libtpu")
-    if subprocess.run([py, "-c", f"import importlib.metadata as m, sys; "
-                       f"sys.exit(m.version('libtpu') != '{libtpu}')"], capture_output=True).returncode:
+    if subprocess.run(
+        [py, "-c", f"import importlib.metadata as m, sys; sys.exit(m.version('libtpu') != '{libtpu}')"],
+        capture_output=True,
+    ).returncode:
         subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", f"libtpu=={libtpu}"], check=True)
-    mt = subprocess.run([py, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
-                        capture_output=True, text=True, check=True).stdout.strip()
+    mt = subprocess.run(
+        [py, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     return py, mt
 
 
@@ -78,19 +92,41 @@ def maxtext_compile(py: Path, mt: str, model: str, topology: str, batch: int, la
     otherwise an unscanned variant with that many layers (cost).
     """
     with tempfile.TemporaryDirectory() as tmp:
-        args = [f"{mt}/configs/base.yml", f"model_name={model}", f"compile_topology={topology}",
-                "compile_topology_num_slices=1", f"per_device_batch_size={batch}",
-                "max_target_length=4096", "remat_policy=full", "run_name=peer-compile",
-                f"base_output_directory={tmp}/out", "enable_goodput_recording=False",
-                "monitor_goodput=False", "skip_jax_distributed_system=True"]
+        args = [
+            f"{mt}/configs/base.yml",
+            f"model_name={model}",
+            f"compile_topology={topology}",
+            "compile_topology_num_slices=1",
+            f"per_device_batch_size={batch}",
+            "max_target_length=4096",
+            "remat_policy=full",
+            "run_name=peer-compile",
+            f"base_output_directory={tmp}/out",
+            "enable_goodput_recording=False",
+            "monitor_goodput=False",
+            "skip_jax_distributed_system=True",
+        ]
         if layers is not None:
-            args += [f"base_num_decoder_layers={layers}", "override_model_config=True",
-                     "scan_layers=False", f"compile_xla_flags={WINDOWED_OFF}"]
-        env = {**os.environ, "DECOUPLE_GCLOUD": "TRUE", "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": f"--xla_dump_to={tmp}/hlo --xla_dump_hlo_as_text "
-                            "--xla_dump_hlo_module_re=.*train_step.*"}
-        p = subprocess.run([py, "-m", "maxtext.trainers.pre_train.train_compile", *args],
-                           capture_output=True, text=True, env=env, cwd=tmp)
+            args += [
+                f"base_num_decoder_layers={layers}",
+                "override_model_config=True",
+                "scan_layers=False",
+                f"compile_xla_flags={WINDOWED_OFF}",
+            ]
+        env = {
+            **os.environ,
+            "DECOUPLE_GCLOUD": "TRUE",
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_dump_to={tmp}/hlo --xla_dump_hlo_as_text "
+            "--xla_dump_hlo_module_re=.*train_step.*",
+        }
+        p = subprocess.run(
+            [py, "-m", "maxtext.trainers.pre_train.train_compile", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp,
+        )
         out = p.stdout + p.stderr
         cost = re.search(r"Cost analysis: (\{.*\})", out)
         mem = re.search(r"Memory analysis: CompiledMemoryStats\((.*)\)", out)
@@ -99,12 +135,18 @@ def maxtext_compile(py: Path, mt: str, model: str, topology: str, batch: int, la
         cost = ast.literal_eval(cost.group(1))
         stats = dict((k, int(v)) for k, v in re.findall(r"(\w+)=(\d+)", mem.group(1)))
         hlo = "".join(Path(f).read_text() for f in glob.glob(f"{tmp}/hlo/*after_optimizations.txt"))
-    kernels = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line
-               and " = " in line]
+    kernels = [
+        line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line and " = " in line
+    ]
     return {
-        "flops": cost.get("flops", 0.0), "seconds": cost.get("optimal_seconds", 0.0),
-        "memory": (stats["argument_size_in_bytes"] + stats["output_size_in_bytes"]
-                   - stats["alias_size_in_bytes"] + stats["temp_size_in_bytes"]),
+        "flops": cost.get("flops", 0.0),
+        "seconds": cost.get("optimal_seconds", 0.0),
+        "memory": (
+            stats["argument_size_in_bytes"]
+            + stats["output_size_in_bytes"]
+            - stats["alias_size_in_bytes"]
+            + stats["temp_size_in_bytes"]
+        ),
         "kernels": len(kernels),
         "kernels_with_cost": sum('"cost_estimate"' in line for line in kernels),
         "kernel_names": sorted({re.match(r"\s*%?([A-Za-z_]+)", k).group(1) for k in kernels}),
@@ -112,9 +154,19 @@ def maxtext_compile(py: Path, mt: str, model: str, topology: str, batch: int, la
 
 
 def ours(preset: str, topology: str, charged: bool) -> dict:
-    cmd = [sys.executable, "-m", "jaxtrain", "compile", str(REPO / "configs" / f"{preset}.yaml"),
-           "--target", f"tpu:{topology}", "--json"] + ([] if charged else ["--kernels-uncharged"])
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxtrain",
+        "compile",
+        str(REPO / "configs" / f"{preset}.yaml"),
+        "--target",
+        f"tpu:{topology}",
+        "--json",
+    ] + ([] if charged else ["--kernels-uncharged"])
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}
+    )
     if p.returncode not in (0, 1):
         sys.exit(f"jaxtrain compile failed: {' '.join(cmd)}\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -125,8 +177,11 @@ def main():
     ap.add_argument("--rows", default="7b", help=f"comma-separated, of {','.join(ROWS)}")
     args = ap.parse_args()
     py, mt = ensure_peer_venv()
-    print("| model | target | stack | attention kernels | memory GiB/dev | XLA TFLOP/layer | "
-          "est. ms/layer | est. step s | est. MFU |\n|---|---|---|---|---:|---:|---:|---:|---:|", flush=True)
+    print(
+        "| model | target | stack | attention kernels | memory GiB/dev | XLA TFLOP/layer | "
+        "est. ms/layer | est. step s | est. MFU |\n|---|---|---|---|---:|---:|---:|---:|---:|",
+        flush=True,
+    )
     notes = []
     for key in args.rows.split(","):
         preset, topo, mt_model, batch, L = ROWS[key]
@@ -137,32 +192,58 @@ def main():
         mfull = maxtext_compile(py, mt, mt_model, topo, batch, None)
         mt_layer_s, mt_layer_f = m2["seconds"] - m1["seconds"], m2["flops"] - m1["flops"]
         mt_step = m1["seconds"] + (L - 1) * mt_layer_s
-        charge_s = (charged["xla_cost"]["optimal_seconds per layer"]
-                    - free["xla_cost"]["optimal_seconds per layer"])
+        charge_s = (
+            charged["xla_cost"]["optimal_seconds per layer"] - free["xla_cost"]["optimal_seconds per layer"]
+        )
         charge_f = charged["xla_cost"]["flops per layer"] - free["xla_cost"]["flops per layer"]
 
         def row(stack, kernels, mem, tflop, layer_s, step_s):
-            print(f"| {preset} | tpu:{topo} | {stack} | {kernels} | "
-                  f"{mem / GIB:.1f} | {tflop / 1e12:.2f} | {layer_s * 1e3:.2f} | {step_s:.3f} | "
-                  f"{100 * model_flops / (step_s * peak):.1f}% |", flush=True)
+            print(
+                f"| {preset} | tpu:{topo} | {stack} | {kernels} | "
+                f"{mem / GIB:.1f} | {tflop / 1e12:.2f} | {layer_s * 1e3:.2f} | {step_s:.3f} | "
+                f"{100 * model_flops / (step_s * peak):.1f}% |",
+                flush=True,
+            )
 
         for r, label in ((charged, "charged"), (free, "uncharged")):
             c = r["xla_cost"]
-            row("jaxtrain", label, r["memory"]["total"], c["flops per layer"],
-                c["optimal_seconds per layer"], c["optimal_seconds"])
-        row("MaxText 0.2.5", f"uncharged ({m1['kernels_with_cost']} of {m1['kernels']} carry a cost)",
-            mfull["memory"], mt_layer_f, mt_layer_s, mt_step)
-        row("MaxText, derived", "charged as ours", mfull["memory"], mt_layer_f + charge_f, mt_layer_s + charge_s,
-            mt_step + L * charge_s)
-        notes.append(f"{preset}: MaxText step / jaxtrain step, both uncharged: "
-                     f"{mt_step / free['xla_cost']['optimal_seconds']:.3f}; memory MaxText / jaxtrain: "
-                     f"{mfull['memory'] / charged['memory']['total']:.2f}; MaxText kernels: "
-                     f"{', '.join(m1['kernel_names'])}")
+            row(
+                "jaxtrain",
+                label,
+                r["memory"]["total"],
+                c["flops per layer"],
+                c["optimal_seconds per layer"],
+                c["optimal_seconds"],
+            )
+        row(
+            "MaxText 0.2.5",
+            f"uncharged ({m1['kernels_with_cost']} of {m1['kernels']} carry a cost)",
+            mfull["memory"],
+            mt_layer_f,
+            mt_layer_s,
+            mt_step,
+        )
+        row(
+            "MaxText, derived",
+            "charged as ours",
+            mfull["memory"],
+            mt_layer_f + charge_f,
+            mt_layer_s + charge_s,
+            mt_step + L * charge_s,
+        )
+        notes.append(
+            f"{preset}: MaxText step / jaxtrain step, both uncharged: "
+            f"{mt_step / free['xla_cost']['optimal_seconds']:.3f}; memory MaxText / jaxtrain: "
+            f"{mfull['memory'] / charged['memory']['total']:.2f}; MaxText kernels: "
+            f"{', '.join(m1['kernel_names'])}"
+        )
     print()
     for n in notes:
         print(n)
-    print("\nStep times are XLA's raw estimates (1-/2-layer extrapolation, no rescaling); "
-          "compiler estimates, not measurements.")
+    print(
+        "\nStep times are XLA's raw estimates (1-/2-layer extrapolation, no rescaling); "
+        "compiler estimates, not measurements."
+    )
 
 
 if __name__ == "__main__":

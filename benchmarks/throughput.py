@@ -9,6 +9,7 @@ process). With --peer it then runs ../shared/bench/maxtext_peer.sh with the
 same model and prints our/peer ratios (>1 means jaxtrain is faster).
 Nothing else may run on the machine meanwhile: this is a timing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,17 @@ PEER = REPO.parent / "shared" / "bench" / "maxtext_peer.sh"
 def run_ours(dtype: str, steps: int, extra: list[str]) -> dict:
     out = tempfile.mkdtemp(prefix=f"bench-{dtype}-")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    cmd = [sys.executable, "-m", "jaxtrain", "train", str(REPO / "configs" / "bench-peer.yaml"),
-           f"output_dir={out}", f"train.steps={steps}", f"model.compute_dtype={dtype}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxtrain",
+        "train",
+        str(REPO / "configs" / "bench-peer.yaml"),
+        f"output_dir={out}",
+        f"train.steps={steps}",
+        f"model.compute_dtype={dtype}",
+        *extra,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode:
         sys.exit(f"jaxtrain run failed:\n{proc.stderr[-3000:]}")
@@ -38,8 +48,13 @@ def run_ours(dtype: str, steps: int, extra: list[str]) -> dict:
     step_time = statistics.median(r["step_time_s"] for r in timed)
     mfu = statistics.median(r["mfu"] for r in timed)
     peak = re.search(r"peak=(\S+) FLOP/s", proc.stderr)
-    return {"step_time_s": step_time, "tokens_per_second": 4096 / step_time, "mfu": mfu,
-            "final_loss": records[-1]["loss"], "peak": peak.group(1) if peak else "?"}
+    return {
+        "step_time_s": step_time,
+        "tokens_per_second": 4096 / step_time,
+        "mfu": mfu,
+        "final_loss": records[-1]["loss"],
+        "peak": peak.group(1) if peak else "?",
+    }
 
 
 def run_peer(dtype: str, steps: int) -> dict:
@@ -48,8 +63,10 @@ def run_peer(dtype: str, steps: int) -> dict:
         sys.exit(f"peer run failed:\n{proc.stderr[-3000:]}")
     last = proc.stdout.strip().splitlines()[-1]
     fields = dict(kv.split("=") for kv in last.split()[1:])
-    return {"step_time_s": float(fields["step_time_s"]),
-            "tokens_per_second": float(fields["tokens_per_second"])}
+    return {
+        "step_time_s": float(fields["step_time_s"]),
+        "tokens_per_second": float(fields["tokens_per_second"]),
+    }
 
 
 def main() -> None:
@@ -65,16 +82,23 @@ def main() -> None:
         row = {"dtype": dtype, **ours}
         if args.peer:
             peer = run_peer(dtype, args.steps)
-            row.update(peer_step_time_s=peer["step_time_s"], peer_tokens_per_second=peer["tokens_per_second"],
-                       ratio=peer["step_time_s"] / ours["step_time_s"])
+            row.update(
+                peer_step_time_s=peer["step_time_s"],
+                peer_tokens_per_second=peer["tokens_per_second"],
+                ratio=peer["step_time_s"] / ours["step_time_s"],
+            )
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("\n| compute dtype | jaxtrain s/step | jaxtrain tokens/s | MFU (vs measured matmul peak) |"
-          + (" MaxText s/step | MaxText tokens/s | ratio (MaxText time / ours) |" if args.peer else ""))
+    print(
+        "\n| compute dtype | jaxtrain s/step | jaxtrain tokens/s | MFU (vs measured matmul peak) |"
+        + (" MaxText s/step | MaxText tokens/s | ratio (MaxText time / ours) |" if args.peer else "")
+    )
     print("|---|---|---|---|" + ("---|---|---|" if args.peer else ""))
     for r in rows:
-        line = (f"| {r['dtype']} | {r['step_time_s']:.2f} | {r['tokens_per_second']:.0f} | "
-                f"{100 * r['mfu']:.1f}% (peak {r['peak']} FLOP/s) |")
+        line = (
+            f"| {r['dtype']} | {r['step_time_s']:.2f} | {r['tokens_per_second']:.0f} | "
+            f"{100 * r['mfu']:.1f}% (peak {r['peak']} FLOP/s) |"
+        )
         if args.peer:
             line += f" {r['peer_step_time_s']:.2f} | {r['peer_tokens_per_second']:.0f} | {r['ratio']:.2f} |"
         print(line)

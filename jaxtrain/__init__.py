@@ -3,4 +3,5 @@
 Submodules are imported on demand so that `jaxtrain.config` can be read before
 JAX picks a backend.
 """
+
 __version__ = "0.1.0"

@@ -28,6 +28,7 @@ Restoring reads each array straight into the target sharding (Orbax
 checkpoint written on one mesh restores onto another, with a different
 device count or process count (Universal-Checkpointing style resharding).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,8 +65,9 @@ def abstract_state(program: TrainProgram) -> TrainState:
     """ShapeDtypeStructs of the train state with the program's (concrete-mesh) shardings:
     the restore target. Nothing is allocated."""
     shapes = jax.eval_shape(program.init)
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        shapes, program.state_shardings)
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, program.state_shardings
+    )
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -96,8 +98,9 @@ def _all_processes_agree(ok: bool) -> bool:
     """True only if `ok` holds on every process (so all take the same branch)."""
     if jax.process_count() == 1:
         return ok
-    from jax.experimental import multihost_utils
     import numpy as np
+    from jax.experimental import multihost_utils
+
     return bool(np.all(multihost_utils.process_allgather(np.asarray(int(ok)))))
 
 
@@ -109,11 +112,17 @@ def _array_handlers():
     replica-parallel writing only across processes and for large slices (see the
     module docstring)."""
     th = ocp.type_handlers
-    arrays = th.ArrayHandler(use_replica_parallel=jax.process_count() > 1,
-                             min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES)
+    arrays = th.ArrayHandler(
+        use_replica_parallel=jax.process_count() > 1,
+        min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
+    )
     return th.create_type_handler_registry(
-        (jax.Array, arrays), (np.ndarray, th.NumpyHandler()), (np.number, th.ScalarHandler()),
-        (int, th.ScalarHandler()), (float, th.ScalarHandler()))
+        (jax.Array, arrays),
+        (np.ndarray, th.NumpyHandler()),
+        (np.number, th.ScalarHandler()),
+        (int, th.ScalarHandler()),
+        (float, th.ScalarHandler()),
+    )
 
 
 class Checkpointer:
@@ -125,8 +134,15 @@ class Checkpointer:
     Every process must call every method (Orbax synchronizes them).
     """
 
-    def __init__(self, directory: str | Path, *, keep: int = 3, keep_every: int = 0,
-                 async_save: bool = True, log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        keep: int = 3,
+        keep_every: int = 0,
+        async_save: bool = True,
+        log: Callable[[str], None] = print,
+    ):
         if keep < 1:
             raise ValueError(f"keep={keep}: expected a positive integer")
         if keep_every < 0:
@@ -139,12 +155,15 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save,
             preservation_policy=policies.AnyPreservationPolicy(keep_policies),
-            cleanup_tmp_directories=True,   # leftovers of killed writes
-            create=True)
+            cleanup_tmp_directories=True,  # leftovers of killed writes
+            create=True,
+        )
         # Handlers named up front, so a fresh manager can read item metadata before any save.
         registry = ocp.handlers.create_default_handler_registry(
             state=ocp.PyTreeCheckpointHandler(type_handler_registry=_array_handlers()),
-            data=ocp.JsonCheckpointHandler(), meta=ocp.JsonCheckpointHandler())
+            data=ocp.JsonCheckpointHandler(),
+            meta=ocp.JsonCheckpointHandler(),
+        )
         self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
 
     # --- saving --------------------------------------------------------------
@@ -155,12 +174,17 @@ class Checkpointer:
         flight), or None if checkpoint `step` already exists."""
         if step in self.manager.all_steps():
             return None
-        jax.block_until_ready(state)   # time the save, not the step still running
+        jax.block_until_ready(state)  # time the save, not the step still running
         t0 = time.perf_counter()
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(state),
-            data=ocp.args.JsonSave(data_state),
-            meta=ocp.args.JsonSave(meta)), force=True)
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(state),
+                data=ocp.args.JsonSave(data_state),
+                meta=ocp.args.JsonSave(meta),
+            ),
+            force=True,
+        )
         return time.perf_counter() - t0
 
     def wait(self) -> None:
@@ -193,15 +217,22 @@ class Checkpointer:
     def restore(self, step: int, target: TrainState) -> Restored:
         """Restore checkpoint `step` onto `target` (raises CheckpointError if unreadable)."""
         self._check_fits(step, target)
-        items = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(
-                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)),
-            data=ocp.args.JsonRestore(),
-            meta=ocp.args.JsonRestore()))
+        items = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+                ),
+                data=ocp.args.JsonRestore(),
+                meta=ocp.args.JsonRestore(),
+            ),
+        )
         state = items["state"]
-        if not isinstance(state, TrainState):   # older Orbax returns the target's structure as a dict
+        if not isinstance(state, TrainState):  # older Orbax returns the target's structure as a dict
             state = TrainState(**state)
-        return Restored(step=step, state=state, data_state=dict(items["data"]), meta=dict(items["meta"] or {}))
+        return Restored(
+            step=step, state=state, data_state=dict(items["data"]), meta=dict(items["meta"] or {})
+        )
 
     def _check_fits(self, step: int, target: TrainState) -> None:
         path = self.directory / str(step)
@@ -217,13 +248,16 @@ class Checkpointer:
         want = tuple(target.loss_window.shape)
         if not mismatch and (window is None or tuple(window.shape) != want):
             got = "none" if window is None else f"{tuple(window.shape)[0]} losses"
-            mismatch = (f"its loss window (spike detection) holds {got}, the run expects "
-                        f"faults.spike_window={want[0]}")
+            mismatch = (
+                f"its loss window (spike detection) holds {got}, the run expects "
+                f"faults.spike_window={want[0]}"
+            )
         if mismatch:
             raise CheckpointMismatchError(
                 f"checkpoint {path}: {mismatch}. The config changed since this run was "
                 "checkpointed; restore the old settings, or train into a new output_dir "
-                "(or checkpoint.dir). The checkpoint was left untouched")
+                "(or checkpoint.dir). The checkpoint was left untouched"
+            )
 
     def _try_restore(self, step: int, target: TrainState) -> Restored | None:
         path = self.directory / str(step)
@@ -236,10 +270,16 @@ class Checkpointer:
             restored, error = None, e
         if _all_processes_agree(error is None):
             return restored
-        detail = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}" if error else "unreadable on another process"
+        detail = (
+            f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            if error
+            else "unreadable on another process"
+        )
         aside = self._set_aside(step)
-        self.log(f"checkpoint {path} is unreadable ({detail}); moved it to {aside.name} "
-                 "and trying the previous one")
+        self.log(
+            f"checkpoint {path} is unreadable ({detail}); moved it to {aside.name} "
+            "and trying the previous one"
+        )
         return None
 
     def _set_aside(self, step: int) -> Path:
@@ -254,6 +294,7 @@ class Checkpointer:
             src.rename(dst)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
+
             multihost_utils.sync_global_devices(f"jaxtrain_set_aside_{step}")
         self.manager.reload()
         return dst

@@ -16,6 +16,7 @@ slice or GPU cluster on this machine (jaxtrain/compile.py): exit 0 it fits,
 `jaxtrain convert hf-to-ckpt HF_DIR OUT_DIR` / `ckpt-to-hf CKPT_DIR OUT_DIR` convert
 weights tensor by tensor (jaxtrain/convert.py); `train.init_from=OUT_DIR` trains from them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,30 +29,49 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model from a YAML config")
     t.add_argument("config", help="YAML config file (see configs/)")
     t.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. mesh.fsdp=2")
-    c = sub.add_parser("compile", help="AOT-compile the train step for a TPU slice or GPU cluster "
-                       "(no accelerator needed): memory per device, FLOPs, collectives, est. MFU; "
-                       "exit 0 fits, 1 does not fit, 2 config error")
+    c = sub.add_parser(
+        "compile",
+        help="AOT-compile the train step for a TPU slice or GPU cluster "
+        "(no accelerator needed): memory per device, FLOPs, collectives, est. MFU; "
+        "exit 0 fits, 1 does not fit, 2 config error",
+    )
     c.add_argument("config", help="YAML config file (see configs/)")
     c.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
-    c.add_argument("--target", required=True,
-                   help="tpu:v5p-64, tpu:v5e-256, tpu:v6e-64, tpu:v4-128, ... or gpu:h100 / gpu:a100")
+    c.add_argument(
+        "--target",
+        required=True,
+        help="tpu:v5p-64, tpu:v5e-256, tpu:v6e-64, tpu:v4-128, ... or gpu:h100 / gpu:a100",
+    )
     c.add_argument("--slices", type=int, default=1, help="TPU slices (DCN tier; default mesh.dcn_data)")
     c.add_argument("--hosts", type=int, default=1, help="GPU hosts")
     c.add_argument("--gpus-per-host", type=int, default=8)
     c.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    c.add_argument("--no-estimate", dest="estimate", action="store_false",
-                   help="skip the 1-/2-layer compiles behind the step-time estimate (TPU)")
-    c.add_argument("--kernels-uncharged", dest="charge_kernels", action="store_false",
-                   help="estimate with the Pallas kernels left out of XLA's cost model, as for "
-                        "kernels without a cost estimate (MaxText's splash attention): for "
-                        "like-for-like comparisons; the step time then omits attention")
-    v = sub.add_parser("convert", help="convert weights: hf-to-ckpt HF_DIR OUT_DIR | ckpt-to-hf CKPT_DIR OUT_DIR")
+    c.add_argument(
+        "--no-estimate",
+        dest="estimate",
+        action="store_false",
+        help="skip the 1-/2-layer compiles behind the step-time estimate (TPU)",
+    )
+    c.add_argument(
+        "--kernels-uncharged",
+        dest="charge_kernels",
+        action="store_false",
+        help="estimate with the Pallas kernels left out of XLA's cost model, as for "
+        "kernels without a cost estimate (MaxText's splash attention): for "
+        "like-for-like comparisons; the step time then omits attention",
+    )
+    v = sub.add_parser(
+        "convert", help="convert weights: hf-to-ckpt HF_DIR OUT_DIR | ckpt-to-hf CKPT_DIR OUT_DIR"
+    )
     v.add_argument("direction", choices=("hf-to-ckpt", "ckpt-to-hf"))
     v.add_argument("source", help="Hugging Face directory (hf-to-ckpt) or converted checkpoint (ckpt-to-hf)")
     v.add_argument("dest", help="output directory")
-    v.add_argument("--architecture", default=None,
-                   help="ckpt-to-hf: LlamaForCausalLM | MistralForCausalLM | MixtralForCausalLM "
-                        "(default: from the model)")
+    v.add_argument(
+        "--architecture",
+        default=None,
+        help="ckpt-to-hf: LlamaForCausalLM | MistralForCausalLM | MixtralForCausalLM "
+        "(default: from the model)",
+    )
     return p
 
 
@@ -61,12 +81,15 @@ def _convert(args) -> int:
 
     configure_host()
     from jaxtrain import convert
-    from models.hf import HFConversionError
+    from jaxtrain.models.hf import HFConversionError
+
     try:
         if args.direction == "hf-to-ckpt":
             cfg = convert.hf_to_ckpt(args.source, args.dest)
-            print(f"converted {args.source} -> {args.dest} ({cfg.param_count():,} parameters); "
-                  f"train from it with train.init_from={args.dest}")
+            print(
+                f"converted {args.source} -> {args.dest} ({cfg.param_count():,} parameters); "
+                f"train from it with train.init_from={args.dest}"
+            )
         else:
             out = convert.ckpt_to_hf(args.source, args.dest, architecture=args.architecture)
             print(f"converted {args.source} -> {out} (Hugging Face safetensors)")
@@ -94,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(e))
     from jaxtrain.platform import configure_host
 
-    configure_host()   # platform first (before jax is imported), device count below
+    configure_host()  # platform first (before jax is imported), device count below
     from jaxtrain import distributed
 
     # Multi-process: this process becomes a supervisor around the worker that trains,
@@ -115,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxtrain.checkpoint import CheckpointError
     from jaxtrain.data import DataError
     from jaxtrain.faults import TrainingFault
+
     try:
         validate(cfg, num_devices=jax.device_count())
     except ConfigError as e:
@@ -131,22 +155,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxtrain: error: {e}", file=sys.stderr)
         return 3
     except Exception:
-        distributed.wait_for_peer_verdict()   # a lost peer is named (and exits 4) rather than a traceback
+        distributed.wait_for_peer_verdict()  # a lost peer is named (and exits 4) rather than a traceback
         raise
     distributed.finish()
     if result.preempted_by:
-        where = (f"checkpoint step {result.checkpoint_step} saved" if result.checkpoint_step is not None
-                 else "no checkpoint saved (checkpoint.every=0)")
-        print(f"preempted: stopped by {result.preempted_by} after step {result.final_step}; {where}; "
-              "run the same command again to resume")
+        where = (
+            f"checkpoint step {result.checkpoint_step} saved"
+            if result.checkpoint_step is not None
+            else "no checkpoint saved (checkpoint.every=0)"
+        )
+        print(
+            f"preempted: stopped by {result.preempted_by} after step {result.final_step}; {where}; "
+            "run the same command again to resume"
+        )
         return 0
     if not result.metrics:
         print(f"done: nothing to train, the newest checkpoint is already at step {result.final_step}")
         return 0
     last = result.metrics[-1]
     resumed = f" (resumed from step {result.start_step})" if result.start_step else ""
-    print(f"done: {cfg.train.steps} steps{resumed}, final loss {last['loss']:.4f}, "
-          f"metrics in {cfg.output_dir}/metrics.jsonl")
+    print(
+        f"done: {cfg.train.steps} steps{resumed}, final loss {last['loss']:.4f}, "
+        f"metrics in {cfg.output_dir}/metrics.jsonl"
+    )
     return 0
 
 
@@ -158,16 +189,20 @@ def _compile(args) -> int:
     # Compile-only devices need no backend but CPU; the CUDA plugin drops out without this.
     os.environ["JAX_PLATFORMS"] = "cpu"
     from jaxtrain.config import ConfigError, load_config
+
     try:
         cfg = load_config(args.config, args.overrides)
         from jaxtrain.compile import config_for_target, parse_target
-        target = parse_target(args.target, slices=args.slices, hosts=args.hosts,
-                              gpus_per_host=args.gpus_per_host)
-        config_for_target(cfg, target)   # mesh and batch checks before any backend starts
+
+        target = parse_target(
+            args.target, slices=args.slices, hosts=args.hosts, gpus_per_host=args.gpus_per_host
+        )
+        config_for_target(cfg, target)  # mesh and batch checks before any backend starts
     except ConfigError as e:
         return _fail(str(e))
     from jaxtrain.compile import compile_report, format_report
-    from sharding.targets import DevicelessUnavailableError
+    from jaxtrain.sharding.targets import DevicelessUnavailableError
+
     try:
         report = compile_report(cfg, target, estimate=args.estimate, charge_kernels=args.charge_kernels)
     except (ConfigError, DevicelessUnavailableError) as e:

@@ -24,6 +24,7 @@ What this proves: the program partitions, compiles and fits, and which
 collectives it emits. It does not measure speed: step time and MFU are the
 compiler's estimate.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,39 +34,56 @@ from typing import Any
 
 from jaxtrain.config import Config, ConfigError
 
-GiB = 1024 ** 3
+GiB = 1024**3
 
 # name -> (generation key, chips per "N" in the slice name, chip_config, 2D/3D torus, HBM bytes, peak)
 _TPU = {
     # v4 and v5p names count TensorCores: 2 per chip, one megacore device per chip.
-    "v4": dict(topo="v4", cores_per_chip=2, chip_config="megacore", dims=3, hbm=32 * GiB,
-               peak=275e12, kind="TPU v4"),
-    "v5p": dict(topo="v5p", cores_per_chip=2, chip_config="megacore", dims=3, hbm=95 * GiB,
-                peak=459e12, kind="TPU v5p"),
-    "v5e": dict(topo="v5e", cores_per_chip=1, chip_config="default", dims=2, hbm=16 * GiB,
-                peak=197e12, kind="TPU v5e"),
-    "v6e": dict(topo="v6e", cores_per_chip=1, chip_config="default", dims=2, hbm=32 * GiB,
-                peak=918e12, kind="TPU v6e"),
+    "v4": dict(
+        topo="v4", cores_per_chip=2, chip_config="megacore", dims=3, hbm=32 * GiB, peak=275e12, kind="TPU v4"
+    ),
+    "v5p": dict(
+        topo="v5p",
+        cores_per_chip=2,
+        chip_config="megacore",
+        dims=3,
+        hbm=95 * GiB,
+        peak=459e12,
+        kind="TPU v5p",
+    ),
+    "v5e": dict(
+        topo="v5e", cores_per_chip=1, chip_config="default", dims=2, hbm=16 * GiB, peak=197e12, kind="TPU v5e"
+    ),
+    "v6e": dict(
+        topo="v6e", cores_per_chip=1, chip_config="default", dims=2, hbm=32 * GiB, peak=918e12, kind="TPU v6e"
+    ),
 }
 _GPU = {
     "h100": dict(hbm=84942979072, peak=989e12, kind="H100 SXM 80GB"),
     "a100": dict(hbm=85899345920, peak=312e12, kind="A100 SXM 80GB"),
 }
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
-               "ragged-all-to-all")
+COLLECTIVES = (
+    "all-gather",
+    "all-reduce",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "ragged-all-to-all",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
     """A compile target: a TPU slice (x slices) or GPU hosts x GPUs per host."""
-    platform: str           # "tpu" | "gpu"
-    name: str               # "v5p-64", "h100"
-    generation: str         # "v5p", "h100", ...
-    chips: int              # devices per slice (TPU) or per host (GPU)
-    groups: int             # TPU slices or GPU hosts (the DCN tier)
-    topology: str           # libtpu topology name ("v5p:2x4x4") or GPU "Hx1xG"
+
+    platform: str  # "tpu" | "gpu"
+    name: str  # "v5p-64", "h100"
+    generation: str  # "v5p", "h100", ...
+    chips: int  # devices per slice (TPU) or per host (GPU)
+    groups: int  # TPU slices or GPU hosts (the DCN tier)
+    topology: str  # libtpu topology name ("v5p:2x4x4") or GPU "Hx1xG"
     hbm_bytes: int
-    peak_flops: float       # dense bf16 per device
+    peak_flops: float  # dense bf16 per device
     device_kind: str
 
     @property
@@ -91,7 +109,7 @@ def _torus_shape(chips: int, dims: int) -> tuple[int, ...]:
         rest = chips // 4
     else:
         rest = chips
-    while rest > 1:   # double the smallest dimension (the last one on ties)
+    while rest > 1:  # double the smallest dimension (the last one on ties)
         i = min(range(dims), key=lambda j: (shape[j], -j))
         shape[i] *= 2
         rest //= 2
@@ -107,19 +125,32 @@ def parse_target(text: str, *, slices: int = 1, hosts: int = 1, gpus_per_host: i
     if platform == "tpu":
         m = re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", name)
         if not m:
-            raise ConfigError(f"--target={text!r}: expected tpu:GEN-N with GEN one of "
-                              f"{', '.join(_TPU)} (e.g. tpu:v5p-64, tpu:v5e-256)")
+            raise ConfigError(
+                f"--target={text!r}: expected tpu:GEN-N with GEN one of "
+                f"{', '.join(_TPU)} (e.g. tpu:v5p-64, tpu:v5e-256)"
+            )
         if slices < 1:
             raise ConfigError(f"--slices={slices}: expected a positive integer")
         gen, n = m.group(1), int(m.group(2))
         spec = _TPU[gen]
         if n % spec["cores_per_chip"]:
-            raise ConfigError(f"--target={text!r}: {gen} slice names count TensorCores "
-                              f"({spec['cores_per_chip']} per chip); expected an even number")
+            raise ConfigError(
+                f"--target={text!r}: {gen} slice names count TensorCores "
+                f"({spec['cores_per_chip']} per chip); expected an even number"
+            )
         chips = n // spec["cores_per_chip"]
         shape = _torus_shape(chips, spec["dims"])
-        return Target("tpu", name, gen, chips, slices, f"{spec['topo']}:{'x'.join(map(str, shape))}",
-                      spec["hbm"], spec["peak"], spec["kind"])
+        return Target(
+            "tpu",
+            name,
+            gen,
+            chips,
+            slices,
+            f"{spec['topo']}:{'x'.join(map(str, shape))}",
+            spec["hbm"],
+            spec["peak"],
+            spec["kind"],
+        )
     if platform == "gpu":
         if name not in _GPU:
             raise ConfigError(f"--target={text!r}: expected gpu:h100 or gpu:a100")
@@ -128,26 +159,38 @@ def parse_target(text: str, *, slices: int = 1, hosts: int = 1, gpus_per_host: i
         if slices != 1:
             raise ConfigError("--slices applies to TPU targets; use --hosts for GPU clusters")
         spec = _GPU[name]
-        return Target("gpu", name, name, gpus_per_host, hosts, f"{hosts}x1x{gpus_per_host}",
-                      spec["hbm"], spec["peak"], spec["kind"])
+        return Target(
+            "gpu",
+            name,
+            name,
+            gpus_per_host,
+            hosts,
+            f"{hosts}x1x{gpus_per_host}",
+            spec["hbm"],
+            spec["peak"],
+            spec["kind"],
+        )
     raise ConfigError(f"--target={text!r}: expected tpu:GEN-N (e.g. tpu:v5p-64) or gpu:h100")
 
 
 def target_devices(target: Target) -> list:
     """Compile-only devices for the target (raises targets.DevicelessUnavailableError)."""
-    from sharding import targets
+    from jaxtrain.sharding import targets
+
     if target.platform == "tpu":
         spec = _TPU[target.generation]
         small = math.prod(int(x) for x in target.topology.split(":")[1].split("x")) < 4
-        per_host = (1, 1, 1) if small else (2, 2, 1)   # 4 chips per host (v5e/v6e: also 8)
-        return targets.tpu_topology_devices(target.topology, spec["chip_config"], per_host,
-                                            num_slices=target.groups)
+        per_host = (1, 1, 1) if small else (2, 2, 1)  # 4 chips per host (v5e/v6e: also 8)
+        return targets.tpu_topology_devices(
+            target.topology, spec["chip_config"], per_host, num_slices=target.groups
+        )
     if target.generation == "a100":
         return targets.a100_devices(target.groups, target.chips)
     return targets.h100_devices(target.groups, target.chips)
 
 
 # --- config for a target ------------------------------------------------------
+
 
 def config_for_target(cfg: Config, target: Target) -> tuple[Config, dict[str, int], dict[str, int]]:
     """Resolve `attention_impl=auto` for the target platform and the mesh (ICI, DCN).
@@ -156,7 +199,8 @@ def config_for_target(cfg: Config, target: Target) -> tuple[Config, dict[str, in
     parallelism across the DCN (`mesh.dcn_data = slices`); GPU hosts keep one
     flat mesh over all GPUs (the mesh axes then span hosts in host-major order).
     """
-    from models.attention import resolve_impl
+    from jaxtrain.models.attention import resolve_impl
+
     impl = resolve_impl(cfg.model.attention_impl, target.platform)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))
     dcn = cfg.mesh.dcn_sizes()
@@ -165,15 +209,20 @@ def config_for_target(cfg: Config, target: Target) -> tuple[Config, dict[str, in
         if n_dcn == 1 and target.groups > 1:
             dcn = {**dcn, "data": target.groups}
         elif n_dcn != target.groups:
-            raise ConfigError(f"mesh.dcn_*: the DCN axes multiply to {n_dcn}, expected the slice "
-                              f"count --slices={target.groups}")
+            raise ConfigError(
+                f"mesh.dcn_*: the DCN axes multiply to {n_dcn}, expected the slice "
+                f"count --slices={target.groups}"
+            )
         per_group = target.chips
     else:
         if n_dcn not in (1, target.groups):
-            raise ConfigError(f"mesh.dcn_*: the DCN axes multiply to {n_dcn}, expected 1 or the "
-                              f"host count --hosts={target.groups}")
+            raise ConfigError(
+                f"mesh.dcn_*: the DCN axes multiply to {n_dcn}, expected 1 or the "
+                f"host count --hosts={target.groups}"
+            )
         per_group = target.chips if n_dcn > 1 else target.num_devices
-    import sharding
+    from jaxtrain import sharding
+
     try:
         ici = sharding.mesh_shape_from_sizes(cfg.mesh.sizes(), per_group)
     except ValueError as e:
@@ -182,27 +231,32 @@ def config_for_target(cfg: Config, target: Target) -> tuple[Config, dict[str, in
     dp = full["data"] * full["fsdp"] * full["expert"]
     t = cfg.train
     if t.global_batch_size % (dp * t.microbatches):
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size}: expected a multiple of "
-                          f"data*fsdp*expert ({dp}) x train.microbatches ({t.microbatches}) on "
-                          f"{target.describe()}")
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size}: expected a multiple of "
+            f"data*fsdp*expert ({dp}) x train.microbatches ({t.microbatches}) on "
+            f"{target.describe()}"
+        )
     return cfg, ici, {a: s for a, s in dcn.items() if s > 1}
 
 
 # --- compiling ----------------------------------------------------------------
 
+
 def _compile_step(cfg: Config, mesh, rules, compiler_options: dict | None = None):
     import jax
 
-    import sharding
+    from jaxtrain import sharding
     from jaxtrain.train_step import abstract_batch, build_program
+
     # build_program runs a few eager ops (optax state templates); they cannot run on
     # compile-only devices, so only the tracing happens under the target mesh.
     with sharding.axis_rules(rules):
         program = build_program(cfg, mesh, rules)
     with jax.set_mesh(mesh), sharding.axis_rules(rules):
         shapes = jax.eval_shape(program.init)
-        state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                             shapes, program.state_shardings)
+        state = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, program.state_shardings
+        )
         batch = abstract_batch(cfg, program.batch_sharding)
         return program.step.lower(state, batch).compile(compiler_options=compiler_options)
 
@@ -214,18 +268,37 @@ class OutOfMemoryAtCompile(RuntimeError):
 def _compile_or_oom(cfg, mesh, rules):
     try:
         return _compile_step(cfg, mesh, rules)
-    except Exception as e:   # XlaRuntimeError: RESOURCE_EXHAUSTED from the TPU compiler
+    except Exception as e:  # XlaRuntimeError: RESOURCE_EXHAUSTED from the TPU compiler
         text = str(e)
         if "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text or "out of memory" in text.lower():
             raise OutOfMemoryAtCompile(text) from None
         raise
 
 
-_SHAPE = re.compile(r"\b(pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f8e4m3fn|f8e5m2|bf16|f16|f32|f64|c64)"
-                    r"\[([0-9,]*)\]")
-_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32, "u32": 32,
-         "s64": 64, "u64": 64, "f8e4m3fn": 8, "f8e5m2": 8, "bf16": 16, "f16": 16, "f32": 32,
-         "f64": 64, "c64": 64}
+_SHAPE = re.compile(
+    r"\b(pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f8e4m3fn|f8e5m2|bf16|f16|f32|f64|c64)"
+    r"\[([0-9,]*)\]"
+)
+_BITS = {
+    "pred": 8,
+    "s4": 4,
+    "u4": 4,
+    "s8": 8,
+    "u8": 8,
+    "s16": 16,
+    "u16": 16,
+    "s32": 32,
+    "u32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f8e4m3fn": 8,
+    "f8e5m2": 8,
+    "bf16": 16,
+    "f16": 16,
+    "f32": 32,
+    "f64": 64,
+    "c64": 64,
+}
 _COLL = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 
 
@@ -255,9 +328,10 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
         m = _COLL.search(line)
         if not m:
             dcn = _DCN.search(line)
-            if dcn:   # multi-slice TPU: DCN collectives are host-transfer sends
-                entry = out.setdefault("dcn-" + dcn.group(2).lower().replace("_", "-"),
-                                       {"count": 0, "bytes": 0})
+            if dcn:  # multi-slice TPU: DCN collectives are host-transfer sends
+                entry = out.setdefault(
+                    "dcn-" + dcn.group(2).lower().replace("_", "-"), {"count": 0, "bytes": 0}
+                )
                 entry["count"] += 1
                 entry["bytes"] += _shape_bytes(dcn.group(1).split("token[]")[0])
             continue
@@ -283,10 +357,15 @@ def replica_groups(hlo_text: str, kind: str) -> list[list[list[int]]]:
             continue
         text = g.group(1)
         if text.startswith("{"):
-            groups.append([[int(x) for x in grp.split(",") if x.strip()]
-                           for grp in re.findall(r"\{([0-9, ]*)\}", text[1:-1])])
-        else:   # iota form: [G,S]<=[dims]T(perm)
+            groups.append(
+                [
+                    [int(x) for x in grp.split(",") if x.strip()]
+                    for grp in re.findall(r"\{([0-9, ]*)\}", text[1:-1])
+                ]
+            )
+        else:  # iota form: [G,S]<=[dims]T(perm)
             import numpy as np
+
             m2 = re.fullmatch(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
             out_shape = [int(x) for x in m2.group(1).split(",")]
             dims = [int(x) for x in m2.group(2).split(",")]
@@ -301,9 +380,10 @@ def _variant(cfg: Config, n_layers: int) -> Config:
     """The same config with `n_layers` unrolled layers and one microbatch's batch."""
     t = cfg.train
     return dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, n_layers=n_layers, scan_layers=False),
-        train=dataclasses.replace(t, global_batch_size=t.global_batch_size // t.microbatches,
-                                  microbatches=1))
+        cfg,
+        model=dataclasses.replace(cfg.model, n_layers=n_layers, scan_layers=False),
+        train=dataclasses.replace(t, global_batch_size=t.global_batch_size // t.microbatches, microbatches=1),
+    )
 
 
 # For the 1- and 2-layer cost variants only: XLA's TPU collective matmuls
@@ -313,14 +393,20 @@ def _variant(cfg: Config, n_layers: int) -> Config:
 # extrapolated FLOPs match the analytic model + remat count (ratio ~0.99); the
 # time estimate is then that of the same layer with separate collectives.
 # Memory always comes from the real program, compiled with default flags.
-_COST_VARIANT_OPTIONS = {"tpu": {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
-                                 "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}}
+_COST_VARIANT_OPTIONS = {
+    "tpu": {
+        "xla_tpu_enable_windowed_einsum_for_all_gather": False,
+        "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False,
+    }
+}
 
 
-def _extrapolated_cost(cfg: Config, mesh, rules, platform: str, *,
-                       charge_kernels: bool = True) -> dict[str, float] | None:
-    from pallas_kernels.flash_attention import cost_estimates
-    from sharding.targets import compiled_cost
+def _extrapolated_cost(
+    cfg: Config, mesh, rules, platform: str, *, charge_kernels: bool = True
+) -> dict[str, float] | None:
+    from jaxtrain.pallas_kernels.flash_attention import cost_estimates
+    from jaxtrain.sharding.targets import compiled_cost
+
     opts = _COST_VARIANT_OPTIONS.get(platform)
     with cost_estimates(charge_kernels):
         c1 = compiled_cost(_compile_step(_variant(cfg, 1), mesh, rules, opts))
@@ -336,8 +422,9 @@ def _extrapolated_cost(cfg: Config, mesh, rules, platform: str, *,
     return out
 
 
-def compile_report(cfg: Config, target: Target, *, estimate: bool = True,
-                   charge_kernels: bool = True) -> dict[str, Any]:
+def compile_report(
+    cfg: Config, target: Target, *, estimate: bool = True, charge_kernels: bool = True
+) -> dict[str, Any]:
     """Compile the train step for `target` and return the report dict (see module docstring).
 
     charge_kernels=False leaves the Pallas kernels out of XLA's cost model (no
@@ -348,28 +435,37 @@ def compile_report(cfg: Config, target: Target, *, estimate: bool = True,
     """
     import time
 
-    import sharding
-    from sharding.targets import compiled_cost, compiled_memory, custom_call_targets
+    from jaxtrain import sharding
+    from jaxtrain.sharding.targets import compiled_cost, compiled_memory, custom_call_targets
 
     cfg, ici, dcn = config_for_target(cfg, target)
     devices = target_devices(target)
     if len(devices) != target.num_devices:
-        raise RuntimeError(f"expected {target.num_devices} devices for {target.describe()}, "
-                           f"got {len(devices)}")
+        raise RuntimeError(
+            f"expected {target.num_devices} devices for {target.describe()}, got {len(devices)}"
+        )
     mesh = sharding.make_mesh(ici, devices, dcn_axis_sizes=dcn or None)
     rules = sharding.PRESETS[cfg.mesh.rules]
     mesh_shape = {a: s for a, s in mesh.shape.items() if s > 1}
     t = cfg.train
     report: dict[str, Any] = {
-        "target": target.describe(), "platform": target.platform,
-        "device_kind": devices[0].device_kind, "num_devices": len(devices),
-        "mesh": mesh_shape, "mesh_dcn": dcn, "rules": cfg.mesh.rules,
-        "attention_impl": cfg.model.attention_impl, "remat": cfg.model.remat,
-        "global_batch_size": t.global_batch_size, "seq_len": t.seq_len,
+        "target": target.describe(),
+        "platform": target.platform,
+        "device_kind": devices[0].device_kind,
+        "num_devices": len(devices),
+        "mesh": mesh_shape,
+        "mesh_dcn": dcn,
+        "rules": cfg.mesh.rules,
+        "attention_impl": cfg.model.attention_impl,
+        "remat": cfg.model.remat,
+        "global_batch_size": t.global_batch_size,
+        "seq_len": t.seq_len,
         "microbatches": t.microbatches,
         "per_device_batch": t.global_batch_size / len(devices),
-        "params": cfg.model.param_count(), "hbm_bytes": target.hbm_bytes,
-        "kernels_charged": charge_kernels, "notes": [],
+        "params": cfg.model.param_count(),
+        "hbm_bytes": target.hbm_bytes,
+        "kernels_charged": charge_kernels,
+        "notes": [],
     }
     t0 = time.perf_counter()
     try:
@@ -384,8 +480,10 @@ def compile_report(cfg: Config, target: Target, *, estimate: bool = True,
     except Exception as e:
         if cfg.model.attention_impl != "pallas":
             raise
-        report["notes"].append(f"pallas attention failed to compile ({_first_line(str(e))[:200]}); "
-                               "fell back to model.attention_impl=xla")
+        report["notes"].append(
+            f"pallas attention failed to compile ({_first_line(str(e))[:200]}); "
+            "fell back to model.attention_impl=xla"
+        )
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl="xla"))
         report["attention_impl"] = "xla"
         compiled = _compile_or_oom(cfg, mesh, rules)
@@ -396,12 +494,13 @@ def compile_report(cfg: Config, target: Target, *, estimate: bool = True,
     report["margin_bytes"] = target.hbm_bytes - mem["total"]
     report["fits"] = report["margin_bytes"] >= 0
     if target.platform == "gpu" and report["fits"] and mem["total"] > 0.75 * target.hbm_bytes:
-        report["notes"].append("over 75% of HBM: JAX's GPU allocator takes only 75% by default; run with "
-                               "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (see the README launch recipes)")
+        report["notes"].append(
+            "over 75% of HBM: JAX's GPU allocator takes only 75% by default; run with "
+            "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (see the README launch recipes)"
+        )
     report["collectives"] = collectives(text)
     report["custom_calls"] = sorted(custom_call_targets(text))
-    report["pallas_in_program"] = any("tpu_custom_call" in c or "triton" in c
-                                      for c in report["custom_calls"])
+    report["pallas_in_program"] = any("tpu_custom_call" in c or "triton" in c for c in report["custom_calls"])
     tokens = t.global_batch_size * t.seq_len
     analytic = model_flops_per_token(cfg) * tokens / len(devices)
     report["model_flops_per_device"] = analytic
@@ -427,7 +526,8 @@ def compile_report(cfg: Config, target: Target, *, estimate: bool = True,
                 report["notes"].append(
                     "Pallas kernels uncharged: their FLOPs and time are left out of the estimate "
                     "(as for kernels without a cost estimate, e.g. MaxText's splash attention), "
-                    "so the step time is a lower bound and the MFU an upper bound")
+                    "so the step time is a lower bound and the MFU an upper bound"
+                )
             report["step_seconds_xla"] = raw_s
             report["step_seconds_est"] = raw_s * scale
             report["mfu_xla"] = analytic / (raw_s * target.peak_flops)
@@ -437,7 +537,8 @@ def compile_report(cfg: Config, target: Target, *, estimate: bool = True,
                 report["notes"].append(
                     f"XLA counted {cost['flops'] / 1e12:.1f} TFLOP/device where model + remat recompute "
                     f"needs {hardware / 1e12:.1f}: step time scaled up {scale:.2f}x "
-                    f"(raw XLA estimate {raw_s:.3f} s, MFU {100 * report['mfu_xla']:.1f}%)")
+                    f"(raw XLA estimate {raw_s:.3f} s, MFU {100 * report['mfu_xla']:.1f}%)"
+                )
     elif not raw:
         report["notes"].append(f"no cost analysis on {target.platform}: step time and MFU not estimated")
     if not report["fits"]:
@@ -448,6 +549,7 @@ def compile_report(cfg: Config, target: Target, *, estimate: bool = True,
 def model_flops_per_token(cfg: Config) -> float:
     """Training FLOPs per token (jaxtrain.flops: 6 x active params + attention)."""
     from jaxtrain.flops import flops_per_token
+
     return flops_per_token(cfg.model, cfg.train.seq_len)
 
 
@@ -461,7 +563,7 @@ def recompute_flops(cfg: Config) -> float:
     """Extra forward FLOPs per token that `model.remat` recomputes in the backward pass."""
     m = cfg.model
     if m.remat != "full":
-        return 0.0   # save_matmuls keeps the matmul outputs: only cheap elementwise work is redone
+        return 0.0  # save_matmuls keeps the matmul outputs: only cheap elementwise work is redone
     layer_params = _layer_params(cfg)
     attn_fwd = 2 * m.n_layers * cfg.train.seq_len * m.n_heads * m.resolved_head_dim  # causal half of 4*L*S*d
     return 2 * layer_params + attn_fwd
@@ -477,8 +579,10 @@ def _first_line(text: str) -> str:
 def _oom_used_bytes(text: str) -> int | None:
     """Parse 'Used 120.5G of 95.74G hbm' (TPU compiler) into bytes."""
     scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, None: 1}
-    for pattern in (r"Used ([0-9.]+)([KMGT])? of [0-9.]+[KMGT]? hbm",
-                    r"memory required for [^(]*\(([0-9.]+)([KMGT])?\) exceeds available HBM"):
+    for pattern in (
+        r"Used ([0-9.]+)([KMGT])? of [0-9.]+[KMGT]? hbm",
+        r"memory required for [^(]*\(([0-9.]+)([KMGT])?\) exceeds available HBM",
+    ):
         m = re.search(pattern, text)
         if m:
             return int(float(m.group(1)) * scale[m.group(2)])
@@ -503,30 +607,39 @@ def suggestions(cfg: Config, report: dict) -> list[str]:
     floor = state_bytes_per_device(cfg, n)
     if floor > 0.8 * report["hbm_bytes"]:
         need = math.ceil(cfg.model.param_count() * 12 / (0.5 * report["hbm_bytes"]))
-        out.append(f"parameters + AdamW state alone take {floor / GiB:.1f} GiB per device even fully "
-                   f"sharded over {n} devices: use at least ~{need} devices of this kind "
-                   "(a bigger slice, --slices, --hosts)")
+        out.append(
+            f"parameters + AdamW state alone take {floor / GiB:.1f} GiB per device even fully "
+            f"sharded over {n} devices: use at least ~{need} devices of this kind "
+            "(a bigger slice, --slices, --hosts)"
+        )
         state = float("inf")
     if state is None or state > (temp or 0):
         if fsdp < n:
-            out.append(f"shard parameters and optimizer state wider: mesh.fsdp=-1 (now {fsdp} of {n} "
-                       "devices) or more devices (a bigger slice / more hosts)")
+            out.append(
+                f"shard parameters and optimizer state wider: mesh.fsdp=-1 (now {fsdp} of {n} "
+                "devices) or more devices (a bigger slice / more hosts)"
+            )
         else:
             if floor <= 0.8 * report["hbm_bytes"]:
-                out.append("parameters + optimizer state are already fully sharded: use more devices "
-                           "(a bigger slice, --slices, --hosts)")
+                out.append(
+                    "parameters + optimizer state are already fully sharded: use more devices "
+                    "(a bigger slice, --slices, --hosts)"
+                )
     if cfg.model.remat != "full":
         out.append(f"model.remat=full (now {cfg.model.remat}): recompute activations in the backward pass")
     per_dev = report.get("per_device_batch", 0)
-    out.append(f"smaller microbatches: train.microbatches={cfg.train.microbatches * 2} "
-               f"(activations scale with the per-device microbatch, now "
-               f"{per_dev / cfg.train.microbatches:g} sequences)")
+    out.append(
+        f"smaller microbatches: train.microbatches={cfg.train.microbatches * 2} "
+        f"(activations scale with the per-device microbatch, now "
+        f"{per_dev / cfg.train.microbatches:g} sequences)"
+    )
     if cfg.model.param_dtype == "float32" and state and state > (temp or 0):
         out.append("model.param_dtype=bfloat16 halves parameter + optimizer bytes (at a precision cost)")
     return out
 
 
 # --- printing -----------------------------------------------------------------
+
 
 def _gib(x) -> str:
     if x is None:
@@ -539,12 +652,15 @@ def _count(n: int) -> str:
 
 
 def format_report(r: dict) -> str:
-    lines = [f"target      {r['target']}  [{r['device_kind']}, {r['num_devices']} devices]",
-             f"mesh        {r['mesh'] or 'one device'}" + (f"  dcn {r['mesh_dcn']}" if r['mesh_dcn'] else "")
-             + f"  rules={r['rules']}",
-             f"model       {_count(r['params'])} params, attention={r['attention_impl']}, "
-             f"remat={r['remat']}, batch {r['global_batch_size']} x {r['seq_len']} "
-             f"({r['per_device_batch']:g}/device, {r['microbatches']} microbatch(es))"]
+    lines = [
+        f"target      {r['target']}  [{r['device_kind']}, {r['num_devices']} devices]",
+        f"mesh        {r['mesh'] or 'one device'}"
+        + (f"  dcn {r['mesh_dcn']}" if r['mesh_dcn'] else "")
+        + f"  rules={r['rules']}",
+        f"model       {_count(r['params'])} params, attention={r['attention_impl']}, "
+        f"remat={r['remat']}, batch {r['global_batch_size']} x {r['seq_len']} "
+        f"({r['per_device_batch']:g}/device, {r['microbatches']} microbatch(es))",
+    ]
     if r.get("compile_s") is not None:
         lines.append(f"compile     {r['compile_s']:.1f} s")
     mem = r.get("memory")
@@ -552,16 +668,24 @@ def format_report(r: dict) -> str:
     if r.get("compile_error"):
         lines.append(f"compiler    {r['compile_error'][:300]}")
     if mem and "argument" in mem:
-        lines.append("memory/dev  args {}  output {}  aliased {}  temp {}  code {}".format(
-            _gib(mem["argument"]), _gib(mem["output"]), _gib(mem["alias"]), _gib(mem["temp"]),
-            _gib(mem["generated_code"])))
+        lines.append(
+            "memory/dev  args {}  output {}  aliased {}  temp {}  code {}".format(
+                _gib(mem["argument"]),
+                _gib(mem["output"]),
+                _gib(mem["alias"]),
+                _gib(mem["temp"]),
+                _gib(mem["generated_code"]),
+            )
+        )
     total = mem.get("total") if mem else None
     verdict = "FITS" if r["fits"] else "DOES NOT FIT"
     if total is not None:
         margin = r["margin_bytes"]
         word = "free" if margin >= 0 else "over"
-        lines.append(f"total/dev   {_gib(total)} of {_gib(hbm)} HBM ({100 * total / hbm:.1f}%): "
-                     f"{verdict}, {_gib(abs(margin))} {word}")
+        lines.append(
+            f"total/dev   {_gib(total)} of {_gib(hbm)} HBM ({100 * total / hbm:.1f}%): "
+            f"{verdict}, {_gib(abs(margin))} {word}"
+        )
     else:
         lines.append(f"total/dev   unknown of {_gib(hbm)} HBM: {verdict}")
     if total is not None and not r["fits"] and r.get("compile_error"):
@@ -569,20 +693,28 @@ def format_report(r: dict) -> str:
     if r.get("model_flops_per_device") is not None:
         s = f"flops/step  {r['model_flops_per_device'] / 1e12:.1f} TFLOP per device (model, 6N + attention)"
         if r.get("xla_flops_over_model_flops"):
-            s += (f"; XLA counts {r['xla_cost']['flops'] / 1e12:.1f} "
-                  f"({r['xla_flops_over_model_flops']:.2f}x, includes remat recompute)")
+            s += (
+                f"; XLA counts {r['xla_cost']['flops'] / 1e12:.1f} "
+                f"({r['xla_flops_over_model_flops']:.2f}x, includes remat recompute)"
+            )
         lines.append(s)
     if r.get("step_seconds_est"):
-        lines.append(f"step time   {r['step_seconds_est']:.3f} s (XLA estimate, extrapolated from 1- and "
-                     f"2-layer compiles) -> MFU {100 * r['mfu_est']:.1f}% (compiler estimate, not measured)")
+        lines.append(
+            f"step time   {r['step_seconds_est']:.3f} s (XLA estimate, extrapolated from 1- and "
+            f"2-layer compiles) -> MFU {100 * r['mfu_est']:.1f}% (compiler estimate, not measured)"
+        )
     elif r.get("platform") == "gpu":
         lines.append("step time   n/a (XLA:GPU gives no cost analysis; measure on the cluster)")
     if r.get("collectives"):
-        parts = [f"{k} x{v['count']} ({v['bytes'] / 2**20:.1f} MiB)" for k, v in sorted(r["collectives"].items())]
+        parts = [
+            f"{k} x{v['count']} ({v['bytes'] / 2**20:.1f} MiB)" for k, v in sorted(r["collectives"].items())
+        ]
         lines.append("collectives " + ", ".join(parts) + "  [static count: loop bodies once]")
     if r.get("custom_calls") is not None:
-        lines.append(f"pallas      {'yes' if r['pallas_in_program'] else 'no'} "
-                     f"(custom calls: {', '.join(r['custom_calls']) or 'none'})")
+        lines.append(
+            f"pallas      {'yes' if r['pallas_in_program'] else 'no'} "
+            f"(custom calls: {', '.join(r['custom_calls']) or 'none'})"
+        )
     for note in r.get("notes", []):
         lines.append(f"note        {note}")
     if not r["fits"]:

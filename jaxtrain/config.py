@@ -4,6 +4,7 @@ Nothing here imports jax, so the CLI can validate a config (and decide how many
 CPU devices to simulate) before any backend starts. Every error is a
 `ConfigError` naming the key, the value and what was expected.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from models.config import ModelConfig
+from jaxtrain.models.config import ModelConfig
 
 
 class ConfigError(ValueError):
@@ -25,13 +26,14 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
     """Parallelism degrees per mesh axis (sharding.MESH_AXES); -1 fills the rest."""
+
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
-    context: int = 1   # sequence shards: ring / Ulysses attention (model.context_impl)
-    expert: int = 1    # expert parallelism (MoE experts split over it; also a batch axis)
-    stage: int = 1     # reserved: pipeline parallelism
-    rules: str = "fsdp_tensor"   # sharding.PRESETS name: data_parallel | fsdp | fsdp_tensor
+    context: int = 1  # sequence shards: ring / Ulysses attention (model.context_impl)
+    expert: int = 1  # expert parallelism (MoE experts split over it; also a batch axis)
+    stage: int = 1  # reserved: pipeline parallelism
+    rules: str = "fsdp_tensor"  # sharding.PRESETS name: data_parallel | fsdp | fsdp_tensor
     # DCN tier (across TPU slices / GPU hosts): these multiply the ICI degrees above,
     # which then count devices per slice. See `jaxtrain compile --slices`.
     dcn_data: int = 1
@@ -49,29 +51,30 @@ class TrainConfig:
     steps: int = 20
     global_batch_size: int = 8
     seq_len: int = 64
-    microbatches: int = 1       # gradient accumulation: the global batch is split into this many
+    microbatches: int = 1  # gradient accumulation: the global batch is split into this many
     init_from: str | None = None  # converted weights (`jaxtrain convert hf-to-ckpt`) to start from
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`."""
+
     lr: float = 3e-3
     warmup_steps: int = 5
-    decay_steps: int | None = None   # None: train.steps
+    decay_steps: int | None = None  # None: train.steps
     min_lr_ratio: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
-    weight_decay: float = 0.1        # applied to >= 2-D weights only
-    clip_norm: float | None = 1.0    # global-norm clipping; null disables
+    weight_decay: float = 0.1  # applied to >= 2-D weights only
+    clip_norm: float | None = 1.0  # global-norm clipping; null disables
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    source: str = "synthetic"        # synthetic | text
-    paths: tuple[str, ...] = ()      # files or globs, for source=text
-    tokenizer: str = "byte"          # byte | path to a Hugging Face tokenizers JSON
+    source: str = "synthetic"  # synthetic | text
+    paths: tuple[str, ...] = ()  # files or globs, for source=text
+    tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizers JSON
     shuffle: bool = True
 
 
@@ -79,12 +82,13 @@ class DataConfig:
 class CheckpointConfig:
     """Orbax checkpoints of the whole run state (params, optimizer, step, data
     position, fault-monitor state, resolved config); see jaxtrain/checkpoint.py."""
-    dir: str | None = None           # default {output_dir}/checkpoints
-    every: int = 0                   # save every N steps and at the last step; 0: never save
-    keep: int = 3                    # keep the newest K checkpoints ...
-    keep_every: int = 0              # ... plus, forever, every step that is a multiple of M (0: none)
-    resume: bool = True              # start from the newest complete checkpoint in `dir`, if any
-    async_save: bool = True          # write in the background; the loop waits only for the snapshot
+
+    dir: str | None = None  # default {output_dir}/checkpoints
+    every: int = 0  # save every N steps and at the last step; 0: never save
+    keep: int = 3  # keep the newest K checkpoints ...
+    keep_every: int = 0  # ... plus, forever, every step that is a multiple of M (0: none)
+    resume: bool = True  # start from the newest complete checkpoint in `dir`, if any
+    async_save: bool = True  # write in the background; the loop waits only for the snapshot
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,24 +98,26 @@ class DistributedConfig:
     With `coordinator_address` null, JAX's cluster auto-detection is used where
     it applies (Cloud TPU pods, SLURM, Open MPI) and a single process otherwise.
     """
-    coordinator_address: str | None = None   # host:port of process 0, e.g. 10.0.0.1:1234
+
+    coordinator_address: str | None = None  # host:port of process 0, e.g. 10.0.0.1:1234
     num_processes: int | None = None
     process_id: int | None = None
-    auto_detect: bool = True                 # TPU pod / SLURM / Open MPI environments
-    initialization_timeout: int = 300        # seconds to wait for every process to connect
-    heartbeat_timeout: int = 60              # a process silent this long is lost: the others exit non-zero
+    auto_detect: bool = True  # TPU pod / SLURM / Open MPI environments
+    initialization_timeout: int = 300  # seconds to wait for every process to connect
+    heartbeat_timeout: int = 60  # a process silent this long is lost: the others exit non-zero
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FaultsConfig:
     """Numerical faults: a non-finite loss/gradient (update skipped inside the step)
     or a loss spike. `max_consecutive` faults in a row trigger `on_too_many`."""
-    skip_nonfinite: bool = True      # skip the update when loss or gradients are not finite
+
+    skip_nonfinite: bool = True  # skip the update when loss or gradients are not finite
     spike_factor: float | None = None  # a loss > spike_factor x running median is a fault (null: off)
-    spike_window: int = 32           # steps in that running median
-    max_consecutive: int = 3         # consecutive faulty steps before acting
-    on_too_many: str = "rollback"    # rollback: to the last checkpoint, past the bad batches | stop
-    max_rollbacks: int = 3           # rollbacks in one run before stopping instead
+    spike_window: int = 32  # steps in that running median
+    max_consecutive: int = 3  # consecutive faulty steps before acting
+    on_too_many: str = "rollback"  # rollback: to the last checkpoint, past the bad batches | stop
+    max_rollbacks: int = 3  # rollbacks in one run before stopping instead
     # TESTING HOOK (fault-injection tests only): these global batch indices get
     # loss_mask = inf, so their loss and gradients are not finite.
     testing_poison_batches: tuple[int, ...] = ()
@@ -119,9 +125,9 @@ class FaultsConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
-    every: int = 1                   # log metrics every N steps (the only host sync in the loop)
+    every: int = 1  # log metrics every N steps (the only host sync in the loop)
     tensorboard: bool = True
-    progress: bool = True            # rich progress bar on the console
+    progress: bool = True  # rich progress bar on the console
     peak_flops_per_device: float | None = None  # override the table / CPU measurement (for MFU)
 
 
@@ -141,7 +147,11 @@ class Config:
 
     @property
     def checkpoint_dir(self) -> str:
-        return self.checkpoint.dir if self.checkpoint.dir is not None else str(Path(self.output_dir) / "checkpoints")
+        return (
+            self.checkpoint.dir
+            if self.checkpoint.dir is not None
+            else str(Path(self.output_dir) / "checkpoints")
+        )
 
     @property
     def mesh_size(self) -> int:
@@ -151,6 +161,7 @@ class Config:
 
 
 # --- building dataclasses from plain data, with type checks -------------------
+
 
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
@@ -283,30 +294,41 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"mesh.stage={m.stage}: reserved; only 1 is supported so far")
     moe = cfg.model.moe
     if m.expert > 1 and moe is not None and moe.num_experts % m.expert:
-        raise ConfigError(f"model.moe.num_experts={moe.num_experts}: expected a multiple of "
-                          f"mesh.expert={m.expert} (experts are split evenly over the expert axis)")
+        raise ConfigError(
+            f"model.moe.num_experts={moe.num_experts}: expected a multiple of "
+            f"mesh.expert={m.expert} (experts are split evenly over the expert axis)"
+        )
     if m.context > 1:
         # Context parallelism keeps batches in zig-zag order: 2 chunks per shard.
         if t.seq_len % (2 * m.context):
-            raise ConfigError(f"train.seq_len={t.seq_len}: expected a multiple of 2 * mesh.context="
-                              f"{2 * m.context} (load-balanced context parallelism)")
+            raise ConfigError(
+                f"train.seq_len={t.seq_len}: expected a multiple of 2 * mesh.context="
+                f"{2 * m.context} (load-balanced context parallelism)"
+            )
         if cfg.model.sliding_window is not None and cfg.model.context_impl != "ulysses":
-            raise ConfigError(f"model.sliding_window={cfg.model.sliding_window} with mesh.context="
-                              f"{m.context}: expected model.context_impl=ulysses (ring attention "
-                              f"has no sliding-window schedule)")
+            raise ConfigError(
+                f"model.sliding_window={cfg.model.sliding_window} with mesh.context="
+                f"{m.context}: expected model.context_impl=ulysses (ring attention "
+                f"has no sliding-window schedule)"
+            )
         if cfg.model.context_impl == "ulysses" and cfg.model.n_heads % (m.context * max(m.tensor, 1)):
-            raise ConfigError(f"model.context_impl='ulysses' needs model.n_heads={cfg.model.n_heads} "
-                              f"divisible by mesh.context={m.context} x mesh.tensor={m.tensor}; "
-                              f"use model.context_impl=ring")
+            raise ConfigError(
+                f"model.context_impl='ulysses' needs model.n_heads={cfg.model.n_heads} "
+                f"divisible by mesh.context={m.context} x mesh.tensor={m.tensor}; "
+                f"use model.context_impl=ring"
+            )
     rules = ("data_parallel", "fsdp", "fsdp_tensor")
     if m.rules not in rules:
         raise ConfigError(f"mesh.rules={m.rules!r}: expected one of {rules}")
     if m.tensor > 0:
         if cfg.model.n_heads % m.tensor:
-            raise ConfigError(f"model.n_heads={cfg.model.n_heads}: expected a multiple of mesh.tensor={m.tensor}")
+            raise ConfigError(
+                f"model.n_heads={cfg.model.n_heads}: expected a multiple of mesh.tensor={m.tensor}"
+            )
         if cfg.model.n_kv_heads % m.tensor:
-            raise ConfigError(f"model.n_kv_heads={cfg.model.n_kv_heads}: expected a multiple of "
-                              f"mesh.tensor={m.tensor}")
+            raise ConfigError(
+                f"model.n_kv_heads={cfg.model.n_kv_heads}: expected a multiple of mesh.tensor={m.tensor}"
+            )
     if t.seq_len < 1:
         raise ConfigError(f"train.seq_len={t.seq_len}: expected a positive integer")
     if t.steps < 1:
@@ -317,27 +339,35 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size}: expected a positive integer")
     if num_devices is not None:
         sizes = m.sizes()
-        dcn = m.dcn_sizes()   # slices / hosts: the per-slice axes see num_devices / their product
+        dcn = m.dcn_sizes()  # slices / hosts: the per-slice axes see num_devices / their product
         if num_devices % math.prod(dcn.values()) == 0:
             num_devices //= math.prod(dcn.values())
         known = math.prod(s for s in sizes.values() if s != -1)
         if -1 in sizes.values():
             if num_devices % known:
-                raise ConfigError(f"mesh: the fixed axes multiply to {known}, which does not divide "
-                                  f"the device count {num_devices}")
+                raise ConfigError(
+                    f"mesh: the fixed axes multiply to {known}, which does not divide "
+                    f"the device count {num_devices}"
+                )
             sizes = {a: (num_devices // known if s == -1 else s) for a, s in sizes.items()}
         elif known != num_devices:
-            raise ConfigError(f"mesh: product {known} "
-                              f"({' x '.join(f'{a}={s}' for a, s in sizes.items() if s > 1) or 'all 1'}) "
-                              f"does not equal the device count {num_devices}")
+            raise ConfigError(
+                f"mesh: product {known} "
+                f"({' x '.join(f'{a}={s}' for a, s in sizes.items() if s > 1) or 'all 1'}) "
+                f"does not equal the device count {num_devices}"
+            )
         dp = sizes["data"] * dcn["data"] * sizes["fsdp"] * dcn["fsdp"] * sizes["expert"]
         if t.global_batch_size % (dp * t.microbatches):
-            raise ConfigError(f"train.global_batch_size={t.global_batch_size}: expected a multiple of "
-                              f"mesh.data*mesh.fsdp*mesh.expert ({dp}) x train.microbatches ({t.microbatches})"
-                              f" = {dp * t.microbatches}")
+            raise ConfigError(
+                f"train.global_batch_size={t.global_batch_size}: expected a multiple of "
+                f"mesh.data*mesh.fsdp*mesh.expert ({dp}) x train.microbatches ({t.microbatches})"
+                f" = {dp * t.microbatches}"
+            )
     elif t.global_batch_size % t.microbatches:
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size}: expected a multiple of "
-                          f"train.microbatches={t.microbatches}")
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size}: expected a multiple of "
+            f"train.microbatches={t.microbatches}"
+        )
     if cfg.data.source not in ("synthetic", "text"):
         raise ConfigError(f"data.source={cfg.data.source!r}: expected synthetic or text")
     if cfg.data.source == "text" and not cfg.data.paths:
@@ -370,21 +400,28 @@ def _validate_fault_tolerance(cfg: Config) -> None:
     given = [k for k, v in explicit.items() if v is not None]
     if given and len(given) < 3:
         missing = [k for k in explicit if k not in given]
-        raise ConfigError(f"distributed.{given[0]}={explicit[given[0]]!r}: expected "
-                          f"{', '.join('distributed.' + k for k in missing)} to be set too")
+        raise ConfigError(
+            f"distributed.{given[0]}={explicit[given[0]]!r}: expected "
+            f"{', '.join('distributed.' + k for k in missing)} to be set too"
+        )
     if d.coordinator_address is not None:
         host, _, port = d.coordinator_address.rpartition(":")
         if not host or not port.isdigit():
-            raise ConfigError(f"distributed.coordinator_address={d.coordinator_address!r}: "
-                              "expected host:port")
+            raise ConfigError(
+                f"distributed.coordinator_address={d.coordinator_address!r}: expected host:port"
+            )
     if d.num_processes is not None and d.num_processes < 1:
         raise ConfigError(f"distributed.num_processes={d.num_processes}: expected a positive integer")
     if d.process_id is not None and d.num_processes is not None and not 0 <= d.process_id < d.num_processes:
-        raise ConfigError(f"distributed.process_id={d.process_id}: expected 0 <= process_id < "
-                          f"distributed.num_processes={d.num_processes}")
+        raise ConfigError(
+            f"distributed.process_id={d.process_id}: expected 0 <= process_id < "
+            f"distributed.num_processes={d.num_processes}"
+        )
     if d.num_processes and cfg.mesh_size and cfg.mesh_size % d.num_processes:
-        raise ConfigError(f"distributed.num_processes={d.num_processes}: expected a divisor of the "
-                          f"mesh size {cfg.mesh_size}")
+        raise ConfigError(
+            f"distributed.num_processes={d.num_processes}: expected a divisor of the "
+            f"mesh size {cfg.mesh_size}"
+        )
     for key in ("initialization_timeout", "heartbeat_timeout"):
         if getattr(d, key) < 1:
             raise ConfigError(f"distributed.{key}={getattr(d, key)}: expected a positive number of seconds")
@@ -400,16 +437,19 @@ def _validate_fault_tolerance(cfg: Config) -> None:
         raise ConfigError(f"faults.max_rollbacks={f.max_rollbacks}: expected >= 0")
     bad = [b for b in f.testing_poison_batches if b < 0]
     if bad:
-        raise ConfigError(f"faults.testing_poison_batches={list(f.testing_poison_batches)}: "
-                          "expected batch indices >= 0")
+        raise ConfigError(
+            f"faults.testing_poison_batches={list(f.testing_poison_batches)}: expected batch indices >= 0"
+        )
 
 
 def to_dict(cfg: Config) -> dict:
     """Plain, YAML/JSON-ready dict of a config (tuples become lists)."""
+
     def convert(x):
         if isinstance(x, tuple):
             return [convert(v) for v in x]
         if isinstance(x, dict):
             return {k: convert(v) for k, v in x.items()}
         return x
+
     return convert(dataclasses.asdict(cfg))

@@ -108,9 +108,7 @@ def load_tokenizer(spec: str, *, vocab_size: int) -> ByteTokenizer | HFTokenizer
         return ByteTokenizer()
     tok = HFTokenizer(spec)
     if tok.eos_id >= vocab_size:
-        raise DataError(
-            f"data.tokenizer={spec!r}: EOS id {tok.eos_id} >= model.vocab_size={vocab_size}"
-        )
+        raise DataError(f"data.tokenizer={spec!r}: EOS id {tok.eos_id} >= model.vocab_size={vocab_size}")
     return tok
 
 
@@ -156,8 +154,16 @@ class DataIterator:
 
     source = "base"
 
-    def __init__(self, *, vocab_size: int, seq_len: int, global_batch_size: int, seed: int,
-                 process_index: int = 0, process_count: int = 1):
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        seq_len: int,
+        global_batch_size: int,
+        seed: int,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
         self.vocab_size = _check_int("model.vocab_size", vocab_size, minimum=2)
         self.seq_len = _check_int("seq_len", seq_len, minimum=1)
         self.global_batch_size = _check_int("global_batch_size", global_batch_size, minimum=1)
@@ -166,13 +172,10 @@ class DataIterator:
         self.process_count = _check_int("process_count", process_count, minimum=1)
         self.process_index = _check_int("process_index", process_index, minimum=0)
         if self.process_index >= self.process_count:
-            raise DataError(
-                f"process_index={process_index}: expected < process_count={process_count}"
-            )
+            raise DataError(f"process_index={process_index}: expected < process_count={process_count}")
         if self.global_batch_size % self.process_count:
             raise DataError(
-                f"global_batch_size={global_batch_size} is not divisible by "
-                f"process_count={process_count}"
+                f"global_batch_size={global_batch_size} is not divisible by process_count={process_count}"
             )
         self.local_batch_size = self.global_batch_size // self.process_count
         self.row_start = self.process_index * self.local_batch_size
@@ -198,9 +201,7 @@ class DataIterator:
             raise DataError(f"data state={state!r}: expected a dict with key 'batch'")
         unknown = set(state) - {"source", "batch"}
         if unknown:
-            raise DataError(
-                f"data state has unknown keys {sorted(unknown)}; expected only 'source', 'batch'"
-            )
+            raise DataError(f"data state has unknown keys {sorted(unknown)}; expected only 'source', 'batch'")
         if state.get("source", self.source) != self.source:
             raise DataError(
                 f"data state source={state['source']!r} does not match this iterator's "
@@ -295,11 +296,25 @@ class TextIterator(DataIterator):
 
     source = "text"
 
-    def __init__(self, data_cfg, *, vocab_size: int, seq_len: int, global_batch_size: int,
-                 seed: int, process_index: int = 0, process_count: int = 1):
-        super().__init__(vocab_size=vocab_size, seq_len=seq_len,
-                         global_batch_size=global_batch_size, seed=seed,
-                         process_index=process_index, process_count=process_count)
+    def __init__(
+        self,
+        data_cfg,
+        *,
+        vocab_size: int,
+        seq_len: int,
+        global_batch_size: int,
+        seed: int,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
+        super().__init__(
+            vocab_size=vocab_size,
+            seq_len=seq_len,
+            global_batch_size=global_batch_size,
+            seed=seed,
+            process_index=process_index,
+            process_count=process_count,
+        )
         self.shuffle = bool(data_cfg.shuffle)
         self.tokenizer = load_tokenizer(data_cfg.tokenizer, vocab_size=self.vocab_size)
         self.paths = expand_paths(data_cfg.paths)
@@ -355,11 +370,25 @@ class TextIterator(DataIterator):
         return _batch_from_windows(self._stream[index], self._doc_ids[index])
 
 
-def make_data_iterator(data_cfg, *, vocab_size: int, seq_len: int, global_batch_size: int,
-                       seed: int, process_index: int = 0, process_count: int = 1) -> DataIterator:
+def make_data_iterator(
+    data_cfg,
+    *,
+    vocab_size: int,
+    seq_len: int,
+    global_batch_size: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> DataIterator:
     """Build the iterator for ``data_cfg.source`` (``"synthetic"`` or ``"text"``)."""
-    kwargs = dict(vocab_size=vocab_size, seq_len=seq_len, global_batch_size=global_batch_size,
-                  seed=seed, process_index=process_index, process_count=process_count)
+    kwargs = dict(
+        vocab_size=vocab_size,
+        seq_len=seq_len,
+        global_batch_size=global_batch_size,
+        seed=seed,
+        process_index=process_index,
+        process_count=process_count,
+    )
     source = getattr(data_cfg, "source", None)
     if source == "synthetic":
         return SyntheticIterator(**kwargs)

@@ -23,6 +23,7 @@ process; when the worker is aborted, the supervisor probes the coordinator's
 address and exits EXIT_PEER_LOST with one line naming the lost coordinator
 (or, if it still answers, saying JAX's runtime aborted the worker).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +39,7 @@ from jaxtrain.config import DistributedConfig
 
 EXIT_PEER_LOST = 4
 _KEY = "jaxtrain/heartbeat"
-_SUPERVISED = "JAXTRAIN_SUPERVISED"   # set in the worker's environment by `supervise`
+_SUPERVISED = "JAXTRAIN_SUPERVISED"  # set in the worker's environment by `supervise`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Membership:
     process_id: int
     num_processes: int
     coordinator_address: str
-    how: str                       # "explicit" or the detected cluster type (e.g. "SlurmCluster")
+    how: str  # "explicit" or the detected cluster type (e.g. "SlurmCluster")
 
 
 _membership: Membership | None = None
@@ -72,12 +73,16 @@ def initialize(cfg: DistributedConfig) -> Membership | None:
     import jax
 
     backstop = cfg.heartbeat_timeout + max(10, cfg.heartbeat_timeout // 2)
-    timeouts = dict(initialization_timeout=cfg.initialization_timeout,
-                    heartbeat_timeout_seconds=backstop, shutdown_timeout_seconds=backstop)
+    timeouts = dict(
+        initialization_timeout=cfg.initialization_timeout,
+        heartbeat_timeout_seconds=backstop,
+        shutdown_timeout_seconds=backstop,
+    )
     if cfg.coordinator_address is not None:
         how = "explicit"
-        jax.distributed.initialize(cfg.coordinator_address, num_processes=cfg.num_processes,
-                                   process_id=cfg.process_id, **timeouts)
+        jax.distributed.initialize(
+            cfg.coordinator_address, num_processes=cfg.num_processes, process_id=cfg.process_id, **timeouts
+        )
     elif cfg.auto_detect and (how := detect_cluster()) is not None:
         jax.distributed.initialize(**timeouts)
     else:
@@ -85,11 +90,16 @@ def initialize(cfg: DistributedConfig) -> Membership | None:
     from jax._src import distributed as jax_distributed
 
     state = jax_distributed.global_state
-    _membership = Membership(process_id=state.process_id, num_processes=state.num_processes,
-                             coordinator_address=state.coordinator_address, how=how)
+    _membership = Membership(
+        process_id=state.process_id,
+        num_processes=state.num_processes,
+        coordinator_address=state.coordinator_address,
+        how=how,
+    )
     if state.num_processes > 1:
-        _watchdog = PeerWatchdog(state.client, state.process_id, state.num_processes,
-                                 timeout=cfg.heartbeat_timeout)
+        _watchdog = PeerWatchdog(
+            state.client, state.process_id, state.num_processes, timeout=cfg.heartbeat_timeout
+        )
         _watchdog.start()
     return _membership
 
@@ -107,9 +117,11 @@ def describe_topology() -> str:
     kind = local[0].device_kind if local else "?"
     if m is None:
         return f"single process, {len(local)} local {kind} devices"
-    return (f"process {m.process_id} of {m.num_processes} ({m.how}, coordinator "
-            f"{m.coordinator_address}): {len(local)} local {kind} devices, "
-            f"{jax.device_count()} in all")
+    return (
+        f"process {m.process_id} of {m.num_processes} ({m.how}, coordinator "
+        f"{m.coordinator_address}): {len(local)} local {kind} devices, "
+        f"{jax.device_count()} in all"
+    )
 
 
 def finish() -> None:
@@ -129,8 +141,7 @@ def wait_for_peer_verdict() -> None:
 class PeerWatchdog(threading.Thread):
     """Heartbeat counters through the coordinator's key-value store; see the module doc."""
 
-    def __init__(self, client, process_id: int, num_processes: int, *, timeout: float,
-                 exit_fn=os._exit):
+    def __init__(self, client, process_id: int, num_processes: int, *, timeout: float, exit_fn=os._exit):
         super().__init__(name="jaxtrain-peer-watchdog", daemon=True)
         self.client, self.me, self.n = client, process_id, num_processes
         self.timeout = float(timeout)
@@ -151,9 +162,13 @@ class PeerWatchdog(threading.Thread):
         if self.finished:
             return
         role = "the coordinator, process 0" if who == 0 else f"process {who}"
-        print(f"jaxtrain: error: lost {role} of {self.n}: {why}; process {self.me} exits "
-              f"(code {EXIT_PEER_LOST}). Restart every process to resume from the newest "
-              "checkpoint.", file=sys.stderr, flush=True)
+        print(
+            f"jaxtrain: error: lost {role} of {self.n}: {why}; process {self.me} exits "
+            f"(code {EXIT_PEER_LOST}). Restart every process to resume from the newest "
+            "checkpoint.",
+            file=sys.stderr,
+            flush=True,
+        )
         self._exit(EXIT_PEER_LOST)
 
     def run(self) -> None:
@@ -170,8 +185,11 @@ class PeerWatchdog(threading.Thread):
             except Exception as e:  # noqa: BLE001
                 unreachable_since = unreachable_since or now
                 if now - unreachable_since > self.timeout:
-                    self._lost(0, f"its key-value service has been unreachable for "
-                                  f"{self.timeout:.0f} s ({type(e).__name__})")
+                    self._lost(
+                        0,
+                        f"its key-value service has been unreachable for "
+                        f"{self.timeout:.0f} s ({type(e).__name__})",
+                    )
                 continue
             for peer, (last_value, last_change) in seen.items():
                 try:
@@ -183,13 +201,17 @@ class PeerWatchdog(threading.Thread):
                 if value != last_value:
                     seen[peer] = (value, now)
                 elif now - last_change > self.timeout:
-                    self._lost(peer, f"no heartbeat for {now - last_change:.0f} s "
-                                     f"(distributed.heartbeat_timeout={self.timeout:.0f})")
+                    self._lost(
+                        peer,
+                        f"no heartbeat for {now - last_change:.0f} s "
+                        f"(distributed.heartbeat_timeout={self.timeout:.0f})",
+                    )
 
 
 # ----------------------------------------------------------------------------
 # The supervisor: names a lost coordinator after JAX's runtime aborts the worker.
 # ----------------------------------------------------------------------------
+
 
 def is_multiprocess(cfg: DistributedConfig) -> bool:
     """Whether `initialize` will join a multi-process job (explicitly or detected)."""
@@ -212,7 +234,8 @@ def _die_with_parent() -> None:
     supervisor alone never leaves an orphan holding devices."""
     try:
         import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 
@@ -229,10 +252,15 @@ def supervise(cfg: DistributedConfig, argv: list[str]) -> int | None:
     """
     if os.environ.get(_SUPERVISED) or not is_multiprocess(cfg):
         return None
-    worker = subprocess.Popen([sys.executable, "-m", "jaxtrain", *argv],
-                              env={**os.environ, _SUPERVISED: "1"}, preexec_fn=_die_with_parent)
-    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda s, f: worker.send_signal(s)),
-                signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "jaxtrain", *argv],
+        env={**os.environ, _SUPERVISED: "1"},
+        preexec_fn=_die_with_parent,
+    )
+    previous = {
+        signal.SIGTERM: signal.signal(signal.SIGTERM, lambda s, f: worker.send_signal(s)),
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    }
     try:
         code = worker.wait()
     finally:
@@ -246,8 +274,14 @@ def supervise(cfg: DistributedConfig, argv: list[str]) -> int | None:
         n = f" of {cfg.num_processes}" if cfg.num_processes else ""
         why = f"lost the coordinator, process 0{n}: {address} no longer accepts connections"
     else:
-        why = ("JAX's distributed runtime aborted the worker: a peer process died or the "
-               "network failed (see the runtime's message above)")
-    print(f"jaxtrain: error: {why}; {me} exits (code {EXIT_PEER_LOST}). Restart every "
-          "process to resume from the newest checkpoint.", file=sys.stderr, flush=True)
+        why = (
+            "JAX's distributed runtime aborted the worker: a peer process died or the "
+            "network failed (see the runtime's message above)"
+        )
+    print(
+        f"jaxtrain: error: {why}; {me} exits (code {EXIT_PEER_LOST}). Restart every "
+        "process to resume from the newest checkpoint.",
+        file=sys.stderr,
+        flush=True,
+    )
     return EXIT_PEER_LOST

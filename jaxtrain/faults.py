@@ -15,6 +15,7 @@ process reaches the same verdict at the same step; the loss window lives in the
 train state and the monitor's counters in each checkpoint, so a resumed run
 judges exactly as an uninterrupted one would. Nothing here imports jax.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,6 +30,7 @@ class TrainingFault(RuntimeError):
 @dataclasses.dataclass
 class Streak:
     """Consecutive faulty steps: the first and last step, and the batches they consumed."""
+
     first_step: int
     last_step: int
     first_batch: int
@@ -57,8 +59,7 @@ class FaultMonitor:
         self.spikes_total = 0
         self.rollbacks = 0
 
-    def observe(self, step: int, batch_index: int, loss: float, skipped: bool,
-                fault: int) -> str | None:
+    def observe(self, step: int, batch_index: int, loss: float, skipped: bool, fault: int) -> str | None:
         """Record one step; returns the action due ("rollback" or "stop"), if any."""
         reason = FAULT_REASONS[int(fault)]
         self.skipped_total += int(bool(skipped))
@@ -82,17 +83,23 @@ class FaultMonitor:
         if s is None:
             return "no faults"
         shown = s.reasons if len(s.reasons) <= 4 else [*s.reasons[:2], "...", *s.reasons[-1:]]
-        return (f"{s.length} consecutive faulty steps {s.first_step}..{s.last_step} "
-                f"(batches {s.first_batch}..{s.last_batch}): {'; '.join(shown)}")
+        return (
+            f"{s.length} consecutive faulty steps {s.first_step}..{s.last_step} "
+            f"(batches {s.first_batch}..{s.last_batch}): {'; '.join(shown)}"
+        )
 
     def stop_error(self, why: str | None = None) -> TrainingFault:
         if why is None:
-            why = (f"faults.on_too_many={self.cfg.on_too_many}" if self.cfg.on_too_many == "stop"
-                   else f"faults.max_rollbacks={self.cfg.max_rollbacks} rollbacks already done")
+            why = (
+                f"faults.on_too_many={self.cfg.on_too_many}"
+                if self.cfg.on_too_many == "stop"
+                else f"faults.max_rollbacks={self.cfg.max_rollbacks} rollbacks already done"
+            )
         return TrainingFault(
             f"{self.describe_streak()}; stopping ({why}). Lower "
             "optimizer.lr, raise optimizer.warmup_steps or check the data at those batches; "
-            "rerunning resumes from the newest checkpoint")
+            "rerunning resumes from the newest checkpoint"
+        )
 
     def after_rollback(self, restored: dict | None) -> None:
         """Rolled back: the streak is dealt with; keep the totals."""
@@ -103,9 +110,12 @@ class FaultMonitor:
         self.rollbacks, self.skipped_total, self.spikes_total = rollbacks, skipped, spikes
 
     def state_dict(self) -> dict:
-        return {"skipped_total": self.skipped_total,
-                "spikes_total": self.spikes_total, "rollbacks": self.rollbacks,
-                "streak": dataclasses.asdict(self.streak) if self.streak else None}
+        return {
+            "skipped_total": self.skipped_total,
+            "spikes_total": self.spikes_total,
+            "rollbacks": self.rollbacks,
+            "streak": dataclasses.asdict(self.streak) if self.streak else None,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped_total = int(state.get("skipped_total", 0))

@@ -2,28 +2,30 @@
 
 FLOPs per token (training, forward + backward) = 6 * N (N = parameters a
 token uses: for MoE, the top-k routed and shared experts only; embedding lookup
-excluded; a tied embedding still counts once as the output projection) + attention: 12 * layers * seq * d_attn, halved when causal, where
+excluded; a tied embedding still counts once as the output projection) + attention:
+12 * layers * seq * d_attn, halved when causal, where
 d_attn = n_heads * head_dim (= d_model for the usual shapes). This is the
 PaLM-paper convention MaxText also uses, so MFU figures compare.
 """
+
 from __future__ import annotations
 
 import functools
 import time
 
-from models.config import ModelConfig
+from jaxtrain.models.config import ModelConfig
 
 # Dense bf16 peak FLOP/s per device (per chip; per GPU), from vendor spec sheets.
 PEAK_FLOPS_PER_DEVICE: dict[str, float] = {
     "tpu v4": 275e12,
-    "tpu v5 lite": 197e12,   # v5e reports itself as "TPU v5 lite"
+    "tpu v5 lite": 197e12,  # v5e reports itself as "TPU v5 lite"
     "tpu v5e": 197e12,
     "tpu v5p": 459e12,
-    "tpu v5": 459e12,        # v5p reports itself as "TPU v5"
-    "tpu v6 lite": 918e12,   # v6e (Trillium)
+    "tpu v5": 459e12,  # v5p reports itself as "TPU v5"
+    "tpu v6 lite": 918e12,  # v6e (Trillium)
     "tpu v6e": 918e12,
     "a100": 312e12,
-    "h100": 989e12,          # SXM dense bf16
+    "h100": 989e12,  # SXM dense bf16
     "h200": 989e12,
 }
 
@@ -58,7 +60,7 @@ def measure_matmul_flops(n: int = 1024, dtype: str = "float32", repeats: int = 5
         t0 = time.perf_counter()
         f(a).block_until_ready()
         best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
+    return 2 * n**3 / best
 
 
 def peak_flops_per_device(device, override: float | None = None) -> tuple[float, str]:

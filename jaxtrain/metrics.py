@@ -1,5 +1,6 @@
 """Where metrics go: `{output_dir}/metrics.jsonl` (one JSON object per logged
 step), TensorBoard event files (tensorboardX), and a rich progress bar."""
+
 from __future__ import annotations
 
 import json
@@ -11,22 +12,29 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class MetricsWriter:
-    def __init__(self, output_dir: str | Path, *, total_steps: int, tensorboard: bool = True,
-                 progress: bool = True):
+    def __init__(
+        self, output_dir: str | Path, *, total_steps: int, tensorboard: bool = True, progress: bool = True
+    ):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
+
             self._tb = SummaryWriter(str(self.dir / "tensorboard"))
         self.console = Console(stderr=True)
         self._progress = None
         if progress:
             self._progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]}  {task.fields[tps]} tok/s  mfu {task.fields[mfu]}"),
-                TimeRemainingColumn(), console=self.console, transient=False)
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
             self._task = self._progress.add_task("train", total=total_steps, loss="-", tps="-", mfu="-")
             self._progress.start()
 
@@ -39,9 +47,13 @@ class MetricsWriter:
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(f"train/{k}", v, step)
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, loss=f"{record.get('loss', float('nan')):.4f}",
-                                  tps=f"{record.get('tokens_per_second', 0):,.0f}",
-                                  mfu=f"{100 * record.get('mfu', 0):.1f}%")
+            self._progress.update(
+                self._task,
+                completed=step,
+                loss=f"{record.get('loss', float('nan')):.4f}",
+                tps=f"{record.get('tokens_per_second', 0):,.0f}",
+                mfu=f"{100 * record.get('mfu', 0):.1f}%",
+            )
 
     def log(self, message: str) -> None:
         self.console.print(message)

@@ -4,6 +4,7 @@ On a machine with no accelerator we pin JAX to the CPU (otherwise the CUDA
 plugin and libtpu, installed for deviceless compiles, print errors at start)
 and create as many simulated CPU devices as the mesh needs.
 """
+
 from __future__ import annotations
 
 import glob

@@ -12,12 +12,13 @@ per-block compute (flash kernel or XLA). Sequences are then in zig-zag order
 (`sharding.context`, applied to every batch by the trainer).
 `resolve_impl("auto")` picks pallas on GPU/TPU and xla on CPU by backend.
 """
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-import sharding
+from jaxtrain import sharding
 
 
 def resolve_impl(impl: str, platform: str | None = None) -> str:
@@ -27,8 +28,9 @@ def resolve_impl(impl: str, platform: str | None = None) -> str:
     return "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "xla"
 
 
-def attention_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, *, causal: bool,
-                   sliding_window: int | None = None) -> jax.Array:
+def attention_mask(
+    q_segment_ids: jax.Array, kv_segment_ids: jax.Array, *, causal: bool, sliding_window: int | None = None
+) -> jax.Array:
     """Boolean `[batch, q_len, kv_len]`: same segment (and causal / in window)."""
     mask = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
     q_pos = jnp.arange(q_segment_ids.shape[1])[:, None]
@@ -42,13 +44,12 @@ def attention_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, *, causa
     return mask
 
 
-def xla_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None,
-                  softmax_scale=None):
+def xla_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, softmax_scale=None):
     """Reference-quality attention in XLA ops: f32 softmax, GQA without repeating K/V."""
     b, s, h, d = q.shape
     kv_heads = k.shape[2]
     groups = h // kv_heads
-    scale = softmax_scale if softmax_scale is not None else d ** -0.5
+    scale = softmax_scale if softmax_scale is not None else d**-0.5
     qg = q.reshape(b, s, kv_heads, groups, d)
     scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale
     if segment_ids is None:
@@ -60,45 +61,70 @@ def xla_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None
     return out.reshape(b, s, h, d)
 
 
-def attend(q, k, v, *, segment_ids=None, causal=True, impl="xla", sliding_window=None,
-           context_impl="ring"):
+def attend(q, k, v, *, segment_ids=None, causal=True, impl="xla", sliding_window=None, context_impl="ring"):
     """Dispatch to one attention implementation (see module docstring)."""
     impl = resolve_impl(impl)
     if _context_size() > 1:
-        return _context_attention(q, k, v, segment_ids=segment_ids, causal=causal, impl=impl,
-                                  sliding_window=sliding_window, context_impl=context_impl)
+        return _context_attention(
+            q,
+            k,
+            v,
+            segment_ids=segment_ids,
+            causal=causal,
+            impl=impl,
+            sliding_window=sliding_window,
+            context_impl=context_impl,
+        )
     if impl == "xla":
-        return xla_attention(q, k, v, segment_ids=segment_ids, causal=causal,
-                             sliding_window=sliding_window)
+        return xla_attention(q, k, v, segment_ids=segment_ids, causal=causal, sliding_window=sliding_window)
     if impl == "pallas":
-        return _pallas_attention(q, k, v, segment_ids=segment_ids, causal=causal,
-                                 sliding_window=sliding_window)
+        return _pallas_attention(
+            q, k, v, segment_ids=segment_ids, causal=causal, sliding_window=sliding_window
+        )
     raise ValueError(f"attention impl={impl!r}: expected one of auto, xla, pallas")
 
 
 def _batch_and_head_axes(q, rules, mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The mesh axes the active rules give the `batch` and `act_heads` dims of `q`."""
+
     def axes(logical, dim):
-        spec = sharding.logical_to_spec((logical,), rules, mesh, shape=q.shape[dim:dim + 1])
+        spec = sharding.logical_to_spec((logical,), rules, mesh, shape=q.shape[dim : dim + 1])
         return sharding.axes_tuple(spec[0] if spec else None)
+
     return axes("batch", 0), axes("act_heads", 2)
 
 
 def _pallas_attention(q, k, v, *, segment_ids, causal, sliding_window):
     """The flash kernel per shard: batch and heads split as the active rules split
     the `batch` / `act_heads` activations, so no collective is needed around it."""
-    from pallas_kernels import sharded_flash_attention
+    from jaxtrain.pallas_kernels import sharded_flash_attention
 
     mesh = jax.sharding.get_abstract_mesh()
     rules = sharding.current_rules()
     if mesh.empty or rules is None:
-        return sharded_flash_attention(q, k, v, mesh=None, batch_axes=(), head_axes=(),
-                                       causal=causal, segment_ids=segment_ids,
-                                       sliding_window=sliding_window)
+        return sharded_flash_attention(
+            q,
+            k,
+            v,
+            mesh=None,
+            batch_axes=(),
+            head_axes=(),
+            causal=causal,
+            segment_ids=segment_ids,
+            sliding_window=sliding_window,
+        )
     batch_axes, head_axes = _batch_and_head_axes(q, rules, mesh)
     return sharded_flash_attention(
-        q, k, v, mesh=mesh, batch_axes=batch_axes, head_axes=head_axes, causal=causal,
-        segment_ids=segment_ids, sliding_window=sliding_window)
+        q,
+        k,
+        v,
+        mesh=mesh,
+        batch_axes=batch_axes,
+        head_axes=head_axes,
+        causal=causal,
+        segment_ids=segment_ids,
+        sliding_window=sliding_window,
+    )
 
 
 def _context_size() -> int:
@@ -112,22 +138,32 @@ def _context_attention(q, k, v, *, segment_ids, causal, impl, sliding_window, co
     """Ring or Ulysses attention over the `context` mesh axis; batch and heads split
     as the active rules split the `batch` / `act_heads` activations. Inputs are in
     zig-zag order (load balanced)."""
-    from pallas_kernels import ring_attention, ulysses_attention
+    from jaxtrain.pallas_kernels import ring_attention, ulysses_attention
 
     if sliding_window is not None and context_impl != "ulysses":
-        raise ValueError(f"model.sliding_window={sliding_window} with mesh.context > 1 needs "
-                         f"model.context_impl=ulysses (the ring has no windowed chunk schedule)")
+        raise ValueError(
+            f"model.sliding_window={sliding_window} with mesh.context > 1 needs "
+            f"model.context_impl=ulysses (the ring has no windowed chunk schedule)"
+        )
     mesh = jax.sharding.get_abstract_mesh()
     rules = sharding.current_rules()
     if rules is None:
-        raise ValueError("context parallel attention needs the logical axis rules in context "
-                         "(sharding.axis_rules)")
+        raise ValueError(
+            "context parallel attention needs the logical axis rules in context (sharding.axis_rules)"
+        )
     batch_axes, head_axes = _batch_and_head_axes(q, rules, mesh)
     batch_axes = tuple(a for a in batch_axes if a != "context")
     head_axes = tuple(a for a in head_axes if a != "context")
-    kwargs = dict(mesh=mesh, axis_name="context", causal=causal, segment_ids=segment_ids,
-                  load_balanced=True, batch_axes=batch_axes, head_axes=head_axes,
-                  block_impl=impl)
+    kwargs = dict(
+        mesh=mesh,
+        axis_name="context",
+        causal=causal,
+        segment_ids=segment_ids,
+        load_balanced=True,
+        batch_axes=batch_axes,
+        head_axes=head_axes,
+        block_impl=impl,
+    )
     if context_impl == "ring":
         return ring_attention(q, k, v, **kwargs)
     if context_impl == "ulysses":

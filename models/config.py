@@ -1,5 +1,6 @@
 """The model's configuration: a frozen dataclass with no jax import, so the CLI
 can read and validate it before any backend starts."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,94 +22,110 @@ class MoEConfig:
     Layers: the first `first_dense_layers` are dense, the rest come in groups of
     `every` layers whose last one is MoE (every=1: all MoE; every=2: every other).
     """
+
     num_experts: int = 8
     top_k: int = 2
-    expert_mlp_dim: int | None = None   # per expert; None: model.mlp_dim
-    num_shared_experts: int = 0         # always-on experts (DeepSeek-MoE), one fused SwiGLU of width n * F
-    scoring: str = "softmax"            # softmax (Mixtral, GShard, Switch) | sigmoid (DeepSeek-V3)
-    normalize_top_k: bool = True        # renormalise the k selected weights to sum to 1
-    score_bias: bool = False            # aux-loss-free balancing: non-gradient bias on selection only
-    score_bias_rate: float = 1e-3       # per step: bias += rate * sign(mean load - expert load)
-    dispatch: str = "dropless"          # capacity (GShard, drops over-capacity tokens) | dropless (ragged_dot)
-    capacity_factor: float = 1.25       # capacity: slots per expert per sequence = ceil(k * seq * cf / E)
-    exchange: str = "auto"              # dropless expert parallelism: padded all_to_all | ragged_all_to_all
+    expert_mlp_dim: int | None = None  # per expert; None: model.mlp_dim
+    num_shared_experts: int = 0  # always-on experts (DeepSeek-MoE), one fused SwiGLU of width n * F
+    scoring: str = "softmax"  # softmax (Mixtral, GShard, Switch) | sigmoid (DeepSeek-V3)
+    normalize_top_k: bool = True  # renormalise the k selected weights to sum to 1
+    score_bias: bool = False  # aux-loss-free balancing: non-gradient bias on selection only
+    score_bias_rate: float = 1e-3  # per step: bias += rate * sign(mean load - expert load)
+    dispatch: str = "dropless"  # capacity (GShard, drops over-capacity tokens) | dropless (ragged_dot)
+    capacity_factor: float = 1.25  # capacity: slots per expert per sequence = ceil(k * seq * cf / E)
+    exchange: str = "auto"  # dropless expert parallelism: padded all_to_all | ragged_all_to_all
     # Dropless expert parallelism: rows of each shard's receive buffer, as a multiple of one
     # source's assignments A (1.0 = the balanced load). 0: ep x A, the worst case, never drops;
     # f > 0: ceil(f x A), the grouped matmul shrinks to match and overflow is dropped
     # (counted in dropped_fraction), as MaxText's ragged_buffer_factor.
     receive_factor: float = 0.0
-    aux_loss_weight: float = 0.01       # Switch load-balancing loss (1.0 when perfectly balanced)
-    z_loss_weight: float = 1e-3         # router z-loss: mean logsumexp(router logits)^2
+    aux_loss_weight: float = 0.01  # Switch load-balancing loss (1.0 when perfectly balanced)
+    z_loss_weight: float = 1e-3  # router z-loss: mean logsumexp(router logits)^2
     first_dense_layers: int = 0
     every: int = 1
 
-    def validate(self, cfg: "ModelConfig") -> None:
+    def validate(self, cfg: ModelConfig) -> None:
         for key in ("num_experts", "top_k", "every"):
             if getattr(self, key) < 1:
                 raise ValueError(f"model.moe.{key}={getattr(self, key)}: expected a positive integer")
         if self.top_k > self.num_experts:
-            raise ValueError(f"model.moe.top_k={self.top_k}: expected <= model.moe.num_experts="
-                             f"{self.num_experts}")
+            raise ValueError(
+                f"model.moe.top_k={self.top_k}: expected <= model.moe.num_experts={self.num_experts}"
+            )
         if self.expert_mlp_dim is not None and self.expert_mlp_dim < 1:
-            raise ValueError(f"model.moe.expert_mlp_dim={self.expert_mlp_dim}: expected a positive integer or null")
+            raise ValueError(
+                f"model.moe.expert_mlp_dim={self.expert_mlp_dim}: expected a positive integer or null"
+            )
         if self.num_shared_experts < 0:
             raise ValueError(f"model.moe.num_shared_experts={self.num_shared_experts}: expected >= 0")
-        for key, allowed in (("scoring", MOE_SCORINGS), ("dispatch", MOE_DISPATCHES),
-                             ("exchange", MOE_EXCHANGES)):
+        for key, allowed in (
+            ("scoring", MOE_SCORINGS),
+            ("dispatch", MOE_DISPATCHES),
+            ("exchange", MOE_EXCHANGES),
+        ):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"model.moe.{key}={getattr(self, key)!r}: expected one of {allowed}")
         if self.capacity_factor <= 0:
             raise ValueError(f"model.moe.capacity_factor={self.capacity_factor}: expected > 0")
         if self.receive_factor < 0:
-            raise ValueError(f"model.moe.receive_factor={self.receive_factor}: expected >= 0 "
-                             "(0: worst-case receive buffer, no drops)")
+            raise ValueError(
+                f"model.moe.receive_factor={self.receive_factor}: expected >= 0 "
+                "(0: worst-case receive buffer, no drops)"
+            )
         if self.receive_factor and self.dispatch != "dropless":
-            raise ValueError(f"model.moe.receive_factor={self.receive_factor}: applies to "
-                             f"dispatch=dropless only (got dispatch={self.dispatch!r}); expected 0")
+            raise ValueError(
+                f"model.moe.receive_factor={self.receive_factor}: applies to "
+                f"dispatch=dropless only (got dispatch={self.dispatch!r}); expected 0"
+            )
         for key in ("aux_loss_weight", "z_loss_weight", "score_bias_rate"):
             if getattr(self, key) < 0:
                 raise ValueError(f"model.moe.{key}={getattr(self, key)}: expected >= 0")
         if not 0 <= self.first_dense_layers < cfg.n_layers:
-            raise ValueError(f"model.moe.first_dense_layers={self.first_dense_layers}: expected 0 <= "
-                             f"value < model.n_layers={cfg.n_layers} (at least one MoE layer)")
+            raise ValueError(
+                f"model.moe.first_dense_layers={self.first_dense_layers}: expected 0 <= "
+                f"value < model.n_layers={cfg.n_layers} (at least one MoE layer)"
+            )
         if (cfg.n_layers - self.first_dense_layers) % self.every:
-            raise ValueError(f"model.moe.every={self.every}: expected a divisor of model.n_layers - "
-                             f"model.moe.first_dense_layers = {cfg.n_layers - self.first_dense_layers}")
+            raise ValueError(
+                f"model.moe.every={self.every}: expected a divisor of model.n_layers - "
+                f"model.moe.first_dense_layers = {cfg.n_layers - self.first_dense_layers}"
+            )
 
-    def mlp_dim(self, cfg: "ModelConfig") -> int:
+    def mlp_dim(self, cfg: ModelConfig) -> int:
         return self.expert_mlp_dim if self.expert_mlp_dim is not None else cfg.mlp_dim
 
-    def num_moe_layers(self, cfg: "ModelConfig") -> int:
+    def num_moe_layers(self, cfg: ModelConfig) -> int:
         return (cfg.n_layers - self.first_dense_layers) // self.every
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A decoder-only Llama-style transformer (RMSNorm, RoPE, GQA, SwiGLU)."""
+
     vocab_size: int = 512
     d_model: int = 128
     n_layers: int = 2
     n_heads: int = 4
     n_kv_heads: int = 4
-    head_dim: int | None = None      # None: d_model // n_heads
+    head_dim: int | None = None  # None: d_model // n_heads
     mlp_dim: int = 512
     rope_theta: float = 10000.0
     rope_scaling: str | None = None  # None | linear | llama3 (Llama 3.1+ long-context frequencies)
     rope_scaling_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0          # llama3 only
-    rope_high_freq_factor: float = 4.0         # llama3 only
-    rope_original_max_position: int = 8192     # llama3 only
+    rope_low_freq_factor: float = 1.0  # llama3 only
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_max_position: int = 8192  # llama3 only
     sliding_window: int | None = None  # Mistral-style: a query sees at most the last N keys
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
-    param_dtype: str = "float32"     # master weights (and optimizer state)
-    compute_dtype: str = "float32"   # matmuls and activations
-    remat: str = "none"              # none | full | save_matmuls
-    scan_layers: bool = True         # False unrolls the layer loop (same parameters)
-    attention_impl: str = "auto"     # auto | xla | pallas (auto: pallas on GPU/TPU, xla on CPU)
-    context_impl: str = "ring"       # ring | ulysses: attention when the mesh has context > 1
-    moe: MoEConfig | None = None     # mixture of experts (models/moe.py); None: dense
+    param_dtype: str = "float32"  # master weights (and optimizer state)
+    compute_dtype: str = "float32"  # matmuls and activations
+    remat: str = "none"  # none | full | save_matmuls
+    scan_layers: bool = True  # False unrolls the layer loop (same parameters)
+    attention_impl: str = "auto"  # auto | xla | pallas (auto: pallas on GPU/TPU, xla on CPU)
+    context_impl: str = "ring"  # ring | ulysses: attention when the mesh has context > 1
+    moe: MoEConfig | None = None  # mixture of experts (models/moe.py); None: dense
 
     @property
     def resolved_head_dim(self) -> int:
@@ -123,11 +140,14 @@ class ModelConfig:
         if self.head_dim is not None and self.head_dim < 1:
             raise ValueError(f"model.head_dim={self.head_dim}: expected a positive integer or null")
         if self.head_dim is None and self.d_model % self.n_heads:
-            raise ValueError(f"model.d_model={self.d_model}: expected a multiple of model.n_heads="
-                             f"{self.n_heads} (or set model.head_dim)")
+            raise ValueError(
+                f"model.d_model={self.d_model}: expected a multiple of model.n_heads="
+                f"{self.n_heads} (or set model.head_dim)"
+            )
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"model.n_kv_heads={self.n_kv_heads}: expected a divisor of "
-                             f"model.n_heads={self.n_heads}")
+            raise ValueError(
+                f"model.n_kv_heads={self.n_kv_heads}: expected a divisor of model.n_heads={self.n_heads}"
+            )
         if self.resolved_head_dim % 2:
             raise ValueError(f"model.head_dim={self.resolved_head_dim}: RoPE needs an even head_dim")
         for key in ("param_dtype", "compute_dtype"):
@@ -136,7 +156,9 @@ class ModelConfig:
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"model.remat={self.remat!r}: expected one of {REMAT_POLICIES}")
         if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"model.attention_impl={self.attention_impl!r}: expected one of {ATTENTION_IMPLS}")
+            raise ValueError(
+                f"model.attention_impl={self.attention_impl!r}: expected one of {ATTENTION_IMPLS}"
+            )
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ValueError(f"model.rope_scaling={self.rope_scaling!r}: expected one of {ROPE_SCALINGS}")
         if self.rope_scaling_factor <= 0:
@@ -161,8 +183,11 @@ class ModelConfig:
         total = L * per_layer + d + head + (embed if include_embedding else 0)
         if self.moe is not None:
             m, f = self.moe, self.moe.mlp_dim(self)
-            moe_mlp = (d * m.num_experts * (1 + 3 * f) + (m.num_experts if m.score_bias else 0)
-                       + 3 * d * f * m.num_shared_experts)
+            moe_mlp = (
+                d * m.num_experts * (1 + 3 * f)
+                + (m.num_experts if m.score_bias else 0)
+                + 3 * d * f * m.num_shared_experts
+            )
             total += m.num_moe_layers(self) * (moe_mlp - mlp)
         return total
 

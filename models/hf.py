@@ -16,6 +16,7 @@ Layout mapping (HF Linear weights are `[out, in]`):
 HF's q/k weights are already permuted for the "rotate half" RoPE our model
 uses, so no head-dim permutation is needed.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models.config import ModelConfig
+from jaxtrain.models.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
 
@@ -34,6 +35,7 @@ class HFConversionError(ValueError):
 
 
 # --- config ---------------------------------------------------------------------
+
 
 def _rope_settings(hf: dict) -> dict:
     """RoPE theta and scaling from either transformers 4.x (`rope_theta`, `rope_scaling`)
@@ -49,11 +51,17 @@ def _rope_settings(hf: dict) -> dict:
     if kind == "linear":
         return {**out, "rope_scaling": "linear", "rope_scaling_factor": float(merged["factor"])}
     if kind == "llama3":
-        return {**out, "rope_scaling": "llama3", "rope_scaling_factor": float(merged["factor"]),
-                "rope_low_freq_factor": float(merged["low_freq_factor"]),
-                "rope_high_freq_factor": float(merged["high_freq_factor"]),
-                "rope_original_max_position": int(merged["original_max_position_embeddings"])}
-    raise HFConversionError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+        return {
+            **out,
+            "rope_scaling": "llama3",
+            "rope_scaling_factor": float(merged["factor"]),
+            "rope_low_freq_factor": float(merged["low_freq_factor"]),
+            "rope_high_freq_factor": float(merged["high_freq_factor"]),
+            "rope_original_max_position": int(merged["original_max_position_embeddings"]),
+        }
+    raise HFConversionError(
+        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)"
+    )
 
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
@@ -61,8 +69,9 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise HFConversionError(f"architecture {arch!r} is not supported; expected one of "
-                                f"{SUPPORTED_ARCHITECTURES}")
+        raise HFConversionError(
+            f"architecture {arch!r} is not supported; expected one of {SUPPORTED_ARCHITECTURES}"
+        )
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise HFConversionError(f"config.json {flag}=true is not supported")
@@ -70,23 +79,34 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
         raise HFConversionError(f"hidden_act={hf['hidden_act']!r} is not supported (expected silu)")
     n_heads = hf["num_attention_heads"]
     fields = dict(
-        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads, mlp_dim=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        mlp_dim=hf["intermediate_size"],
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),
-        **_rope_settings(hf))
+        **_rope_settings(hf),
+    )
     if arch in ("MistralForCausalLM", "MixtralForCausalLM") and hf.get("sliding_window"):
         fields["sliding_window"] = int(hf["sliding_window"])
     if arch == "MixtralForCausalLM":
-        from models.config import MoEConfig
+        from jaxtrain.models.config import MoEConfig
+
         k = hf["num_experts_per_tok"]
         fields["moe"] = MoEConfig(
-            num_experts=hf["num_local_experts"], top_k=k, expert_mlp_dim=hf["intermediate_size"],
-            scoring="softmax", normalize_top_k=True, dispatch="dropless",
+            num_experts=hf["num_local_experts"],
+            top_k=k,
+            expert_mlp_dim=hf["intermediate_size"],
+            scoring="softmax",
+            normalize_top_k=True,
+            dispatch="dropless",
             # HF sums its load-balancing loss over the k choices; ours averages (1.0 = balanced).
-            aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.02)) * k)
+            aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.02)) * k,
+        )
     fields.update(overrides)
     cfg = ModelConfig(**fields)
     cfg.validate()
@@ -95,49 +115,83 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
 
 def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
     """An HF `config.json` dict for `cfg` (Mistral when it has a sliding window)."""
-    arch = architecture or ("MixtralForCausalLM" if cfg.moe is not None else
-                            "MistralForCausalLM" if cfg.sliding_window else "LlamaForCausalLM")
+    arch = architecture or (
+        "MixtralForCausalLM"
+        if cfg.moe is not None
+        else "MistralForCausalLM"
+        if cfg.sliding_window
+        else "LlamaForCausalLM"
+    )
     if (arch == "MixtralForCausalLM") != (cfg.moe is not None):
         raise HFConversionError(f"architecture {arch!r} does not match model.moe={cfg.moe!r}")
     if cfg.moe is not None:
         m = cfg.moe
-        if (m.first_dense_layers, m.every, m.num_shared_experts, m.scoring, m.normalize_top_k,
-                m.score_bias) != (0, 1, 0, "softmax", True, False):
-            raise HFConversionError("only Mixtral-style MoE converts to HF: every layer MoE, no shared "
-                                    "experts, softmax scoring renormalised over the top-k, no score bias")
+        if (
+            m.first_dense_layers,
+            m.every,
+            m.num_shared_experts,
+            m.scoring,
+            m.normalize_top_k,
+            m.score_bias,
+        ) != (0, 1, 0, "softmax", True, False):
+            raise HFConversionError(
+                "only Mixtral-style MoE converts to HF: every layer MoE, no shared "
+                "experts, softmax scoring renormalised over the top-k, no score bias"
+            )
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise HFConversionError(f"architecture {arch!r} is not supported; expected one of {SUPPORTED_ARCHITECTURES}")
+        raise HFConversionError(
+            f"architecture {arch!r} is not supported; expected one of {SUPPORTED_ARCHITECTURES}"
+        )
     rope: dict = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling == "linear":
         rope = {"rope_type": "linear", "factor": cfg.rope_scaling_factor, "rope_theta": cfg.rope_theta}
     elif cfg.rope_scaling == "llama3":
-        rope = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
-                "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
-                "original_max_position_embeddings": cfg.rope_original_max_position,
-                "rope_theta": cfg.rope_theta}
+        rope = {
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_position,
+            "rope_theta": cfg.rope_theta,
+        }
     out = {
-        "architectures": [arch], "model_type": "mistral" if arch == "MistralForCausalLM" else "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_dim,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.resolved_head_dim,
-        "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": cfg.init_std, "max_position_embeddings": max(cfg.rope_original_max_position, 4096),
-        "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+        "architectures": [arch],
+        "model_type": "mistral" if arch == "MistralForCausalLM" else "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.mlp_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.resolved_head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "max_position_embeddings": max(cfg.rope_original_max_position, 4096),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
         # Both spellings: transformers 4.x reads rope_theta/rope_scaling, 5.x rope_parameters.
-        "rope_theta": cfg.rope_theta, "rope_parameters": rope,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": rope,
         "rope_scaling": None if rope["rope_type"] == "default" else rope,
     }
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         out["model_type"] = "mixtral" if arch == "MixtralForCausalLM" else "mistral"
         out["sliding_window"] = cfg.sliding_window
     if arch == "MixtralForCausalLM":
-        out.update(num_local_experts=cfg.moe.num_experts, num_experts_per_tok=cfg.moe.top_k,
-                   intermediate_size=cfg.moe.mlp_dim(cfg),
-                   router_aux_loss_coef=cfg.moe.aux_loss_weight / cfg.moe.top_k)
+        out.update(
+            num_local_experts=cfg.moe.num_experts,
+            num_experts_per_tok=cfg.moe.top_k,
+            intermediate_size=cfg.moe.mlp_dim(cfg),
+            router_aux_loss_coef=cfg.moe.aux_loss_weight / cfg.moe.top_k,
+        )
     return out
 
 
 # --- tensors -------------------------------------------------------------------
+
 
 def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ...], str]]:
     """(our param path, index into the stacked array, HF tensor name) for every tensor.
@@ -147,13 +201,18 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ..
     if not cfg.tie_embeddings:
         yield ("lm_head",), (), "lm_head.weight"
     common = {
-        ("attn", "wq"): "self_attn.q_proj.weight", ("attn", "wk"): "self_attn.k_proj.weight",
-        ("attn", "wv"): "self_attn.v_proj.weight", ("attn", "wo"): "self_attn.o_proj.weight",
+        ("attn", "wq"): "self_attn.q_proj.weight",
+        ("attn", "wk"): "self_attn.k_proj.weight",
+        ("attn", "wv"): "self_attn.v_proj.weight",
+        ("attn", "wo"): "self_attn.o_proj.weight",
         ("attn_norm", "scale"): "input_layernorm.weight",
         ("mlp_norm", "scale"): "post_attention_layernorm.weight",
     }
-    dense = {("mlp", "w_gate"): "mlp.gate_proj.weight", ("mlp", "w_up"): "mlp.up_proj.weight",
-             ("mlp", "w_down"): "mlp.down_proj.weight"}
+    dense = {
+        ("mlp", "w_gate"): "mlp.gate_proj.weight",
+        ("mlp", "w_up"): "mlp.up_proj.weight",
+        ("mlp", "w_down"): "mlp.down_proj.weight",
+    }
     experts = {("mlp", "w_gate"): "w1.weight", ("mlp", "w_up"): "w3.weight", ("mlp", "w_down"): "w2.weight"}
     stack = "blocks" if cfg.moe is None else "moe_blocks"
     for layer in range(cfg.n_layers):
@@ -228,9 +287,16 @@ def _shape_of(path: tuple[str, ...], cfg: ModelConfig) -> tuple[int, ...]:
     f = cfg.moe.mlp_dim(cfg) if cfg.moe is not None else cfg.mlp_dim
     return {
         "w_router": (d, cfg.moe.num_experts if cfg.moe is not None else 0),
-        "embedding": (cfg.vocab_size, d), "lm_head": (d, cfg.vocab_size), "scale": (d,),
-        "wq": (d, cfg.n_heads, hd), "wk": (d, cfg.n_kv_heads, hd), "wv": (d, cfg.n_kv_heads, hd),
-        "wo": (cfg.n_heads, hd, d), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d),
+        "embedding": (cfg.vocab_size, d),
+        "lm_head": (d, cfg.vocab_size),
+        "scale": (d,),
+        "wq": (d, cfg.n_heads, hd),
+        "wk": (d, cfg.n_kv_heads, hd),
+        "wv": (d, cfg.n_kv_heads, hd),
+        "wo": (cfg.n_heads, hd, d),
+        "w_gate": (d, f),
+        "w_up": (d, f),
+        "w_down": (f, d),
     }[path[-1]]
 
 
@@ -243,8 +309,9 @@ def load_hf_params(path: str | Path, cfg: ModelConfig, dtype=np.float32) -> dict
         w = _to_ours(ours, np.asarray(reader.get(theirs), dtype=np.float32), cfg)
         expected = _shape_of(ours, cfg)
         if w.shape != expected:
-            raise HFConversionError(f"tensor {theirs!r}: shape {w.shape} after conversion, "
-                                    f"expected {expected} from config.json")
+            raise HFConversionError(
+                f"tensor {theirs!r}: shape {w.shape} after conversion, expected {expected} from config.json"
+            )
         node = params
         for key in ours[:-1]:
             node = node.setdefault(key, {})
@@ -274,8 +341,8 @@ def from_hf(path: str | Path, **config_overrides):
     import jax.numpy as jnp
     from flax import nnx
 
-    from models.params import abstract_model, merge
-    from models.transformer import Transformer
+    from jaxtrain.models.params import abstract_model, merge
+    from jaxtrain.models.transformer import Transformer
 
     cfg = config_from_hf(read_hf_config(path), **config_overrides)
     params = load_hf_params(path, cfg)
@@ -294,8 +361,14 @@ def params_to_hf_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, 
         yield theirs, np.ascontiguousarray(_to_hf(ours, w))
 
 
-def write_hf_dir(tensors: Iterator[tuple[str, np.ndarray]], cfg: ModelConfig, path: str | Path, *,
-                 architecture: str | None = None, max_shard_bytes: int = 2 * 2**30) -> Path:
+def write_hf_dir(
+    tensors: Iterator[tuple[str, np.ndarray]],
+    cfg: ModelConfig,
+    path: str | Path,
+    *,
+    architecture: str | None = None,
+    max_shard_bytes: int = 2 * 2**30,
+) -> Path:
     """Write (name, tensor) pairs as HF safetensors shards plus `model.safetensors.index.json`
     and `config.json`. Holds at most one shard in memory, so a 7B model converts
     without a second full copy."""
@@ -328,17 +401,24 @@ def write_hf_dir(tensors: Iterator[tuple[str, np.ndarray]], cfg: ModelConfig, pa
         (out / old).rename(out / new)
         weight_map.update({n: new for n in names})
     total_bytes = sum((out / f).stat().st_size for f in set(weight_map.values()))
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=2) + "\n")
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=2) + "\n"
+    )
     (out / "config.json").write_text(json.dumps(hf_config(cfg, architecture), indent=2) + "\n")
     return out
 
 
-def to_hf(model, path: str | Path, *, architecture: str | None = None,
-          max_shard_bytes: int = 2 * 2**30) -> Path:
+def to_hf(
+    model, path: str | Path, *, architecture: str | None = None, max_shard_bytes: int = 2 * 2**30
+) -> Path:
     """Write `model` as an HF checkpoint directory (config.json + f32 safetensors shards)."""
     from flax import nnx
 
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    return write_hf_dir(params_to_hf_tensors(params, model.cfg), model.cfg, path,
-                        architecture=architecture, max_shard_bytes=max_shard_bytes)
+    return write_hf_dir(
+        params_to_hf_tensors(params, model.cfg),
+        model.cfg,
+        path,
+        architecture=architecture,
+        max_shard_bytes=max_shard_bytes,
+    )

@@ -2,21 +2,21 @@
 logical axes (stored as `out_sharding` metadata, resolved by `sharding.rules`);
 activations are hinted with `sharding.constrain` at layer boundaries. No mesh
 axis name appears here."""
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import attend
-from models.config import ModelConfig
-from sharding import constrain
+from jaxtrain.models.attention import attend
+from jaxtrain.models.config import ModelConfig
+from jaxtrain.sharding import constrain
 
 
 def param(rngs: nnx.Rngs, shape, logical_axes, *, std: float | None, dtype) -> nnx.Param:
     """A parameter with logical axis names; std None means ones (norm scales)."""
-    value = (jnp.ones(shape, dtype) if std is None
-             else std * jax.random.normal(rngs.params(), shape, dtype))
+    value = jnp.ones(shape, dtype) if std is None else std * jax.random.normal(rngs.params(), shape, dtype)
     # eager_sharding=False: we resolve names ourselves with sharding.rules, so the
     # same names work with or without a mesh and with any rule table.
     return nnx.Param(value, out_sharding=tuple(logical_axes), eager_sharding=False)
@@ -51,14 +51,15 @@ def rope_frequencies(cfg: ModelConfig) -> jax.Array:
         wavelen = 2 * jnp.pi / inv_freq
         smooth = (old / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        return jnp.where(wavelen > old / low, inv_freq / factor,
-                         jnp.where(wavelen < old / high, inv_freq, smoothed))
+        return jnp.where(
+            wavelen > old / low, inv_freq / factor, jnp.where(wavelen < old / high, inv_freq, smoothed)
+        )
     return inv_freq
 
 
 def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotary embedding, Llama "rotate half" convention. x: [b, s, h, d], positions [b, s]."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq      # [b, s, d/2]
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [b, s, d/2]
     cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -72,8 +73,9 @@ class Attention(nnx.Module):
         self.wq = p((d, cfg.n_heads, hd), ("embed", "heads", "head_dim"), cfg.init_std)
         self.wk = p((d, cfg.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), cfg.init_std)
         self.wv = p((d, cfg.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), cfg.init_std)
-        self.wo = p((cfg.n_heads, hd, d), ("heads", "head_dim", "embed"),
-                    cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        self.wo = p(
+            (cfg.n_heads, hd, d), ("heads", "head_dim", "embed"), cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        )
         self.cfg = cfg
 
     def __call__(self, x, positions, segment_ids):
@@ -85,14 +87,23 @@ class Attention(nnx.Module):
         q = constrain(rope(q, positions, inv_freq), ("batch", "seq", "act_heads", None))
         k = constrain(rope(k, positions, inv_freq), ("batch", "seq", "act_kv_heads", None))
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))
-        out = attend(q, k, v, segment_ids=segment_ids, causal=True, impl=cfg.attention_impl,
-                     sliding_window=cfg.sliding_window, context_impl=cfg.context_impl)
+        out = attend(
+            q,
+            k,
+            v,
+            segment_ids=segment_ids,
+            causal=True,
+            impl=cfg.attention_impl,
+            sliding_window=cfg.sliding_window,
+            context_impl=cfg.context_impl,
+        )
         out = constrain(out, ("batch", "seq", "act_heads", None))
         return jnp.einsum("bshk,hkd->bsd", out, self.wo[...].astype(dt))
 
 
 class MLP(nnx.Module):
     """SwiGLU feed-forward."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.mlp_dim
         p = lambda shape, axes, std: param(rngs, shape, axes, std=std, dtype=cfg.param_dtype)
@@ -110,6 +121,7 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)

@@ -5,7 +5,8 @@ E experts, D = d_model, F = expert_mlp_dim), the layout HF conversion relies on:
 
     w_router    [D, E]     ("embed", None)            router logits = x @ w_router
     router_bias [E]        (None,)                     only with moe.score_bias (not trained by gradients)
-    w_gate      [E, D, F]  ("expert", "embed", "mlp")  expert e: silu(x @ w_gate[e]) * (x @ w_up[e]) @ w_down[e]
+    w_gate      [E, D, F]  ("expert", "embed", "mlp")  expert e: silu(x @ w_gate[e]) * (x @ w_up[e])
+                                                        @ w_down[e]
     w_up        [E, D, F]  ("expert", "embed", "mlp")
     w_down      [E, F, D]  ("expert", "mlp", "embed")
     shared_gate [D, S*F], shared_up [D, S*F], shared_down [S*F, D]   only with S = num_shared_experts > 0
@@ -44,6 +45,7 @@ A shard then keeps a prefix of what it is sent (sources in mesh order, each
 source's rows by local expert) and drops the rest, as MaxText's
 ragged_buffer_factor; both exchanges keep the same rows.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,9 +55,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-import sharding
-from models.config import ModelConfig, MoEConfig
-from models.layers import Attention, RMSNorm, param
+from jaxtrain import sharding
+from jaxtrain.models.config import ModelConfig, MoEConfig
+from jaxtrain.models.layers import Attention, RMSNorm, param
 
 F32 = jnp.float32
 
@@ -68,8 +70,9 @@ class MoE(nnx.Module):
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.w_router = p((d, e), ("embed", None), cfg.init_std)
         if m.score_bias:
-            self.router_bias = nnx.Param(jnp.zeros((e,), cfg.param_dtype), out_sharding=(None,),
-                                         eager_sharding=False)
+            self.router_bias = nnx.Param(
+                jnp.zeros((e,), cfg.param_dtype), out_sharding=(None,), eager_sharding=False
+            )
         self.w_gate = p((e, d, f), ("expert", "embed", "mlp"), cfg.init_std)
         self.w_up = p((e, d, f), ("expert", "embed", "mlp"), cfg.init_std)
         self.w_down = p((e, f, d), ("expert", "mlp", "embed"), out_std)
@@ -85,8 +88,15 @@ class MoE(nnx.Module):
         """x [b, s, d] -> (y [b, s, d], per-layer stats: see `moe_layer`)."""
         dt = self.dtype
         bias = self.router_bias[...] if self.moe.score_bias else None
-        y, stats = moe_layer(x, self.w_router[...], bias, self.w_gate[...].astype(dt),
-                             self.w_up[...].astype(dt), self.w_down[...].astype(dt), self.moe)
+        y, stats = moe_layer(
+            x,
+            self.w_router[...],
+            bias,
+            self.w_gate[...].astype(dt),
+            self.w_up[...].astype(dt),
+            self.w_down[...].astype(dt),
+            self.moe,
+        )
         if self.moe.num_shared_experts:
             h = jax.nn.silu(x @ self.shared_gate[...].astype(dt)) * (x @ self.shared_up[...].astype(dt))
             h = sharding.constrain(h, ("batch", "seq", "act_mlp"))
@@ -96,6 +106,7 @@ class MoE(nnx.Module):
 
 class MoEBlock(nnx.Module):
     """A decoder block (as layers.Block) whose feed-forward is MoE; returns (x, stats)."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
@@ -109,6 +120,7 @@ class MoEBlock(nnx.Module):
 
 
 # --- the layer as a function -----------------------------------------------------
+
 
 def capacity(seq_len: int, m: MoEConfig) -> int:
     """Slots per expert per sequence (capacity dispatch)."""
@@ -141,15 +153,27 @@ def _capacity_positions(idx, m: MoEConfig, cap: int):
     """Slot of each assignment in its expert's queue [b, s, k] and whether it fits.
     Priority: all first choices (in token order), then all second choices, ..."""
     b, s, k = idx.shape
-    onehot = jax.nn.one_hot(idx, m.num_experts, dtype=jnp.int32)          # [b, s, k, E]
-    flat = onehot.transpose(0, 2, 1, 3).reshape(b, k * s, m.num_experts)   # k-major order
-    pos = jnp.sum((jnp.cumsum(flat, axis=1) - 1) * flat, axis=-1)           # [b, k*s]
+    onehot = jax.nn.one_hot(idx, m.num_experts, dtype=jnp.int32)  # [b, s, k, E]
+    flat = onehot.transpose(0, 2, 1, 3).reshape(b, k * s, m.num_experts)  # k-major order
+    pos = jnp.sum((jnp.cumsum(flat, axis=1) - 1) * flat, axis=-1)  # [b, k*s]
     pos = pos.reshape(b, k, s).transpose(0, 2, 1)
     return pos, pos < cap
 
 
-def _local_moe(x, w_router, bias, w_gate, w_up, w_down, *, m: MoEConfig, batch_axes,
-               expert_axes, tensor_axes, exchange: str):
+def _local_moe(
+    x,
+    w_router,
+    bias,
+    w_gate,
+    w_up,
+    w_down,
+    *,
+    m: MoEConfig,
+    batch_axes,
+    expert_axes,
+    tensor_axes,
+    exchange: str,
+):
     """The layer on this device's tokens x [b, s, d] (all of them without a mesh)."""
     b, s, d = x.shape
     E, k = m.num_experts, m.top_k
@@ -158,32 +182,35 @@ def _local_moe(x, w_router, bias, w_gate, w_up, w_down, *, m: MoEConfig, batch_a
     logits, scores, idx, weights = route(x, w_router, bias, m)
 
     # Global statistics: sums over this shard, then over the batch axes.
-    counts = jnp.sum(jax.nn.one_hot(idx, E, dtype=F32), axis=(0, 1, 2))      # [E] assignments
+    counts = jnp.sum(jax.nn.one_hot(idx, E, dtype=F32), axis=(0, 1, 2))  # [E] assignments
     probs = scores if m.scoring == "softmax" else scores / jnp.sum(scores, -1, keepdims=True)
-    sums = dict(counts=counts, probs=jnp.sum(probs, axis=(0, 1)),
-                z=jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
-                tokens=jnp.asarray(b * s, F32))
+    sums = dict(
+        counts=counts,
+        probs=jnp.sum(probs, axis=(0, 1)),
+        z=jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
+        tokens=jnp.asarray(b * s, F32),
+    )
 
     if m.dispatch == "capacity":
         cap = capacity(s, m)
         pos, keep = _capacity_positions(idx, m, cap)
-        slot = jax.nn.one_hot(jnp.where(keep, pos, cap), cap, dtype=F32)        # dropped: all-zero row
+        slot = jax.nn.one_hot(jnp.where(keep, pos, cap), cap, dtype=F32)  # dropped: all-zero row
         expert = jax.nn.one_hot(idx, E, dtype=F32)
         dispatch = jnp.einsum("bske,bskc->bsec", expert, slot)
         combine = jnp.einsum("bske,bskc,bsk->bsec", expert, slot, weights)
-        xin = jnp.einsum("bsec,bsd->ebcd", dispatch.astype(x.dtype), x)           # [E, b, cap, d]
-        if ep > 1:   # send expert e's slots to the device holding e; receive all sources' slots
-            xin = jax.lax.all_to_all(xin, expert_axes, 0, 1, tiled=True)       # [E/ep, ep*b, cap, d]
+        xin = jnp.einsum("bsec,bsd->ebcd", dispatch.astype(x.dtype), x)  # [E, b, cap, d]
+        if ep > 1:  # send expert e's slots to the device holding e; receive all sources' slots
+            xin = jax.lax.all_to_all(xin, expert_axes, 0, 1, tiled=True)  # [E/ep, ep*b, cap, d]
         out = _swiglu(xin, w_gate, w_up, w_down, "ebcd,edf->ebcf", "ebcf,efd->ebcd")
         out = psum(out, tensor_axes)
         if ep > 1:
-            out = jax.lax.all_to_all(out, expert_axes, 1, 0, tiled=True)       # [E, b, cap, d]
+            out = jax.lax.all_to_all(out, expert_axes, 1, 0, tiled=True)  # [E, b, cap, d]
         y = jnp.einsum("bsec,ebcd->bsd", combine.astype(x.dtype), out)
         sums["dropped"] = jnp.sum(1.0 - keep.astype(F32))
     else:
         a = b * s * k
         flat_e = idx.reshape(a)
-        order = jnp.argsort(flat_e, stable=True)                             # assignments by expert
+        order = jnp.argsort(flat_e, stable=True)  # assignments by expert
         xs = x.reshape(b * s, d)[order // k]
         group_sizes = counts.astype(jnp.int32)
         if ep == 1:
@@ -192,20 +219,32 @@ def _local_moe(x, w_router, bias, w_gate, w_up, w_down, *, m: MoEConfig, batch_a
             dropped = jnp.zeros((), jnp.int32)
         else:
             out, dropped = _dropless_exchange(
-                xs, flat_e[order], group_sizes, w_gate, w_up, w_down, ep=ep, expert_axes=expert_axes,
-                tensor_axes=tensor_axes, exchange=exchange, rows=receive_rows(a, ep, m))
-        out = out[jnp.argsort(order)].reshape(b, s, k, d)                      # back to token order
+                xs,
+                flat_e[order],
+                group_sizes,
+                w_gate,
+                w_up,
+                w_down,
+                ep=ep,
+                expert_axes=expert_axes,
+                tensor_axes=tensor_axes,
+                exchange=exchange,
+                rows=receive_rows(a, ep, m),
+            )
+        out = out[jnp.argsort(order)].reshape(b, s, k, d)  # back to token order
         y = jnp.einsum("bskd,bsk->bsd", out, weights.astype(x.dtype))
         sums["dropped"] = dropped.astype(F32)
 
     sums = {key: psum(v, batch_axes) for key, v in sums.items()}
     n = sums["tokens"]
-    load = sums["counts"] / (n * k)                                            # [E], sums to 1
-    stats = {"aux_loss": E * jnp.sum(load * sums["probs"] / n),
-             "z_loss": sums["z"] / n,
-             "dropped_fraction": sums["dropped"] / (n * k),
-             "max_load": jnp.max(load) * E,                                    # max / mean load
-             "expert_load": load}
+    load = sums["counts"] / (n * k)  # [E], sums to 1
+    stats = {
+        "aux_loss": E * jnp.sum(load * sums["probs"] / n),
+        "z_loss": sums["z"] / n,
+        "dropped_fraction": sums["dropped"] / (n * k),
+        "max_load": jnp.max(load) * E,  # max / mean load
+        "expert_load": load,
+    }
     return y, stats
 
 
@@ -217,8 +256,9 @@ def receive_rows(a: int, ep: int, m: MoEConfig) -> int:
     return max(1, min(ep * a, math.ceil(m.receive_factor * a)))
 
 
-def _dropless_exchange(xs, sorted_e, group_sizes, w_gate, w_up, w_down, *, ep, expert_axes,
-                       tensor_axes, exchange, rows):
+def _dropless_exchange(
+    xs, sorted_e, group_sizes, w_gate, w_up, w_down, *, ep, expert_axes, tensor_axes, exchange, rows
+):
     """Expert-parallel dropless: xs [A, d] sorted by expert -> (expert outputs [A, d] in the
     same order, zero for rows the receiver had no room for; how many such rows, int32).
 
@@ -229,48 +269,60 @@ def _dropless_exchange(xs, sorted_e, group_sizes, w_gate, w_up, w_down, *, ep, e
     a, d = xs.shape
     e_local = w_gate.shape[0]
     a2a = lambda v: jax.lax.all_to_all(v, expert_axes, 0, 0, tiled=True)
-    dest = sorted_e // e_local                                               # [A] expert shard
-    send_counts = group_sizes.reshape(ep, e_local)                           # rows per (shard, local expert)
+    dest = sorted_e // e_local  # [A] expert shard
+    send_counts = group_sizes.reshape(ep, e_local)  # rows per (shard, local expert)
     per_dest = jnp.sum(send_counts, axis=1)
     dest_start = jnp.cumsum(per_dest) - per_dest
     pos = jnp.arange(a) - dest_start[dest]
-    recv_counts = a2a(send_counts)                                           # [ep src, e_local]
+    recv_counts = a2a(send_counts)  # [ep src, e_local]
     # What fits: a prefix of the (source, local expert) order, `rows` in all.
     kept = jnp.diff(jnp.minimum(jnp.cumsum(recv_counts.reshape(-1)), rows), prepend=0)
     kept = kept.reshape(ep, e_local)
-    recv_sizes = jnp.sum(kept, axis=1)                                       # [ep src] rows kept per source
-    recv_start = jnp.cumsum(recv_sizes) - recv_sizes                         # where they start in the buffer
-    sent = a2a(recv_sizes.reshape(ep, 1)).reshape(ep)                        # [ep dest] my rows each one kept
+    recv_sizes = jnp.sum(kept, axis=1)  # [ep src] rows kept per source
+    recv_start = jnp.cumsum(recv_sizes) - recv_sizes  # where they start in the buffer
+    sent = a2a(recv_sizes.reshape(ep, 1)).reshape(ep)  # [ep dest] my rows each one kept
     # Buffer row r: source src[r], its row i[r]; rows past the kept total are padding.
     r = jnp.arange(rows)
     src = jnp.minimum(jnp.sum(r[:, None] >= (recv_start + recv_sizes)[None, :], axis=1), ep - 1)
     i = r - recv_start[src]
     valid = r < jnp.sum(recv_sizes)
     if exchange == "ragged":
-        out_offsets = a2a(recv_start.reshape(ep, 1)).reshape(ep)             # where my rows land on each
-        buf = jax.lax.ragged_all_to_all(xs, jnp.zeros((rows, d), xs.dtype), dest_start.astype(jnp.int32),
-                                        sent.astype(jnp.int32), out_offsets.astype(jnp.int32),
-                                        recv_sizes.astype(jnp.int32), axis_name=expert_axes)
+        out_offsets = a2a(recv_start.reshape(ep, 1)).reshape(ep)  # where my rows land on each
+        buf = jax.lax.ragged_all_to_all(
+            xs,
+            jnp.zeros((rows, d), xs.dtype),
+            dest_start.astype(jnp.int32),
+            sent.astype(jnp.int32),
+            out_offsets.astype(jnp.int32),
+            recv_sizes.astype(jnp.int32),
+            axis_name=expert_axes,
+        )
     else:
-        recv = a2a(jnp.zeros((ep, a, d), xs.dtype).at[dest, pos].set(xs))   # [ep src, A, d]
+        recv = a2a(jnp.zeros((ep, a, d), xs.dtype).at[dest, pos].set(xs))  # [ep src, A, d]
         buf = jnp.where(valid[:, None], recv[src, jnp.minimum(i, a - 1)], 0)
     # Local expert of every buffer row (e_local: padding), then one grouped matmul.
-    ends = jnp.cumsum(kept, axis=1)[src]                                     # [rows, e_local]
+    ends = jnp.cumsum(kept, axis=1)[src]  # [rows, e_local]
     local_e = jnp.where(valid, jnp.sum(i[:, None] >= ends, axis=1), e_local)
     order = jnp.argsort(local_e, stable=True)
     out = _ragged_swiglu(buf[order], w_gate, w_up, w_down, jnp.sum(kept, axis=0).astype(jnp.int32))
     if tensor_axes:
         out = jax.lax.psum(out, tensor_axes)
-    out = out[jnp.argsort(order)]                                            # [rows, d] buffer order
+    out = out[jnp.argsort(order)]  # [rows, d] buffer order
     dropped = jnp.sum(per_dest - sent)
     if exchange == "ragged":
         # Each source's rows go back to where it keeps them: its dest_start[this shard].
         back_offsets = a2a(dest_start.reshape(ep, 1)).reshape(ep)
-        return jax.lax.ragged_all_to_all(out, jnp.zeros((a, d), out.dtype), recv_start.astype(jnp.int32),
-                                         recv_sizes.astype(jnp.int32), back_offsets.astype(jnp.int32),
-                                         sent.astype(jnp.int32), axis_name=expert_axes), dropped
+        return jax.lax.ragged_all_to_all(
+            out,
+            jnp.zeros((a, d), out.dtype),
+            recv_start.astype(jnp.int32),
+            recv_sizes.astype(jnp.int32),
+            back_offsets.astype(jnp.int32),
+            sent.astype(jnp.int32),
+            axis_name=expert_axes,
+        ), dropped
     back = jnp.zeros((ep, a, d), out.dtype).at[src, jnp.where(valid, i, a)].set(out, mode="drop")
-    return a2a(back)[dest, pos], dropped                                     # unsent rows stay zero
+    return a2a(back)[dest, pos], dropped  # unsent rows stay zero
 
 
 def resolve_exchange(m: MoEConfig) -> str:
@@ -290,8 +342,19 @@ def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig):
     exchange = resolve_exchange(m)
     rules, mesh = sharding.current_rules(), jax.sharding.get_abstract_mesh()
     if rules is None or mesh.empty or mesh.size == 1:
-        return _local_moe(x, w_router, bias, w_gate, w_up, w_down, m=m, batch_axes=(),
-                          expert_axes=(), tensor_axes=(), exchange=exchange)
+        return _local_moe(
+            x,
+            w_router,
+            bias,
+            w_gate,
+            w_up,
+            w_down,
+            m=m,
+            batch_axes=(),
+            expert_axes=(),
+            tensor_axes=(),
+            exchange=exchange,
+        )
     x_spec = sharding.logical_to_spec(("batch", None, None), rules, mesh, x.shape)
     in_spec = sharding.logical_to_spec(("expert", None, "mlp"), rules, mesh, w_gate.shape)
     in_spec = P(*in_spec, *[None] * (3 - len(in_spec)))
@@ -299,18 +362,22 @@ def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig):
     batch_axes = sharding.axes_tuple(x_spec[0] if len(x_spec) else None)
     expert_axes, tensor_axes = sharding.axes_tuple(in_spec[0]), sharding.axes_tuple(in_spec[2])
     if not set(expert_axes) <= set(batch_axes):
-        raise ValueError(f"moe_layer: expert mesh axes {expert_axes} must also shard the batch "
-                         f"(batch axes here: {batch_axes}); check the sharding rules")
+        raise ValueError(
+            f"moe_layer: expert mesh axes {expert_axes} must also shard the batch "
+            f"(batch axes here: {batch_axes}); check the sharding rules"
+        )
     if set(tensor_axes) & set(batch_axes):
         raise ValueError(f"moe_layer: mlp mesh axes {tensor_axes} also shard the batch")
-    fn = lambda *a: _local_moe(*a, m=m, batch_axes=batch_axes, expert_axes=expert_axes,
-                               tensor_axes=tensor_axes, exchange=exchange)
+    fn = lambda *a: _local_moe(
+        *a, m=m, batch_axes=batch_axes, expert_axes=expert_axes, tensor_axes=tensor_axes, exchange=exchange
+    )
     bias_spec = () if bias is None else (P(),)
     args = (x, w_router) + (() if bias is None else (bias,)) + (w_gate, w_up, w_down)
     body = fn if bias is not None else (lambda x, r, g, u, dn: fn(x, r, None, g, u, dn))
     stats_spec = {k: P() for k in ("aux_loss", "z_loss", "dropped_fraction", "max_load", "expert_load")}
-    return jax.shard_map(body, in_specs=(x_spec, P(), *bias_spec, in_spec, in_spec, out_spec),
-                         out_specs=(x_spec, stats_spec))(*args)
+    return jax.shard_map(
+        body, in_specs=(x_spec, P(), *bias_spec, in_spec, in_spec, out_spec), out_specs=(x_spec, stats_spec)
+    )(*args)
 
 
 # --- helpers for the trainer --------------------------------------------------------
@@ -322,9 +389,11 @@ def update_router_bias(params: dict, expert_load: jax.Array, rate: float) -> dic
     """Aux-loss-free balancing (DeepSeek-V3): after each step, every `router_bias`
     [layers, E] moves by `rate` towards balance: + for under-loaded experts, - for
     over-loaded ones (sign of mean load - load). `expert_load` [layers, E]."""
+
     def update(path, v):
         if getattr(path[-1], "key", None) != "router_bias":
             return v
         step = rate * jnp.sign(jnp.mean(expert_load, axis=-1, keepdims=True) - expert_load)
         return v + step.astype(v.dtype)
+
     return jax.tree_util.tree_map_with_path(update, params)

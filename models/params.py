@@ -1,5 +1,6 @@
 """Bridges between an NNX model and plain pytrees: the trainer, Orbax and the
 sharding rules all work on nested dicts of arrays, not on Variables."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -15,8 +16,7 @@ def _is_var(x) -> bool:
 def logical_axes(state: nnx.State) -> dict:
     """Nested dict (same structure as `nnx.to_pure_dict(state)`) of each
     parameter's logical axis names, as declared by the model."""
-    axes = jax.tree.map(lambda v: tuple(v.get_metadata().get("out_sharding") or ()), state,
-                        is_leaf=_is_var)
+    axes = jax.tree.map(lambda v: tuple(v.get_metadata().get("out_sharding") or ()), state, is_leaf=_is_var)
     return nnx.to_pure_dict(axes) if isinstance(axes, nnx.State) else axes
 
 

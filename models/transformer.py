@@ -1,16 +1,17 @@
 """Decoder-only transformer with layers stacked on a leading `layers` axis and
 run with `jax.lax.scan` (one compiled layer body: compile time on CPU is paid
 in every test), each layer wrapped in `jax.checkpoint` per `cfg.remat`."""
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import ModelConfig
-from models.layers import Block, RMSNorm, param
-from models.moe import MoEBlock
-from sharding import constrain
+from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.layers import Block, RMSNorm, param
+from jaxtrain.models.moe import MoEBlock
+from jaxtrain.sharding import constrain
 
 # What the backward pass may keep from the forward pass, per `cfg.remat`.
 REMAT_POLICIES = {
@@ -23,8 +24,9 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         cfg.validate()
         self.cfg = cfg
-        self.embedding = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
-                               std=cfg.init_std, dtype=cfg.param_dtype)
+        self.embedding = param(
+            rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=cfg.init_std, dtype=cfg.param_dtype
+        )
 
         # MoE models: a scan over the dense prefix (`blocks`, first_dense_layers of them),
         # then one over `moe_blocks`, each a group of `moe.every` layers ending in an MoE
@@ -38,11 +40,22 @@ class Transformer(nnx.Module):
             self.moe_blocks = _stack(group, cfg.moe.num_moe_layers(cfg), cfg, rngs)
         self.final_norm = RMSNorm(cfg, rngs=rngs)
         if not cfg.tie_embeddings:
-            self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
-                                 std=cfg.init_std, dtype=cfg.param_dtype)
+            self.lm_head = param(
+                rngs,
+                (cfg.d_model, cfg.vocab_size),
+                ("embed", "vocab"),
+                std=cfg.init_std,
+                dtype=cfg.param_dtype,
+            )
 
-    def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, return_aux: bool = False):
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        return_aux: bool = False,
+    ):
         """tokens int [batch, seq] -> logits [batch, seq, vocab] (compute dtype).
 
         `positions` (RoPE) default to 0..seq-1; `segment_ids` (packed documents,
@@ -75,8 +88,9 @@ class Transformer(nnx.Module):
             if cfg.remat != "none":
                 # Inside a scan XLA cannot CSE the recompute away, and prevent_cse=True would
                 # only add barriers; unrolled, it is what keeps the remat a remat.
-                layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat],
-                                       prevent_cse=not cfg.scan_layers)
+                layer = jax.checkpoint(
+                    layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers
+                )
             return jax.lax.scan(layer, x, layer_state, unroll=1 if cfg.scan_layers else n)
 
         aux = {}
@@ -84,8 +98,11 @@ class Transformer(nnx.Module):
             x, _ = run(self.blocks, x)
         if cfg.moe is not None:
             x, stats = run(self.moe_blocks, x)
-            aux = {f"moe_{k}": (jnp.max(v) if k == "max_load" else jnp.mean(v, axis=0))
-                   for k, v in stats.items() if k != "expert_load"}
+            aux = {
+                f"moe_{k}": (jnp.max(v) if k == "max_load" else jnp.mean(v, axis=0))
+                for k, v in stats.items()
+                if k != "expert_load"
+            }
             aux["moe_expert_load"] = stats["expert_load"]
         x = self.final_norm(x)
         head = self.embedding[...].T if cfg.tie_embeddings else self.lm_head[...]
@@ -95,15 +112,18 @@ class Transformer(nnx.Module):
 
 def _stack(cls, n: int, cfg: ModelConfig, rngs: nnx.Rngs):
     """`n` layers of `cls` stacked on a leading `layers` axis (scanned in __call__)."""
+
     @nnx.split_rngs(splits=n)
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(rngs: nnx.Rngs):
         return cls(cfg, rngs=rngs)
+
     return make(rngs)
 
 
 class MoEGroup(nnx.Module):
     """`moe.every` layers: every - 1 dense blocks (`dense_0`, ...), then an MoE block (`moe`)."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.n_dense = cfg.moe.every - 1
         for i in range(self.n_dense):

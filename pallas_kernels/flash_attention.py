@@ -59,8 +59,12 @@ _TPU_BLOCK_UNIT = 128
 _TRITON_MIN_BLOCK = 16  # tl.dot needs every dim >= 16
 # VMEM per TensorCore by TPU device_kind (jax._src.tpu_info); unknown kinds get 64 MiB.
 _TPU_VMEM_BYTES = {
-    "TPU v4": 16 << 20, "TPU v5": 64 << 20, "TPU v5p": 64 << 20,
-    "TPU v5 lite": 128 << 20, "TPU v5e": 128 << 20, "TPU v6 lite": 128 << 20,
+    "TPU v4": 16 << 20,
+    "TPU v5": 64 << 20,
+    "TPU v5p": 64 << 20,
+    "TPU v5 lite": 128 << 20,
+    "TPU v5e": 128 << 20,
+    "TPU v6 lite": 128 << 20,
     "TPU v6e": 128 << 20,
 }
 _TPU_DEFAULT_VMEM_BYTES = 64 << 20
@@ -68,149 +72,159 @@ _TPU_DEFAULT_VMEM_BYTES = 64 << 20
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes along the sequence, per kernel.
+    """Tile sizes along the sequence, per kernel.
 
-  Each kernel has a grid over tiles of one sequence and a loop over blocks of
-  the other: forward and dQ tile the queries and loop over keys; dK/dV tiles
-  the keys and loops over queries. Backward sizes left as None take the
-  forward's (block_q for query sizes, block_kv for key sizes).
-  TPU: multiples of 128. Triton: powers of two >= 16. Blocks larger than the
-  (padded) sequence are reduced to fit; the sequence is padded to a multiple
-  of every block.
-  """
-  block_q: int
-  block_kv: int
-  block_q_dkv: int | None = None   # query loop step of the dK/dV kernel
-  block_kv_dkv: int | None = None  # key tile of the dK/dV kernel
-  block_q_dq: int | None = None    # query tile of the dQ kernel
-  block_kv_dq: int | None = None   # key loop step of the dQ kernel
+    Each kernel has a grid over tiles of one sequence and a loop over blocks of
+    the other: forward and dQ tile the queries and loop over keys; dK/dV tiles
+    the keys and loops over queries. Backward sizes left as None take the
+    forward's (block_q for query sizes, block_kv for key sizes).
+    TPU: multiples of 128. Triton: powers of two >= 16. Blocks larger than the
+    (padded) sequence are reduced to fit; the sequence is padded to a multiple
+    of every block.
+    """
 
-  def resolved(self) -> "BlockSizes":
-    q, kv = self.block_q, self.block_kv
-    pick = lambda x, d: d if x is None else x
-    return BlockSizes(q, kv, pick(self.block_q_dkv, q), pick(self.block_kv_dkv, kv),
-                      pick(self.block_q_dq, q), pick(self.block_kv_dq, kv))
+    block_q: int
+    block_kv: int
+    block_q_dkv: int | None = None  # query loop step of the dK/dV kernel
+    block_kv_dkv: int | None = None  # key tile of the dK/dV kernel
+    block_q_dq: int | None = None  # query tile of the dQ kernel
+    block_kv_dq: int | None = None  # key loop step of the dQ kernel
 
-  def as_tuple(self) -> tuple[int | None, ...]:
-    return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+    def resolved(self) -> BlockSizes:
+        q, kv = self.block_q, self.block_kv
+        pick = lambda x, d: d if x is None else x
+        return BlockSizes(
+            q,
+            kv,
+            pick(self.block_q_dkv, q),
+            pick(self.block_kv_dkv, kv),
+            pick(self.block_q_dq, q),
+            pick(self.block_kv_dq, kv),
+        )
 
-  def for_kernel(self, kind: str) -> tuple[int, int]:
-    """(query block, key block) of kernel 'fwd', 'dq' or 'dkv'."""
-    if kind == "fwd":
-      return self.block_q, self.block_kv
-    if kind == "dq":
-      return self.block_q_dq, self.block_kv_dq
-    return self.block_q_dkv, self.block_kv_dkv
+    def as_tuple(self) -> tuple[int | None, ...]:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    def for_kernel(self, kind: str) -> tuple[int, int]:
+        """(query block, key block) of kernel 'fwd', 'dq' or 'dkv'."""
+        if kind == "fwd":
+            return self.block_q, self.block_kv
+        if kind == "dq":
+            return self.block_q_dq, self.block_kv_dq
+        return self.block_q_dkv, self.block_kv_dkv
 
 
 def default_block_sizes(backend: str, head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
-  """Default tiles per backend (before clamping to the sequence length)."""
-  if backend == "tpu":
-    # Large tiles amortise the per-step overhead; VMEM use stays a few MiB.
-    return BlockSizes(512, 512, 512, 512, 512, 512)
-  if backend == "gpu":
-    # H100: 232448 B opt-in shared memory per block, and Triton keeps
-    # num_stages copies of the streamed K/V (or Q/dO) blocks. Shapes follow
-    # Triton's fused-attention tutorial (large tile, small loop step in the
-    # backward); all of these compile for sm_90a up to head_dim 256.
-    if jnp.dtype(dtype).itemsize > 2 or head_dim > 128:
-      # f32 tiles take twice the shared memory/registers; with the bf16 tiles
-      # the f32 backward took about 75 s to compile (deviceless, head_dim 128).
-      return BlockSizes(64, 32, 32, 64, 64, 32)
-    if head_dim <= 64:
-      return BlockSizes(128, 128, 64, 128, 128, 64)
-    return BlockSizes(128, 64, 32, 128, 128, 32)
-  # CPU interpret mode: small blocks so that tests exercise multi-block loops.
-  return BlockSizes(128, 128, 128, 128, 128, 128)
+    """Default tiles per backend (before clamping to the sequence length)."""
+    if backend == "tpu":
+        # Large tiles amortise the per-step overhead; VMEM use stays a few MiB.
+        return BlockSizes(512, 512, 512, 512, 512, 512)
+    if backend == "gpu":
+        # H100: 232448 B opt-in shared memory per block, and Triton keeps
+        # num_stages copies of the streamed K/V (or Q/dO) blocks. Shapes follow
+        # Triton's fused-attention tutorial (large tile, small loop step in the
+        # backward); all of these compile for sm_90a up to head_dim 256.
+        if jnp.dtype(dtype).itemsize > 2 or head_dim > 128:
+            # f32 tiles take twice the shared memory/registers; with the bf16 tiles
+            # the f32 backward took about 75 s to compile (deviceless, head_dim 128).
+            return BlockSizes(64, 32, 32, 64, 64, 32)
+        if head_dim <= 64:
+            return BlockSizes(128, 128, 64, 128, 128, 64)
+        return BlockSizes(128, 64, 32, 128, 128, 32)
+    # CPU interpret mode: small blocks so that tests exercise multi-block loops.
+    return BlockSizes(128, 128, 128, 128, 128, 128)
 
 
 # ----------------------------------------------------------------------------
 # Static configuration (hashable: it is a nondiff argument of the custom_vjp).
 # ----------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class _Config:
-  backend: str            # "tpu" | "gpu" | "cpu" (which defaults/params to use)
-  interpret: bool
-  causal: bool
-  window: int | None
-  scale: float
-  seq_len: int            # valid length (before padding)
-  seq_pad: int            # padded length, a multiple of every block size
-  head_dim: int           # head_dim seen by the kernel (padded to pow2 on GPU)
-  q_heads: int
-  kv_heads: int
-  blocks: BlockSizes
-  head_major: bool        # kernel arrays are [B, H, S, D] (else [B, S, H*D])
-  vmem_limit: int | None  # TPU only
-  # Attach a pl.CostEstimate (read from cost_estimates() when built, so that the
-  # jit cache of _flash_padded keys on it).
-  charge_cost: bool = dataclasses.field(default_factory=lambda: _CHARGE_COST)
+    backend: str  # "tpu" | "gpu" | "cpu" (which defaults/params to use)
+    interpret: bool
+    causal: bool
+    window: int | None
+    scale: float
+    seq_len: int  # valid length (before padding)
+    seq_pad: int  # padded length, a multiple of every block size
+    head_dim: int  # head_dim seen by the kernel (padded to pow2 on GPU)
+    q_heads: int
+    kv_heads: int
+    blocks: BlockSizes
+    head_major: bool  # kernel arrays are [B, H, S, D] (else [B, S, H*D])
+    vmem_limit: int | None  # TPU only
+    # Attach a pl.CostEstimate (read from cost_estimates() when built, so that the
+    # jit cache of _flash_padded keys on it).
+    charge_cost: bool = dataclasses.field(default_factory=lambda: _CHARGE_COST)
 
-  @property
-  def group(self) -> int:
-    return self.q_heads // self.kv_heads
+    @property
+    def group(self) -> int:
+        return self.q_heads // self.kv_heads
 
 
 # ----------------------------------------------------------------------------
 # Kernel helpers shared by every kernel and both backends.
 # ----------------------------------------------------------------------------
 
+
 def _dot_nt(a, b, precision):
-  """a @ b.T with f32 accumulation."""
-  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
-                         preferred_element_type=jnp.float32)
+    """a @ b.T with f32 accumulation."""
+    return lax.dot_general(
+        a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
 
 
 def _dot_nn(a, b, precision):
-  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
-                         preferred_element_type=jnp.float32)
+    return lax.dot_general(
+        a, b, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
 
 
 def _precision(dtype):
-  # f32 inputs: true f32 matmuls (Triton would otherwise use TF32; Mosaic bf16 passes).
-  return lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    # f32 inputs: true f32 matmuls (Triton would otherwise use TF32; Mosaic bf16 passes).
+    return lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
 def _position_mask(cfg: _Config, shape, q0, k0, q_axis: int):
-  """Causal / window / key-padding mask for a tile whose q positions run along ``q_axis``."""
-  qpos = q0 + lax.broadcasted_iota(jnp.int32, shape, q_axis)
-  kpos = k0 + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
-  mask = None
+    """Causal / window / key-padding mask for a tile whose q positions run along ``q_axis``."""
+    qpos = q0 + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    kpos = k0 + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
+    mask = None
 
-  def _and(m, new):
-    return new if m is None else jnp.logical_and(m, new)
+    def _and(m, new):
+        return new if m is None else jnp.logical_and(m, new)
 
-  if cfg.causal:
-    mask = _and(mask, kpos <= qpos)
-  if cfg.window is not None:
-    mask = _and(mask, kpos > qpos - cfg.window)
-    if not cfg.causal:
-      mask = _and(mask, kpos < qpos + cfg.window)
-  if cfg.seq_pad != cfg.seq_len:
-    mask = _and(mask, kpos < cfg.seq_len)
-  return mask
+    if cfg.causal:
+        mask = _and(mask, kpos <= qpos)
+    if cfg.window is not None:
+        mask = _and(mask, kpos > qpos - cfg.window)
+        if not cfg.causal:
+            mask = _and(mask, kpos < qpos + cfg.window)
+    if cfg.seq_pad != cfg.seq_len:
+        mask = _and(mask, kpos < cfg.seq_len)
+    return mask
 
 
-def _scores(cfg: _Config, a, b, precision, q0, k0, *, q_axis: int, masked: bool,
-            segment_mask):
-  """scale * a @ b.T with disallowed entries set to the mask value.
+def _scores(cfg: _Config, a, b, precision, q0, k0, *, q_axis: int, masked: bool, segment_mask):
+    """scale * a @ b.T with disallowed entries set to the mask value.
 
-  ``q_axis`` says which tile axis holds queries (0: [q, kv] tiles, 1: [kv, q]);
-  ``masked`` False skips the position mask for blocks known to be fully allowed.
-  """
-  s = _dot_nt(a, b, precision) * cfg.scale
-  mask = _position_mask(cfg, s.shape, q0, k0, q_axis) if masked else None
-  if segment_mask is not None:
-    mask = segment_mask if mask is None else jnp.logical_and(mask, segment_mask)
-  return s if mask is None else jnp.where(mask, s, _MASK_VALUE)
+    ``q_axis`` says which tile axis holds queries (0: [q, kv] tiles, 1: [kv, q]);
+    ``masked`` False skips the position mask for blocks known to be fully allowed.
+    """
+    s = _dot_nt(a, b, precision) * cfg.scale
+    mask = _position_mask(cfg, s.shape, q0, k0, q_axis) if masked else None
+    if segment_mask is not None:
+        mask = segment_mask if mask is None else jnp.logical_and(mask, segment_mask)
+    return s if mask is None else jnp.where(mask, s, _MASK_VALUE)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Ops:
-  div: Any
-  max: Any
-  min: Any
+    div: Any
+    max: Any
+    min: Any
 
 
 # Non-negative integer arithmetic on traced scalars (inside kernels) or on
@@ -220,288 +234,294 @@ _PY_OPS = _Ops(div=lambda a, b: a // b, max=max, min=min)
 
 
 def _ranges_for_q_tile(cfg: _Config, q0, bq: int, bk: int, ops: _Ops = _JNP_OPS):
-  """For the query tile [q0, q0+bq): kv block ranges (lo, full_lo, full_hi, hi).
+    """For the query tile [q0, q0+bq): kv block ranges (lo, full_lo, full_hi, hi).
 
-  Blocks in [lo, hi) hold at least one allowed (query, key) pair (segments
-  aside; blocks of only padded keys are excluded); blocks in [full_lo, full_hi)
-  need no position mask at all.
-  """
-  cdiv = lambda a, b: ops.div(a + (b - 1), b)
-  n_valid = -(-cfg.seq_len // bk)
-  w = cfg.window
-  # Last allowed key of the tile's last query, first allowed key of its first query.
-  if cfg.causal:
-    hi = ops.min(cdiv(q0 + bq, bk), n_valid)
-  elif w is not None:
-    hi = ops.min(cdiv(q0 + bq - 1 + w, bk), n_valid)
-  else:
-    hi = n_valid
-  lo = ops.div(ops.max(q0 - w + 1, 0), bk) if w is not None else 0 * q0
-  # Fully allowed blocks: every key <= every query (causal), inside the window
-  # for every query, and no padded key.
-  full_hi = cfg.seq_len // bk
-  if cfg.causal:
-    full_hi = ops.min(ops.div(q0 + 1, bk), full_hi)
-  elif w is not None:
-    full_hi = ops.min(ops.div(q0 + w, bk), full_hi)
-  full_lo = cdiv(ops.max(q0 + bq - w, 0), bk) if w is not None else 0 * q0
-  full_lo = ops.min(ops.max(full_lo, lo), hi)
-  full_hi = ops.min(ops.max(full_hi, full_lo), hi)
-  return lo, full_lo, full_hi, hi
+    Blocks in [lo, hi) hold at least one allowed (query, key) pair (segments
+    aside; blocks of only padded keys are excluded); blocks in [full_lo, full_hi)
+    need no position mask at all.
+    """
+    cdiv = lambda a, b: ops.div(a + (b - 1), b)
+    n_valid = -(-cfg.seq_len // bk)
+    w = cfg.window
+    # Last allowed key of the tile's last query, first allowed key of its first query.
+    if cfg.causal:
+        hi = ops.min(cdiv(q0 + bq, bk), n_valid)
+    elif w is not None:
+        hi = ops.min(cdiv(q0 + bq - 1 + w, bk), n_valid)
+    else:
+        hi = n_valid
+    lo = ops.div(ops.max(q0 - w + 1, 0), bk) if w is not None else 0 * q0
+    # Fully allowed blocks: every key <= every query (causal), inside the window
+    # for every query, and no padded key.
+    full_hi = cfg.seq_len // bk
+    if cfg.causal:
+        full_hi = ops.min(ops.div(q0 + 1, bk), full_hi)
+    elif w is not None:
+        full_hi = ops.min(ops.div(q0 + w, bk), full_hi)
+    full_lo = cdiv(ops.max(q0 + bq - w, 0), bk) if w is not None else 0 * q0
+    full_lo = ops.min(ops.max(full_lo, lo), hi)
+    full_hi = ops.min(ops.max(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
 
 
 def _ranges_for_kv_tile(cfg: _Config, k0, bk: int, bq: int, ops: _Ops = _JNP_OPS):
-  """For the key tile [k0, k0+bk): query block ranges (lo, full_lo, full_hi, hi)."""
-  cdiv = lambda a, b: ops.div(a + (b - 1), b)
-  n_valid = -(-cfg.seq_len // bq)
-  w = cfg.window
-  # First query that may see a key of this tile, last one.
-  if cfg.causal:
-    lo = ops.div(k0, bq)
-  elif w is not None:
-    lo = ops.div(ops.max(k0 - w + 1, 0), bq)
-  else:
-    lo = 0 * k0
-  if w is not None:
-    hi = ops.min(cdiv(k0 + bk - 1 + w, bq), n_valid)
-  else:
-    hi = n_valid + 0 * k0
-  # Fully allowed q blocks. Padded queries need no mask here: their dO is 0 and
-  # their LSE is +inf, so they contribute exactly 0 to dK and dV.
-  if cfg.causal:
-    full_lo = cdiv(k0 + bk - 1, bq)
-  elif w is not None:
-    full_lo = cdiv(ops.max(k0 + bk - w, 0), bq)
-  else:
-    full_lo = lo
-  full_hi = ops.div(k0 + w, bq) if w is not None else hi
-  full_lo = ops.min(ops.max(full_lo, lo), hi)
-  full_hi = ops.min(ops.max(full_hi, full_lo), hi)
-  return lo, full_lo, full_hi, hi
+    """For the key tile [k0, k0+bk): query block ranges (lo, full_lo, full_hi, hi)."""
+    cdiv = lambda a, b: ops.div(a + (b - 1), b)
+    n_valid = -(-cfg.seq_len // bq)
+    w = cfg.window
+    # First query that may see a key of this tile, last one.
+    if cfg.causal:
+        lo = ops.div(k0, bq)
+    elif w is not None:
+        lo = ops.div(ops.max(k0 - w + 1, 0), bq)
+    else:
+        lo = 0 * k0
+    if w is not None:
+        hi = ops.min(cdiv(k0 + bk - 1 + w, bq), n_valid)
+    else:
+        hi = n_valid + 0 * k0
+    # Fully allowed q blocks. Padded queries need no mask here: their dO is 0 and
+    # their LSE is +inf, so they contribute exactly 0 to dK and dV.
+    if cfg.causal:
+        full_lo = cdiv(k0 + bk - 1, bq)
+    elif w is not None:
+        full_lo = cdiv(ops.max(k0 + bk - w, 0), bq)
+    else:
+        full_lo = lo
+    full_hi = ops.div(k0 + w, bq) if w is not None else hi
+    full_lo = ops.min(ops.max(full_lo, lo), hi)
+    full_hi = ops.min(ops.max(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
 
 
 def _masked_loops(ranges, body):
-  """Runs body(j, carry, masked) over [lo, fl) masked, [fl, fh) unmasked, [fh, hi) masked."""
-  lo, fl, fh, hi = ranges
+    """Runs body(j, carry, masked) over [lo, fl) masked, [fl, fh) unmasked, [fh, hi) masked."""
+    lo, fl, fh, hi = ranges
 
-  def run(carry):
-    carry = lax.fori_loop(lo, fl, lambda j, c: body(j, c, True), carry)
-    carry = lax.fori_loop(fl, fh, lambda j, c: body(j, c, False), carry)
-    carry = lax.fori_loop(fh, hi, lambda j, c: body(j, c, True), carry)
-    return carry
-  return run
+    def run(carry):
+        carry = lax.fori_loop(lo, fl, lambda j, c: body(j, c, True), carry)
+        carry = lax.fori_loop(fl, fh, lambda j, c: body(j, c, False), carry)
+        carry = lax.fori_loop(fh, hi, lambda j, c: body(j, c, True), carry)
+        return carry
+
+    return run
 
 
 # ----------------------------------------------------------------------------
 # Kernels. Refs arrive squeezed to 2-D by the BlockSpecs.
 # ----------------------------------------------------------------------------
 
+
 def _fwd_kernel(q_ref, k_ref, v_ref, *rest, cfg: _Config, has_segments: bool):
-  if has_segments:
-    q_seg_ref, kv_seg_ref, o_ref, lse_ref = rest
-  else:
-    o_ref, lse_ref = rest
-  bq, bk = cfg.blocks.block_q, cfg.blocks.block_kv
-  q0 = pl.program_id(2) * bq
-  q = q_ref[...]
-  prec = _precision(q.dtype)
-  q_seg = jnp.transpose(q_seg_ref[...]) if has_segments else None  # [bq, 1]
+    if has_segments:
+        q_seg_ref, kv_seg_ref, o_ref, lse_ref = rest
+    else:
+        o_ref, lse_ref = rest
+    bq, bk = cfg.blocks.block_q, cfg.blocks.block_kv
+    q0 = pl.program_id(2) * bq
+    q = q_ref[...]
+    prec = _precision(q.dtype)
+    q_seg = jnp.transpose(q_seg_ref[...]) if has_segments else None  # [bq, 1]
 
-  def body(j, carry, masked):
-    m, l, acc = carry
-    k0 = pl.multiple_of(j * bk, bk)
-    k = k_ref[pl.ds(k0, bk), :]
-    v = v_ref[pl.ds(k0, bk), :]
-    seg = q_seg == kv_seg_ref[j] if has_segments else None  # [bq, 1] == [1, bk]
-    s = _scores(cfg, q, k, prec, q0, k0, q_axis=0, masked=masked, segment_mask=seg)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new)
-    l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-    acc = alpha * acc + _dot_nn(p.astype(v.dtype), v, prec)
-    return m_new, l, acc
+    def body(j, carry, masked):
+        m, l, acc = carry
+        k0 = pl.multiple_of(j * bk, bk)
+        k = k_ref[pl.ds(k0, bk), :]
+        v = v_ref[pl.ds(k0, bk), :]
+        seg = q_seg == kv_seg_ref[j] if has_segments else None  # [bq, 1] == [1, bk]
+        s = _scores(cfg, q, k, prec, q0, k0, q_axis=0, masked=masked, segment_mask=seg)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new)
+        l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+        acc = alpha * acc + _dot_nn(p.astype(v.dtype), v, prec)
+        return m_new, l, acc
 
-  carry = (jnp.full((bq, 1), _MASK_VALUE, jnp.float32),
-           jnp.zeros((bq, 1), jnp.float32),
-           jnp.zeros((bq, q.shape[-1]), jnp.float32))
-  ranges = _ranges_for_q_tile(cfg, q0, bq, bk)
-  m, l, acc = _masked_loops(ranges, body)(carry)
-  # l == 0 only for tiles of pure padding that visited no block.
-  l = jnp.where(l == 0.0, 1.0, l)
-  o_ref[...] = (acc / l).astype(o_ref.dtype)
-  lse_ref[...] = jnp.transpose(m + jnp.log(l))  # stored lane-dense as [1, bq]
-
-
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest,
-               cfg: _Config, has_segments: bool):
-  if has_segments:
-    q_seg_ref, kv_seg_ref, dq_ref = rest
-  else:
-    (dq_ref,) = rest
-  bq, bk = cfg.blocks.for_kernel("dq")
-  q0 = pl.program_id(2) * bq
-  q = q_ref[...]
-  do = do_ref[...]
-  lse = jnp.transpose(lse_ref[...])      # [1, bq] -> [bq, 1]
-  delta = jnp.transpose(delta_ref[...])  # [1, bq] -> [bq, 1]
-  prec = _precision(q.dtype)
-  q_seg = jnp.transpose(q_seg_ref[...]) if has_segments else None
-
-  def body(j, dq, masked):
-    k0 = pl.multiple_of(j * bk, bk)
-    k = k_ref[pl.ds(k0, bk), :]
-    v = v_ref[pl.ds(k0, bk), :]
-    seg = q_seg == kv_seg_ref[j] if has_segments else None
-    s = _scores(cfg, q, k, prec, q0, k0, q_axis=0, masked=masked, segment_mask=seg)
-    p = jnp.exp(s - lse)
-    dp = _dot_nt(do, v, prec)
-    ds = p * (dp - delta)
-    return dq + _dot_nn(ds.astype(k.dtype), k, prec)
-
-  dq = jnp.zeros((bq, q.shape[-1]), jnp.float32)
-  dq = _masked_loops(_ranges_for_q_tile(cfg, q0, bq, bk), body)(dq)
-  dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
+    carry = (
+        jnp.full((bq, 1), _MASK_VALUE, jnp.float32),
+        jnp.zeros((bq, 1), jnp.float32),
+        jnp.zeros((bq, q.shape[-1]), jnp.float32),
+    )
+    ranges = _ranges_for_q_tile(cfg, q0, bq, bk)
+    m, l, acc = _masked_loops(ranges, body)(carry)
+    # l == 0 only for tiles of pure padding that visited no block.
+    l = jnp.where(l == 0.0, 1.0, l)
+    o_ref[...] = (acc / l).astype(o_ref.dtype)
+    lse_ref[...] = jnp.transpose(m + jnp.log(l))  # stored lane-dense as [1, bq]
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest,
-                cfg: _Config, has_segments: bool):
-  """dK, dV for one kv tile of one *query* head, computed transposed ([kv, q] tiles)."""
-  if has_segments:
-    q_seg_ref, kv_seg_ref, dk_ref, dv_ref = rest
-  else:
-    dk_ref, dv_ref = rest
-  bq, bk = cfg.blocks.for_kernel("dkv")
-  k0 = pl.program_id(2) * bk
-  k = k_ref[...]
-  v = v_ref[...]
-  prec = _precision(k.dtype)
-  kv_seg = jnp.transpose(kv_seg_ref[...]) if has_segments else None  # [bk, 1]
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, cfg: _Config, has_segments: bool):
+    if has_segments:
+        q_seg_ref, kv_seg_ref, dq_ref = rest
+    else:
+        (dq_ref,) = rest
+    bq, bk = cfg.blocks.for_kernel("dq")
+    q0 = pl.program_id(2) * bq
+    q = q_ref[...]
+    do = do_ref[...]
+    lse = jnp.transpose(lse_ref[...])  # [1, bq] -> [bq, 1]
+    delta = jnp.transpose(delta_ref[...])  # [1, bq] -> [bq, 1]
+    prec = _precision(q.dtype)
+    q_seg = jnp.transpose(q_seg_ref[...]) if has_segments else None
 
-  def body(i, carry, masked):
-    dk, dv = carry
-    q0 = pl.multiple_of(i * bq, bq)
-    q = q_ref[pl.ds(q0, bq), :]
-    do = do_ref[pl.ds(q0, bq), :]
-    lse = lse_ref[i]      # [1, bq]
-    delta = delta_ref[i]  # [1, bq]
-    seg = kv_seg == q_seg_ref[i] if has_segments else None  # [bk, 1] == [1, bq]
-    s = _scores(cfg, k, q, prec, q0, k0, q_axis=1, masked=masked, segment_mask=seg)
-    p = jnp.exp(s - lse)
-    dv = dv + _dot_nn(p.astype(do.dtype), do, prec)
-    dp = _dot_nt(v, do, prec)
-    ds = p * (dp - delta)
-    dk = dk + _dot_nn(ds.astype(q.dtype), q, prec)
-    return dk, dv
+    def body(j, dq, masked):
+        k0 = pl.multiple_of(j * bk, bk)
+        k = k_ref[pl.ds(k0, bk), :]
+        v = v_ref[pl.ds(k0, bk), :]
+        seg = q_seg == kv_seg_ref[j] if has_segments else None
+        s = _scores(cfg, q, k, prec, q0, k0, q_axis=0, masked=masked, segment_mask=seg)
+        p = jnp.exp(s - lse)
+        dp = _dot_nt(do, v, prec)
+        ds = p * (dp - delta)
+        return dq + _dot_nn(ds.astype(k.dtype), k, prec)
 
-  zeros = jnp.zeros((bk, k.shape[-1]), jnp.float32)
-  dk, dv = _masked_loops(_ranges_for_kv_tile(cfg, k0, bk, bq), body)((zeros, zeros))
-  dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
-  dv_ref[...] = dv.astype(dv_ref.dtype)
+    dq = jnp.zeros((bq, q.shape[-1]), jnp.float32)
+    dq = _masked_loops(_ranges_for_q_tile(cfg, q0, bq, bk), body)(dq)
+    dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, cfg: _Config, has_segments: bool):
+    """dK, dV for one kv tile of one *query* head, computed transposed ([kv, q] tiles)."""
+    if has_segments:
+        q_seg_ref, kv_seg_ref, dk_ref, dv_ref = rest
+    else:
+        dk_ref, dv_ref = rest
+    bq, bk = cfg.blocks.for_kernel("dkv")
+    k0 = pl.program_id(2) * bk
+    k = k_ref[...]
+    v = v_ref[...]
+    prec = _precision(k.dtype)
+    kv_seg = jnp.transpose(kv_seg_ref[...]) if has_segments else None  # [bk, 1]
+
+    def body(i, carry, masked):
+        dk, dv = carry
+        q0 = pl.multiple_of(i * bq, bq)
+        q = q_ref[pl.ds(q0, bq), :]
+        do = do_ref[pl.ds(q0, bq), :]
+        lse = lse_ref[i]  # [1, bq]
+        delta = delta_ref[i]  # [1, bq]
+        seg = kv_seg == q_seg_ref[i] if has_segments else None  # [bk, 1] == [1, bq]
+        s = _scores(cfg, k, q, prec, q0, k0, q_axis=1, masked=masked, segment_mask=seg)
+        p = jnp.exp(s - lse)
+        dv = dv + _dot_nn(p.astype(do.dtype), do, prec)
+        dp = _dot_nt(v, do, prec)
+        ds = p * (dp - delta)
+        dk = dk + _dot_nn(ds.astype(q.dtype), q, prec)
+        return dk, dv
+
+    zeros = jnp.zeros((bk, k.shape[-1]), jnp.float32)
+    dk, dv = _masked_loops(_ranges_for_kv_tile(cfg, k0, bk, bq), body)((zeros, zeros))
+    dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 # ----------------------------------------------------------------------------
 # Per-backend plumbing: views, BlockSpecs, compiler params, cost estimates.
 # ----------------------------------------------------------------------------
 
+
 def _to_kernel_layout(x, cfg: _Config):
-  """[B, S, H, D] -> [B, H, S, D] (head-major) or [B, S, H*D] (free reshape)."""
-  b, s, h, d = x.shape
-  if cfg.head_major:
-    return jnp.swapaxes(x, 1, 2)
-  return x.reshape(b, s, h * d)
+    """[B, S, H, D] -> [B, H, S, D] (head-major) or [B, S, H*D] (free reshape)."""
+    b, s, h, d = x.shape
+    if cfg.head_major:
+        return jnp.swapaxes(x, 1, 2)
+    return x.reshape(b, s, h * d)
 
 
 def _from_kernel_layout(x, cfg: _Config, heads: int):
-  if cfg.head_major:
-    return jnp.swapaxes(x, 1, 2)
-  b, s, _ = x.shape
-  return x.reshape(b, s, heads, cfg.head_dim)
+    if cfg.head_major:
+        return jnp.swapaxes(x, 1, 2)
+    b, s, _ = x.shape
+    return x.reshape(b, s, heads, cfg.head_dim)
 
 
 def _whole_spec(cfg: _Config, head_fn):
-  """BlockSpec for the whole [seq, D] sequence of one head (read by the in-kernel loop)."""
-  return _tile_spec(cfg, cfg.seq_pad, head_fn, whole=True)
+    """BlockSpec for the whole [seq, D] sequence of one head (read by the in-kernel loop)."""
+    return _tile_spec(cfg, cfg.seq_pad, head_fn, whole=True)
 
 
 def _tile_spec(cfg: _Config, block: int, head_fn, *, whole: bool = False):
-  """BlockSpec for the grid step's [block, D] tile of one head (or, whole=True, all of it).
+    """BlockSpec for the grid step's [block, D] tile of one head (or, whole=True, all of it).
 
-  Grid is (batch, q_head, tile); ``head_fn`` maps the query head to the head of
-  this operand (identity, or // group for kv heads).
-  """
-  d = cfg.head_dim
-  seq_idx = (lambda i: 0) if whole else (lambda i: i)
-  if cfg.head_major:
-    spec = (None, None, block, d)
-    index_map = lambda b, h, i: (b, head_fn(h), seq_idx(i), 0)
-  else:
-    spec = (None, block, d)
-    index_map = lambda b, h, i: (b, seq_idx(i), head_fn(h))
-  if whole and cfg.backend == "tpu" and not cfg.interpret:
-    # Fetched once per head; a second buffer would only double VMEM use.
-    return pl.BlockSpec(spec, index_map, pipeline_mode=pl.Buffered(1))
-  return pl.BlockSpec(spec, index_map)
+    Grid is (batch, q_head, tile); ``head_fn`` maps the query head to the head of
+    this operand (identity, or // group for kv heads).
+    """
+    d = cfg.head_dim
+    seq_idx = (lambda i: 0) if whole else (lambda i: i)
+    if cfg.head_major:
+        spec = (None, None, block, d)
+        index_map = lambda b, h, i: (b, head_fn(h), seq_idx(i), 0)
+    else:
+        spec = (None, block, d)
+        index_map = lambda b, h, i: (b, seq_idx(i), head_fn(h))
+    if whole and cfg.backend == "tpu" and not cfg.interpret:
+        # Fetched once per head; a second buffer would only double VMEM use.
+        return pl.BlockSpec(spec, index_map, pipeline_mode=pl.Buffered(1))
+    return pl.BlockSpec(spec, index_map)
 
 
 # Per-position vectors (LSE, delta, segment ids) live in HBM as
 # [B, (H,) S/blk, 1, blk]: lane-dense on TPU (a [.., S, 1] array would be
 # padded 128x by the (8, 128) tiling), and a [1, blk] row per tile in-kernel.
 
+
 def _vectors(x, block: int):
-  """[B, (H,) S] -> [B, (H,) S/block, 1, block] (a free reshape)."""
-  *lead, s = x.shape
-  return x.reshape(*lead, s // block, 1, block)
+    """[B, (H,) S] -> [B, (H,) S/block, 1, block] (a free reshape)."""
+    *lead, s = x.shape
+    return x.reshape(*lead, s // block, 1, block)
 
 
 def _vector_tile_spec(block: int, *, per_head: bool):
-  """The [1, block] row of the grid's current tile."""
-  if per_head:
-    return pl.BlockSpec((None, None, None, 1, block), lambda b, h, i: (b, h, i, 0, 0))
-  return pl.BlockSpec((None, None, 1, block), lambda b, h, i: (b, i, 0, 0))
+    """The [1, block] row of the grid's current tile."""
+    if per_head:
+        return pl.BlockSpec((None, None, None, 1, block), lambda b, h, i: (b, h, i, 0, 0))
+    return pl.BlockSpec((None, None, 1, block), lambda b, h, i: (b, i, 0, 0))
 
 
 def _vector_rows_spec(cfg: _Config, block: int, *, per_head: bool):
-  """All [n, 1, block] rows of one (batch, head), for the in-kernel loop (``ref[j]``)."""
-  n = cfg.seq_pad // block
-  if per_head:
-    return pl.BlockSpec((None, None, n, 1, block), lambda b, h, i: (b, h, 0, 0, 0))
-  return pl.BlockSpec((None, n, 1, block), lambda b, h, i: (b, 0, 0, 0))
+    """All [n, 1, block] rows of one (batch, head), for the in-kernel loop (``ref[j]``)."""
+    n = cfg.seq_pad // block
+    if per_head:
+        return pl.BlockSpec((None, None, n, 1, block), lambda b, h, i: (b, h, 0, 0, 0))
+    return pl.BlockSpec((None, n, 1, block), lambda b, h, i: (b, 0, 0, 0))
 
 
 def _compiler_params(cfg: _Config, kind: str):
-  if cfg.interpret:
+    if cfg.interpret:
+        return None
+    if cfg.backend == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        return pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel"), vmem_limit_bytes=cfg.vmem_limit
+        )
+    if cfg.backend == "gpu":
+        from jax.experimental.pallas import triton as pltriton
+
+        bq, bk = cfg.blocks.for_kernel(kind)
+        if kind == "fwd":
+            num_warps = 4 if cfg.head_dim <= 64 else 8
+        else:
+            num_warps = 8 if bq * bk >= 128 * 64 else 4
+        # num_stages: copies of the streamed blocks kept in flight by Triton's
+        # software pipelining (shared memory grows linearly with it).
+        return pltriton.CompilerParams(num_warps=num_warps, num_stages=3)
     return None
-  if cfg.backend == "tpu":
-    from jax.experimental.pallas import tpu as pltpu
-    return pltpu.CompilerParams(
-        dimension_semantics=("parallel", "parallel", "parallel"),
-        vmem_limit_bytes=cfg.vmem_limit)
-  if cfg.backend == "gpu":
-    from jax.experimental.pallas import triton as pltriton
-    bq, bk = cfg.blocks.for_kernel(kind)
-    if kind == "fwd":
-      num_warps = 4 if cfg.head_dim <= 64 else 8
-    else:
-      num_warps = 8 if bq * bk >= 128 * 64 else 4
-    # num_stages: copies of the streamed blocks kept in flight by Triton's
-    # software pipelining (shared memory grows linearly with it).
-    return pltriton.CompilerParams(num_warps=num_warps, num_stages=3)
-  return None
 
 
 def _visited_blocks(cfg: _Config, kind: str) -> int:
-  """Number of (tile, tile) pairs a kernel visits for one (batch, head): for cost estimates."""
-  bq, bk = cfg.blocks.for_kernel(kind)
-  total = 0
-  if kind == "dkv":
-    for t in range(cfg.seq_pad // bk):
-      lo, _, _, hi = _ranges_for_kv_tile(cfg, t * bk, bk, bq, _PY_OPS)
-      total += max(hi - lo, 0)
-  else:
-    for t in range(cfg.seq_pad // bq):
-      lo, _, _, hi = _ranges_for_q_tile(cfg, t * bq, bq, bk, _PY_OPS)
-      total += max(hi - lo, 0)
-  return total * bq * bk
+    """Number of (tile, tile) pairs a kernel visits for one (batch, head): for cost estimates."""
+    bq, bk = cfg.blocks.for_kernel(kind)
+    total = 0
+    if kind == "dkv":
+        for t in range(cfg.seq_pad // bk):
+            lo, _, _, hi = _ranges_for_kv_tile(cfg, t * bk, bk, bq, _PY_OPS)
+            total += max(hi - lo, 0)
+    else:
+        for t in range(cfg.seq_pad // bq):
+            lo, _, _, hi = _ranges_for_q_tile(cfg, t * bq, bq, bk, _PY_OPS)
+            total += max(hi - lo, 0)
+    return total * bq * bk
 
 
 # Whether pallas_calls traced from here carry a cost estimate (see cost_estimates).
@@ -510,178 +530,208 @@ _CHARGE_COST = True
 
 @contextlib.contextmanager
 def cost_estimates(enabled: bool):
-  """Trace the kernels with (default) or without their ``pl.CostEstimate``.
+    """Trace the kernels with (default) or without their ``pl.CostEstimate``.
 
-  XLA's TPU cost model charges a Mosaic custom call only what its cost
-  estimate says; without one the kernel counts as free (0 FLOPs, ~0 s). Other
-  stacks' kernels (MaxText's splash attention) carry none, so their estimated
-  step times leave attention out. ``jaxtrain compile --kernels-uncharged``
-  traces under ``cost_estimates(False)`` to compare on those terms. Affects
-  tracing only: compiled programs and numerics are unchanged.
-  """
-  global _CHARGE_COST
-  before, _CHARGE_COST = _CHARGE_COST, bool(enabled)
-  try:
-    yield
-  finally:
-    _CHARGE_COST = before
+    XLA's TPU cost model charges a Mosaic custom call only what its cost
+    estimate says; without one the kernel counts as free (0 FLOPs, ~0 s). Other
+    stacks' kernels (MaxText's splash attention) carry none, so their estimated
+    step times leave attention out. ``jaxtrain compile --kernels-uncharged``
+    traces under ``cost_estimates(False)`` to compare on those terms. Affects
+    tracing only: compiled programs and numerics are unchanged.
+    """
+    global _CHARGE_COST
+    before, _CHARGE_COST = _CHARGE_COST, bool(enabled)
+    try:
+        yield
+    finally:
+        _CHARGE_COST = before
 
 
 def _cost(cfg: _Config, kind: str, batch: int, operands, outputs) -> pl.CostEstimate | None:
-  if not cfg.charge_cost:
-    return None
-  pairs = _visited_blocks(cfg, kind) * batch * cfg.q_heads
-  matmuls = {"fwd": 2, "dq": 3, "dkv": 4}[kind]
-  nbytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-               for x in (*operands, *outputs) if x is not None)
-  return pl.CostEstimate(flops=int(2 * matmuls * pairs * cfg.head_dim),
-                         transcendentals=int(pairs), bytes_accessed=int(nbytes))
+    if not cfg.charge_cost:
+        return None
+    pairs = _visited_blocks(cfg, kind) * batch * cfg.q_heads
+    matmuls = {"fwd": 2, "dq": 3, "dkv": 4}[kind]
+    nbytes = sum(
+        math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in (*operands, *outputs) if x is not None
+    )
+    return pl.CostEstimate(
+        flops=int(2 * matmuls * pairs * cfg.head_dim), transcendentals=int(pairs), bytes_accessed=int(nbytes)
+    )
 
 
 # ----------------------------------------------------------------------------
 # pallas_call wrappers on kernel-layout arrays.
 # ----------------------------------------------------------------------------
 
+
 def _segment_inputs(cfg: _Config, segment_ids, bq: int, bk: int, *, q_tiled: bool):
-  """Specs and operands for (q-side, kv-side) segment ids: the tiled side as the
-  grid step's row, the looped side as all rows."""
-  if segment_ids is None:
-    return [], []
-  if q_tiled:
-    specs = [_vector_tile_spec(bq, per_head=False), _vector_rows_spec(cfg, bk, per_head=False)]
-  else:
-    specs = [_vector_rows_spec(cfg, bq, per_head=False), _vector_tile_spec(bk, per_head=False)]
-  return specs, [_vectors(segment_ids, bq), _vectors(segment_ids, bk)]
+    """Specs and operands for (q-side, kv-side) segment ids: the tiled side as the
+    grid step's row, the looped side as all rows."""
+    if segment_ids is None:
+        return [], []
+    if q_tiled:
+        specs = [_vector_tile_spec(bq, per_head=False), _vector_rows_spec(cfg, bk, per_head=False)]
+    else:
+        specs = [_vector_rows_spec(cfg, bq, per_head=False), _vector_tile_spec(bk, per_head=False)]
+    return specs, [_vectors(segment_ids, bq), _vectors(segment_ids, bk)]
 
 
-def _call(cfg: _Config, kind: str, kernel, *, tiles: int, in_specs, operands, out_specs,
-          out_shape, has_segments: bool):
-  """pallas_call over the grid (batch, q_head, tile) with per-backend params and costs."""
-  batch = operands[0].shape[0]
-  return pl.pallas_call(
-      functools.partial(kernel, cfg=cfg, has_segments=has_segments),
-      out_shape=out_shape,
-      grid=(batch, cfg.q_heads, tiles),
-      in_specs=in_specs,
-      out_specs=out_specs,
-      compiler_params=_compiler_params(cfg, kind),
-      cost_estimate=_cost(cfg, kind, batch, operands, jax.tree.leaves(out_shape)),
-      interpret=cfg.interpret,
-      name=f"flash_attention_{kind}",
-  )(*operands)
+def _call(
+    cfg: _Config,
+    kind: str,
+    kernel,
+    *,
+    tiles: int,
+    in_specs,
+    operands,
+    out_specs,
+    out_shape,
+    has_segments: bool,
+):
+    """pallas_call over the grid (batch, q_head, tile) with per-backend params and costs."""
+    batch = operands[0].shape[0]
+    return pl.pallas_call(
+        functools.partial(kernel, cfg=cfg, has_segments=has_segments),
+        out_shape=out_shape,
+        grid=(batch, cfg.q_heads, tiles),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        compiler_params=_compiler_params(cfg, kind),
+        cost_estimate=_cost(cfg, kind, batch, operands, jax.tree.leaves(out_shape)),
+        interpret=cfg.interpret,
+        name=f"flash_attention_{kind}",
+    )(*operands)
 
 
 def _fwd_call(q, k, v, segment_ids, cfg: _Config):
-  bq, bk = cfg.blocks.for_kernel("fwd")
-  g = cfg.group
-  seg_specs, seg_operands = _segment_inputs(cfg, segment_ids, bq, bk, q_tiled=True)
-  in_specs = [
-      _tile_spec(cfg, bq, lambda h: h),
-      _whole_spec(cfg, lambda h: h // g),
-      _whole_spec(cfg, lambda h: h // g),
-      *seg_specs,
-  ]
-  lse_shape = (q.shape[0], cfg.q_heads, cfg.seq_pad // bq, 1, bq)
-  return _call(cfg, "fwd", _fwd_kernel, tiles=cfg.seq_pad // bq, in_specs=in_specs,
-               operands=[q, k, v, *seg_operands],
-               out_specs=[_tile_spec(cfg, bq, lambda h: h),
-                          _vector_tile_spec(bq, per_head=True)],
-               out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                          jax.ShapeDtypeStruct(lse_shape, jnp.float32)],
-               has_segments=segment_ids is not None)
+    bq, bk = cfg.blocks.for_kernel("fwd")
+    g = cfg.group
+    seg_specs, seg_operands = _segment_inputs(cfg, segment_ids, bq, bk, q_tiled=True)
+    in_specs = [
+        _tile_spec(cfg, bq, lambda h: h),
+        _whole_spec(cfg, lambda h: h // g),
+        _whole_spec(cfg, lambda h: h // g),
+        *seg_specs,
+    ]
+    lse_shape = (q.shape[0], cfg.q_heads, cfg.seq_pad // bq, 1, bq)
+    return _call(
+        cfg,
+        "fwd",
+        _fwd_kernel,
+        tiles=cfg.seq_pad // bq,
+        in_specs=in_specs,
+        operands=[q, k, v, *seg_operands],
+        out_specs=[_tile_spec(cfg, bq, lambda h: h), _vector_tile_spec(bq, per_head=True)],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)],
+        has_segments=segment_ids is not None,
+    )
 
 
 def _dq_call(q, k, v, do, lse, delta, segment_ids, cfg: _Config):
-  bq, bk = cfg.blocks.for_kernel("dq")
-  g = cfg.group
-  seg_specs, seg_operands = _segment_inputs(cfg, segment_ids, bq, bk, q_tiled=True)
-  in_specs = [
-      _tile_spec(cfg, bq, lambda h: h),
-      _whole_spec(cfg, lambda h: h // g),
-      _whole_spec(cfg, lambda h: h // g),
-      _tile_spec(cfg, bq, lambda h: h),
-      _vector_tile_spec(bq, per_head=True),
-      _vector_tile_spec(bq, per_head=True),
-      *seg_specs,
-  ]
-  return _call(cfg, "dq", _dq_kernel, tiles=cfg.seq_pad // bq, in_specs=in_specs,
-               operands=[q, k, v, do, _vectors(lse, bq), _vectors(delta, bq), *seg_operands],
-               out_specs=_tile_spec(cfg, bq, lambda h: h),
-               out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-               has_segments=segment_ids is not None)
+    bq, bk = cfg.blocks.for_kernel("dq")
+    g = cfg.group
+    seg_specs, seg_operands = _segment_inputs(cfg, segment_ids, bq, bk, q_tiled=True)
+    in_specs = [
+        _tile_spec(cfg, bq, lambda h: h),
+        _whole_spec(cfg, lambda h: h // g),
+        _whole_spec(cfg, lambda h: h // g),
+        _tile_spec(cfg, bq, lambda h: h),
+        _vector_tile_spec(bq, per_head=True),
+        _vector_tile_spec(bq, per_head=True),
+        *seg_specs,
+    ]
+    return _call(
+        cfg,
+        "dq",
+        _dq_kernel,
+        tiles=cfg.seq_pad // bq,
+        in_specs=in_specs,
+        operands=[q, k, v, do, _vectors(lse, bq), _vectors(delta, bq), *seg_operands],
+        out_specs=_tile_spec(cfg, bq, lambda h: h),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        has_segments=segment_ids is not None,
+    )
 
 
 def _dkv_call(q, k, v, do, lse, delta, segment_ids, cfg: _Config):
-  """dK, dV per query head ([B, S, Hq*D] or [B, Hq, S, D]); the caller sums GQA groups."""
-  batch = q.shape[0]
-  bq, bk = cfg.blocks.for_kernel("dkv")
-  g = cfg.group
-  seg_specs, seg_operands = _segment_inputs(cfg, segment_ids, bq, bk, q_tiled=False)
-  in_specs = [
-      _whole_spec(cfg, lambda h: h),
-      _tile_spec(cfg, bk, lambda h: h // g),
-      _tile_spec(cfg, bk, lambda h: h // g),
-      _whole_spec(cfg, lambda h: h),
-      _vector_rows_spec(cfg, bq, per_head=True),
-      _vector_rows_spec(cfg, bq, per_head=True),
-      *seg_specs,
-  ]
-  # GQA: each query head writes its own partial dK/dV (f32 so the group sum
-  # loses nothing); MHA writes the final dtype directly.
-  out_dtype = jnp.float32 if g > 1 else k.dtype
-  if cfg.head_major:
-    shape = (batch, cfg.q_heads, cfg.seq_pad, cfg.head_dim)
-  else:
-    shape = (batch, cfg.seq_pad, cfg.q_heads * cfg.head_dim)
-  out_spec = _tile_spec(cfg, bk, lambda h: h)
-  return _call(cfg, "dkv", _dkv_kernel, tiles=cfg.seq_pad // bk, in_specs=in_specs,
-               operands=[q, k, v, do, _vectors(lse, bq), _vectors(delta, bq), *seg_operands],
-               out_specs=[out_spec, out_spec],
-               out_shape=[jax.ShapeDtypeStruct(shape, out_dtype)] * 2,
-               has_segments=segment_ids is not None)
+    """dK, dV per query head ([B, S, Hq*D] or [B, Hq, S, D]); the caller sums GQA groups."""
+    batch = q.shape[0]
+    bq, bk = cfg.blocks.for_kernel("dkv")
+    g = cfg.group
+    seg_specs, seg_operands = _segment_inputs(cfg, segment_ids, bq, bk, q_tiled=False)
+    in_specs = [
+        _whole_spec(cfg, lambda h: h),
+        _tile_spec(cfg, bk, lambda h: h // g),
+        _tile_spec(cfg, bk, lambda h: h // g),
+        _whole_spec(cfg, lambda h: h),
+        _vector_rows_spec(cfg, bq, per_head=True),
+        _vector_rows_spec(cfg, bq, per_head=True),
+        *seg_specs,
+    ]
+    # GQA: each query head writes its own partial dK/dV (f32 so the group sum
+    # loses nothing); MHA writes the final dtype directly.
+    out_dtype = jnp.float32 if g > 1 else k.dtype
+    if cfg.head_major:
+        shape = (batch, cfg.q_heads, cfg.seq_pad, cfg.head_dim)
+    else:
+        shape = (batch, cfg.seq_pad, cfg.q_heads * cfg.head_dim)
+    out_spec = _tile_spec(cfg, bk, lambda h: h)
+    return _call(
+        cfg,
+        "dkv",
+        _dkv_kernel,
+        tiles=cfg.seq_pad // bk,
+        in_specs=in_specs,
+        operands=[q, k, v, do, _vectors(lse, bq), _vectors(delta, bq), *seg_operands],
+        out_specs=[out_spec, out_spec],
+        out_shape=[jax.ShapeDtypeStruct(shape, out_dtype)] * 2,
+        has_segments=segment_ids is not None,
+    )
 
 
 # ----------------------------------------------------------------------------
 # custom_vjp on [B, S, H, D] arrays (already padded).
 # ----------------------------------------------------------------------------
 
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, segment_ids, cfg: _Config):
-  return _flash_fwd(q, k, v, segment_ids, cfg)[0]
+    return _flash_fwd(q, k, v, segment_ids, cfg)[0]
 
 
 def _flash_fwd(q, k, v, segment_ids, cfg: _Config):
-  qk, kk, vk = (_to_kernel_layout(x, cfg) for x in (q, k, v))
-  ok, lse = _fwd_call(qk, kk, vk, segment_ids, cfg)
-  # Residuals stay in kernel layout: the backward needs no second relayout.
-  return _from_kernel_layout(ok, cfg, q.shape[2]), (qk, kk, vk, segment_ids, ok, lse)
+    qk, kk, vk = (_to_kernel_layout(x, cfg) for x in (q, k, v))
+    ok, lse = _fwd_call(qk, kk, vk, segment_ids, cfg)
+    # Residuals stay in kernel layout: the backward needs no second relayout.
+    return _from_kernel_layout(ok, cfg, q.shape[2]), (qk, kk, vk, segment_ids, ok, lse)
 
 
 def _flash_bwd(cfg: _Config, residuals, do):
-  qk, kk, vk, segment_ids, ok, lse = residuals
-  batch, q_heads, kv_heads = qk.shape[0], cfg.q_heads, cfg.kv_heads
-  seq_pad = cfg.seq_pad
-  dok = _to_kernel_layout(do, cfg)
-  # delta_i = sum_d dO_id O_id  (= rowsum(P * dP)); O(S) work in XLA.
-  prod = ok.astype(jnp.float32) * dok.astype(jnp.float32)
-  if cfg.head_major:
-    delta = prod.sum(axis=-1)
-  else:
-    delta = prod.reshape(batch, seq_pad, q_heads, -1).sum(axis=-1).transpose(0, 2, 1)
-  lse = lse.reshape(batch, q_heads, seq_pad)
-  if cfg.seq_pad != cfg.seq_len:
-    # Padded queries: exp(s - inf) = 0 makes their probabilities exactly 0.
-    lse = jnp.where(jnp.arange(seq_pad) < cfg.seq_len, lse, jnp.inf)
-  dq = _dq_call(qk, kk, vk, dok, lse, delta, segment_ids, cfg)
-  dk, dv = _dkv_call(qk, kk, vk, dok, lse, delta, segment_ids, cfg)
-  dq = _from_kernel_layout(dq, cfg, q_heads)
-  dk = _from_kernel_layout(dk, cfg, q_heads)
-  dv = _from_kernel_layout(dv, cfg, q_heads)
-  if cfg.group > 1:
-    g = cfg.group
-    dk = dk.reshape(batch, seq_pad, kv_heads, g, -1).sum(axis=3).astype(kk.dtype)
-    dv = dv.reshape(batch, seq_pad, kv_heads, g, -1).sum(axis=3).astype(vk.dtype)
-  return dq, dk, dv, None
+    qk, kk, vk, segment_ids, ok, lse = residuals
+    batch, q_heads, kv_heads = qk.shape[0], cfg.q_heads, cfg.kv_heads
+    seq_pad = cfg.seq_pad
+    dok = _to_kernel_layout(do, cfg)
+    # delta_i = sum_d dO_id O_id  (= rowsum(P * dP)); O(S) work in XLA.
+    prod = ok.astype(jnp.float32) * dok.astype(jnp.float32)
+    if cfg.head_major:
+        delta = prod.sum(axis=-1)
+    else:
+        delta = prod.reshape(batch, seq_pad, q_heads, -1).sum(axis=-1).transpose(0, 2, 1)
+    lse = lse.reshape(batch, q_heads, seq_pad)
+    if cfg.seq_pad != cfg.seq_len:
+        # Padded queries: exp(s - inf) = 0 makes their probabilities exactly 0.
+        lse = jnp.where(jnp.arange(seq_pad) < cfg.seq_len, lse, jnp.inf)
+    dq = _dq_call(qk, kk, vk, dok, lse, delta, segment_ids, cfg)
+    dk, dv = _dkv_call(qk, kk, vk, dok, lse, delta, segment_ids, cfg)
+    dq = _from_kernel_layout(dq, cfg, q_heads)
+    dk = _from_kernel_layout(dk, cfg, q_heads)
+    dv = _from_kernel_layout(dv, cfg, q_heads)
+    if cfg.group > 1:
+        g = cfg.group
+        dk = dk.reshape(batch, seq_pad, kv_heads, g, -1).sum(axis=3).astype(kk.dtype)
+        dv = dv.reshape(batch, seq_pad, kv_heads, g, -1).sum(axis=3).astype(vk.dtype)
+    return dq, dk, dv, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -691,229 +741,251 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # Public entry point: validation, backend choice, padding.
 # ----------------------------------------------------------------------------
 
+
 def _platform_of(x) -> str | None:
-  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-    try:
-      return next(iter(x.devices())).platform
-    except Exception:
-      return None
-  return None
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        try:
+            return next(iter(x.devices())).platform
+        except Exception:
+            return None
+    return None
 
 
 def _abstract_device():
-  try:
-    mesh = jax.sharding.get_abstract_mesh()
-  except Exception:
-    return None
-  if mesh is None or getattr(mesh, "empty", True):
-    return None
-  return getattr(mesh, "abstract_device", None)
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+    except Exception:
+        return None
+    if mesh is None or getattr(mesh, "empty", True):
+        return None
+    return getattr(mesh, "abstract_device", None)
 
 
 def resolve_backend(x=None) -> str:
-  """'tpu', 'gpu' or 'cpu' for an array: its devices, else the mesh in context, else jax's default."""
-  platform = _platform_of(x) if x is not None else None
-  if platform is None:
-    dev = _abstract_device()
-    platform = getattr(dev, "platform", None)
-  if platform is None:
-    platform = jax.default_backend()
-  platform = platform.lower()
-  if platform == "tpu":
-    return "tpu"
-  if platform in ("gpu", "cuda", "rocm"):
-    return "gpu"
-  return "cpu"
+    """'tpu', 'gpu' or 'cpu' for an array: its devices, else the mesh in context, else jax's default."""
+    platform = _platform_of(x) if x is not None else None
+    if platform is None:
+        dev = _abstract_device()
+        platform = getattr(dev, "platform", None)
+    if platform is None:
+        platform = jax.default_backend()
+    platform = platform.lower()
+    if platform == "tpu":
+        return "tpu"
+    if platform in ("gpu", "cuda", "rocm"):
+        return "gpu"
+    return "cpu"
 
 
 def _device_kind() -> str | None:
-  dev = _abstract_device()
-  if dev is not None:
-    return dev.device_kind
-  try:
-    d = jax.devices()[0]
-    return d.device_kind if d.platform == "tpu" else None
-  except Exception:
-    return None
+    dev = _abstract_device()
+    if dev is not None:
+        return dev.device_kind
+    try:
+        d = jax.devices()[0]
+        return d.device_kind if d.platform == "tpu" else None
+    except Exception:
+        return None
 
 
 def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
+    return -(-x // m) * m
 
 
 def _is_pow2(x: int) -> bool:
-  return x > 0 and (x & (x - 1)) == 0
+    return x > 0 and (x & (x - 1)) == 0
 
 
-def _resolve_blocks(block_sizes, backend: str, seq_len: int, head_dim: int,
-                    dtype) -> BlockSizes:
-  if block_sizes is None:
-    block_sizes = default_block_sizes(backend, head_dim, dtype)
-  elif not isinstance(block_sizes, BlockSizes):
-    raise ValueError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes).__name__}")
-  block_sizes = block_sizes.resolved()
-  names = [f.name for f in dataclasses.fields(BlockSizes)]
-  for name, b in zip(names, block_sizes.as_tuple()):
-    if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b <= 0:
-      raise ValueError(f"block_sizes.{name} must be a positive int, got {b!r}")
-    if backend == "tpu" and b % _TPU_BLOCK_UNIT:
-      raise ValueError(f"block_sizes.{name}={b}: TPU blocks must be multiples of "
-                       f"{_TPU_BLOCK_UNIT}")
-    if backend == "gpu" and (not _is_pow2(b) or b < _TRITON_MIN_BLOCK):
-      raise ValueError(f"block_sizes.{name}={b}: Triton blocks must be powers of two "
-                       f">= {_TRITON_MIN_BLOCK}")
-  # Clamp to the sequence so short sequences are not padded up to a big tile.
-  if backend == "tpu":
-    cap = _round_up(seq_len, _TPU_BLOCK_UNIT)
-  elif backend == "gpu":
-    cap = max(pl.next_power_of_2(seq_len), _TRITON_MIN_BLOCK)
-  else:
-    cap = _round_up(seq_len, 8)
-  return BlockSizes(*(min(int(b), cap) for b in block_sizes.as_tuple()))
+def _resolve_blocks(block_sizes, backend: str, seq_len: int, head_dim: int, dtype) -> BlockSizes:
+    if block_sizes is None:
+        block_sizes = default_block_sizes(backend, head_dim, dtype)
+    elif not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes).__name__}")
+    block_sizes = block_sizes.resolved()
+    names = [f.name for f in dataclasses.fields(BlockSizes)]
+    for name, b in zip(names, block_sizes.as_tuple()):
+        if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b <= 0:
+            raise ValueError(f"block_sizes.{name} must be a positive int, got {b!r}")
+        if backend == "tpu" and b % _TPU_BLOCK_UNIT:
+            raise ValueError(f"block_sizes.{name}={b}: TPU blocks must be multiples of {_TPU_BLOCK_UNIT}")
+        if backend == "gpu" and (not _is_pow2(b) or b < _TRITON_MIN_BLOCK):
+            raise ValueError(
+                f"block_sizes.{name}={b}: Triton blocks must be powers of two >= {_TRITON_MIN_BLOCK}"
+            )
+    # Clamp to the sequence so short sequences are not padded up to a big tile.
+    if backend == "tpu":
+        cap = _round_up(seq_len, _TPU_BLOCK_UNIT)
+    elif backend == "gpu":
+        cap = max(pl.next_power_of_2(seq_len), _TRITON_MIN_BLOCK)
+    else:
+        cap = _round_up(seq_len, 8)
+    return BlockSizes(*(min(int(b), cap) for b in block_sizes.as_tuple()))
 
 
 def _tpu_vmem_need(cfg: _Config, itemsize: int) -> int:
-  """Rough VMEM bytes of the largest kernel: whole-sequence operands + tiles + f32 temporaries."""
-  d = max(cfg.head_dim, 128)  # lanes pad to 128
-  whole = 2 * cfg.seq_pad * d * itemsize  # K+V (fwd, dq) or Q+dO (dkv), single-buffered
-  rows = 3 * 8 * cfg.seq_pad * 4          # LSE/delta/segment rows pad to 8 sublanes
-  pairs = [cfg.blocks.for_kernel(kind) for kind in ("fwd", "dq", "dkv")]
-  tile = max(max(p) for p in pairs)
-  tiles = 2 * 4 * tile * d * 4            # double-buffered in/out tiles (<= f32)
-  temps = 6 * max(bq * bk for bq, bk in pairs) * 4
-  return whole + rows + tiles + temps
+    """Rough VMEM bytes of the largest kernel: whole-sequence operands + tiles + f32 temporaries."""
+    d = max(cfg.head_dim, 128)  # lanes pad to 128
+    whole = 2 * cfg.seq_pad * d * itemsize  # K+V (fwd, dq) or Q+dO (dkv), single-buffered
+    rows = 3 * 8 * cfg.seq_pad * 4  # LSE/delta/segment rows pad to 8 sublanes
+    pairs = [cfg.blocks.for_kernel(kind) for kind in ("fwd", "dq", "dkv")]
+    tile = max(max(p) for p in pairs)
+    tiles = 2 * 4 * tile * d * 4  # double-buffered in/out tiles (<= f32)
+    temps = 6 * max(bq * bk for bq, bk in pairs) * 4
+    return whole + rows + tiles + temps
 
 
 def _check_tpu_vmem(cfg: _Config, dtype) -> int:
-  """VMEM limit for the TPU kernels; ValueError when one head's sequence cannot fit."""
-  need = _tpu_vmem_need(cfg, jnp.dtype(dtype).itemsize)
-  capacity = _TPU_VMEM_BYTES.get(_device_kind() or "", _TPU_DEFAULT_VMEM_BYTES)
-  if need > capacity * 0.85:
-    raise ValueError(
-        f"seq={cfg.seq_len}, head_dim={cfg.head_dim}, {jnp.dtype(dtype).name}: the kernels "
-        f"keep one head's whole K/V (and Q/dO) sequence in TPU VMEM, about {need >> 20} MiB "
-        f"here, more than fits ({capacity >> 20} MiB); shard the sequence (context "
-        f"parallelism) or use shorter sequences per device")
-  return int(min(capacity * 0.9, max(need * 1.25, 32 << 20)))
+    """VMEM limit for the TPU kernels; ValueError when one head's sequence cannot fit."""
+    need = _tpu_vmem_need(cfg, jnp.dtype(dtype).itemsize)
+    capacity = _TPU_VMEM_BYTES.get(_device_kind() or "", _TPU_DEFAULT_VMEM_BYTES)
+    if need > capacity * 0.85:
+        raise ValueError(
+            f"seq={cfg.seq_len}, head_dim={cfg.head_dim}, {jnp.dtype(dtype).name}: the kernels "
+            f"keep one head's whole K/V (and Q/dO) sequence in TPU VMEM, about {need >> 20} MiB "
+            f"here, more than fits ({capacity >> 20} MiB); shard the sequence (context "
+            f"parallelism) or use shorter sequences per device"
+        )
+    return int(min(capacity * 0.9, max(need * 1.25, 32 << 20)))
 
 
 def _check_array(name: str, x, rank: int = 4):
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise ValueError(f"{name} must be an array, got {type(x).__name__}")
-  if len(x.shape) != rank:
-    raise ValueError(f"{name} must have rank {rank} ([batch, seq, heads, head_dim]), "
-                     f"got shape {tuple(x.shape)}")
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    if len(x.shape) != rank:
+        raise ValueError(
+            f"{name} must have rank {rank} ([batch, seq, heads, head_dim]), got shape {tuple(x.shape)}"
+        )
 
 
-def flash_attention(q, k, v, *, causal: bool = False, segment_ids=None,
-                    sliding_window: int | None = None,
-                    softmax_scale: float | None = None,
-                    block_sizes: BlockSizes | None = None,
-                    backend: str | None = None,
-                    interpret: bool | None = None):
-  """Memory-efficient exact attention as Pallas kernels (forward and backward).
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    segment_ids=None,
+    sliding_window: int | None = None,
+    softmax_scale: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+):
+    """Memory-efficient exact attention as Pallas kernels (forward and backward).
 
-  Args:
-    q: [batch, seq, q_heads, head_dim], float32 / bfloat16 / float16.
-    k, v: [batch, seq, kv_heads, head_dim], same dtype; q_heads % kv_heads == 0
-      (GQA / MQA: query head h reads kv head h // (q_heads // kv_heads)).
-    causal: query i attends to keys j <= i.
-    segment_ids: optional [batch, seq] integers; attention stays within a segment.
-    sliding_window: optional int w >= 1; causal: i - w < j <= i, non-causal: |i - j| < w.
-    softmax_scale: defaults to 1 / sqrt(head_dim).
-    block_sizes: optional BlockSizes (TPU: multiples of 128; Triton: powers of two).
-    backend: 'tpu' (Mosaic), 'gpu' (Triton) or 'cpu'; None picks from the
-      arrays' devices, the mesh in context, or jax's default backend.
-    interpret: run the kernels in the Pallas interpreter. Defaults to True on
-      'cpu' (the only way to run there), False elsewhere.
+    Args:
+      q: [batch, seq, q_heads, head_dim], float32 / bfloat16 / float16.
+      k, v: [batch, seq, kv_heads, head_dim], same dtype; q_heads % kv_heads == 0
+        (GQA / MQA: query head h reads kv head h // (q_heads // kv_heads)).
+      causal: query i attends to keys j <= i.
+      segment_ids: optional [batch, seq] integers; attention stays within a segment.
+      sliding_window: optional int w >= 1; causal: i - w < j <= i, non-causal: |i - j| < w.
+      softmax_scale: defaults to 1 / sqrt(head_dim).
+      block_sizes: optional BlockSizes (TPU: multiples of 128; Triton: powers of two).
+      backend: 'tpu' (Mosaic), 'gpu' (Triton) or 'cpu'; None picks from the
+        arrays' devices, the mesh in context, or jax's default backend.
+      interpret: run the kernels in the Pallas interpreter. Defaults to True on
+        'cpu' (the only way to run there), False elsewhere.
 
-  Returns:
-    [batch, seq, q_heads, head_dim] in q's dtype. Differentiable in q, k, v.
-  """
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    _check_array(name, x)
-  batch, seq_len, q_heads, head_dim = q.shape
-  if k.shape[0] != batch or v.shape[0] != batch:
-    raise ValueError(f"batch mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
-  if k.shape[1] != seq_len or v.shape[1] != seq_len:
-    raise ValueError(f"seq mismatch: k and v must have q's sequence length {seq_len}, "
-                     f"got k {k.shape}, v {v.shape}")
-  if k.shape[3] != head_dim or v.shape[3] != head_dim:
-    raise ValueError(f"head_dim mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
-  if v.shape[2] != k.shape[2]:
-    raise ValueError(f"v must have k's number of heads: k {k.shape}, v {v.shape}")
-  kv_heads = k.shape[2]
-  if kv_heads == 0 or q_heads % kv_heads:
-    raise ValueError(f"q heads ({q_heads}) must be a multiple of k/v heads ({kv_heads})")
-  if seq_len == 0 or batch == 0 or head_dim == 0:
-    raise ValueError(f"q has an empty dimension: {q.shape}")
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
-      raise ValueError(f"{name} dtype must be float32, bfloat16 or float16, got {x.dtype}")
-  if k.dtype != q.dtype or v.dtype != q.dtype:
-    raise ValueError(f"q, k, v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-  if segment_ids is not None:
-    if not hasattr(segment_ids, "shape") or tuple(segment_ids.shape) != (batch, seq_len):
-      raise ValueError(f"segment_ids must have shape (batch, seq) = {(batch, seq_len)}, "
-                       f"got {getattr(segment_ids, 'shape', type(segment_ids).__name__)}")
-    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-      raise ValueError(f"segment_ids must be integers, got {segment_ids.dtype}")
-  if sliding_window is not None:
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, (int, np.integer)):
-      raise ValueError(f"sliding_window must be an int or None, got {sliding_window!r}")
-    if sliding_window < 1:
-      raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-    sliding_window = int(sliding_window)
-  if softmax_scale is None:
-    softmax_scale = 1.0 / math.sqrt(head_dim)
-  try:
-    softmax_scale = float(softmax_scale)
-  except (TypeError, jax.errors.ConcretizationTypeError) as e:
-    raise ValueError(f"softmax_scale must be a static Python float, got {softmax_scale!r}") from e
-  if not math.isfinite(softmax_scale):
-    raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-  if backend is None:
-    backend = resolve_backend(q)
-  elif backend not in _BACKENDS:
-    raise ValueError(f"backend must be one of {_BACKENDS} or None, got {backend!r}")
-  if interpret is None:
-    interpret = backend == "cpu"
-  if backend == "cpu" and not interpret:
-    raise ValueError("backend='cpu' only runs in interpret mode (interpret=True or None)")
+    Returns:
+      [batch, seq, q_heads, head_dim] in q's dtype. Differentiable in q, k, v.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_array(name, x)
+    batch, seq_len, q_heads, head_dim = q.shape
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(f"batch mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
+    if k.shape[1] != seq_len or v.shape[1] != seq_len:
+        raise ValueError(
+            f"seq mismatch: k and v must have q's sequence length {seq_len}, got k {k.shape}, v {v.shape}"
+        )
+    if k.shape[3] != head_dim or v.shape[3] != head_dim:
+        raise ValueError(f"head_dim mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"v must have k's number of heads: k {k.shape}, v {v.shape}")
+    kv_heads = k.shape[2]
+    if kv_heads == 0 or q_heads % kv_heads:
+        raise ValueError(f"q heads ({q_heads}) must be a multiple of k/v heads ({kv_heads})")
+    if seq_len == 0 or batch == 0 or head_dim == 0:
+        raise ValueError(f"q has an empty dimension: {q.shape}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
+            raise ValueError(f"{name} dtype must be float32, bfloat16 or float16, got {x.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if segment_ids is not None:
+        if not hasattr(segment_ids, "shape") or tuple(segment_ids.shape) != (batch, seq_len):
+            raise ValueError(
+                f"segment_ids must have shape (batch, seq) = {(batch, seq_len)}, "
+                f"got {getattr(segment_ids, 'shape', type(segment_ids).__name__)}"
+            )
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"segment_ids must be integers, got {segment_ids.dtype}")
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, (int, np.integer)):
+            raise ValueError(f"sliding_window must be an int or None, got {sliding_window!r}")
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        sliding_window = int(sliding_window)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    try:
+        softmax_scale = float(softmax_scale)
+    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+        raise ValueError(f"softmax_scale must be a static Python float, got {softmax_scale!r}") from e
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if backend is None:
+        backend = resolve_backend(q)
+    elif backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS} or None, got {backend!r}")
+    if interpret is None:
+        interpret = backend == "cpu"
+    if backend == "cpu" and not interpret:
+        raise ValueError("backend='cpu' only runs in interpret mode (interpret=True or None)")
 
-  # Triton blocks must be powers of two in every dim: pad head_dim with zeros
-  # (zero q/k columns add nothing to scores; zero v columns are sliced off).
-  kernel_head_dim = head_dim
-  if backend == "gpu" and not _is_pow2(head_dim):
-    kernel_head_dim = max(pl.next_power_of_2(head_dim), _TRITON_MIN_BLOCK)
-  blocks = _resolve_blocks(block_sizes, backend, seq_len, kernel_head_dim, q.dtype)
-  seq_pad = _round_up(seq_len, math.lcm(*blocks.as_tuple()))
-  # TPU tiles the two minor dims of [B, S, H, D] together, so a per-head tile
-  # is not contiguous there: use [B, H, S, D] (XLA can fuse the transpose
-  # into the producer). On GPU the [B, S, H*D] view is a free reshape.
-  head_major = backend == "tpu"
-  cfg = _Config(backend=backend, interpret=bool(interpret), causal=bool(causal),
-                window=sliding_window, scale=softmax_scale, seq_len=seq_len,
-                seq_pad=seq_pad, head_dim=kernel_head_dim, q_heads=q_heads,
-                kv_heads=kv_heads, blocks=blocks, head_major=head_major,
-                vmem_limit=None)
-  if backend == "tpu":
-    cfg = dataclasses.replace(cfg, vmem_limit=_check_tpu_vmem(cfg, q.dtype))
-  return _flash_padded(q, k, v, segment_ids, cfg=cfg, head_dim=head_dim)
+    # Triton blocks must be powers of two in every dim: pad head_dim with zeros
+    # (zero q/k columns add nothing to scores; zero v columns are sliced off).
+    kernel_head_dim = head_dim
+    if backend == "gpu" and not _is_pow2(head_dim):
+        kernel_head_dim = max(pl.next_power_of_2(head_dim), _TRITON_MIN_BLOCK)
+    blocks = _resolve_blocks(block_sizes, backend, seq_len, kernel_head_dim, q.dtype)
+    seq_pad = _round_up(seq_len, math.lcm(*blocks.as_tuple()))
+    # TPU tiles the two minor dims of [B, S, H, D] together, so a per-head tile
+    # is not contiguous there: use [B, H, S, D] (XLA can fuse the transpose
+    # into the producer). On GPU the [B, S, H*D] view is a free reshape.
+    head_major = backend == "tpu"
+    cfg = _Config(
+        backend=backend,
+        interpret=bool(interpret),
+        causal=bool(causal),
+        window=sliding_window,
+        scale=softmax_scale,
+        seq_len=seq_len,
+        seq_pad=seq_pad,
+        head_dim=kernel_head_dim,
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        blocks=blocks,
+        head_major=head_major,
+        vmem_limit=None,
+    )
+    if backend == "tpu":
+        cfg = dataclasses.replace(cfg, vmem_limit=_check_tpu_vmem(cfg, q.dtype))
+    return _flash_padded(q, k, v, segment_ids, cfg=cfg, head_dim=head_dim)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "head_dim"))
 def _flash_padded(q, k, v, segment_ids, *, cfg: _Config, head_dim: int):
-  pad_s = cfg.seq_pad - cfg.seq_len
-  pad_d = cfg.head_dim - head_dim
-  if pad_s or pad_d:
-    widths = ((0, 0), (0, pad_s), (0, 0), (0, pad_d))
-    q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
-  if segment_ids is not None:
-    segment_ids = segment_ids.astype(jnp.int32)
-    if pad_s:
-      segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad_s)))
-  out = _flash(q, k, v, segment_ids, cfg)
-  if pad_s or pad_d:
-    out = out[:, :cfg.seq_len, :, :head_dim]
-  return out
+    pad_s = cfg.seq_pad - cfg.seq_len
+    pad_d = cfg.head_dim - head_dim
+    if pad_s or pad_d:
+        widths = ((0, 0), (0, pad_s), (0, 0), (0, pad_d))
+        q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
+    if segment_ids is not None:
+        segment_ids = segment_ids.astype(jnp.int32)
+        if pad_s:
+            segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad_s)))
+    out = _flash(q, k, v, segment_ids, cfg)
+    if pad_s or pad_d:
+        out = out[:, : cfg.seq_len, :, :head_dim]
+    return out

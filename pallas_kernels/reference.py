@@ -29,50 +29,57 @@ import jax.numpy as jnp
 __all__ = ["attention", "attention_mask"]
 
 
-def attention_mask(seq_len: int, *, causal: bool = False, segment_ids=None,
-                   sliding_window: int | None = None):
-  """Boolean mask ``[batch or 1, 1, seq, seq]`` (True = may attend), or None if nothing is masked."""
-  i = jnp.arange(seq_len)[:, None]
-  j = jnp.arange(seq_len)[None, :]
-  mask = None
+def attention_mask(
+    seq_len: int, *, causal: bool = False, segment_ids=None, sliding_window: int | None = None
+):
+    """Boolean mask ``[batch or 1, 1, seq, seq]`` (True = may attend), or None if nothing is masked."""
+    i = jnp.arange(seq_len)[:, None]
+    j = jnp.arange(seq_len)[None, :]
+    mask = None
 
-  def _and(m, new):
-    return new if m is None else jnp.logical_and(m, new)
+    def _and(m, new):
+        return new if m is None else jnp.logical_and(m, new)
 
-  if causal:
-    mask = _and(mask, j <= i)
-  if sliding_window is not None:
-    mask = _and(mask, j > i - sliding_window)
-    if not causal:
-      mask = _and(mask, j < i + sliding_window)
-  if mask is not None:
-    mask = mask[None, None]
-  if segment_ids is not None:
-    seg = jnp.asarray(segment_ids)
-    mask = _and(mask, (seg[:, :, None] == seg[:, None, :])[:, None])
-  return mask
+    if causal:
+        mask = _and(mask, j <= i)
+    if sliding_window is not None:
+        mask = _and(mask, j > i - sliding_window)
+        if not causal:
+            mask = _and(mask, j < i + sliding_window)
+    if mask is not None:
+        mask = mask[None, None]
+    if segment_ids is not None:
+        seg = jnp.asarray(segment_ids)
+        mask = _and(mask, (seg[:, :, None] == seg[:, None, :])[:, None])
+    return mask
 
 
-def attention(q, k, v, *, causal: bool = False, segment_ids=None,
-              sliding_window: int | None = None,
-              softmax_scale: float | None = None):
-  """Reference attention; same arguments and semantics as ``flash_attention``."""
-  batch, seq, q_heads, head_dim = q.shape
-  kv_heads = k.shape[2]
-  if q_heads % kv_heads:
-    raise ValueError(f"q heads ({q_heads}) must be a multiple of kv heads ({kv_heads})")
-  if softmax_scale is None:
-    softmax_scale = 1.0 / math.sqrt(head_dim)
-  group = q_heads // kv_heads
-  kf = jnp.repeat(k.astype(jnp.float32), group, axis=2)
-  vf = jnp.repeat(v.astype(jnp.float32), group, axis=2)
-  hi = jax.lax.Precision.HIGHEST
-  scores = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf, precision=hi)
-  scores = scores * softmax_scale
-  mask = attention_mask(seq, causal=causal, segment_ids=segment_ids,
-                        sliding_window=sliding_window)
-  if mask is not None:
-    scores = jnp.where(mask, scores, -jnp.inf)
-  weights = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bhqk,bkhd->bqhd", weights, vf, precision=hi)
-  return out.astype(q.dtype)
+def attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    segment_ids=None,
+    sliding_window: int | None = None,
+    softmax_scale: float | None = None,
+):
+    """Reference attention; same arguments and semantics as ``flash_attention``."""
+    batch, seq, q_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    if q_heads % kv_heads:
+        raise ValueError(f"q heads ({q_heads}) must be a multiple of kv heads ({kv_heads})")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    group = q_heads // kv_heads
+    kf = jnp.repeat(k.astype(jnp.float32), group, axis=2)
+    vf = jnp.repeat(v.astype(jnp.float32), group, axis=2)
+    hi = jax.lax.Precision.HIGHEST
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf, precision=hi)
+    scores = scores * softmax_scale
+    mask = attention_mask(seq, causal=causal, segment_ids=segment_ids, sliding_window=sliding_window)
+    if mask is not None:
+        scores = jnp.where(mask, scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights, vf, precision=hi)
+    return out.astype(q.dtype)

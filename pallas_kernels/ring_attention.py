@@ -33,6 +33,7 @@ Per-block compute: the Pallas flash kernel on GPU/TPU (its forward and backward
 kernels with separate q and kv segment ids), an XLA block on CPU. Both return
 the block's output and log-sum-exp.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,8 +47,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 # The module, not the function of the same name that the package exports.
-fa = importlib.import_module("pallas_kernels.flash_attention")
-from pallas_kernels.sharded import _axes_tuple, _has_explicit_axes, _mesh_platform
+fa = importlib.import_module("jaxtrain.pallas_kernels.flash_attention")
+from jaxtrain.pallas_kernels.sharded import _axes_tuple, _has_explicit_axes, _mesh_platform  # noqa: E402
 
 __all__ = ["ring_attention", "chunked_attention"]
 
@@ -57,6 +58,7 @@ _NEG_INF = -jnp.inf
 # ----------------------------------------------------------------------------
 # Chunk-pair schedule: which (q chunk, kv chunk) pairs shard i computes at step s.
 # ----------------------------------------------------------------------------
+
 
 def _pairs(causal: bool, balanced: bool, relation: str):
     """Local (q_chunk, kv_chunk, diagonal) pairs. relation: 'self' (step 0),
@@ -69,8 +71,8 @@ def _pairs(causal: bool, balanced: bool, relation: str):
     # Shard i holds chunks (i, 2n-1-i); kv shard j holds (j, 2n-1-j).
     return {
         "self": [(0, 0, True), (1, 0, False), (1, 1, True)],
-        "before": [(0, 0, False), (1, 0, False)],   # j < i: both q chunks see kv chunk j
-        "after": [(1, 0, False), (1, 1, False)],    # j > i: only q chunk 2n-1-i sees kv
+        "before": [(0, 0, False), (1, 0, False)],  # j < i: both q chunks see kv chunk j
+        "after": [(1, 0, False), (1, 1, False)],  # j > i: only q chunk 2n-1-i sees kv
     }[relation]
 
 
@@ -78,25 +80,30 @@ def _pairs(causal: bool, balanced: bool, relation: str):
 # Block compute: (q, k, v) chunk pair -> (out, lse) and its backward.
 # ----------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class _BlockSpec:
-    backend: str          # cpu -> XLA block; tpu/gpu -> flash kernels
+    backend: str  # cpu -> XLA block; tpu/gpu -> flash kernels
     scale: float
-    chunk: int            # chunk length (q and kv)
+    chunk: int  # chunk length (q and kv)
     q_heads: int
     kv_heads: int
     head_dim: int
     block_sizes: fa.BlockSizes | None
     interpret: bool
-    use_flash: bool       # False: XLA block (CPU default)
+    use_flash: bool  # False: XLA block (CPU default)
 
 
 def _xla_scores(spec, q, k, q_seg, k_seg, diagonal):
     b, c, h, d = q.shape
     g = spec.q_heads // spec.kv_heads
     qg = q.reshape(b, c, spec.kv_heads, g, d)
-    s = jnp.einsum("bqkgd,btkd->bkgqt", qg, k, preferred_element_type=jnp.float32,
-                   precision=fa._precision(q.dtype)) * spec.scale
+    s = (
+        jnp.einsum(
+            "bqkgd,btkd->bkgqt", qg, k, preferred_element_type=jnp.float32, precision=fa._precision(q.dtype)
+        )
+        * spec.scale
+    )
     mask = None
     if diagonal:
         mask = (jnp.arange(c)[:, None] >= jnp.arange(k.shape[1])[None, :])[None, None, None]
@@ -107,14 +114,15 @@ def _xla_scores(spec, q, k, q_seg, k_seg, diagonal):
 
 
 def _xla_fwd(spec, q, k, v, q_seg, k_seg, diagonal):
-    s = _xla_scores(spec, q, k, q_seg, k_seg, diagonal)          # [b, kv, g, q, t]
+    s = _xla_scores(spec, q, k, q_seg, k_seg, diagonal)  # [b, kv, g, q, t]
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bkgqt,btkd->bqkgd", p, v.astype(jnp.float32),
-                   precision=fa._precision(q.dtype)) / jnp.moveaxis(
-                       jnp.where(l > 0, l, 1.0), -2, 1)[..., 0][..., None]
+    o = (
+        jnp.einsum("bkgqt,btkd->bqkgd", p, v.astype(jnp.float32), precision=fa._precision(q.dtype))
+        / jnp.moveaxis(jnp.where(l > 0, l, 1.0), -2, 1)[..., 0][..., None]
+    )
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), _NEG_INF)[..., 0]
     b, c = q.shape[:2]
     return o.reshape(q.shape), lse.reshape(b, spec.q_heads, c)
@@ -126,14 +134,15 @@ def _xla_bwd(spec, q, k, v, q_seg, k_seg, diagonal, lse, do, delta):
     prec = fa._precision(q.dtype)
     s = _xla_scores(spec, q, k, q_seg, k_seg, diagonal)
     lse_g = lse.reshape(b, spec.kv_heads, g, c)[..., None]
-    p = jnp.exp(s - lse_g)                                          # [b, kv, g, q, t]
+    p = jnp.exp(s - lse_g)  # [b, kv, g, q, t]
     dog = do.astype(jnp.float32).reshape(b, c, spec.kv_heads, g, d)
     dv = jnp.einsum("bkgqt,bqkgd->btkd", p, dog, precision=prec)
     dp = jnp.einsum("bqkgd,btkd->bkgqt", dog, v.astype(jnp.float32), precision=prec)
     ds = p * (dp - delta.reshape(b, spec.kv_heads, g, c)[..., None]) * spec.scale
     dq = jnp.einsum("bkgqt,btkd->bqkgd", ds, k.astype(jnp.float32), precision=prec)
-    dk = jnp.einsum("bkgqt,bqkgd->btkd", ds, q.astype(jnp.float32).reshape(b, c, spec.kv_heads, g, d),
-                    precision=prec)
+    dk = jnp.einsum(
+        "bkgqt,bqkgd->btkd", ds, q.astype(jnp.float32).reshape(b, c, spec.kv_heads, g, d), precision=prec
+    )
     return dq.reshape(q.shape), dk, dv
 
 
@@ -141,12 +150,25 @@ def _flash_cfg(spec: _BlockSpec, diagonal: bool, dtype) -> fa._Config:
     blocks = fa._resolve_blocks(spec.block_sizes, spec.backend, spec.chunk, spec.head_dim, dtype)
     for b in blocks.as_tuple():
         if spec.chunk % b:
-            raise ValueError(f"ring attention chunk length {spec.chunk} (seq / (context shards"
-                             f" * chunks per shard)) must be a multiple of the flash block {b}")
-    cfg = fa._Config(backend=spec.backend, interpret=spec.interpret, causal=diagonal,
-                     window=None, scale=spec.scale, seq_len=spec.chunk, seq_pad=spec.chunk,
-                     head_dim=spec.head_dim, q_heads=spec.q_heads, kv_heads=spec.kv_heads,
-                     blocks=blocks, head_major=spec.backend == "tpu", vmem_limit=None)
+            raise ValueError(
+                f"ring attention chunk length {spec.chunk} (seq / (context shards"
+                f" * chunks per shard)) must be a multiple of the flash block {b}"
+            )
+    cfg = fa._Config(
+        backend=spec.backend,
+        interpret=spec.interpret,
+        causal=diagonal,
+        window=None,
+        scale=spec.scale,
+        seq_len=spec.chunk,
+        seq_pad=spec.chunk,
+        head_dim=spec.head_dim,
+        q_heads=spec.q_heads,
+        kv_heads=spec.kv_heads,
+        blocks=blocks,
+        head_major=spec.backend == "tpu",
+        vmem_limit=None,
+    )
     if spec.backend == "tpu":
         cfg = dataclasses.replace(cfg, vmem_limit=fa._check_tpu_vmem(cfg, dtype))
     return cfg
@@ -166,16 +188,24 @@ def _flash_fwd(spec, q, k, v, q_seg, k_seg, diagonal):
     g = cfg.group
     qk, kk, vk = (fa._to_kernel_layout(x, cfg) for x in (q, k, v))
     seg_specs, seg_ops = _seg_operands(cfg, q_seg, k_seg, bq, bk, True)
-    in_specs = [fa._tile_spec(cfg, bq, lambda h: h), fa._whole_spec(cfg, lambda h: h // g),
-                fa._whole_spec(cfg, lambda h: h // g), *seg_specs]
+    in_specs = [
+        fa._tile_spec(cfg, bq, lambda h: h),
+        fa._whole_spec(cfg, lambda h: h // g),
+        fa._whole_spec(cfg, lambda h: h // g),
+        *seg_specs,
+    ]
     lse_shape = (q.shape[0], cfg.q_heads, cfg.seq_pad // bq, 1, bq)
-    ok, lse = fa._call(cfg, "fwd", fa._fwd_kernel, tiles=cfg.seq_pad // bq, in_specs=in_specs,
-                       operands=[qk, kk, vk, *seg_ops],
-                       out_specs=[fa._tile_spec(cfg, bq, lambda h: h),
-                                  fa._vector_tile_spec(bq, per_head=True)],
-                       out_shape=[jax.ShapeDtypeStruct(qk.shape, qk.dtype),
-                                  jax.ShapeDtypeStruct(lse_shape, jnp.float32)],
-                       has_segments=q_seg is not None)
+    ok, lse = fa._call(
+        cfg,
+        "fwd",
+        fa._fwd_kernel,
+        tiles=cfg.seq_pad // bq,
+        in_specs=in_specs,
+        operands=[qk, kk, vk, *seg_ops],
+        out_specs=[fa._tile_spec(cfg, bq, lambda h: h), fa._vector_tile_spec(bq, per_head=True)],
+        out_shape=[jax.ShapeDtypeStruct(qk.shape, qk.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)],
+        has_segments=q_seg is not None,
+    )
     o = fa._from_kernel_layout(ok, cfg, cfg.q_heads)
     return o, lse.reshape(q.shape[0], cfg.q_heads, cfg.seq_pad)
 
@@ -188,14 +218,25 @@ def _flash_bwd(spec, q, k, v, q_seg, k_seg, diagonal, lse, do, delta):
     has_seg = q_seg is not None
     bq, bk = cfg.blocks.for_kernel("dq")
     seg_specs, seg_ops = _seg_operands(cfg, q_seg, k_seg, bq, bk, True)
-    dq = fa._call(cfg, "dq", fa._dq_kernel, tiles=cfg.seq_pad // bq,
-                  in_specs=[fa._tile_spec(cfg, bq, lambda h: h), fa._whole_spec(cfg, lambda h: h // g),
-                            fa._whole_spec(cfg, lambda h: h // g), fa._tile_spec(cfg, bq, lambda h: h),
-                            fa._vector_tile_spec(bq, per_head=True),
-                            fa._vector_tile_spec(bq, per_head=True), *seg_specs],
-                  operands=[qk, kk, vk, dok, fa._vectors(lse, bq), fa._vectors(delta, bq), *seg_ops],
-                  out_specs=fa._tile_spec(cfg, bq, lambda h: h),
-                  out_shape=jax.ShapeDtypeStruct(qk.shape, jnp.float32), has_segments=has_seg)
+    dq = fa._call(
+        cfg,
+        "dq",
+        fa._dq_kernel,
+        tiles=cfg.seq_pad // bq,
+        in_specs=[
+            fa._tile_spec(cfg, bq, lambda h: h),
+            fa._whole_spec(cfg, lambda h: h // g),
+            fa._whole_spec(cfg, lambda h: h // g),
+            fa._tile_spec(cfg, bq, lambda h: h),
+            fa._vector_tile_spec(bq, per_head=True),
+            fa._vector_tile_spec(bq, per_head=True),
+            *seg_specs,
+        ],
+        operands=[qk, kk, vk, dok, fa._vectors(lse, bq), fa._vectors(delta, bq), *seg_ops],
+        out_specs=fa._tile_spec(cfg, bq, lambda h: h),
+        out_shape=jax.ShapeDtypeStruct(qk.shape, jnp.float32),
+        has_segments=has_seg,
+    )
     bq, bk = cfg.blocks.for_kernel("dkv")
     seg_specs, seg_ops = _seg_operands(cfg, q_seg, k_seg, bq, bk, False)
     if cfg.head_major:
@@ -203,14 +244,25 @@ def _flash_bwd(spec, q, k, v, q_seg, k_seg, diagonal, lse, do, delta):
     else:
         shape = (batch, cfg.seq_pad, cfg.q_heads * cfg.head_dim)
     out_spec = fa._tile_spec(cfg, bk, lambda h: h)
-    dk, dv = fa._call(cfg, "dkv", fa._dkv_kernel, tiles=cfg.seq_pad // bk,
-                      in_specs=[fa._whole_spec(cfg, lambda h: h), fa._tile_spec(cfg, bk, lambda h: h // g),
-                                fa._tile_spec(cfg, bk, lambda h: h // g), fa._whole_spec(cfg, lambda h: h),
-                                fa._vector_rows_spec(cfg, bq, per_head=True),
-                                fa._vector_rows_spec(cfg, bq, per_head=True), *seg_specs],
-                      operands=[qk, kk, vk, dok, fa._vectors(lse, bq), fa._vectors(delta, bq), *seg_ops],
-                      out_specs=[out_spec, out_spec],
-                      out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32)] * 2, has_segments=has_seg)
+    dk, dv = fa._call(
+        cfg,
+        "dkv",
+        fa._dkv_kernel,
+        tiles=cfg.seq_pad // bk,
+        in_specs=[
+            fa._whole_spec(cfg, lambda h: h),
+            fa._tile_spec(cfg, bk, lambda h: h // g),
+            fa._tile_spec(cfg, bk, lambda h: h // g),
+            fa._whole_spec(cfg, lambda h: h),
+            fa._vector_rows_spec(cfg, bq, per_head=True),
+            fa._vector_rows_spec(cfg, bq, per_head=True),
+            *seg_specs,
+        ],
+        operands=[qk, kk, vk, dok, fa._vectors(lse, bq), fa._vectors(delta, bq), *seg_ops],
+        out_specs=[out_spec, out_spec],
+        out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32)] * 2,
+        has_segments=has_seg,
+    )
     dq = fa._from_kernel_layout(dq, cfg, cfg.q_heads)
     dk = fa._from_kernel_layout(dk, cfg, cfg.q_heads)
     dv = fa._from_kernel_layout(dv, cfg, cfg.q_heads)
@@ -232,13 +284,14 @@ def _merge(o, lse, o_b, lse_b):
     """Combine two normalised partial attentions over disjoint key sets."""
     new = jnp.logaddexp(lse, lse_b)
     ref = jnp.where(jnp.isfinite(new), new, 0.0)
-    w = lambda l: jnp.moveaxis(jnp.exp(l - ref), 1, 2)[..., None]   # [b, c, h, 1]
+    w = lambda l: jnp.moveaxis(jnp.exp(l - ref), 1, 2)[..., None]  # [b, c, h, 1]
     return o * w(lse) + o_b.astype(jnp.float32) * w(lse_b), new
 
 
 # ----------------------------------------------------------------------------
 # The ring, per shard (inside shard_map).
 # ----------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class _Ring:
@@ -267,6 +320,7 @@ def _shift(ring: _Ring, xs):
 # dynamic_update_slice into whole-shard buffers, which XLA updates in place:
 # no split/concatenate copies and no select over whole chunks, so per-device
 # memory is a fixed number of shard-sized buffers at every context size.
+
 
 def _chunk(x, idx, size, axis=1):
     if x is None:
@@ -355,8 +409,15 @@ def _fwd_pairs(block: _BlockSpec, pairs, c, q, seg, kv, acc):
     ks, vs, ksegs = kv
     o, lse = acc
     for qi, ki, diagonal in pairs:
-        o_b, lse_b = _block_fwd(block, _chunk(q, qi, c), _chunk(ks, ki, c), _chunk(vs, ki, c),
-                                _chunk(seg, qi, c), _chunk(ksegs, ki, c), diagonal)
+        o_b, lse_b = _block_fwd(
+            block,
+            _chunk(q, qi, c),
+            _chunk(ks, ki, c),
+            _chunk(vs, ki, c),
+            _chunk(seg, qi, c),
+            _chunk(ksegs, ki, c),
+            diagonal,
+        )
         o_a, lse_a = _merge(_chunk(o, qi, c), _chunk(lse, qi, c, axis=2), o_b, lse_b)
         o, lse = _put(o, qi, c, o_a), _put(lse, qi, c, lse_a, axis=2)
     return o, lse
@@ -368,10 +429,18 @@ def _bwd_pairs(block: _BlockSpec, pairs, c, q, seg, kv, lse, do, delta, grads):
     ks, vs, ksegs = kv
     dq, dk, dv = grads
     for qi, ki, diagonal in pairs:
-        gq, gk, gv = _block_bwd(block, _chunk(q, qi, c), _chunk(ks, ki, c), _chunk(vs, ki, c),
-                                _chunk(seg, qi, c), _chunk(ksegs, ki, c), diagonal,
-                                _chunk(lse, qi, c, axis=2), _chunk(do, qi, c),
-                                _chunk(delta, qi, c, axis=2))
+        gq, gk, gv = _block_bwd(
+            block,
+            _chunk(q, qi, c),
+            _chunk(ks, ki, c),
+            _chunk(vs, ki, c),
+            _chunk(seg, qi, c),
+            _chunk(ksegs, ki, c),
+            diagonal,
+            _chunk(lse, qi, c, axis=2),
+            _chunk(do, qi, c),
+            _chunk(delta, qi, c, axis=2),
+        )
         dq = _put(dq, qi, c, _chunk(dq, qi, c) + gq)
         dk = _put(dk, ki, c, _chunk(dk, ki, c) + gk)
         dv = _put(dv, ki, c, _chunk(dv, ki, c) + gv)
@@ -397,8 +466,9 @@ def _ring_fwd_local(ring: _Ring, q, k, v, seg):
     c = q.shape[1] // ring.chunks
 
     def step_fn(step, kv, acc):
-        return _run_step(ring, step, lambda pairs, acc: _fwd_pairs(ring.block, pairs, c, q, seg,
-                                                                   kv, acc), acc)
+        return _run_step(
+            ring, step, lambda pairs, acc: _fwd_pairs(ring.block, pairs, c, q, seg, kv, acc), acc
+        )
 
     o, lse = _ring_loop(ring, (k, v, seg), _empty_output(q), step_fn)
     return o.astype(q.dtype), lse
@@ -409,8 +479,12 @@ def _ring_bwd_local(ring: _Ring, q, k, v, seg, o, lse, do):
     delta = _delta(o, do)
 
     def step_fn(step, kv, grads):
-        return _run_step(ring, step, lambda pairs, grads: _bwd_pairs(
-            ring.block, pairs, c, q, seg, kv, lse, do, delta, grads), grads)
+        return _run_step(
+            ring,
+            step,
+            lambda pairs, grads: _bwd_pairs(ring.block, pairs, c, q, seg, kv, lse, do, delta, grads),
+            grads,
+        )
 
     def send_kv_grads(grads):
         # dK/dV accumulators travel with their K/V; after n hops they are home.
@@ -444,6 +518,7 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 # The same blocks on one device: attention over sequence chunks (no ring).
 # ----------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class _Chunked:
     chunks: int
@@ -454,8 +529,7 @@ class _Chunked:
 def _chunk_pairs(spec: _Chunked):
     """(q chunk, kv chunk, diagonal) pairs in sequence order; causal skips j > i."""
     m = spec.chunks
-    return [(i, j, spec.causal and i == j) for i in range(m) for j in range(m)
-            if not (spec.causal and j > i)]
+    return [(i, j, spec.causal and i == j) for i in range(m) for j in range(m) if not (spec.causal and j > i)]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -477,16 +551,24 @@ def _chunked_fwd(spec, q, k, v, seg):
 def _chunked_bwd(spec, res, do):
     q, k, v, seg, o, lse = res
     c = q.shape[1] // spec.chunks
-    dq, dk, dv = _bwd_pairs(spec.block, _chunk_pairs(spec), c, q, seg, (k, v, seg), lse, do,
-                            _delta(o, do), _zero_grads(q, k, v))
+    dq, dk, dv = _bwd_pairs(
+        spec.block, _chunk_pairs(spec), c, q, seg, (k, v, seg), lse, do, _delta(o, do), _zero_grads(q, k, v)
+    )
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def flash_chunks_needed(seq: int, head_dim: int, dtype, *, backend: str,
-                        block_sizes: fa.BlockSizes | None = None, max_chunks: int = 64) -> int:
+def flash_chunks_needed(
+    seq: int,
+    head_dim: int,
+    dtype,
+    *,
+    backend: str,
+    block_sizes: fa.BlockSizes | None = None,
+    max_chunks: int = 64,
+) -> int:
     """How many sequence chunks the flash kernels need on `backend`: 1 unless one
     head's whole K/V does not fit TPU VMEM (the kernels keep it there); then the
     smallest power of two whose chunk fits."""
@@ -495,23 +577,43 @@ def flash_chunks_needed(seq: int, head_dim: int, dtype, *, backend: str,
     m = 1
     while m <= max_chunks:
         if seq % m == 0:
-            spec = _BlockSpec(backend=backend, scale=1.0, chunk=seq // m, q_heads=1, kv_heads=1,
-                              head_dim=head_dim, block_sizes=block_sizes, interpret=False,
-                              use_flash=True)
+            spec = _BlockSpec(
+                backend=backend,
+                scale=1.0,
+                chunk=seq // m,
+                q_heads=1,
+                kv_heads=1,
+                head_dim=head_dim,
+                block_sizes=block_sizes,
+                interpret=False,
+                use_flash=True,
+            )
             try:
                 _flash_cfg(spec, True, dtype)
                 return m
             except ValueError:
                 pass
         m *= 2
-    raise ValueError(f"seq={seq}: no power-of-two chunking up to {max_chunks} fits the TPU flash "
-                     "kernels; shard the sequence over more devices")
+    raise ValueError(
+        f"seq={seq}: no power-of-two chunking up to {max_chunks} fits the TPU flash "
+        "kernels; shard the sequence over more devices"
+    )
 
 
-def chunked_attention(q, k, v, *, causal: bool = True, segment_ids=None,
-                      softmax_scale: float | None = None, chunks: int | None = None,
-                      block_sizes: fa.BlockSizes | None = None, backend: str | None = None,
-                      interpret: bool | None = None, block_impl: str | None = None):
+def chunked_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = True,
+    segment_ids=None,
+    softmax_scale: float | None = None,
+    chunks: int | None = None,
+    block_sizes: fa.BlockSizes | None = None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+    block_impl: str | None = None,
+):
     """Exact attention on one device's ``[batch, seq, heads, head_dim]`` arrays, the
     sequence cut into ``chunks`` pieces: the ring's per-block kernels for every
     (q chunk, kv chunk) pair that is not fully masked, merged through the
@@ -522,24 +624,36 @@ def chunked_attention(q, k, v, *, causal: bool = True, segment_ids=None,
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 4:
-            raise ValueError(f"{name} must have rank 4 ([batch, seq, heads, head_dim]), "
-                             f"got shape {getattr(x, 'shape', None)}")
+            raise ValueError(
+                f"{name} must have rank 4 ([batch, seq, heads, head_dim]), "
+                f"got shape {getattr(x, 'shape', None)}"
+            )
     batch, seq, q_heads, head_dim = q.shape
     if backend is None:
         backend = fa.resolve_backend(q)
     if block_impl is None:
         block_impl = "pallas" if backend in ("tpu", "gpu") else "xla"
     if chunks is None:
-        chunks = (flash_chunks_needed(seq, head_dim, q.dtype, backend=backend, block_sizes=block_sizes)
-                  if block_impl == "pallas" else 1)
+        chunks = (
+            flash_chunks_needed(seq, head_dim, q.dtype, backend=backend, block_sizes=block_sizes)
+            if block_impl == "pallas"
+            else 1
+        )
     if chunks < 1 or seq % chunks:
         raise ValueError(f"seq={seq} must be a multiple of chunks={chunks}")
     if interpret is None:
         interpret = backend == "cpu"
-    block = _BlockSpec(backend=backend, scale=float(softmax_scale or 1.0 / math.sqrt(head_dim)),
-                       chunk=seq // chunks, q_heads=q_heads, kv_heads=k.shape[2], head_dim=head_dim,
-                       block_sizes=block_sizes, interpret=bool(interpret),
-                       use_flash=block_impl == "pallas")
+    block = _BlockSpec(
+        backend=backend,
+        scale=float(softmax_scale or 1.0 / math.sqrt(head_dim)),
+        chunk=seq // chunks,
+        q_heads=q_heads,
+        kv_heads=k.shape[2],
+        head_dim=head_dim,
+        block_sizes=block_sizes,
+        interpret=bool(interpret),
+        use_flash=block_impl == "pallas",
+    )
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
     return _chunked(_Chunked(chunks=chunks, causal=bool(causal), block=block), q, k, v, seg)
 
@@ -548,11 +662,25 @@ def chunked_attention(q, k, v, *, causal: bool = True, segment_ids=None,
 # Public entry point.
 # ----------------------------------------------------------------------------
 
-def ring_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool = True,
-                   segment_ids=None, softmax_scale: float | None = None,
-                   load_balanced: bool = True, batch_axes=(), head_axes=(),
-                   block_sizes: fa.BlockSizes | None = None, backend: str | None = None,
-                   interpret: bool | None = None, block_impl: str | None = None):
+
+def ring_attention(
+    q,
+    k,
+    v,
+    *,
+    mesh,
+    axis_name: str = "context",
+    causal: bool = True,
+    segment_ids=None,
+    softmax_scale: float | None = None,
+    load_balanced: bool = True,
+    batch_axes=(),
+    head_axes=(),
+    block_sizes: fa.BlockSizes | None = None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+    block_impl: str | None = None,
+):
     """Exact attention on global ``[batch, seq, heads, head_dim]`` arrays whose
     sequence dim is sharded over ``axis_name`` (output sharded the same way).
 
@@ -579,8 +707,10 @@ def ring_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool = 
     n = sizes[axis_name]
     chunks = 2 if (load_balanced and causal) else 1
     if seq % (n * chunks):
-        raise ValueError(f"seq={seq} must be a multiple of {chunks} * {axis_name} size {n}"
-                         + (" (load-balanced causal layout)" if chunks == 2 else ""))
+        raise ValueError(
+            f"seq={seq} must be a multiple of {chunks} * {axis_name} size {n}"
+            + (" (load-balanced causal layout)" if chunks == 2 else "")
+        )
     if segment_ids is not None and tuple(segment_ids.shape) != (batch, seq):
         raise ValueError(f"segment_ids must have shape {(batch, seq)}, got {segment_ids.shape}")
     batch_axes = _axes_tuple("batch_axes", batch_axes)
@@ -591,8 +721,10 @@ def ring_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool = 
     n_batch = math.prod(sizes[a] for a in batch_axes)
     n_head = math.prod(sizes[a] for a in head_axes)
     if batch % n_batch or q_heads % n_head or kv_heads % n_head:
-        raise ValueError(f"batch {batch}, q heads {q_heads}, kv heads {kv_heads} must divide by "
-                         f"the batch shards {n_batch} / head shards {n_head}")
+        raise ValueError(
+            f"batch {batch}, q heads {q_heads}, kv heads {kv_heads} must divide by "
+            f"the batch shards {n_batch} / head shards {n_head}"
+        )
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
     if backend is None:
@@ -604,15 +736,30 @@ def ring_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool = 
         block_impl = "xla" if backend == "cpu" else "pallas"
     if block_impl not in ("xla", "pallas"):
         raise ValueError(f"block_impl={block_impl!r}: expected 'xla', 'pallas' or None")
-    block = _BlockSpec(backend=backend, scale=float(softmax_scale), chunk=seq // (n * chunks),
-                       q_heads=q_heads // n_head, kv_heads=kv_heads // n_head, head_dim=head_dim,
-                       block_sizes=block_sizes, interpret=bool(interpret),
-                       use_flash=block_impl == "pallas")
+    block = _BlockSpec(
+        backend=backend,
+        scale=float(softmax_scale),
+        chunk=seq // (n * chunks),
+        q_heads=q_heads // n_head,
+        kv_heads=kv_heads // n_head,
+        head_dim=head_dim,
+        block_sizes=block_sizes,
+        interpret=bool(interpret),
+        use_flash=block_impl == "pallas",
+    )
     ring = _Ring(axis=axis_name, n=n, causal=bool(causal), balanced=chunks == 2, block=block)
 
-    return shard_over_sequence(lambda q, k, v, seg: _ring(ring, q, k, v, seg), q, k, v,
-                               segment_ids, mesh=mesh, axis_name=axis_name,
-                               batch_axes=batch_axes, head_axes=head_axes)
+    return shard_over_sequence(
+        lambda q, k, v, seg: _ring(ring, q, k, v, seg),
+        q,
+        k,
+        v,
+        segment_ids,
+        mesh=mesh,
+        axis_name=axis_name,
+        batch_axes=batch_axes,
+        head_axes=head_axes,
+    )
 
 
 def check_inputs(q, k, v, *, mesh, axis_name):
@@ -620,13 +767,16 @@ def check_inputs(q, k, v, *, mesh, axis_name):
     and ``axis_name`` is a mesh axis."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 4:
-            raise ValueError(f"{name} must have rank 4 ([batch, seq, heads, head_dim]), "
-                             f"got shape {getattr(x, 'shape', None)}")
+            raise ValueError(
+                f"{name} must have rank 4 ([batch, seq, heads, head_dim]), "
+                f"got shape {getattr(x, 'shape', None)}"
+            )
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name={axis_name!r} is not a mesh axis (mesh axes: {mesh.axis_names})")
     if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"k and v must be [batch, seq, kv_heads, head_dim] like q: "
-                         f"q {q.shape}, k {k.shape}, v {v.shape}")
+        raise ValueError(
+            f"k and v must be [batch, seq, kv_heads, head_dim] like q: q {q.shape}, k {k.shape}, v {v.shape}"
+        )
     if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
         raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]})")
 
@@ -648,6 +798,7 @@ def shard_over_sequence(local, q, k, v, segment_ids, *, mesh, axis_name, batch_a
     if _has_explicit_axes(mesh):
         # Explicit axes: shard_map wants inputs laid out as in_specs already.
         abstract = isinstance(mesh, jax.sharding.AbstractMesh)
-        args = tuple(jax.reshard(x, s if abstract else jax.NamedSharding(mesh, s))
-                     for x, s in zip(args, in_specs))
+        args = tuple(
+            jax.reshard(x, s if abstract else jax.NamedSharding(mesh, s)) for x, s in zip(args, in_specs)
+        )
     return fn(*args)

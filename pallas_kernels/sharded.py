@@ -9,152 +9,179 @@ mixes batch rows or heads, so no collective is needed in either direction.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.flash_attention import BlockSizes, flash_attention
+from jaxtrain.pallas_kernels.flash_attention import BlockSizes, flash_attention
 
 __all__ = ["sharded_flash_attention"]
 
 
 def _axes_tuple(name: str, axes) -> tuple[str, ...]:
-  if axes is None:
-    return ()
-  if isinstance(axes, str):
-    return (axes,)
-  try:
-    return tuple(axes)
-  except TypeError:
-    raise ValueError(f"{name} must be a mesh axis name or a sequence of them, got {axes!r}") from None
+    if axes is None:
+        return ()
+    if isinstance(axes, str):
+        return (axes,)
+    try:
+        return tuple(axes)
+    except TypeError:
+        raise ValueError(f"{name} must be a mesh axis name or a sequence of them, got {axes!r}") from None
 
 
 def _mesh_platform(mesh) -> str:
-  if isinstance(mesh, jax.sharding.AbstractMesh):
-    platform = getattr(mesh.abstract_device, "platform", None) or jax.default_backend()
-  else:
-    platform = next(iter(mesh.devices.flat)).platform
-  platform = platform.lower()
-  return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        platform = getattr(mesh.abstract_device, "platform", None) or jax.default_backend()
+    else:
+        platform = next(iter(mesh.devices.flat)).platform
+    platform = platform.lower()
+    return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
 
 
-def sharded_flash_attention(q, k, v, *, mesh, batch_axes: Sequence[str] | str | None,
-                            head_axes: Sequence[str] | str | None, causal: bool,
-                            segment_ids=None, sliding_window: int | None = None,
-                            softmax_scale: float | None = None,
-                            block_sizes: BlockSizes | None = None,
-                            interpret: bool | None = None):
-  """``flash_attention`` over global ``[batch, seq, heads, head_dim]`` arrays on ``mesh``.
+def sharded_flash_attention(
+    q,
+    k,
+    v,
+    *,
+    mesh,
+    batch_axes: Sequence[str] | str | None,
+    head_axes: Sequence[str] | str | None,
+    causal: bool,
+    segment_ids=None,
+    sliding_window: int | None = None,
+    softmax_scale: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool | None = None,
+):
+    """``flash_attention`` over global ``[batch, seq, heads, head_dim]`` arrays on ``mesh``.
 
-  Batch is sharded over ``batch_axes`` (possibly empty), q heads over
-  ``head_axes``; kv heads too when divisible, else k/v stay replicated over
-  ``head_axes`` and each shard picks the kv heads its q heads read. Mesh axes
-  named in neither are replicated (the kernel runs redundantly on them). With
-  ``mesh`` None or of one device the kernel is called directly. The backend
-  follows the mesh's devices (CPU -> interpret mode). ``mesh`` may be a
-  ``Mesh`` or the ``AbstractMesh`` of the context (``jax.get_abstract_mesh()``
-  under ``jax.set_mesh``).
-  """
-  kwargs = dict(causal=causal, segment_ids=segment_ids, sliding_window=sliding_window,
-                softmax_scale=softmax_scale, block_sizes=block_sizes, interpret=interpret)
-  if mesh is None:
-    return _any_length(q, k, v, **kwargs)
-  backend = _mesh_platform(mesh)
-  if backend not in ("tpu", "gpu"):
-    backend = "cpu"
-  if math.prod(mesh.axis_sizes) == 1:
-    return _any_length(q, k, v, backend=backend, **kwargs)
+    Batch is sharded over ``batch_axes`` (possibly empty), q heads over
+    ``head_axes``; kv heads too when divisible, else k/v stay replicated over
+    ``head_axes`` and each shard picks the kv heads its q heads read. Mesh axes
+    named in neither are replicated (the kernel runs redundantly on them). With
+    ``mesh`` None or of one device the kernel is called directly. The backend
+    follows the mesh's devices (CPU -> interpret mode). ``mesh`` may be a
+    ``Mesh`` or the ``AbstractMesh`` of the context (``jax.get_abstract_mesh()``
+    under ``jax.set_mesh``).
+    """
+    kwargs = dict(
+        causal=causal,
+        segment_ids=segment_ids,
+        sliding_window=sliding_window,
+        softmax_scale=softmax_scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )
+    if mesh is None:
+        return _any_length(q, k, v, **kwargs)
+    backend = _mesh_platform(mesh)
+    if backend not in ("tpu", "gpu"):
+        backend = "cpu"
+    if math.prod(mesh.axis_sizes) == 1:
+        return _any_length(q, k, v, backend=backend, **kwargs)
 
-  batch_axes = _axes_tuple("batch_axes", batch_axes)
-  head_axes = _axes_tuple("head_axes", head_axes)
-  for name, axes in (("batch_axes", batch_axes), ("head_axes", head_axes)):
-    for a in axes:
-      if a not in mesh.axis_names:
-        raise ValueError(f"{name}: {a!r} is not a mesh axis (mesh axes: {mesh.axis_names})")
-  if set(batch_axes) & set(head_axes):
-    raise ValueError(f"batch_axes {batch_axes} and head_axes {head_axes} overlap")
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if getattr(x, "ndim", None) != 4:
-      raise ValueError(f"{name} must have rank 4 ([batch, seq, heads, head_dim]), "
-                       f"got shape {getattr(x, 'shape', None)}")
-  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  n_batch = math.prod(sizes[a] for a in batch_axes)
-  n_head = math.prod(sizes[a] for a in head_axes)
-  batch, _, q_heads, _ = q.shape
-  kv_heads = k.shape[2]
-  if batch % n_batch:
-    raise ValueError(f"batch {batch} is not divisible by the {n_batch} shards of "
-                     f"batch_axes {batch_axes}")
-  if q_heads % n_head:
-    raise ValueError(f"q heads {q_heads} are not divisible by the {n_head} shards of "
-                     f"head_axes {head_axes}")
-  if kv_heads == 0 or q_heads % kv_heads:
-    raise ValueError(f"q heads ({q_heads}) must be a multiple of k/v heads ({kv_heads})")
+    batch_axes = _axes_tuple("batch_axes", batch_axes)
+    head_axes = _axes_tuple("head_axes", head_axes)
+    for name, axes in (("batch_axes", batch_axes), ("head_axes", head_axes)):
+        for a in axes:
+            if a not in mesh.axis_names:
+                raise ValueError(f"{name}: {a!r} is not a mesh axis (mesh axes: {mesh.axis_names})")
+    if set(batch_axes) & set(head_axes):
+        raise ValueError(f"batch_axes {batch_axes} and head_axes {head_axes} overlap")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(
+                f"{name} must have rank 4 ([batch, seq, heads, head_dim]), "
+                f"got shape {getattr(x, 'shape', None)}"
+            )
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    n_batch = math.prod(sizes[a] for a in batch_axes)
+    n_head = math.prod(sizes[a] for a in head_axes)
+    batch, _, q_heads, _ = q.shape
+    kv_heads = k.shape[2]
+    if batch % n_batch:
+        raise ValueError(f"batch {batch} is not divisible by the {n_batch} shards of batch_axes {batch_axes}")
+    if q_heads % n_head:
+        raise ValueError(
+            f"q heads {q_heads} are not divisible by the {n_head} shards of head_axes {head_axes}"
+        )
+    if kv_heads == 0 or q_heads % kv_heads:
+        raise ValueError(f"q heads ({q_heads}) must be a multiple of k/v heads ({kv_heads})")
 
-  b_spec = batch_axes if batch_axes else None
-  h_spec = head_axes if head_axes else None
-  shard_kv = kv_heads % n_head == 0
-  q_spec = P(b_spec, None, h_spec, None)
-  kv_spec = q_spec if shard_kv else P(b_spec, None, None, None)
-  group = q_heads // kv_heads
-  local_q_heads = q_heads // n_head
+    b_spec = batch_axes if batch_axes else None
+    h_spec = head_axes if head_axes else None
+    shard_kv = kv_heads % n_head == 0
+    q_spec = P(b_spec, None, h_spec, None)
+    kv_spec = q_spec if shard_kv else P(b_spec, None, None, None)
+    group = q_heads // kv_heads
+    local_q_heads = q_heads // n_head
 
-  def local(q, k, v, seg):
-    if not shard_kv:
-      # k/v hold every kv head; keep those this shard's q heads read.
-      shard = lax.axis_index(head_axes)
-      first_q_head = shard * local_q_heads
-      if n_head % kv_heads == 0:
-        # All local q heads read one kv head (e.g. MQA, or more shards than kv heads).
-        kv = first_q_head // group
-        k = lax.dynamic_slice_in_dim(k, kv, 1, axis=2)
-        v = lax.dynamic_slice_in_dim(v, kv, 1, axis=2)
-      else:
-        idx = (first_q_head + jnp.arange(local_q_heads)) // group
-        k = jnp.take(k, idx, axis=2)
-        v = jnp.take(v, idx, axis=2)
-    return _any_length(q, k, v, causal=causal, segment_ids=seg,
-                       sliding_window=sliding_window, softmax_scale=softmax_scale,
-                       block_sizes=block_sizes, backend=backend, interpret=interpret)
+    def local(q, k, v, seg):
+        if not shard_kv:
+            # k/v hold every kv head; keep those this shard's q heads read.
+            shard = lax.axis_index(head_axes)
+            first_q_head = shard * local_q_heads
+            if n_head % kv_heads == 0:
+                # All local q heads read one kv head (e.g. MQA, or more shards than kv heads).
+                kv = first_q_head // group
+                k = lax.dynamic_slice_in_dim(k, kv, 1, axis=2)
+                v = lax.dynamic_slice_in_dim(v, kv, 1, axis=2)
+            else:
+                idx = (first_q_head + jnp.arange(local_q_heads)) // group
+                k = jnp.take(k, idx, axis=2)
+                v = jnp.take(v, idx, axis=2)
+        return _any_length(
+            q,
+            k,
+            v,
+            causal=causal,
+            segment_ids=seg,
+            sliding_window=sliding_window,
+            softmax_scale=softmax_scale,
+            block_sizes=block_sizes,
+            backend=backend,
+            interpret=interpret,
+        )
 
-  seg_spec = P(b_spec, None)
-  in_specs = (q_spec, kv_spec, kv_spec, None if segment_ids is None else seg_spec)
-  # check_vma=False: the kernels' out_shapes carry no manual-axis types, and
-  # interpret mode fails the varying-axes check (JAX_NOTES, Pallas).
-  fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec,
-                     check_vma=False)
-  args = (q, k, v, segment_ids)
-  if _has_explicit_axes(mesh):
-    # Explicit ("sharding in types") axes: shard_map wants inputs already laid
-    # out as in_specs; Auto axes are resharded by shard_map itself.
-    # An AbstractMesh (from jax.get_abstract_mesh()) is the one set in context,
-    # so a bare PartitionSpec refers to it.
-    abstract = isinstance(mesh, jax.sharding.AbstractMesh)
-    args = tuple(x if spec is None else
-                 jax.reshard(x, spec if abstract else jax.NamedSharding(mesh, spec))
-                 for x, spec in zip(args, in_specs))
-  return fn(*args)
+    seg_spec = P(b_spec, None)
+    in_specs = (q_spec, kv_spec, kv_spec, None if segment_ids is None else seg_spec)
+    # check_vma=False: the kernels' out_shapes carry no manual-axis types, and
+    # interpret mode fails the varying-axes check (JAX_NOTES, Pallas).
+    fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)
+    args = (q, k, v, segment_ids)
+    if _has_explicit_axes(mesh):
+        # Explicit ("sharding in types") axes: shard_map wants inputs already laid
+        # out as in_specs; Auto axes are resharded by shard_map itself.
+        # An AbstractMesh (from jax.get_abstract_mesh()) is the one set in context,
+        # so a bare PartitionSpec refers to it.
+        abstract = isinstance(mesh, jax.sharding.AbstractMesh)
+        args = tuple(
+            x if spec is None else jax.reshard(x, spec if abstract else jax.NamedSharding(mesh, spec))
+            for x, spec in zip(args, in_specs)
+        )
+    return fn(*args)
 
 
 def _any_length(q, k, v, *, backend=None, **kwargs):
-  """flash_attention, or over sequence chunks where one head's K/V would not fit
-  the TPU kernels' VMEM (``ring_attention.chunked_attention``; no sliding window)."""
-  from pallas_kernels.flash_attention import resolve_backend
-  from pallas_kernels.ring_attention import chunked_attention, flash_chunks_needed
-  resolved = backend or resolve_backend(q)
-  if resolved == "tpu" and kwargs.get("sliding_window") is None:
-    chunks = flash_chunks_needed(q.shape[1], q.shape[3], q.dtype, backend=resolved,
-                                 block_sizes=kwargs.get("block_sizes"))
-    if chunks > 1:
-      kwargs.pop("sliding_window", None)
-      return chunked_attention(q, k, v, chunks=chunks, backend=resolved, block_impl="pallas",
-                               **kwargs)
-  return flash_attention(q, k, v, backend=backend, **kwargs)
+    """flash_attention, or over sequence chunks where one head's K/V would not fit
+    the TPU kernels' VMEM (``ring_attention.chunked_attention``; no sliding window)."""
+    from jaxtrain.pallas_kernels.flash_attention import resolve_backend
+    from jaxtrain.pallas_kernels.ring_attention import chunked_attention, flash_chunks_needed
+
+    resolved = backend or resolve_backend(q)
+    if resolved == "tpu" and kwargs.get("sliding_window") is None:
+        chunks = flash_chunks_needed(
+            q.shape[1], q.shape[3], q.dtype, backend=resolved, block_sizes=kwargs.get("block_sizes")
+        )
+        if chunks > 1:
+            kwargs.pop("sliding_window", None)
+            return chunked_attention(q, k, v, chunks=chunks, backend=resolved, block_impl="pallas", **kwargs)
+    return flash_attention(q, k, v, backend=backend, **kwargs)
 
 
 def _has_explicit_axes(mesh) -> bool:
-  types = getattr(mesh, "axis_types", None) or ()
-  return any(t == jax.sharding.AxisType.Explicit for t in types)
+    types = getattr(mesh, "axis_types", None) or ()
+    return any(t == jax.sharding.AxisType.Explicit for t in types)

@@ -16,6 +16,7 @@ With ``load_balanced=True`` the inputs are in zig-zag order (as for
 in that order and puts it back in sequence order (a local gather) before the
 causal kernel, so the model can use one data layout for both context impls.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import reference
-from pallas_kernels.ring_attention import check_inputs, shard_over_sequence
-from pallas_kernels.sharded import _any_length, _axes_tuple, _mesh_platform
+from jaxtrain.pallas_kernels import reference
+from jaxtrain.pallas_kernels.ring_attention import check_inputs, shard_over_sequence
+from jaxtrain.pallas_kernels.sharded import _any_length, _axes_tuple, _mesh_platform
 
 __all__ = ["ulysses_attention"]
 
@@ -39,10 +40,22 @@ def _zigzag(seq_len: int, n: int) -> np.ndarray:
     return np.arange(seq_len).reshape(2 * n, c)[order].reshape(-1)
 
 
-def ulysses_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool = True,
-                      segment_ids=None, softmax_scale: float | None = None,
-                      load_balanced: bool = False, batch_axes=(), head_axes=(),
-                      block_impl: str | None = None, sliding_window: int | None = None):
+def ulysses_attention(
+    q,
+    k,
+    v,
+    *,
+    mesh,
+    axis_name: str = "context",
+    causal: bool = True,
+    segment_ids=None,
+    softmax_scale: float | None = None,
+    load_balanced: bool = False,
+    batch_axes=(),
+    head_axes=(),
+    block_impl: str | None = None,
+    sliding_window: int | None = None,
+):
     """Attention on ``[batch, seq, heads, head_dim]`` arrays sharded on seq over
     ``axis_name``; output sharded the same way. See the module docstring.
 
@@ -61,9 +74,11 @@ def ulysses_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool
     n_batch = math.prod(sizes[a] for a in batch_axes)
     n_head = math.prod(sizes[a] for a in head_axes)
     if q_heads % (n * n_head):
-        raise ValueError(f"Ulysses needs q heads divisible by the {axis_name} size times the head "
-                         f"shards: q heads {q_heads}, {axis_name}={n}, head shards {n_head}; "
-                         f"use context_impl=ring instead")
+        raise ValueError(
+            f"Ulysses needs q heads divisible by the {axis_name} size times the head "
+            f"shards: q heads {q_heads}, {axis_name}={n}, head shards {n_head}; "
+            f"use context_impl=ring instead"
+        )
     if seq % (2 * n if load_balanced else n):
         raise ValueError(f"seq={seq} must be a multiple of {2 * n if load_balanced else n}")
     if batch % n_batch:
@@ -81,7 +96,7 @@ def ulysses_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool
     perm = _zigzag(seq, n) if load_balanced else None
     inv = None if perm is None else np.argsort(perm)
 
-    def seq_to_heads(x):   # [b, S/n, h, d] -> [b, S, h/n, d]
+    def seq_to_heads(x):  # [b, S/n, h, d] -> [b, S, h/n, d]
         return lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
 
     def heads_to_seq(x):
@@ -97,14 +112,38 @@ def ulysses_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool
         if block_impl == "pallas":
             # The flash kernels, over sequence chunks where one head's whole sequence
             # does not fit the TPU kernels' VMEM (as sharded_flash_attention).
-            o = _any_length(q, k, v, causal=causal, segment_ids=seg, softmax_scale=softmax_scale,
-                            sliding_window=sliding_window, backend=backend)
+            o = _any_length(
+                q,
+                k,
+                v,
+                causal=causal,
+                segment_ids=seg,
+                softmax_scale=softmax_scale,
+                sliding_window=sliding_window,
+                backend=backend,
+            )
         else:
-            o = reference.attention(q, k, v, causal=causal, segment_ids=seg,
-                                    softmax_scale=softmax_scale, sliding_window=sliding_window)
+            o = reference.attention(
+                q,
+                k,
+                v,
+                causal=causal,
+                segment_ids=seg,
+                softmax_scale=softmax_scale,
+                sliding_window=sliding_window,
+            )
         if perm is not None:
             o = o[:, perm]
         return heads_to_seq(o)
 
-    return shard_over_sequence(local, q, k, v, segment_ids, mesh=mesh, axis_name=axis_name,
-                               batch_axes=batch_axes, head_axes=head_axes)
+    return shard_over_sequence(
+        local,
+        q,
+        k,
+        v,
+        segment_ids,
+        mesh=mesh,
+        axis_name=axis_name,
+        batch_axes=batch_axes,
+        head_axes=head_axes,
+    )

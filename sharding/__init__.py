@@ -10,8 +10,9 @@ Explicit ("sharding in types") on purpose: model code stays free of
 `shard_map` either way, and `with_sharding_constraint` hints at layer
 boundaries are enough for XLA to pick the collectives we want. See README.
 """
-from sharding.mesh import MESH_AXES, make_mesh, mesh_shape_from_sizes
-from sharding.rules import (
+
+from jaxtrain.sharding.mesh import MESH_AXES, make_mesh, mesh_shape_from_sizes
+from jaxtrain.sharding.rules import (
     DATA_PARALLEL,
     DEFAULT_RULES,
     FSDP,
@@ -22,17 +23,32 @@ from sharding.rules import (
     axis_rules,
     constrain,
     current_rules,
+    format_parameter_table,
     logical_to_spec,
     named_sharding,
     parameter_table,
-    format_parameter_table,
     tree_shardings,
     tree_specs,
 )
 
 __all__ = [
-    "MESH_AXES", "make_mesh", "mesh_shape_from_sizes",
-    "DATA_PARALLEL", "DEFAULT_RULES", "FSDP", "FSDP_TENSOR", "PRESETS", "AxisRules",
-    "axes_tuple", "axis_rules", "constrain", "current_rules", "logical_to_spec", "named_sharding",
-    "parameter_table", "format_parameter_table", "tree_shardings", "tree_specs",
+    "MESH_AXES",
+    "make_mesh",
+    "mesh_shape_from_sizes",
+    "DATA_PARALLEL",
+    "DEFAULT_RULES",
+    "FSDP",
+    "FSDP_TENSOR",
+    "PRESETS",
+    "AxisRules",
+    "axes_tuple",
+    "axis_rules",
+    "constrain",
+    "current_rules",
+    "logical_to_spec",
+    "named_sharding",
+    "parameter_table",
+    "format_parameter_table",
+    "tree_shardings",
+    "tree_specs",
 ]

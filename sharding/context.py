@@ -14,22 +14,27 @@ index.
     batch = permute_batch(batch, n)          # numpy batch dict, every [B, S] field
     x = x[:, inverse_permutation(perm)]      # back to sequence order
 """
+
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
-__all__ = ["zigzag_permutation", "inverse_permutation", "permute_batch",
-           "causal_block_pairs", "chunk_of_shard"]
+__all__ = [
+    "zigzag_permutation",
+    "inverse_permutation",
+    "permute_batch",
+    "causal_block_pairs",
+    "chunk_of_shard",
+]
 
 
 def _check(seq_len: int, n: int) -> None:
     if n < 1:
         raise ValueError(f"context size n={n}: expected a positive integer")
     if seq_len < 1 or seq_len % (2 * n):
-        raise ValueError(f"seq_len={seq_len}: the zig-zag layout needs a multiple of "
-                         f"2 * context = {2 * n}")
+        raise ValueError(f"seq_len={seq_len}: the zig-zag layout needs a multiple of 2 * context = {2 * n}")
 
 
 def chunk_of_shard(i: int, n: int, load_balanced: bool = True) -> tuple[int, ...]:
@@ -68,8 +73,10 @@ def permute_batch(batch: Mapping[str, np.ndarray], n: int, *, axis: int = 1) -> 
     out = {}
     for key, x in batch.items():
         if x.shape[axis] != seq_len:
-            raise ValueError(f"batch[{key!r}] has shape {x.shape}; expected length "
-                             f"{seq_len} on axis {axis} like the other fields")
+            raise ValueError(
+                f"batch[{key!r}] has shape {x.shape}; expected length "
+                f"{seq_len} on axis {axis} like the other fields"
+            )
         out[key] = np.take(x, perm, axis=axis)
     return out
 
@@ -81,6 +88,8 @@ def causal_block_pairs(n: int, *, load_balanced: bool) -> list[int]:
     Balanced: shard i holds chunks (i, 2n-1-i); contiguous: chunks (2i, 2i+1).
     Diagonal pairs (half masked) count as one. The sums over shards are equal.
     """
+
     def held(i):
         return chunk_of_shard(i, n) if load_balanced else (2 * i, 2 * i + 1)
+
     return [sum(1 for qc in held(i) for kc in range(2 * n) if kc <= qc) for i in range(n)]

@@ -6,6 +6,7 @@ ICI torus via `mesh_utils`), so tensor parallelism, the most communication
 hungry, sits on the fastest links; data parallelism, which only all-reduces
 gradients once per step, sits outermost (and across slices/hosts via DCN).
 """
+
 from __future__ import annotations
 
 import math
@@ -41,18 +42,22 @@ def mesh_shape_from_sizes(axis_sizes: Mapping[str, int], num_devices: int) -> di
         if num_devices % known:
             raise ValueError(
                 f"mesh.{fill[0]}=-1: the other axes multiply to {known}, which does not divide "
-                f"the {num_devices} devices")
+                f"the {num_devices} devices"
+            )
         sizes[fill[0]] = num_devices // known
     product = math.prod(sizes.values())
     if product != num_devices:
         shape = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all 1"
-        raise ValueError(
-            f"mesh product {product} ({shape}) does not equal the device count {num_devices}")
+        raise ValueError(f"mesh product {product} ({shape}) does not equal the device count {num_devices}")
     return sizes
 
 
-def make_mesh(axis_sizes: Mapping[str, int], devices: Sequence[jax.Device] | None = None,
-              *, dcn_axis_sizes: Mapping[str, int] | None = None) -> Mesh:
+def make_mesh(
+    axis_sizes: Mapping[str, int],
+    devices: Sequence[jax.Device] | None = None,
+    *,
+    dcn_axis_sizes: Mapping[str, int] | None = None,
+) -> Mesh:
     """Make a `Mesh` with all of MESH_AXES (size-1 ones included) and Auto axis types.
 
     `axis_sizes` are per-slice (ICI) degrees; `dcn_axis_sizes` multiply them
@@ -71,8 +76,9 @@ def make_mesh(axis_sizes: Mapping[str, int], devices: Sequence[jax.Device] | Non
         dcn_full = mesh_shape_from_sizes(dcn, n_slices)
         dcn_shape = tuple(dcn_full[a] for a in MESH_AXES)
         try:
-            grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices,
-                                                        allow_split_physical_axes=True)
+            grid = mesh_utils.create_hybrid_device_mesh(
+                ici_shape, dcn_shape, devices, allow_split_physical_axes=True
+            )
         except Exception:  # devices without slice/process structure mesh_utils understands
             grid = _plain_grid(devices, tuple(i * d for i, d in zip(ici_shape, dcn_shape)))
     else:

@@ -11,6 +11,7 @@ dimension of the same array, and -- when the shape is known -- those whose size
 does not divide the dimension. The first rule with any axes left wins. So one
 table serves every mesh: with `tensor=1` all tensor rules simply drop out.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,9 +49,7 @@ DATA_PARALLEL: AxisRules = _ACTIVATIONS
 #: FSDP / ZeRO-3: parameters and optimizer state sharded over `fsdp` on their
 #: embed dimension (all-gathered in the forward pass, gradients
 #: reduce-scattered), batch over data x fsdp.
-FSDP: AxisRules = _ACTIVATIONS + (
-    ("embed", ("fsdp",)),
-)
+FSDP: AxisRules = _ACTIVATIONS + (("embed", ("fsdp",)),)
 
 #: FSDP + Megatron tensor parallelism: heads / mlp / vocab dims over `tensor`.
 FSDP_TENSOR: AxisRules = FSDP + (
@@ -83,9 +82,12 @@ def _validate_rules(rules: AxisRules) -> None:
             raise ValueError(f"rules[{i}]={rule!r}: expected a (logical_name, mesh_axes) pair")
 
 
-def logical_to_spec(logical_axes: Sequence[str | None], rules: AxisRules,
-                    mesh: Mesh | jax.sharding.AbstractMesh,
-                    shape: Sequence[int] | None = None) -> PartitionSpec:
+def logical_to_spec(
+    logical_axes: Sequence[str | None],
+    rules: AxisRules,
+    mesh: Mesh | jax.sharding.AbstractMesh,
+    shape: Sequence[int] | None = None,
+) -> PartitionSpec:
     """The PartitionSpec for one array whose dims carry `logical_axes` names.
 
     `None` in `logical_axes` means "never sharded". See the module docstring for
@@ -95,7 +97,8 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: AxisRules,
     if shape is not None and len(shape) != len(logical_axes):
         raise ValueError(
             f"logical_axes {tuple(logical_axes)} has {len(logical_axes)} names but the array "
-            f"has shape {tuple(shape)}")
+            f"has shape {tuple(shape)}"
+        )
     sizes = dict(mesh.shape)
     used: set[str] = set()
     spec: list[MeshAxes] = []
@@ -123,8 +126,9 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: AxisRules,
     return PartitionSpec(*spec)
 
 
-def named_sharding(logical_axes: Sequence[str | None], rules: AxisRules, mesh: Mesh,
-                   shape: Sequence[int] | None = None) -> NamedSharding:
+def named_sharding(
+    logical_axes: Sequence[str | None], rules: AxisRules, mesh: Mesh, shape: Sequence[int] | None = None
+) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh, shape))
 
 
@@ -139,17 +143,23 @@ def tree_specs(logical_tree: Any, rules: AxisRules, mesh: Mesh, shapes: Any = No
     lets non-dividing mesh axes drop out per array.
     """
     if shapes is None:
-        return jax.tree.map(lambda ax: logical_to_spec(ax or (), rules, mesh), logical_tree,
-                            is_leaf=_is_axes_leaf)
-    return jax.tree.map(lambda ax, x: logical_to_spec(ax or (), rules, mesh, np.shape(x)),
-                        logical_tree, shapes, is_leaf=_is_axes_leaf)
+        return jax.tree.map(
+            lambda ax: logical_to_spec(ax or (), rules, mesh), logical_tree, is_leaf=_is_axes_leaf
+        )
+    return jax.tree.map(
+        lambda ax, x: logical_to_spec(ax or (), rules, mesh, np.shape(x)),
+        logical_tree,
+        shapes,
+        is_leaf=_is_axes_leaf,
+    )
 
 
 def tree_shardings(logical_tree: Any, rules: AxisRules, mesh: Mesh, shapes: Any = None) -> Any:
     """Like `tree_specs`, but returns NamedShardings on `mesh`."""
     specs = tree_specs(logical_tree, rules, mesh, shapes)
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
 
 
 # --- activation constraints -------------------------------------------------
@@ -189,6 +199,7 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
 
 # --- a table for humans -------------------------------------------------------
 
+
 def _path_str(path: tuple) -> str:
     return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
@@ -209,19 +220,33 @@ def parameter_table(params: Any, logical_tree: Any, rules: AxisRules, mesh: Mesh
             n = math.prod(sizes[a] for a in axes_tuple(entry))
             local[dim] = -(-shape[dim] // n)
         itemsize = np.dtype(x.dtype).itemsize
-        rows.append(dict(name=_path_str(path), shape=shape, dtype=str(np.dtype(x.dtype)),
-                         logical_axes=tuple(axes or ()), spec=spec,
-                         bytes_per_device=math.prod(local) * itemsize,
-                         bytes_total=math.prod(shape) * itemsize))
+        rows.append(
+            dict(
+                name=_path_str(path),
+                shape=shape,
+                dtype=str(np.dtype(x.dtype)),
+                logical_axes=tuple(axes or ()),
+                spec=spec,
+                bytes_per_device=math.prod(local) * itemsize,
+                bytes_total=math.prod(shape) * itemsize,
+            )
+        )
     return rows
 
 
 def format_parameter_table(rows: list[dict]) -> str:
     """Render `parameter_table` rows as aligned text, with a total line."""
     head = ("name", "shape", "logical axes", "spec", "MiB/device")
-    body = [(r["name"], "x".join(map(str, r["shape"])) or "scalar",
-             ",".join(a or "-" for a in r["logical_axes"]), str(tuple(r["spec"])),
-             f"{r['bytes_per_device'] / 2**20:.3f}") for r in rows]
+    body = [
+        (
+            r["name"],
+            "x".join(map(str, r["shape"])) or "scalar",
+            ",".join(a or "-" for a in r["logical_axes"]),
+            str(tuple(r["spec"])),
+            f"{r['bytes_per_device'] / 2**20:.3f}",
+        )
+        for r in rows
+    ]
     total = sum(r["bytes_per_device"] for r in rows)
     body.append(("total", "", "", "", f"{total / 2**20:.3f}"))
     widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]

@@ -94,18 +94,20 @@ device_description_str: "NVIDIA A100-SXM4-80GB"
 
 
 class DevicelessUnavailableError(RuntimeError):
-  """The compiler plugin for a deviceless target is not installed or not usable."""
+    """The compiler plugin for a deviceless target is not installed or not usable."""
 
 
 def tpu_available() -> bool:
-  """Whether libtpu is importable (deviceless TPU compiles possible)."""
-  return importlib.util.find_spec("libtpu") is not None
+    """Whether libtpu is importable (deviceless TPU compiles possible)."""
+    return importlib.util.find_spec("libtpu") is not None
 
 
 def cuda_available() -> bool:
-  """Whether the JAX CUDA PJRT plugin is importable (deviceless GPU compiles possible)."""
-  return (importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-          or importlib.util.find_spec("jax_cuda12_plugin") is not None)
+    """Whether the JAX CUDA PJRT plugin is importable (deviceless GPU compiles possible)."""
+    return (
+        importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+        or importlib.util.find_spec("jax_cuda12_plugin") is not None
+    )
 
 
 def tpu_topology_devices(
@@ -114,129 +116,135 @@ def tpu_topology_devices(
     chips_per_host_bounds: tuple[int, int, int] = (2, 2, 1),
     num_slices: int = 1,
 ) -> list[Any]:
-  """Compile-only TPU devices for ``topology_name`` (e.g. ``"v5p:2x2x2"`` = 8 chips).
+    """Compile-only TPU devices for ``topology_name`` (e.g. ``"v5p:2x2x2"`` = 8 chips).
 
-  Raises DevicelessUnavailableError when libtpu is missing.
-  """
-  if not isinstance(topology_name, str) or ":" not in topology_name:
-    raise ValueError(
-        f"topology_name must look like 'v5p:2x2x2', got {topology_name!r}")
-  if num_slices < 1:
-    raise ValueError(f"num_slices must be >= 1, got {num_slices}")
-  if not tpu_available():
-    raise DevicelessUnavailableError(
-        "deviceless TPU compiles need libtpu: pip install 'jax[tpu]' "
-        "(the 'tpu' extra of this project)")
-  # libtpu takes a machine-wide lock file unless told otherwise; compile-only use
-  # never touches a chip, so let several processes (tests, benchmarks) load it.
-  import os
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  from jax.experimental import topologies
-  try:
-    topo = topologies.get_topology_desc(
-        platform="tpu",
-        topology_name=topology_name,
-        chip_config_name=chip_config_name,
-        chips_per_host_bounds=tuple(chips_per_host_bounds),
-        num_slices=num_slices,
-    )
-  except Exception as e:  # libtpu reports bad names as generic errors
-    raise DevicelessUnavailableError(
-        f"could not build TPU topology {topology_name!r} "
-        f"(chip_config_name={chip_config_name!r}, "
-        f"chips_per_host_bounds={chips_per_host_bounds}): {e}") from e
-  return list(topo.devices)
+    Raises DevicelessUnavailableError when libtpu is missing.
+    """
+    if not isinstance(topology_name, str) or ":" not in topology_name:
+        raise ValueError(f"topology_name must look like 'v5p:2x2x2', got {topology_name!r}")
+    if num_slices < 1:
+        raise ValueError(f"num_slices must be >= 1, got {num_slices}")
+    if not tpu_available():
+        raise DevicelessUnavailableError(
+            "deviceless TPU compiles need libtpu: pip install 'jax[tpu]' (the 'tpu' extra of this project)"
+        )
+    # libtpu takes a machine-wide lock file unless told otherwise; compile-only use
+    # never touches a chip, so let several processes (tests, benchmarks) load it.
+    import os
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(
+            platform="tpu",
+            topology_name=topology_name,
+            chip_config_name=chip_config_name,
+            chips_per_host_bounds=tuple(chips_per_host_bounds),
+            num_slices=num_slices,
+        )
+    except Exception as e:  # libtpu reports bad names as generic errors
+        raise DevicelessUnavailableError(
+            f"could not build TPU topology {topology_name!r} "
+            f"(chip_config_name={chip_config_name!r}, "
+            f"chips_per_host_bounds={chips_per_host_bounds}): {e}"
+        ) from e
+    return list(topo.devices)
 
 
 def a100_devices(num_hosts: int = 1, gpus_per_host: int = 8) -> list[Any]:
-  """Compile-only A100 SXM 80GB devices: ``num_hosts`` x ``gpus_per_host`` GPUs."""
-  return h100_devices(num_hosts, gpus_per_host, target_config=A100_SXM_TARGET_CONFIG)
+    """Compile-only A100 SXM 80GB devices: ``num_hosts`` x ``gpus_per_host`` GPUs."""
+    return h100_devices(num_hosts, gpus_per_host, target_config=A100_SXM_TARGET_CONFIG)
 
 
-def h100_devices(num_hosts: int = 1, gpus_per_host: int = 8, *,
-                 target_config: str = H100_SXM_TARGET_CONFIG) -> list[Any]:
-  """Compile-only H100 SXM devices: ``num_hosts`` x ``gpus_per_host`` GPUs.
+def h100_devices(
+    num_hosts: int = 1, gpus_per_host: int = 8, *, target_config: str = H100_SXM_TARGET_CONFIG
+) -> list[Any]:
+    """Compile-only H100 SXM devices: ``num_hosts`` x ``gpus_per_host`` GPUs.
 
-  ``target_config`` (a GpuTargetConfigProto in text format) picks another GPU
-  (see ``a100_devices``). Needs jax-cuda12-plugin and JAX_PLATFORMS=cpu (see
-  module docstring). Raises DevicelessUnavailableError when the plugin is
-  missing or unusable.
-  """
-  if num_hosts < 1:
-    raise ValueError(f"num_hosts must be >= 1, got {num_hosts}")
-  if gpus_per_host < 1:
-    raise ValueError(f"gpus_per_host must be >= 1, got {gpus_per_host}")
-  if not cuda_available():
-    raise DevicelessUnavailableError(
-        "deviceless GPU compiles need the CUDA PJRT plugin: pip install "
-        "jax-cuda12-plugin jax-cuda12-pjrt (the 'gpu-aot' extra of this project)")
-  from jax.experimental import topologies
-  try:
-    topo = topologies.get_topology_desc(
-        platform="cuda",
-        topology=f"{num_hosts}x1x{gpus_per_host}",
-        target_config=target_config,
-    )
-  except Exception as e:
-    raise DevicelessUnavailableError(
-        "could not build a compile-only H100 topology (is JAX_PLATFORMS=cpu "
-        f"set? the CUDA plugin drops out without it): {e}") from e
-  return list(topo.devices)
+    ``target_config`` (a GpuTargetConfigProto in text format) picks another GPU
+    (see ``a100_devices``). Needs jax-cuda12-plugin and JAX_PLATFORMS=cpu (see
+    module docstring). Raises DevicelessUnavailableError when the plugin is
+    missing or unusable.
+    """
+    if num_hosts < 1:
+        raise ValueError(f"num_hosts must be >= 1, got {num_hosts}")
+    if gpus_per_host < 1:
+        raise ValueError(f"gpus_per_host must be >= 1, got {gpus_per_host}")
+    if not cuda_available():
+        raise DevicelessUnavailableError(
+            "deviceless GPU compiles need the CUDA PJRT plugin: pip install "
+            "jax-cuda12-plugin jax-cuda12-pjrt (the 'gpu-aot' extra of this project)"
+        )
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(
+            platform="cuda",
+            topology=f"{num_hosts}x1x{gpus_per_host}",
+            target_config=target_config,
+        )
+    except Exception as e:
+        raise DevicelessUnavailableError(
+            "could not build a compile-only H100 topology (is JAX_PLATFORMS=cpu "
+            f"set? the CUDA plugin drops out without it): {e}"
+        ) from e
+    return list(topo.devices)
 
 
 def compiled_memory(compiled: Any) -> dict[str, int]:
-  """Per-device byte counts from ``compiled.memory_analysis()``.
+    """Per-device byte counts from ``compiled.memory_analysis()``.
 
-  Keys: argument, output, alias, temp, generated_code, total (= argument +
-  output - alias + temp). Missing fields read as 0.
-  """
-  stats = compiled.memory_analysis()
-  if stats is None:
-    raise ValueError("compiled.memory_analysis() returned None for this backend")
-  if isinstance(stats, (list, tuple)):
-    stats = stats[0]
-  get = lambda name: int(getattr(stats, name, 0) or 0)
-  out = {
-      "argument": get("argument_size_in_bytes"),
-      "output": get("output_size_in_bytes"),
-      "alias": get("alias_size_in_bytes"),
-      "temp": get("temp_size_in_bytes"),
-      "generated_code": get("generated_code_size_in_bytes"),
-  }
-  out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
-  return out
+    Keys: argument, output, alias, temp, generated_code, total (= argument +
+    output - alias + temp). Missing fields read as 0.
+    """
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise ValueError("compiled.memory_analysis() returned None for this backend")
+    if isinstance(stats, (list, tuple)):
+        stats = stats[0]
+    get = lambda name: int(getattr(stats, name, 0) or 0)
+    out = {
+        "argument": get("argument_size_in_bytes"),
+        "output": get("output_size_in_bytes"),
+        "alias": get("alias_size_in_bytes"),
+        "temp": get("temp_size_in_bytes"),
+        "generated_code": get("generated_code_size_in_bytes"),
+    }
+    out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
 
 
 def compiled_cost(compiled: Any) -> dict[str, float] | None:
-  """``compiled.cost_analysis()`` as a flat dict (None where unavailable, e.g. GPU).
+    """``compiled.cost_analysis()`` as a flat dict (None where unavailable, e.g. GPU).
 
-  Common keys: 'flops', 'transcendentals', 'bytes accessed', and on TPU
-  'optimal_seconds' (XLA's estimate of run time, not a measurement).
-  """
-  try:
-    cost = compiled.cost_analysis()
-  except Exception:
-    return None
-  if cost is None:
-    return None
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0] if cost else None
+    Common keys: 'flops', 'transcendentals', 'bytes accessed', and on TPU
+    'optimal_seconds' (XLA's estimate of run time, not a measurement).
+    """
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:
+        return None
     if cost is None:
-      return None
-  return {str(k): float(v) for k, v in cost.items()
-          if isinstance(v, (int, float, np.floating, np.integer))}
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+        if cost is None:
+            return None
+    return {str(k): float(v) for k, v in cost.items() if isinstance(v, (int, float, np.floating, np.integer))}
 
 
 def custom_call_targets(compiled_text: str) -> set[str]:
-  """The custom-call target names appearing in optimized HLO text."""
-  import re
-  return set(re.findall(r'custom_call_target="([^"]+)"', compiled_text))
+    """The custom-call target names appearing in optimized HLO text."""
+    import re
+
+    return set(re.findall(r'custom_call_target="([^"]+)"', compiled_text))
 
 
 def has_custom_call(compiled_text: str, name_substring: str) -> bool:
-  """Whether the optimized HLO text holds a custom call whose target contains ``name_substring``.
+    """Whether the optimized HLO text holds a custom call whose target contains ``name_substring``.
 
-  Pallas kernels appear as ``tpu_custom_call`` (Mosaic TPU) and
-  ``__gpu$xla.gpu.triton`` (Triton).
-  """
-  return any(name_substring in t for t in custom_call_targets(compiled_text))
+    Pallas kernels appear as ``tpu_custom_call`` (Mosaic TPU) and
+    ``__gpu$xla.gpu.triton`` (Triton).
+    """
+    return any(name_substring in t for t in custom_call_targets(compiled_text))

@@ -1,4 +1,5 @@
 """Test setup: 8 simulated CPU devices (set before jax is imported) and shared fixtures."""
+
 import os
 
 from jaxtrain.platform import has_accelerator
@@ -6,8 +7,9 @@ from jaxtrain.platform import has_accelerator
 if "JAX_PLATFORMS" not in os.environ and not has_accelerator():
     os.environ["JAX_PLATFORMS"] = "cpu"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
@@ -34,8 +36,9 @@ def repo_root():
 
 def replace(cfg, **sections):
     """dataclasses.replace on nested sections: replace(cfg, train=dict(steps=3))."""
-    return dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), **v)
-                                       for k, v in sections.items()})
+    return dataclasses.replace(
+        cfg, **{k: dataclasses.replace(getattr(cfg, k), **v) for k, v in sections.items()}
+    )
 
 
 @contextlib.contextmanager
@@ -46,15 +49,20 @@ def program_on_mesh(cfg):
 
     import jax
 
-    import sharding
+    from jaxtrain import sharding
     from jaxtrain.data import make_data_iterator
     from jaxtrain.train_step import build_program
 
     n = math.prod(cfg.mesh.sizes().values())
     mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:n])
     rules = sharding.PRESETS[cfg.mesh.rules]
-    data = make_data_iterator(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
-                              global_batch_size=cfg.train.global_batch_size, seed=cfg.seed)
+    data = make_data_iterator(
+        cfg.data,
+        vocab_size=cfg.model.vocab_size,
+        seq_len=cfg.train.seq_len,
+        global_batch_size=cfg.train.global_batch_size,
+        seed=cfg.seed,
+    )
     with jax.set_mesh(mesh), sharding.axis_rules(rules):
         program = build_program(cfg, mesh, rules)
         yield program, program.init(), data

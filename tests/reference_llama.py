@@ -5,13 +5,14 @@ Written from the Llama paper / HF `modeling_llama` semantics, not from
 cos/sin tables, attention is a per-head softmax over an explicit mask, and
 layers run in a Python loop. Used only as a test oracle.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
 def rms_norm(x, scale, eps):
-    return x / jnp.sqrt(jnp.mean(x ** 2, axis=-1, keepdims=True) + eps) * scale
+    return x / jnp.sqrt(jnp.mean(x**2, axis=-1, keepdims=True) + eps) * scale
 
 
 def rotate_half(x):
@@ -22,8 +23,8 @@ def rotate_half(x):
 def apply_rope(x, positions, theta):
     d = x.shape[-1]
     inv_freq = 1.0 / theta ** (np.arange(0, d, 2) / d)
-    freqs = positions[..., None] * inv_freq            # [b, s, d/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)     # [b, s, d]
+    freqs = positions[..., None] * inv_freq  # [b, s, d/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [b, s, d]
     cos, sin = jnp.cos(emb)[:, :, None], jnp.sin(emb)[:, :, None]
     return x * cos + rotate_half(x) * sin
 
@@ -37,7 +38,7 @@ def forward(params, tokens, cfg, positions=None, segment_ids=None):
     hd = cfg.resolved_head_dim
     groups = cfg.n_heads // cfg.n_kv_heads
     causal = np.tril(np.ones((s, s), bool))
-    mask = causal[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])   # [b, q, k]
+    mask = causal[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])  # [b, q, k]
     x = params["embedding"][tokens]
     blocks = params["blocks"]
     for layer in range(cfg.n_layers):

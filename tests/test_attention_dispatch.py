@@ -1,19 +1,21 @@
 """The model's attention dispatcher: `attention_impl=pallas` (the flash kernel in
 interpret mode, inside shard_map over batch/heads) trains like `xla`, with packed
 multi-document rows; `auto` resolves by backend."""
+
 import json
 
 import jax
 import numpy as np
 import pytest
 
+from jaxtrain.models.attention import resolve_impl
 from jaxtrain.trainer import train
-from models.attention import resolve_impl
 from tests.conftest import tiny_config
 
 
-@pytest.mark.parametrize("platform,impl", [("cpu", "xla"), ("tpu", "pallas"), ("gpu", "pallas"),
-                                           ("cuda", "pallas")])
+@pytest.mark.parametrize(
+    "platform,impl", [("cpu", "xla"), ("tpu", "pallas"), ("gpu", "pallas"), ("cuda", "pallas")]
+)
 def test_auto_resolves_by_backend(platform, impl):
     assert resolve_impl("auto", platform) == impl
     assert resolve_impl("xla", "tpu") == "xla"
@@ -23,13 +25,26 @@ def test_pallas_trains_like_xla_on_packed_documents(tmp_path):
     docs = tmp_path / "docs.jsonl"
     rng = np.random.default_rng(0)
     words = ["alpha", "beta", "gamma", "delta", "sharding", "mesh", "kernel", "flash"]
-    docs.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, rng.integers(3, 12)))}) + "\n"
-                            for _ in range(200)))
+    docs.write_text(
+        "".join(
+            json.dumps({"text": " ".join(rng.choice(words, rng.integers(3, 12)))}) + "\n" for _ in range(200)
+        )
+    )
 
     def losses(impl):
-        cfg = tiny_config(tmp_path / impl, "model.d_model=64", "model.mlp_dim=128", "train.seq_len=64",
-                          "train.steps=3", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
-                          "data.source=text", f"data.paths=[{docs}]", f"model.attention_impl={impl}")
+        cfg = tiny_config(
+            tmp_path / impl,
+            "model.d_model=64",
+            "model.mlp_dim=128",
+            "train.seq_len=64",
+            "train.steps=3",
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.tensor=2",
+            "data.source=text",
+            f"data.paths=[{docs}]",
+            f"model.attention_impl={impl}",
+        )
         return [r["loss"] for r in train(cfg, devices=jax.devices()).metrics]
 
     xla, pallas = losses("xla"), losses("pallas")
@@ -39,8 +54,9 @@ def test_pallas_trains_like_xla_on_packed_documents(tmp_path):
 
 def test_packed_rows_really_hold_several_documents(tmp_path):
     from jaxtrain.data import make_data_iterator
+
     docs = tmp_path / "d.jsonl"
-    docs.write_text("".join(json.dumps({"text": "short doc %d" % i}) + "\n" for i in range(50)))
+    docs.write_text("".join(json.dumps({"text": f"short doc {i}"}) + "\n" for i in range(50)))
     cfg = tiny_config(None, "data.source=text", f"data.paths=[{docs}]")
     it = make_data_iterator(cfg.data, vocab_size=512, seq_len=64, global_batch_size=2, seed=0)
     assert next(it)["segment_ids"].max() >= 3

@@ -3,6 +3,7 @@ restore onto a smaller mesh (8 -> 4 devices), and model-shape changes.
 
 Oracles: an uninterrupted run's own metrics (bit-for-bit on CPU: same program,
 same inputs), and the arrays as saved (restored values compared exactly)."""
+
 import gc
 import hashlib
 import os
@@ -12,8 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-import sharding
-from jaxtrain.checkpoint import CheckpointError, Checkpointer, CheckpointMismatchError, abstract_state
+from jaxtrain import sharding
+from jaxtrain.checkpoint import Checkpointer, CheckpointError, CheckpointMismatchError, abstract_state
 from jaxtrain.cli import main
 from jaxtrain.train_step import build_program
 from jaxtrain.trainer import train
@@ -26,8 +27,14 @@ COMPARED = ("loss", "grad_norm", "lr", "skipped_total")
 def small(tmp_path, *overrides):
     """The tiny config, smaller and with a fixed decay horizon so that runs of different
     lengths share one learning-rate schedule."""
-    return tiny_config(tmp_path, "model.d_model=64", "model.mlp_dim=128", "train.seq_len=32",
-                       "optimizer.decay_steps=20", *overrides)
+    return tiny_config(
+        tmp_path,
+        "model.d_model=64",
+        "model.mlp_dim=128",
+        "train.seq_len=32",
+        "optimizer.decay_steps=20",
+        *overrides,
+    )
 
 
 def by_step(metrics):
@@ -35,8 +42,14 @@ def by_step(metrics):
 
 
 def test_keep_policy_and_exact_resume_after_losing_newest_checkpoints(tmp_path):
-    cfg = small(tmp_path, "train.steps=10", "checkpoint.every=2", "checkpoint.keep=2",
-                "checkpoint.keep_every=4", "mesh.fsdp=2")
+    cfg = small(
+        tmp_path,
+        "train.steps=10",
+        "checkpoint.every=2",
+        "checkpoint.keep=2",
+        "checkpoint.keep_every=4",
+        "mesh.fsdp=2",
+    )
     first = train(cfg, devices=jax.devices()[:2])
     ckpts = tmp_path / "checkpoints"
     # keep the newest 2 (8, 10) plus every multiple of 4 (4, 8)
@@ -50,7 +63,7 @@ def test_keep_policy_and_exact_resume_after_losing_newest_checkpoints(tmp_path):
     want = by_step(first.metrics)
     got = by_step(second.metrics)
     assert sorted(got) == list(range(5, 11))
-    assert all(got[s] == want[s] for s in got), (got, want)   # bit for bit
+    assert all(got[s] == want[s] for s in got), (got, want)  # bit for bit
 
 
 # A failed restore leaves Orbax's other shard-read coroutines unfinished; their
@@ -69,13 +82,13 @@ def test_corrupted_latest_checkpoints_are_skipped_not_crash_looped(tmp_path, cap
     os.remove(ckpts / "4" / "state" / "_METADATA")
     second = train(cfg, devices=jax.devices()[:1])
     gc.collect()
-    err = " ".join(capsys.readouterr().err.split())   # the console wraps long lines
+    err = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
     for step in (6, 4):
         assert f"checkpoints/{step} is unreadable" in err and f"moved it to {step}.unreadable" in err, err
     assert second.start_step == 2
     assert by_step(second.metrics) == {s: v for s, v in by_step(first.metrics).items() if s > 2}
     assert sorted(os.listdir(ckpts)) == ["2", "4", "4.unreadable", "6", "6.unreadable"]
-    third = train(cfg, devices=jax.devices()[:1])     # the rewritten 6 is fine: nothing to do
+    third = train(cfg, devices=jax.devices()[:1])  # the rewritten 6 is fine: nothing to do
     assert third.start_step == 6 and third.metrics == []
 
 
@@ -89,8 +102,9 @@ def _program(cfg, devices):
 def test_reshard_8_to_4_devices(tmp_path):
     """A checkpoint from a (data 2, fsdp 2, tensor 2) mesh restores onto (fsdp 2, tensor 2)
     over 4 devices with identical values, and training continues with the same losses."""
-    cfg8 = small(tmp_path / "8", "train.steps=6", "checkpoint.every=4",
-                 "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+    cfg8 = small(
+        tmp_path / "8", "train.steps=6", "checkpoint.every=4", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"
+    )
     run8 = train(cfg8, devices=jax.devices())
     dir4 = tmp_path / "4"
     shutil.copytree(tmp_path / "8" / "checkpoints", dir4 / "checkpoints")
@@ -106,8 +120,9 @@ def test_reshard_8_to_4_devices(tmp_path):
     wq = on4.params["blocks"]["attn"]["wq"]
     assert set(wq.sharding.device_set) == set(jax.devices()[:4])
     assert wq.sharding.spec == prog4.state_shardings.params["blocks"]["attn"]["wq"].spec
-    same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True),
-                        on8, on4)   # the loss window holds NaN for empty slots
+    same = jax.tree.map(
+        lambda a, b: np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True), on8, on4
+    )  # the loss window holds NaN for empty slots
     assert all(jax.tree.leaves(same))
 
     run4 = train(cfg4, devices=jax.devices()[:4])
@@ -131,27 +146,54 @@ def test_model_shape_change_is_a_clear_error_and_leaves_checkpoint(tmp_path, cap
     cfg = small(tmp_path, "train.steps=2", "checkpoint.every=2")
     train(cfg, devices=jax.devices()[:1])
     before = _tree_digest(tmp_path / "checkpoints")
-    with pytest.raises(CheckpointMismatchError, match=r"parameter 'blocks/mlp/w_down' has shape "
-                       r"\(2, 128, 64\) in the checkpoint but \(2, 256, 64\) in the model"):
-        train(small(tmp_path, "train.steps=4", "checkpoint.every=2", "model.mlp_dim=256"),
-              devices=jax.devices()[:1])
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"parameter 'blocks/mlp/w_down' has shape "
+        r"\(2, 128, 64\) in the checkpoint but \(2, 256, 64\) in the model",
+    ):
+        train(
+            small(tmp_path, "train.steps=4", "checkpoint.every=2", "model.mlp_dim=256"),
+            devices=jax.devices()[:1],
+        )
     # the spike detector's window is train state too: a different length is named, not "unreadable"
-    with pytest.raises(CheckpointMismatchError, match=r"loss window \(spike detection\) holds 32 "
-                       r"losses, the run expects faults.spike_window=8"):
-        train(small(tmp_path, "train.steps=4", "checkpoint.every=2", "faults.spike_window=8"),
-              devices=jax.devices()[:1])
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"loss window \(spike detection\) holds 32 "
+        r"losses, the run expects faults.spike_window=8",
+    ):
+        train(
+            small(tmp_path, "train.steps=4", "checkpoint.every=2", "faults.spike_window=8"),
+            devices=jax.devices()[:1],
+        )
     assert _tree_digest(tmp_path / "checkpoints") == before
     # the CLI: exit 2 and one line
     tiny = os.path.join(REPO, "configs", "tiny.yaml")
-    code = main(["train", tiny, f"output_dir={tmp_path}", "logging.progress=false",
-                 "logging.tensorboard=false", "model.d_model=64", "model.mlp_dim=128",
-                 "train.seq_len=32", "checkpoint.every=2", "model.n_layers=3", "mesh.data=8"])
+    code = main(
+        [
+            "train",
+            tiny,
+            f"output_dir={tmp_path}",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "model.d_model=64",
+            "model.mlp_dim=128",
+            "train.seq_len=32",
+            "checkpoint.every=2",
+            "model.n_layers=3",
+            "mesh.data=8",
+        ]
+    )
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: error")]
     assert code == 2 and len(err) == 1 and "'blocks/attn/wk' has shape (2, " in err[0], err
     assert "left untouched" in err[0]
     # a fresh start into a directory with checkpoints would mix two runs: refused
-    with pytest.raises(CheckpointError, match=r"checkpoint.resume=false but .* already holds "
-                                              r"checkpoints \[2\]"):
-        train(small(tmp_path, "train.steps=4", "checkpoint.every=2", "checkpoint.resume=false"),
-              devices=jax.devices()[:1])
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint.resume=false but .* already holds "
+        r"checkpoints \[2\]",
+    ):
+        train(
+            small(tmp_path, "train.steps=4", "checkpoint.every=2", "checkpoint.resume=false"),
+            devices=jax.devices()[:1],
+        )
     assert _tree_digest(tmp_path / "checkpoints") == before

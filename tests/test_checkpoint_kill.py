@@ -4,6 +4,7 @@ same command must continue exactly where an uninterrupted run would be.
 
 Oracle: the same command run once without interruption; on CPU the resumed losses,
 gradient norms and learning rates must be equal bit for bit, step by step."""
+
 import atexit
 import json
 import os
@@ -21,14 +22,24 @@ from tests.conftest import REPO
 
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
 COMPARED = ("loss", "grad_norm", "lr", "skipped_total")
-RUN_TIMEOUT = 240          # one CLI run, seconds (startup + compile + 40 tiny steps is ~20 s)
+RUN_TIMEOUT = 240  # one CLI run, seconds (startup + compile + 40 tiny steps is ~20 s)
 pytestmark = pytest.mark.timeout(900)
 
 
 def command(out_dir, *extra):
-    return [sys.executable, "-m", "jaxtrain", "train", TINY, f"output_dir={out_dir}",
-            "train.steps=40", "mesh.fsdp=2", "logging.progress=false", "logging.tensorboard=false",
-            *extra]
+    return [
+        sys.executable,
+        "-m",
+        "jaxtrain",
+        "train",
+        TINY,
+        f"output_dir={out_dir}",
+        "train.steps=40",
+        "mesh.fsdp=2",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        *extra,
+    ]
 
 
 # One persistent compilation cache for this session's CLI runs: the runs compile the same
@@ -39,15 +50,26 @@ atexit.register(shutil.rmtree, JAX_CACHE, ignore_errors=True)
 
 
 def env():
-    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # the CLI sets the device count
-    e.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=JAX_CACHE,
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets the device count
+    e.update(
+        JAX_PLATFORMS="cpu",
+        JAX_COMPILATION_CACHE_DIR=JAX_CACHE,
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
     return e
 
 
 def start(out_dir, *extra):
-    return subprocess.Popen(command(out_dir, *extra), cwd=REPO, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        command(out_dir, *extra),
+        cwd=REPO,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def finish(proc, timeout=RUN_TIMEOUT):
@@ -125,7 +147,7 @@ def test_kill_9_at_random_moments_then_rerun_gives_identical_metrics(tmp_path, u
         if moment == "async write":
             # past startup (which removes tmp leftovers of earlier kills), a write is in flight
             wait_for(lambda: len(records(tmp_path)) > done and in_flight_writes(ckpt_dir), proc)
-        else:   # a random step beyond anything reached so far
+        else:  # a random step beyond anything reached so far
             target = min(38, furthest + rng.randint(2, 12))
             wait_for(lambda: any(r["step"] >= target for r in records(tmp_path)[done:]), proc)
         os.killpg(proc.pid, signal.SIGKILL)
@@ -135,12 +157,13 @@ def test_kill_9_at_random_moments_then_rerun_gives_identical_metrics(tmp_path, u
     newest = finalized_steps(ckpt_dir)
     code, out, err = finish(start(tmp_path, "checkpoint.every=5"))
     assert code == 0, f"seed {seed}: {err[-3000:]}"
-    assert (f"resumed from step {newest[-1]}" in out) if newest else ("resumed" not in out), \
+    assert (f"resumed from step {newest[-1]}" in out) if newest else ("resumed" not in out), (
         f"seed {seed}: checkpoints {newest}, output {out!r}"
+    )
     rows = records(tmp_path)
     assert {r["step"] for r in rows} == set(range(1, 41)), f"seed {seed}"
     assert_matches(rows, uninterrupted)
-    assert not in_flight_writes(ckpt_dir), f"seed {seed}"     # cleaned up by the rerun
+    assert not in_flight_writes(ckpt_dir), f"seed {seed}"  # cleaned up by the rerun
 
 
 def test_sigterm_finishes_step_saves_and_exits_0_then_resumes(tmp_path, uninterrupted):

@@ -1,5 +1,6 @@
 """The CLI end to end (subprocess, as a user runs it) and its error contract:
 exit code 2 and one line naming key, value and expectation, before any compile."""
+
 import json
 import os
 import subprocess
@@ -14,15 +15,29 @@ TINY = os.path.join(REPO, "configs", "tiny.yaml")
 
 
 def run_cli(*args, env_extra=None):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # the CLI picks the count
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI picks the count
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "jaxtrain", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxtrain", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=600,
+    )
 
 
 def test_train_end_to_end_on_a_sharded_mesh(tmp_path):
-    out = run_cli("train", TINY, f"output_dir={tmp_path}", "train.steps=4", "logging.every=2",
-                  "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+    out = run_cli(
+        "train",
+        TINY,
+        f"output_dir={tmp_path}",
+        "train.steps=4",
+        "logging.every=2",
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4]
@@ -34,21 +49,31 @@ def test_train_end_to_end_on_a_sharded_mesh(tmp_path):
     assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in out.stderr
 
 
-@pytest.mark.parametrize("overrides,expected", [
-    (["nope=1"], "nope: unknown key"),
-    (["model.n_layerz=2"], "model.n_layerz: unknown key"),
-    (["train.steps=many"], "train.steps='many': expected an integer"),
-    (["model.n_kv_heads=3"], "model.n_kv_heads=3: expected a divisor of model.n_heads=4"),
-    (["mesh.tensor=4", "model.n_kv_heads=2"], "model.n_kv_heads=2: expected a multiple of mesh.tensor=4"),
-    (["mesh.tensor=8"], "model.n_heads=4: expected a multiple of mesh.tensor=8"),
-    (["train.seq_len=0"], "train.seq_len=0: expected a positive integer"),
-    (["mesh.data=8", "train.global_batch_size=12"], "train.global_batch_size=12: expected a multiple of"),
-    (["mesh.data=2", "train.microbatches=3", "train.global_batch_size=8"], "train.global_batch_size=8"),
-    (["mesh.data=3"], "mesh: product 3 (data=3) does not equal the device count 8"),
-    (["mesh.data=8", "data.source=text", "data.paths=[/nonexistent/file.txt]"], "/nonexistent/file.txt"),
-    (["mesh.data=8", "data.source=text", "data.paths=[" + os.path.join(REPO, "README.md") + "]",
-      "model.vocab_size=100"], "model.vocab_size"),
-])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["nope=1"], "nope: unknown key"),
+        (["model.n_layerz=2"], "model.n_layerz: unknown key"),
+        (["train.steps=many"], "train.steps='many': expected an integer"),
+        (["model.n_kv_heads=3"], "model.n_kv_heads=3: expected a divisor of model.n_heads=4"),
+        (["mesh.tensor=4", "model.n_kv_heads=2"], "model.n_kv_heads=2: expected a multiple of mesh.tensor=4"),
+        (["mesh.tensor=8"], "model.n_heads=4: expected a multiple of mesh.tensor=8"),
+        (["train.seq_len=0"], "train.seq_len=0: expected a positive integer"),
+        (["mesh.data=8", "train.global_batch_size=12"], "train.global_batch_size=12: expected a multiple of"),
+        (["mesh.data=2", "train.microbatches=3", "train.global_batch_size=8"], "train.global_batch_size=8"),
+        (["mesh.data=3"], "mesh: product 3 (data=3) does not equal the device count 8"),
+        (["mesh.data=8", "data.source=text", "data.paths=[/nonexistent/file.txt]"], "/nonexistent/file.txt"),
+        (
+            [
+                "mesh.data=8",
+                "data.source=text",
+                "data.paths=[" + os.path.join(REPO, "README.md") + "]",
+                "model.vocab_size=100",
+            ],
+            "model.vocab_size",
+        ),
+    ],
+)
 def test_config_errors_exit_2_with_one_line(capsys, overrides, expected):
     # In-process: the test process already has 8 CPU devices, so "mesh product != device
     # count" is reachable; a compile would take seconds, these return at once.
@@ -63,7 +88,8 @@ def test_subprocess_config_error_is_one_line_and_fast():
     out = run_cli("train", TINY, "model.n_kv_heads=3")
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "jaxtrain: error: model.n_kv_heads=3: expected a divisor of model.n_heads=4"]
+        "jaxtrain: error: model.n_kv_heads=3: expected a divisor of model.n_heads=4"
+    ]
 
 
 def test_missing_config_file():
@@ -78,20 +104,29 @@ def test_text_demo_config_trains_on_local_files(tmp_path):
     from jaxtrain.config import load_config
     from jaxtrain.trainer import train
 
-    cfg = load_config(os.path.join(REPO, "configs", "tiny-text.yaml"), [
-        f"output_dir={tmp_path}", "train.steps=3", "logging.progress=false", "logging.tensorboard=false",
-        "data.paths=[" + ",".join(os.path.join(REPO, p) for p in ("README.md", "jaxtrain/*.py")) + "]"])
+    cfg = load_config(
+        os.path.join(REPO, "configs", "tiny-text.yaml"),
+        [
+            f"output_dir={tmp_path}",
+            "train.steps=3",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "data.paths=[" + ",".join(os.path.join(REPO, p) for p in ("README.md", "jaxtrain/*.py")) + "]",
+        ],
+    )
     losses = [r["loss"] for r in train(cfg, devices=jax.devices()[:1]).metrics]
-    assert len(losses) == 3 and all(l == l for l in losses)   # finite
+    assert len(losses) == 3 and all(l == l for l in losses)  # finite
     # untrained model: loss near log(vocab) over the counted tokens
     assert abs(losses[0] - __import__("math").log(cfg.model.vocab_size)) < 0.5
 
 
 def test_configure_host_pins_cpu_and_sets_device_count():
-    code = ("from jaxtrain.platform import configure_host; configure_host(4); import jax; "
-            "print(jax.default_backend(), jax.device_count())")
+    code = (
+        "from jaxtrain.platform import configure_host; configure_host(4); import jax; "
+        "print(jax.default_backend(), jax.device_count())"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["cpu", "4"]
-    assert "cuDNN" not in out.stderr   # the CUDA plugin did not try to start
+    assert "cuDNN" not in out.stderr  # the CUDA plugin did not try to start

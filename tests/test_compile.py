@@ -1,5 +1,6 @@
 """`jaxtrain compile`: deviceless AOT compiles of the real train step (TPU via libtpu,
 H100 via the CUDA PJRT plugin). Skipped where those plugins are not installed."""
+
 import json
 import os
 
@@ -8,7 +9,7 @@ import pytest
 from jaxtrain import cli
 from jaxtrain.compile import parse_target
 from jaxtrain.config import ConfigError
-from sharding import targets
+from jaxtrain.sharding import targets
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
@@ -25,11 +26,18 @@ def run_compile(capsys, *args):
     return code, (json.loads(out.splitlines()[-1]) if out else None)
 
 
-@pytest.mark.parametrize("text, topology, chips", [
-    ("tpu:v5p-8", "v5p:2x2x1", 4), ("tpu:v5p-64", "v5p:2x4x4", 32), ("tpu:v5p-256", "v5p:4x4x8", 128),
-    ("tpu:v5p-512", "v5p:4x8x8", 256), ("tpu:v4-128", "v4:4x4x4", 64), ("tpu:v5e-256", "v5e:16x16", 256),
-    ("tpu:v6e-64", "v6e:8x8", 64),
-])
+@pytest.mark.parametrize(
+    "text, topology, chips",
+    [
+        ("tpu:v5p-8", "v5p:2x2x1", 4),
+        ("tpu:v5p-64", "v5p:2x4x4", 32),
+        ("tpu:v5p-256", "v5p:4x4x8", 128),
+        ("tpu:v5p-512", "v5p:4x8x8", 256),
+        ("tpu:v4-128", "v4:4x4x4", 64),
+        ("tpu:v5e-256", "v5e:16x16", 256),
+        ("tpu:v6e-64", "v6e:8x8", 64),
+    ],
+)
 def test_parse_tpu_targets(text, topology, chips):
     t = parse_target(text)
     assert (t.topology, t.chips, t.num_devices) == (topology, chips, chips)
@@ -54,9 +62,9 @@ def test_config_error_exits_2(capsys):
 def test_tiny_compiles_for_tpu_v5p_8(capsys):
     code, r = run_compile(capsys, TINY, "mesh.fsdp=-1", "--target", "tpu:v5p-8")
     assert code == 0 and r["fits"] and r["num_devices"] == 4 and r["device_kind"].startswith("TPU v5")
-    assert r["attention_impl"] == "pallas" and r["pallas_in_program"]   # auto resolved for the target
+    assert r["attention_impl"] == "pallas" and r["pallas_in_program"]  # auto resolved for the target
     assert 0 < r["memory"]["total"] < r["hbm_bytes"]
-    assert "all-gather" in r["collectives"]          # FSDP gathers the weights
+    assert "all-gather" in r["collectives"]  # FSDP gathers the weights
     # The 1-/2-layer extrapolation matches the analytic count (tiny, remat none: within 2x).
     assert 0.5 < r["xla_flops_over_model_flops"] < 2.0
     assert r["step_seconds_est"] > 0 and 0 < r["mfu_est"] < 1
@@ -64,16 +72,18 @@ def test_tiny_compiles_for_tpu_v5p_8(capsys):
 
 @needs_cuda
 def test_tiny_compiles_for_h100_1x8(capsys):
-    code, r = run_compile(capsys, TINY, "mesh.fsdp=-1", "--target", "gpu:h100", "--hosts", "1",
-                          "--gpus-per-host", "8")
+    code, r = run_compile(
+        capsys, TINY, "mesh.fsdp=-1", "--target", "gpu:h100", "--hosts", "1", "--gpus-per-host", "8"
+    )
     assert code == 0 and r["fits"] and r["num_devices"] == 8 and "H100" in r["device_kind"]
-    assert r["pallas_in_program"] and r["step_seconds_est"] is None   # no cost analysis on GPU
+    assert r["pallas_in_program"] and r["step_seconds_est"] is None  # no cost analysis on GPU
 
 
 @needs_tpu
 def test_two_slices_put_data_parallelism_on_dcn(capsys):
-    code, r = run_compile(capsys, TINY, "mesh.fsdp=-1", "--target", "tpu:v5p-8", "--slices", "2",
-                          "--no-estimate")
+    code, r = run_compile(
+        capsys, TINY, "mesh.fsdp=-1", "--target", "tpu:v5p-8", "--slices", "2", "--no-estimate"
+    )
     assert code == 0 and r["num_devices"] == 8
     assert r["mesh"] == {"data": 2, "fsdp": 4} and r["mesh_dcn"] == {"data": 2}
     # The gradient reduction across slices is a DCN (megascale) all-reduce in the compiled program;
@@ -88,9 +98,10 @@ def test_uncharged_kernels_drop_exactly_the_attention_flops():
     """XLA charges a Mosaic kernel what its pl.CostEstimate says and nothing without one
     (MaxText's splash attention carries none). Leaving ours uncharged must remove exactly
     the attention kernels' FLOPs from a layer, counted by hand."""
-    import sharding
+    from jaxtrain import sharding
     from jaxtrain.compile import _extrapolated_cost, config_for_target, target_devices
     from jaxtrain.config import load_config
+
     t = parse_target("tpu:v5p-8")
     cfg, ici, _ = config_for_target(load_config(TINY, ["mesh.fsdp=-1", "model.attention_impl=pallas"]), t)
     mesh = sharding.make_mesh(ici, target_devices(t))
@@ -104,15 +115,17 @@ def test_uncharged_kernels_drop_exactly_the_attention_flops():
     per_matmul = 2 * 128 * 128 * 32
     # (XLA's count differs by a few scalar FLOPs elsewhere in the two programs: 32 of 75.5M.)
     assert charged["flops per layer"] - free["flops per layer"] == pytest.approx(
-        2 * 4 * (2 + 3 + 4) * per_matmul, rel=1e-5)
+        2 * 4 * (2 + 3 + 4) * per_matmul, rel=1e-5
+    )
     assert free["optimal_seconds per layer"] < charged["optimal_seconds per layer"]
 
 
 @needs_tpu
 def test_two_slice_mesh_puts_slices_on_the_data_axis():
-    import sharding
+    from jaxtrain import sharding
     from jaxtrain.compile import config_for_target, target_devices
     from jaxtrain.config import load_config
+
     t = parse_target("tpu:v5p-8", slices=2)
     _, ici, dcn = config_for_target(load_config(TINY, ["mesh.fsdp=-1"]), t)
     mesh = sharding.make_mesh(ici, target_devices(t), dcn_axis_sizes=dcn)
@@ -123,13 +136,14 @@ def test_two_slice_mesh_puts_slices_on_the_data_axis():
 
 @needs_tpu
 def test_70b_on_v5p_8_does_not_fit(capsys):
-    code = cli.main(["compile", LLAMA2_70B, "train.global_batch_size=16", "--target", "tpu:v5p-8",
-                     "--no-estimate"])
+    code = cli.main(
+        ["compile", LLAMA2_70B, "train.global_batch_size=16", "--target", "tpu:v5p-8", "--no-estimate"]
+    )
     out = capsys.readouterr().out
     assert code == 1
     assert "DOES NOT FIT" in out and "over" in out
     assert "GiB over" in out
-    assert "use at least ~17 devices" in out   # names the knob that would help: more devices
+    assert "use at least ~17 devices" in out  # names the knob that would help: more devices
 
 
 @pytest.mark.slow
@@ -137,15 +151,24 @@ def test_70b_on_v5p_8_does_not_fit(capsys):
 def test_llama2_7b_fits_on_v5p_64(capsys):
     code, r = run_compile(capsys, LLAMA2_7B, "--target", "tpu:v5p-64", "--no-estimate")
     assert code == 0 and r["fits"] and r["num_devices"] == 32 and r["per_device_batch"] == 4
-    assert r["memory"]["total"] < 17.0 * 2**30   # MaxText 0.2.5, same batch/seq/remat: 17.0 GiB
+    assert r["memory"]["total"] < 17.0 * 2**30  # MaxText 0.2.5, same batch/seq/remat: 17.0 GiB
     assert r["pallas_in_program"]
 
 
 @pytest.mark.slow
 @needs_cuda
 def test_llama2_7b_fits_on_2x8_h100(capsys):
-    code, r = run_compile(capsys, LLAMA2_7B, "train.global_batch_size=64", "--target", "gpu:h100",
-                          "--hosts", "2", "--gpus-per-host", "8")
+    code, r = run_compile(
+        capsys,
+        LLAMA2_7B,
+        "train.global_batch_size=64",
+        "--target",
+        "gpu:h100",
+        "--hosts",
+        "2",
+        "--gpus-per-host",
+        "8",
+    )
     assert code == 0 and r["fits"] and r["num_devices"] == 16 and r["per_device_batch"] == 4
-    assert r["memory"]["total"] < 36.3 * 2**30   # MaxText 0.2.5, same batch/seq/remat: 36.3 GiB
+    assert r["memory"]["total"] < 36.3 * 2**30  # MaxText 0.2.5, same batch/seq/remat: 36.3 GiB
     assert r["pallas_in_program"]

@@ -10,6 +10,7 @@ kernel scheduled between each start and done, and has no all-gather whose result
 device gathers K/V); temp memory per device shrinks with the context size.
 What this does not show: speed, or overlap of transfers with compute.
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,7 +23,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import pytest  # noqa: E402
 
 from benchmarks.context import compile_ring  # noqa: E402
-from sharding import targets  # noqa: E402
+from jaxtrain.sharding import targets  # noqa: E402
 
 pytestmark = [
     pytest.mark.deviceless,
@@ -52,9 +53,11 @@ def test_ring_compiles_with_permutes_and_no_kv_gather(target):
     small, large = compile_ring(target, 2, SEQ), compile_ring(target, 8, SEQ)
     for n, r in ((2, small), (8, large)):
         assert "error" not in r, f"context={n}: {r}"
-        print(f"{target} context={n}: temp {r['memory']['temp'] >> 20} MiB, "
-              f"{r['permutes']} collective-permutes, {r['gathers']} full-seq all-gathers, "
-              f"compiled in {r['seconds']:.0f} s")
+        print(
+            f"{target} context={n}: temp {r['memory']['temp'] >> 20} MiB, "
+            f"{r['permutes']} collective-permutes, {r['gathers']} full-seq all-gathers, "
+            f"compiled in {r['seconds']:.0f} s"
+        )
         assert r["permutes"] > 0
         assert r["gathers"] == 0
         # Ring transfers are async, and the compiler scheduled Pallas kernels
@@ -75,8 +78,10 @@ def test_ulysses_on_tpu_beyond_one_heads_vmem_compiles_with_chunks():
     (chunked_attention) and compiles; before, it failed with the VMEM error."""
     if _available("tpu"):
         pytest.skip(_available("tpu"))
-    from pallas_kernels.ring_attention import flash_chunks_needed
     import jax.numpy as jnp
+
+    from jaxtrain.pallas_kernels.ring_attention import flash_chunks_needed
+
     assert flash_chunks_needed(131072, 128, jnp.bfloat16, backend="tpu") > 1
     r = compile_ring("tpu", 8, 131072, impl="ulysses")
     assert "error" not in r, r

@@ -1,5 +1,6 @@
 """HF <-> jaxtrain checkpoint conversion and train.init_from. Oracle: transformers'
 logits for the tiny HF assets and the assets' own tensors."""
+
 import dataclasses
 from pathlib import Path
 
@@ -8,10 +9,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-import sharding
+from jaxtrain import sharding
 from jaxtrain.convert import ckpt_to_hf, hf_to_ckpt, load_params, read_model_config
+from jaxtrain.models.hf import HFConversionError, from_hf
 from jaxtrain.train_step import build_program
-from models.hf import HFConversionError, from_hf
 from tests.conftest import tiny_config
 
 ASSET = Path(__file__).parent / "assets" / "hf" / "llama_gqa_rope_llama3"
@@ -32,19 +33,33 @@ def test_hf_to_ckpt_to_hf_round_trip(tmp_path):
 
 def test_init_from_loads_sharded_weights_with_transformers_logits(tmp_path):
     model_cfg = hf_to_ckpt(ASSET, tmp_path / "ckpt")
-    overrides = [f"model.{k}={v}" for k, v in dataclasses.asdict(model_cfg).items()
-                 if v is not None and not isinstance(v, dict)]
-    cfg = tiny_config(tmp_path, *overrides, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
-                      "train.seq_len=16", f"train.init_from={tmp_path / 'ckpt'}")
+    overrides = [
+        f"model.{k}={v}"
+        for k, v in dataclasses.asdict(model_cfg).items()
+        if v is not None and not isinstance(v, dict)
+    ]
+    cfg = tiny_config(
+        tmp_path,
+        *overrides,
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "train.seq_len=16",
+        f"train.init_from={tmp_path / 'ckpt'}",
+    )
     mesh = sharding.make_mesh(cfg.mesh.sizes())
     with jax.set_mesh(mesh), sharding.axis_rules(sharding.DEFAULT_RULES):
         program = build_program(cfg, mesh, sharding.DEFAULT_RULES)
-        abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                jax.eval_shape(program.init).params, program.state_shardings.params)
+        abstract = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            jax.eval_shape(program.init).params,
+            program.state_shardings.params,
+        )
         params = load_params(tmp_path / "ckpt", cfg.model, abstract)
         wq = params["blocks"]["attn"]["wq"]
         assert wq.sharding.spec == program.state_shardings.params["blocks"]["attn"]["wq"].spec
-        import models
+        from jaxtrain import models
+
         model = models.merge(program.graphdef, program.abstract_params, params)
         logits = jax.jit(lambda t: model(t))(np.load(ASSET / "tokens.npy"))
     np.testing.assert_allclose(np.asarray(logits), np.load(ASSET / "logits.npy"), atol=1e-5)
@@ -66,8 +81,13 @@ def test_convert_cli_and_init_from_training(tmp_path):
     from jaxtrain.trainer import train
     from tests.conftest import REPO
 
-    run = lambda *a: subprocess.run([sys.executable, "-m", "jaxtrain", "convert", *a], capture_output=True,
-                                    text=True, cwd=REPO, timeout=300)
+    run = lambda *a: subprocess.run(
+        [sys.executable, "-m", "jaxtrain", "convert", *a],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     out = run("hf-to-ckpt", str(ASSET), str(tmp_path / "ckpt"))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "train.init_from=" in out.stdout
@@ -78,15 +98,29 @@ def test_convert_cli_and_init_from_training(tmp_path):
     assert bad.returncode == 2 and "config.json" in bad.stderr
 
     model_cfg = read_model_config(tmp_path / "ckpt")
-    overrides = [f"model.{k}={v}" for k, v in dataclasses.asdict(model_cfg).items()
-                 if v is not None and not isinstance(v, dict)]
-    cfg = tiny_config(tmp_path / "run", *overrides, "train.steps=2", "train.seq_len=16",
-                      "model.vocab_size=128", f"train.init_from={tmp_path / 'ckpt'}")
+    overrides = [
+        f"model.{k}={v}"
+        for k, v in dataclasses.asdict(model_cfg).items()
+        if v is not None and not isinstance(v, dict)
+    ]
+    cfg = tiny_config(
+        tmp_path / "run",
+        *overrides,
+        "train.steps=2",
+        "train.seq_len=16",
+        "model.vocab_size=128",
+        f"train.init_from={tmp_path / 'ckpt'}",
+    )
     first = train(cfg, devices=jax.devices()[:1]).metrics[0]["loss"]
     from jaxtrain.data import make_data_iterator
-    batch = next(make_data_iterator(cfg.data, vocab_size=128, seq_len=16,
-                                    global_batch_size=cfg.train.global_batch_size, seed=cfg.seed))
+
+    batch = next(
+        make_data_iterator(
+            cfg.data, vocab_size=128, seq_len=16, global_batch_size=cfg.train.global_batch_size, seed=cfg.seed
+        )
+    )
     import optax
+
     logits = from_hf(ASSET)(batch["inputs"])
     expected = float(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean())
-    assert abs(first - expected) < 1e-4   # f32 CE of the converted model on the first batch
+    assert abs(first - expected) < 1e-4  # f32 CE of the converted model on the first batch

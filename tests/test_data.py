@@ -10,8 +10,13 @@ import pytest
 from jaxtrain.data import BYTE_EOS_ID, DataError, make_data_iterator
 
 EOS = BYTE_EOS_ID
-KEYS = {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32,
-        "positions": np.int32, "loss_mask": np.float32}
+KEYS = {
+    "inputs": np.int32,
+    "targets": np.int32,
+    "segment_ids": np.int32,
+    "positions": np.int32,
+    "loss_mask": np.float32,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,10 +46,15 @@ def synth(seed=0, **kw):
 
 
 def text_iter(paths, seq_len=4, batch=2, seed=0, shuffle=True, vocab_size=300, **kw):
-    cfg = Cfg(source="text", paths=tuple(str(p) for p in paths), shuffle=shuffle,
-              tokenizer=kw.pop("tokenizer", "byte"))
-    return make_data_iterator(cfg, vocab_size=vocab_size, seq_len=seq_len,
-                              global_batch_size=batch, seed=seed, **kw)
+    cfg = Cfg(
+        source="text",
+        paths=tuple(str(p) for p in paths),
+        shuffle=shuffle,
+        tokenizer=kw.pop("tokenizer", "byte"),
+    )
+    return make_data_iterator(
+        cfg, vocab_size=vocab_size, seq_len=seq_len, global_batch_size=batch, seed=seed, **kw
+    )
 
 
 # ------------------------------------------------------------------ synthetic
@@ -84,16 +94,14 @@ def test_synthetic_process_split_matches_single_process():
     assert parts[0][0]["inputs"].shape == (3, 16)
     for k in range(2):
         for key in KEYS:
-            np.testing.assert_array_equal(
-                np.concatenate([parts[0][k][key], parts[1][k][key]]), whole[k][key])
+            np.testing.assert_array_equal(np.concatenate([parts[0][k][key], parts[1][k][key]]), whole[k][key])
 
 
 def test_argument_and_state_validation():
     with pytest.raises(DataError, match="process_count"):
         synth(global_batch_size=5, process_count=2)
     with pytest.raises(DataError, match="data.source"):
-        make_data_iterator(Cfg(source="parquet"), vocab_size=97, seq_len=4,
-                           global_batch_size=2, seed=0)
+        make_data_iterator(Cfg(source="parquet"), vocab_size=97, seq_len=4, global_batch_size=2, seed=0)
     it = synth()
     for bad in ({"batch": -1}, {"step": 3}, {"source": "text", "batch": 1}, {"batch": "2"}):
         with pytest.raises(DataError):
@@ -114,7 +122,7 @@ def test_text_byte_ids_and_eos_between_documents(tmp_path):
     rows = [next(it) for _ in range(it.num_windows)]
     stream = [t for b in rows for t in b["inputs"][0].tolist()] + [rows[-1]["targets"][0, -1]]
     assert stream[: len(expected)] == expected
-    assert all(t == 0 for t in stream[len(expected):])
+    assert all(t == 0 for t in stream[len(expected) :])
 
 
 def test_text_packing_hand_checked(tmp_path):
@@ -159,8 +167,9 @@ def test_text_shuffle_covers_each_window_once_per_epoch_and_resumes(tmp_path):
     resumed = text_iter([tmp_path / "d.bin.txt"], seq_len=seq_len, batch=4, seed=7)
     resumed.set_state({"source": "text", "batch": 2})
     assert_batches_equal(draw(resumed, 3), batches[2:])
-    half = text_iter([tmp_path / "d.bin.txt"], seq_len=seq_len, batch=4, seed=7,
-                     process_index=1, process_count=2)
+    half = text_iter(
+        [tmp_path / "d.bin.txt"], seq_len=seq_len, batch=4, seed=7, process_index=1, process_count=2
+    )
     half.set_state({"batch": 2})
     np.testing.assert_array_equal(next(half)["inputs"], batches[2]["inputs"][2:])
 
@@ -177,8 +186,7 @@ def make_wordlevel_tokenizer(path, vocab):
 
 
 def test_text_hf_tokenizer_and_errors(tmp_path):
-    tok = make_wordlevel_tokenizer(tmp_path / "tok.json",
-                                   {"[UNK]": 0, "a": 1, "b": 2, "</s>": 3, "big": 10})
+    tok = make_wordlevel_tokenizer(tmp_path / "tok.json", {"[UNK]": 0, "a": 1, "b": 2, "</s>": 3, "big": 10})
     (tmp_path / "t.txt").write_text("a b a")
     b = next(text_iter([tmp_path / "t.txt"], seq_len=4, batch=1, tokenizer=tok, vocab_size=16))
     assert b["inputs"].tolist() == [[1, 2, 1, 3]]

@@ -21,63 +21,63 @@ import os
 # Makefile) already chose a device count. Must happen before jax is imported.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import BlockSizes, flash_attention, reference, sharded_flash_attention  # noqa: E402
+from jaxtrain.pallas_kernels import BlockSizes, flash_attention, reference, sharded_flash_attention  # noqa: E402
 
 F32_TOL = 1e-5
 BF16_TOL = 2e-2
 
 
 def _tol(dtype):
-  return F32_TOL if jnp.dtype(dtype) == jnp.float32 else BF16_TOL
+    return F32_TOL if jnp.dtype(dtype) == jnp.float32 else BF16_TOL
 
 
 def _inputs(batch, seq, q_heads, kv_heads, head_dim, dtype, seed=0):
-  ks = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(ks[0], (batch, seq, q_heads, head_dim), jnp.float32).astype(dtype)
-  k = jax.random.normal(ks[1], (batch, seq, kv_heads, head_dim), jnp.float32).astype(dtype)
-  v = jax.random.normal(ks[2], (batch, seq, kv_heads, head_dim), jnp.float32).astype(dtype)
-  do = jax.random.normal(ks[3], (batch, seq, q_heads, head_dim), jnp.float32).astype(dtype)
-  return q, k, v, do
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (batch, seq, q_heads, head_dim), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (batch, seq, kv_heads, head_dim), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (batch, seq, kv_heads, head_dim), jnp.float32).astype(dtype)
+    do = jax.random.normal(ks[3], (batch, seq, q_heads, head_dim), jnp.float32).astype(dtype)
+    return q, k, v, do
 
 
 def _packed_segments(batch, seq, seed=1):
-  """Packed documents: sorted segment ids with random boundaries (one row per batch)."""
-  rng = np.random.default_rng(seed)
-  rows = []
-  for _ in range(batch):
-    cuts = np.sort(rng.choice(np.arange(1, seq), size=3, replace=False))
-    rows.append(np.searchsorted(cuts, np.arange(seq), side="right"))
-  return jnp.asarray(np.stack(rows), jnp.int32)
+    """Packed documents: sorted segment ids with random boundaries (one row per batch)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(batch):
+        cuts = np.sort(rng.choice(np.arange(1, seq), size=3, replace=False))
+        rows.append(np.searchsorted(cuts, np.arange(seq), side="right"))
+    return jnp.asarray(np.stack(rows), jnp.int32)
 
 
 def _rel_err(x, ref):
-  x = np.asarray(x, np.float32)
-  ref = np.asarray(ref, np.float32)
-  return float(np.max(np.abs(x - ref)) / np.max(np.abs(ref)))
+    x = np.asarray(x, np.float32)
+    ref = np.asarray(ref, np.float32)
+    return float(np.max(np.abs(x - ref)) / np.max(np.abs(ref)))
 
 
 def _check_fwd_bwd(q, k, v, do, *, tol, **kwargs):
-  kernel_kwargs = {n: kwargs.pop(n) for n in ("block_sizes", "backend", "interpret")
-                   if n in kwargs}
-  out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, **kwargs, **kernel_kwargs),
-                     q, k, v)
-  ref, ref_vjp = jax.vjp(lambda q, k, v: reference.attention(q, k, v, **kwargs), q, k, v)
-  assert out.dtype == q.dtype and out.shape == q.shape
-  errors = {"out": _rel_err(out, ref)}
-  for name, g, rg in zip(("dq", "dk", "dv"), vjp(do), ref_vjp(do)):
-    assert g.shape == rg.shape and g.dtype == rg.dtype, name
-    errors[name] = _rel_err(g, rg)
-  bad = {n: e for n, e in errors.items() if not e <= tol}
-  assert not bad, f"errors above {tol}: {bad} (all: {errors})"
+    kernel_kwargs = {n: kwargs.pop(n) for n in ("block_sizes", "backend", "interpret") if n in kwargs}
+    out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, **kwargs, **kernel_kwargs), q, k, v)
+    ref, ref_vjp = jax.vjp(lambda q, k, v: reference.attention(q, k, v, **kwargs), q, k, v)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    errors = {"out": _rel_err(out, ref)}
+    for name, g, rg in zip(("dq", "dk", "dv"), vjp(do), ref_vjp(do)):
+        assert g.shape == rg.shape and g.dtype == rg.dtype, name
+        errors[name] = _rel_err(g, rg)
+    bad = {n: e for n, e in errors.items() if not e <= tol}
+    assert not bad, f"errors above {tol}: {bad} (all: {errors})"
 
 
 # A covering set, not the Cartesian product: every value of every dimension
@@ -99,175 +99,215 @@ GRID = [
 
 
 @pytest.mark.parametrize(
-    "batch,seq,q_heads,kv_heads,head_dim,causal,segments,window,dtype", GRID,
-    ids=lambda x: getattr(x, "__name__", str(x)))
-def test_matches_reference(batch, seq, q_heads, kv_heads, head_dim, causal, segments,
-                           window, dtype):
-  q, k, v, do = _inputs(batch, seq, q_heads, kv_heads, head_dim, dtype)
-  seg = _packed_segments(batch, seq) if segments else None
-  _check_fwd_bwd(q, k, v, do, tol=_tol(dtype), causal=causal, segment_ids=seg,
-                 sliding_window=window)
+    "batch,seq,q_heads,kv_heads,head_dim,causal,segments,window,dtype",
+    GRID,
+    ids=lambda x: getattr(x, "__name__", str(x)),
+)
+def test_matches_reference(batch, seq, q_heads, kv_heads, head_dim, causal, segments, window, dtype):
+    q, k, v, do = _inputs(batch, seq, q_heads, kv_heads, head_dim, dtype)
+    seg = _packed_segments(batch, seq) if segments else None
+    _check_fwd_bwd(q, k, v, do, tol=_tol(dtype), causal=causal, segment_ids=seg, sliding_window=window)
 
 
 def test_window_one_is_identity_on_values():
-  """sliding_window=1: each query sees only its own key, so out[h] = v[h // group] and the
-  softmax is constant (dq = dk = 0 up to rounding, dv = sum of dO over the group)."""
-  q, k, v, do = _inputs(1, 200, 8, 2, 64, jnp.float32)
-  out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=False, sliding_window=1),
-                     q, k, v)
-  np.testing.assert_allclose(out, jnp.repeat(v, 4, axis=2), rtol=0, atol=1e-6)
-  dq, dk, dv = vjp(do)
-  assert float(jnp.max(jnp.abs(dq))) < 1e-5 and float(jnp.max(jnp.abs(dk))) < 1e-5
-  np.testing.assert_allclose(dv, do.reshape(1, 200, 2, 4, 64).sum(3), rtol=1e-6, atol=1e-5)
+    """sliding_window=1: each query sees only its own key, so out[h] = v[h // group] and the
+    softmax is constant (dq = dk = 0 up to rounding, dv = sum of dO over the group)."""
+    q, k, v, do = _inputs(1, 200, 8, 2, 64, jnp.float32)
+    out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=False, sliding_window=1), q, k, v)
+    np.testing.assert_allclose(out, jnp.repeat(v, 4, axis=2), rtol=0, atol=1e-6)
+    dq, dk, dv = vjp(do)
+    assert float(jnp.max(jnp.abs(dq))) < 1e-5 and float(jnp.max(jnp.abs(dk))) < 1e-5
+    np.testing.assert_allclose(dv, do.reshape(1, 200, 2, 4, 64).sum(3), rtol=1e-6, atol=1e-5)
 
 
 def test_tpu_configuration_in_interpreter():
-  """TPU plumbing ([B, H, S, D] views, 128-multiple blocks, head_dim 64) in the interpreter."""
-  q, k, v, do = _inputs(1, 384, 8, 2, 64, jnp.float32)
-  _check_fwd_bwd(q, k, v, do, tol=F32_TOL, causal=True, segment_ids=_packed_segments(1, 384),
-                 sliding_window=130, backend="tpu", interpret=True,
-                 block_sizes=BlockSizes(128, 256))
+    """TPU plumbing ([B, H, S, D] views, 128-multiple blocks, head_dim 64) in the interpreter."""
+    q, k, v, do = _inputs(1, 384, 8, 2, 64, jnp.float32)
+    _check_fwd_bwd(
+        q,
+        k,
+        v,
+        do,
+        tol=F32_TOL,
+        causal=True,
+        segment_ids=_packed_segments(1, 384),
+        sliding_window=130,
+        backend="tpu",
+        interpret=True,
+        block_sizes=BlockSizes(128, 256),
+    )
 
 
 def test_gpu_configuration_in_interpreter():
-  """Triton plumbing (power-of-two blocks, head_dim 96 padded to 128) in the interpreter."""
-  q, k, v, do = _inputs(1, 200, 4, 2, 96, jnp.float32)
-  _check_fwd_bwd(q, k, v, do, tol=F32_TOL, causal=True, backend="gpu", interpret=True)
+    """Triton plumbing (power-of-two blocks, head_dim 96 padded to 128) in the interpreter."""
+    q, k, v, do = _inputs(1, 200, 4, 2, 96, jnp.float32)
+    _check_fwd_bwd(q, k, v, do, tol=F32_TOL, causal=True, backend="gpu", interpret=True)
 
 
 def test_uneven_blocks_and_custom_scale():
-  """Different tiles per kernel (seq padded to their lcm) and a non-default softmax scale."""
-  q, k, v, do = _inputs(1, 200, 4, 4, 64, jnp.float32)
-  blocks = BlockSizes(block_q=64, block_kv=32, block_q_dkv=16, block_kv_dkv=64,
-                      block_q_dq=32, block_kv_dq=128)
-  _check_fwd_bwd(q, k, v, do, tol=F32_TOL, causal=False, sliding_window=40,
-                 softmax_scale=0.3, block_sizes=blocks)
+    """Different tiles per kernel (seq padded to their lcm) and a non-default softmax scale."""
+    q, k, v, do = _inputs(1, 200, 4, 4, 64, jnp.float32)
+    blocks = BlockSizes(
+        block_q=64, block_kv=32, block_q_dkv=16, block_kv_dkv=64, block_q_dq=32, block_kv_dq=128
+    )
+    _check_fwd_bwd(
+        q, k, v, do, tol=F32_TOL, causal=False, sliding_window=40, softmax_scale=0.3, block_sizes=blocks
+    )
 
 
 def test_non_contiguous_segments_and_jit():
-  """Segment ids are compared for equality only (need not be sorted); works under jit."""
-  q, k, v, do = _inputs(2, 128, 4, 2, 64, jnp.float32)
-  seg = jax.random.randint(jax.random.key(3), (2, 128), 0, 3)
-  fn = jax.jit(lambda q, k, v, s: flash_attention(q, k, v, causal=True, segment_ids=s))
-  ref = reference.attention(q, k, v, causal=True, segment_ids=seg)
-  assert _rel_err(fn(q, k, v, seg), ref) <= F32_TOL
+    """Segment ids are compared for equality only (need not be sorted); works under jit."""
+    q, k, v, do = _inputs(2, 128, 4, 2, 64, jnp.float32)
+    seg = jax.random.randint(jax.random.key(3), (2, 128), 0, 3)
+    fn = jax.jit(lambda q, k, v, s: flash_attention(q, k, v, causal=True, segment_ids=s))
+    ref = reference.attention(q, k, v, causal=True, segment_ids=seg)
+    assert _rel_err(fn(q, k, v, seg), ref) <= F32_TOL
 
 
 def test_default_backend_on_cpu_is_interpret():
-  from pallas_kernels.flash_attention import resolve_backend
-  q, _, _, _ = _inputs(1, 128, 4, 4, 64, jnp.float32)
-  assert resolve_backend(q) == "cpu"
+    from jaxtrain.pallas_kernels.flash_attention import resolve_backend
+
+    q, _, _, _ = _inputs(1, 128, 4, 4, 64, jnp.float32)
+    assert resolve_backend(q) == "cpu"
 
 
 # ---------------------------------------------------------------------------
 # Input validation: ValueError naming the argument.
 # ---------------------------------------------------------------------------
 
+
 def _sds(shape, dtype=jnp.float32):
-  return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def _trace(q, k, v, **kwargs):
-  return jax.eval_shape(lambda q, k, v: flash_attention(q, k, v, **kwargs), q, k, v)
+    return jax.eval_shape(lambda q, k, v: flash_attention(q, k, v, **kwargs), q, k, v)
 
 
 Q = _sds((2, 128, 8, 64))
 KV = _sds((2, 128, 2, 64))
 
 
-@pytest.mark.parametrize("args,kwargs,match", [
-    ((_sds((128, 8, 64)), KV, KV), {}, "q must have rank 4"),
-    ((Q, _sds((2, 128, 2)), KV), {}, "k must have rank 4"),
-    ((Q, _sds((1, 128, 2, 64)), _sds((1, 128, 2, 64))), {}, "batch"),
-    ((Q, _sds((2, 64, 2, 64)), _sds((2, 64, 2, 64))), {}, "seq"),
-    ((Q, _sds((2, 128, 2, 32)), _sds((2, 128, 2, 32))), {}, "head_dim"),
-    ((Q, _sds((2, 128, 3, 64)), _sds((2, 128, 3, 64))), {}, "multiple of k/v heads"),
-    ((Q, KV, _sds((2, 128, 1, 64))), {}, "v must have k's number of heads"),
-    ((_sds((2, 128, 8, 64), jnp.int32), KV, KV), {}, "q dtype"),
-    ((Q, _sds((2, 128, 2, 64), jnp.bfloat16), KV), {}, "share a dtype"),
-    ((Q, KV, KV), {"sliding_window": 0}, "sliding_window must be >= 1"),
-    ((Q, KV, KV), {"sliding_window": 2.5}, "sliding_window must be an int"),
-    ((Q, KV, KV), {"sliding_window": True}, "sliding_window must be an int"),
-    ((Q, KV, KV), {"segment_ids": jnp.zeros((2, 64), jnp.int32)}, "segment_ids must have shape"),
-    ((Q, KV, KV), {"segment_ids": jnp.zeros((2, 128), jnp.float32)}, "segment_ids must be integers"),
-    ((Q, KV, KV), {"backend": "metal"}, "backend must be one of"),
-    ((Q, KV, KV), {"backend": "cpu", "interpret": False}, "interpret"),
-    ((Q, KV, KV), {"softmax_scale": float("nan")}, "softmax_scale"),
-    ((Q, KV, KV), {"block_sizes": (128, 128)}, "block_sizes must be a BlockSizes"),
-    ((Q, KV, KV), {"block_sizes": BlockSizes(0, 128)}, "block_sizes.block_q must be a positive"),
-    ((Q, KV, KV), {"backend": "tpu", "block_sizes": BlockSizes(128, 64)},
-     "block_sizes.block_kv=64: TPU blocks must be multiples of 128"),
-    ((Q, KV, KV), {"backend": "gpu", "block_sizes": BlockSizes(128, 96)},
-     "block_sizes.block_kv=96: Triton blocks must be powers of two"),
-    ((_sds((1, 262144, 8, 128), jnp.bfloat16), _sds((1, 262144, 8, 128), jnp.bfloat16),
-      _sds((1, 262144, 8, 128), jnp.bfloat16)), {"backend": "tpu"}, "VMEM"),
-])
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        ((_sds((128, 8, 64)), KV, KV), {}, "q must have rank 4"),
+        ((Q, _sds((2, 128, 2)), KV), {}, "k must have rank 4"),
+        ((Q, _sds((1, 128, 2, 64)), _sds((1, 128, 2, 64))), {}, "batch"),
+        ((Q, _sds((2, 64, 2, 64)), _sds((2, 64, 2, 64))), {}, "seq"),
+        ((Q, _sds((2, 128, 2, 32)), _sds((2, 128, 2, 32))), {}, "head_dim"),
+        ((Q, _sds((2, 128, 3, 64)), _sds((2, 128, 3, 64))), {}, "multiple of k/v heads"),
+        ((Q, KV, _sds((2, 128, 1, 64))), {}, "v must have k's number of heads"),
+        ((_sds((2, 128, 8, 64), jnp.int32), KV, KV), {}, "q dtype"),
+        ((Q, _sds((2, 128, 2, 64), jnp.bfloat16), KV), {}, "share a dtype"),
+        ((Q, KV, KV), {"sliding_window": 0}, "sliding_window must be >= 1"),
+        ((Q, KV, KV), {"sliding_window": 2.5}, "sliding_window must be an int"),
+        ((Q, KV, KV), {"sliding_window": True}, "sliding_window must be an int"),
+        ((Q, KV, KV), {"segment_ids": jnp.zeros((2, 64), jnp.int32)}, "segment_ids must have shape"),
+        ((Q, KV, KV), {"segment_ids": jnp.zeros((2, 128), jnp.float32)}, "segment_ids must be integers"),
+        ((Q, KV, KV), {"backend": "metal"}, "backend must be one of"),
+        ((Q, KV, KV), {"backend": "cpu", "interpret": False}, "interpret"),
+        ((Q, KV, KV), {"softmax_scale": float("nan")}, "softmax_scale"),
+        ((Q, KV, KV), {"block_sizes": (128, 128)}, "block_sizes must be a BlockSizes"),
+        ((Q, KV, KV), {"block_sizes": BlockSizes(0, 128)}, "block_sizes.block_q must be a positive"),
+        (
+            (Q, KV, KV),
+            {"backend": "tpu", "block_sizes": BlockSizes(128, 64)},
+            "block_sizes.block_kv=64: TPU blocks must be multiples of 128",
+        ),
+        (
+            (Q, KV, KV),
+            {"backend": "gpu", "block_sizes": BlockSizes(128, 96)},
+            "block_sizes.block_kv=96: Triton blocks must be powers of two",
+        ),
+        (
+            (
+                _sds((1, 262144, 8, 128), jnp.bfloat16),
+                _sds((1, 262144, 8, 128), jnp.bfloat16),
+                _sds((1, 262144, 8, 128), jnp.bfloat16),
+            ),
+            {"backend": "tpu"},
+            "VMEM",
+        ),
+    ],
+)
 def test_validation(args, kwargs, match):
-  with pytest.raises(ValueError, match=match):
-    _trace(*args, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        _trace(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------
 # shard_map wrapper on 8 simulated CPU devices.
 # ---------------------------------------------------------------------------
 
+
 def _mesh_or_skip(axis_types=None):
-  if len(jax.devices()) < 8:
-    pytest.skip("needs 8 CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 "
-                "must be set before jax is first imported")
-  return jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=axis_types)
+    if len(jax.devices()) < 8:
+        pytest.skip(
+            "needs 8 CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 "
+            "must be set before jax is first imported"
+        )
+    return jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=axis_types)
 
 
-@pytest.mark.parametrize("q_heads,kv_heads,mode", [
-    (8, 2, "explicit"),  # kv heads sharded over tensor
-    (8, 1, "auto"),      # MQA: kv replicated, each shard slices its one kv head
-    (12, 3, "abstract"),  # kv replicated, shards gather the kv heads they read;
-                          # mesh passed as jax.get_abstract_mesh() under set_mesh
-])
+@pytest.mark.parametrize(
+    "q_heads,kv_heads,mode",
+    [
+        (8, 2, "explicit"),  # kv heads sharded over tensor
+        (8, 1, "auto"),  # MQA: kv replicated, each shard slices its one kv head
+        (12, 3, "abstract"),  # kv replicated, shards gather the kv heads they read;
+        # mesh passed as jax.get_abstract_mesh() under set_mesh
+    ],
+)
 def test_sharded_matches_reference(q_heads, kv_heads, mode):
-  Auto, Explicit = jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit
-  mesh = _mesh_or_skip((Auto if mode == "auto" else Explicit,) * 3)
-  use_abstract = mode == "abstract"
-  batch, seq, head_dim = 4, 256, 64
-  q, k, v, do = _inputs(batch, seq, q_heads, kv_heads, head_dim, jnp.float32)
-  seg = _packed_segments(batch, seq)
-  ref, ref_vjp = jax.vjp(lambda q, k, v: reference.attention(
-      q, k, v, causal=True, segment_ids=seg, sliding_window=96), q, k, v)
-  ref_grads = ref_vjp(do)
-  # Inputs laid out as a model would hand them over: k/v not sharded on heads.
-  shard = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
-  q = shard(q, P(("data", "fsdp"), None, "tensor"))
-  do = shard(do, P(("data", "fsdp"), None, "tensor"))
-  k, v = (shard(x, P(("data", "fsdp"))) for x in (k, v))
-  seg = shard(seg, P(("data", "fsdp")))
+    Auto, Explicit = jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit
+    mesh = _mesh_or_skip((Auto if mode == "auto" else Explicit,) * 3)
+    use_abstract = mode == "abstract"
+    batch, seq, head_dim = 4, 256, 64
+    q, k, v, do = _inputs(batch, seq, q_heads, kv_heads, head_dim, jnp.float32)
+    seg = _packed_segments(batch, seq)
+    ref, ref_vjp = jax.vjp(
+        lambda q, k, v: reference.attention(q, k, v, causal=True, segment_ids=seg, sliding_window=96), q, k, v
+    )
+    ref_grads = ref_vjp(do)
+    # Inputs laid out as a model would hand them over: k/v not sharded on heads.
+    shard = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+    q = shard(q, P(("data", "fsdp"), None, "tensor"))
+    do = shard(do, P(("data", "fsdp"), None, "tensor"))
+    k, v = (shard(x, P(("data", "fsdp"))) for x in (k, v))
+    seg = shard(seg, P(("data", "fsdp")))
 
-  def fn(q, k, v, seg):
-    return sharded_flash_attention(
-        q, k, v, mesh=jax.sharding.get_abstract_mesh() if use_abstract else mesh,
-        batch_axes=("data", "fsdp"), head_axes=("tensor",), causal=True, segment_ids=seg,
-        sliding_window=96)
+    def fn(q, k, v, seg):
+        return sharded_flash_attention(
+            q,
+            k,
+            v,
+            mesh=jax.sharding.get_abstract_mesh() if use_abstract else mesh,
+            batch_axes=("data", "fsdp"),
+            head_axes=("tensor",),
+            causal=True,
+            segment_ids=seg,
+            sliding_window=96,
+        )
 
-  jitted = jax.jit(fn)
-  with jax.set_mesh(mesh):
-    out, vjp = jax.vjp(lambda q, k, v: jitted(q, k, v, seg), q, k, v)
-    grads = vjp(do)
-  assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")), 4)
-  assert _rel_err(out, ref) <= F32_TOL
-  for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
-    assert _rel_err(g, rg) <= F32_TOL, name
+    jitted = jax.jit(fn)
+    with jax.set_mesh(mesh):
+        out, vjp = jax.vjp(lambda q, k, v: jitted(q, k, v, seg), q, k, v)
+        grads = vjp(do)
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")), 4)
+    assert _rel_err(out, ref) <= F32_TOL
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert _rel_err(g, rg) <= F32_TOL, name
 
 
 def test_sharded_without_mesh_and_validation():
-  q, k, v, _ = _inputs(2, 128, 4, 2, 64, jnp.float32)
-  out = sharded_flash_attention(q, k, v, mesh=None, batch_axes=(), head_axes=(), causal=True)
-  assert _rel_err(out, reference.attention(q, k, v, causal=True)) <= F32_TOL
-  mesh = _mesh_or_skip()
-  with pytest.raises(ValueError, match="not a mesh axis"):
-    sharded_flash_attention(q, k, v, mesh=mesh, batch_axes=("batch",), head_axes=(),
-                            causal=True)
-  with pytest.raises(ValueError, match="batch 2 is not divisible"):
-    sharded_flash_attention(q, k, v, mesh=mesh, batch_axes=("data", "fsdp"), head_axes=(),
-                            causal=True)
-  with pytest.raises(ValueError, match="overlap"):
-    sharded_flash_attention(q, k, v, mesh=mesh, batch_axes=("data",), head_axes=("data",),
-                            causal=True)
+    q, k, v, _ = _inputs(2, 128, 4, 2, 64, jnp.float32)
+    out = sharded_flash_attention(q, k, v, mesh=None, batch_axes=(), head_axes=(), causal=True)
+    assert _rel_err(out, reference.attention(q, k, v, causal=True)) <= F32_TOL
+    mesh = _mesh_or_skip()
+    with pytest.raises(ValueError, match="not a mesh axis"):
+        sharded_flash_attention(q, k, v, mesh=mesh, batch_axes=("batch",), head_axes=(), causal=True)
+    with pytest.raises(ValueError, match="batch 2 is not divisible"):
+        sharded_flash_attention(q, k, v, mesh=mesh, batch_axes=("data", "fsdp"), head_axes=(), causal=True)
+    with pytest.raises(ValueError, match="overlap"):
+        sharded_flash_attention(q, k, v, mesh=mesh, batch_axes=("data",), head_axes=("data",), causal=True)

@@ -23,10 +23,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import sharded_flash_attention  # noqa: E402
-from sharding import targets  # noqa: E402
+from jaxtrain.pallas_kernels import sharded_flash_attention  # noqa: E402
+from jaxtrain.sharding import targets  # noqa: E402
 
 pytestmark = [
     pytest.mark.deviceless,
@@ -40,95 +41,103 @@ CUSTOM_CALL = {"tpu": "tpu_custom_call", "gpu": "__gpu$xla.gpu.triton"}
 
 @functools.cache
 def _devices(target: str):
-  """Compile-only devices, or a skip reason (str)."""
-  try:
-    if target == "tpu":
-      return targets.tpu_topology_devices("v5p:2x2x2")
-    return targets.h100_devices(num_hosts=1, gpus_per_host=8)
-  except targets.DevicelessUnavailableError as e:
-    return str(e)
+    """Compile-only devices, or a skip reason (str)."""
+    try:
+        if target == "tpu":
+            return targets.tpu_topology_devices("v5p:2x2x2")
+        return targets.h100_devices(num_hosts=1, gpus_per_host=8)
+    except targets.DevicelessUnavailableError as e:
+        return str(e)
 
 
 def _devices_or_skip(target: str):
-  devices = _devices(target)
-  if isinstance(devices, str):
-    pytest.skip(devices)
-  return devices
+    devices = _devices(target)
+    if isinstance(devices, str):
+        pytest.skip(devices)
+    return devices
 
 
 def _loss(mesh, head_axes=(), **kwargs):
-  def loss(q, k, v, seg=None):
-    o = sharded_flash_attention(q, k, v, mesh=mesh, batch_axes=("data",),
-                                head_axes=head_axes, segment_ids=seg, **kwargs)
-    return jnp.sum(o.astype(jnp.float32) ** 2)
-  return loss
+    def loss(q, k, v, seg=None):
+        o = sharded_flash_attention(
+            q, k, v, mesh=mesh, batch_axes=("data",), head_axes=head_axes, segment_ids=seg, **kwargs
+        )
+        return jnp.sum(o.astype(jnp.float32) ** 2)
+
+    return loss
 
 
 @functools.cache
 def _compile_train_attention(target: str, seq: int):
-  """fwd + bwd of causal attention, batch-sharded over the 8 devices."""
-  mesh = Mesh(np.array(_devices(target)), ("data",))
-  x = jax.ShapeDtypeStruct((BATCH, seq, HEADS, HEAD_DIM), jnp.bfloat16,
-                           sharding=NamedSharding(mesh, P("data")))
-  fn = jax.jit(jax.value_and_grad(_loss(mesh, causal=True), argnums=(0, 1, 2)))
-  start = time.perf_counter()
-  compiled = fn.lower(x, x, x).compile()
-  seconds = time.perf_counter() - start
-  return compiled.as_text(), targets.compiled_memory(compiled), seconds
+    """fwd + bwd of causal attention, batch-sharded over the 8 devices."""
+    mesh = Mesh(np.array(_devices(target)), ("data",))
+    x = jax.ShapeDtypeStruct(
+        (BATCH, seq, HEADS, HEAD_DIM), jnp.bfloat16, sharding=NamedSharding(mesh, P("data"))
+    )
+    fn = jax.jit(jax.value_and_grad(_loss(mesh, causal=True), argnums=(0, 1, 2)))
+    start = time.perf_counter()
+    compiled = fn.lower(x, x, x).compile()
+    seconds = time.perf_counter() - start
+    return compiled.as_text(), targets.compiled_memory(compiled), seconds
 
 
 def _shapes(hlo: str):
-  return [tuple(int(d) for d in dims.split(",") if d)
-          for dims in re.findall(r"\b(?:pred|[bsuf]\w*\d+)\[([\d,]*)\]", hlo)]
+    return [
+        tuple(int(d) for d in dims.split(",") if d)
+        for dims in re.findall(r"\b(?:pred|[bsuf]\w*\d+)\[([\d,]*)\]", hlo)
+    ]
 
 
 @pytest.mark.parametrize("target", ["tpu", "gpu"])
 def test_attention_is_a_pallas_kernel(target):
-  _devices_or_skip(target)
-  seq = 8192
-  hlo, memory, seconds = _compile_train_attention(target, seq)
-  assert targets.has_custom_call(hlo, CUSTOM_CALL[target]), targets.custom_call_targets(hlo)
-  # No XLA attention fallback: no matmul outside the kernels, no seq x seq array.
-  assert not re.search(r"\s(dot|convolution)\(", hlo)
-  square = [s for s in _shapes(hlo) if sum(d >= seq for d in s) >= 2]
-  assert not square, square[:3]
-  # Per device: q, k, v (bf16, 1 x 8192 x 16 x 128 = 32 MiB each) in, grads out.
-  assert memory["argument"] == 3 * 32 * 2**20
-  print(f"{target} seq {seq}: compile {seconds:.1f}s, memory {memory}")
+    _devices_or_skip(target)
+    seq = 8192
+    hlo, memory, seconds = _compile_train_attention(target, seq)
+    assert targets.has_custom_call(hlo, CUSTOM_CALL[target]), targets.custom_call_targets(hlo)
+    # No XLA attention fallback: no matmul outside the kernels, no seq x seq array.
+    assert not re.search(r"\s(dot|convolution)\(", hlo)
+    square = [s for s in _shapes(hlo) if sum(d >= seq for d in s) >= 2]
+    assert not square, square[:3]
+    # Per device: q, k, v (bf16, 1 x 8192 x 16 x 128 = 32 MiB each) in, grads out.
+    assert memory["argument"] == 3 * 32 * 2**20
+    print(f"{target} seq {seq}: compile {seconds:.1f}s, memory {memory}")
 
 
 @pytest.mark.parametrize("target", ["tpu", "gpu"])
 def test_temp_memory_is_linear_in_seq(target):
-  _devices_or_skip(target)
-  _, small, _ = _compile_train_attention(target, 8192)
-  _, large, seconds = _compile_train_attention(target, 32768)
-  ratio = large["temp"] / small["temp"]
-  print(f"{target}: temp {small['temp']} -> {large['temp']} bytes (x{ratio:.2f}); "
-        f"seq 32768 compile {seconds:.1f}s")
-  # 4x the sequence: linear memory gives 4x; seq x seq scores would give 16x.
-  assert ratio <= 4.5
+    _devices_or_skip(target)
+    _, small, _ = _compile_train_attention(target, 8192)
+    _, large, seconds = _compile_train_attention(target, 32768)
+    ratio = large["temp"] / small["temp"]
+    print(
+        f"{target}: temp {small['temp']} -> {large['temp']} bytes (x{ratio:.2f}); "
+        f"seq 32768 compile {seconds:.1f}s"
+    )
+    # 4x the sequence: linear memory gives 4x; seq x seq scores would give 16x.
+    assert ratio <= 4.5
 
 
 @pytest.mark.parametrize("target", ["tpu", "gpu"])
 def test_all_masking_paths_compile(target):
-  """GQA with kv heads sharded on 'tensor', MQA (replicated kv), segments, window,
-  non-causal, a sequence no block divides, head_dim 64: every kernel variant compiles."""
-  devices = _devices_or_skip(target)
-  mesh = Mesh(np.array(devices).reshape(4, 2), ("data", "tensor"))
-  cases = [
-      dict(seq=1024, q_heads=8, kv_heads=2, head_dim=128, causal=True, window=100),
-      dict(seq=200, q_heads=8, kv_heads=1, head_dim=64, causal=False, window=33),
-  ]
-  for case in cases:
-    spec = NamedSharding(mesh, P("data"))
-    q = jax.ShapeDtypeStruct((BATCH, case["seq"], case["q_heads"], case["head_dim"]),
-                             jnp.bfloat16, sharding=spec)
-    kv = jax.ShapeDtypeStruct((BATCH, case["seq"], case["kv_heads"], case["head_dim"]),
-                              jnp.bfloat16, sharding=spec)
-    seg = jax.ShapeDtypeStruct((BATCH, case["seq"]), jnp.int32, sharding=spec)
-    loss = _loss(mesh, head_axes=("tensor",), causal=case["causal"],
-                 sliding_window=case["window"])
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile()
-    hlo = compiled.as_text()
-    assert targets.has_custom_call(hlo, CUSTOM_CALL[target]), case
-    assert not re.search(r"\s(dot|convolution)\(", hlo), case
+    """GQA with kv heads sharded on 'tensor', MQA (replicated kv), segments, window,
+    non-causal, a sequence no block divides, head_dim 64: every kernel variant compiles."""
+    devices = _devices_or_skip(target)
+    mesh = Mesh(np.array(devices).reshape(4, 2), ("data", "tensor"))
+    cases = [
+        dict(seq=1024, q_heads=8, kv_heads=2, head_dim=128, causal=True, window=100),
+        dict(seq=200, q_heads=8, kv_heads=1, head_dim=64, causal=False, window=33),
+    ]
+    for case in cases:
+        spec = NamedSharding(mesh, P("data"))
+        q = jax.ShapeDtypeStruct(
+            (BATCH, case["seq"], case["q_heads"], case["head_dim"]), jnp.bfloat16, sharding=spec
+        )
+        kv = jax.ShapeDtypeStruct(
+            (BATCH, case["seq"], case["kv_heads"], case["head_dim"]), jnp.bfloat16, sharding=spec
+        )
+        seg = jax.ShapeDtypeStruct((BATCH, case["seq"]), jnp.int32, sharding=spec)
+        loss = _loss(mesh, head_axes=("tensor",), causal=case["causal"], sliding_window=case["window"])
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile()
+        hlo = compiled.as_text()
+        assert targets.has_custom_call(hlo, CUSTOM_CALL[target]), case
+        assert not re.search(r"\s(dot|convolution)\(", hlo), case

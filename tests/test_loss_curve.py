@@ -3,6 +3,7 @@
 Regenerate (only after an intended numerical change, and say so in the commit):
     JAXTRAIN_UPDATE_GOLDEN=1 make test ARGS=tests/test_loss_curve.py
 """
+
 import json
 import os
 from pathlib import Path

@@ -1,4 +1,5 @@
 """The NNX transformer against an independent naive jnp Llama (tests/reference_llama.py)."""
+
 import dataclasses
 
 import jax
@@ -7,12 +8,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models
+from jaxtrain import models
 from tests.reference_llama import forward as reference_forward
 
-SMALL = models.ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                           mlp_dim=96, rope_theta=500.0)
-F32_TOL = dict(rtol=2e-5, atol=2e-5)   # f32, different op order than the reference
+SMALL = models.ModelConfig(
+    vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=96, rope_theta=500.0
+)
+F32_TOL = dict(rtol=2e-5, atol=2e-5)  # f32, different op order than the reference
 
 
 def build(cfg, seed=0):
@@ -24,8 +26,7 @@ def tokens(b=2, s=24, vocab=97, seed=1):
     return jax.random.randint(jax.random.key(seed), (b, s), 0, vocab)
 
 
-@pytest.mark.parametrize("kv_heads,tie", [(4, False), (2, True), (1, False)],
-                         ids=["mha", "gqa-tied", "mqa"])
+@pytest.mark.parametrize("kv_heads,tie", [(4, False), (2, True), (1, False)], ids=["mha", "gqa-tied", "mqa"])
 def test_logits_match_reference(kv_heads, tie):
     cfg = dataclasses.replace(SMALL, n_kv_heads=kv_heads, tie_embeddings=tie)
     model, params = build(cfg)
@@ -71,14 +72,14 @@ def test_remat_and_unrolled_layers_change_nothing():
 
         def loss(p):
             return jnp.mean(models.merge(gd, state, p)(tok) ** 2)
+
         return jax.value_and_grad(loss)(params)
 
     base_loss, base_grads = loss_and_grad(SMALL)
     for variant in (dict(remat="full"), dict(remat="save_matmuls"), dict(scan_layers=False)):
         loss, grads = loss_and_grad(dataclasses.replace(SMALL, **variant))
         np.testing.assert_allclose(loss, base_loss, rtol=1e-6)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
-                     grads, base_grads)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, base_grads)
 
 
 def test_bf16_compute_close_to_f32():
@@ -104,8 +105,16 @@ def test_every_parameter_has_logical_axes():
     assert axes["blocks"]["attn"]["wq"] == ("layers", "embed", "heads", "head_dim")
 
 
-@pytest.mark.parametrize("field,value", [("n_kv_heads", 3), ("d_model", 66), ("remat", "some"),
-                                         ("attention_impl", "cuda"), ("compute_dtype", "int8")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("n_kv_heads", 3),
+        ("d_model", 66),
+        ("remat", "some"),
+        ("attention_impl", "cuda"),
+        ("compute_dtype", "int8"),
+    ],
+)
 def test_bad_model_config_names_the_key(field, value):
     with pytest.raises(ValueError, match=f"model.{field}" if field != "d_model" else "model.d_model"):
         dataclasses.replace(SMALL, **{field: value}).validate()

@@ -1,6 +1,7 @@
 """Mixture of experts: the layer against a per-expert Python-loop oracle (both
 dispatch paths, the exact tokens capacity drops), hand-computed router losses,
 expert parallelism against the single-device run, and tiny-moe training."""
+
 import json
 import math
 import os
@@ -12,10 +13,10 @@ import pytest
 from flax import nnx
 
 from jaxtrain.config import ConfigError, load_config
+from jaxtrain.models import ModelConfig, MoEConfig, Transformer
+from jaxtrain.models.moe import _capacity_positions, capacity, moe_layer
 from jaxtrain.train_step import batch_to_device
 from jaxtrain.trainer import train
-from models import ModelConfig, MoEConfig, Transformer
-from models.moe import _capacity_positions, capacity, moe_layer
 from tests.conftest import REPO, program_on_mesh
 
 # f32 throughout; the oracle runs in float64 numpy, so differences are f32 rounding.
@@ -40,7 +41,7 @@ def reference_moe(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig):
     for row in range(b):
         used = [0] * E
         choices = [np.argsort(-select[row, t], kind="stable")[:k] for t in range(s)]
-        for j in range(k):                       # first choices of all tokens, then second, ...
+        for j in range(k):  # first choices of all tokens, then second, ...
             for t in range(s):
                 e = choices[t][j]
                 w = scores[row, t, choices[t]]
@@ -58,16 +59,22 @@ def reference_moe(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig):
 def random_layer(key, E=4, d=8, f=16, bias=False):
     ks = jax.random.split(key, 6)
     n = lambda k, shape, std: std * jax.random.normal(k, shape, jnp.float32)
-    return (n(ks[0], (d, E), 1.0), n(ks[1], (E,), 0.1) if bias else None,
-            n(ks[2], (E, d, f), 0.3), n(ks[3], (E, d, f), 0.3), n(ks[4], (E, f, d), 0.3))
+    return (
+        n(ks[0], (d, E), 1.0),
+        n(ks[1], (E,), 0.1) if bias else None,
+        n(ks[2], (E, d, f), 0.3),
+        n(ks[3], (E, d, f), 0.3),
+        n(ks[4], (E, f, d), 0.3),
+    )
 
 
 CASES = {
     "capacity-top2-drops": MoEConfig(num_experts=4, top_k=2, dispatch="capacity", capacity_factor=0.6),
     "capacity-top1-switch": MoEConfig(num_experts=4, top_k=1, dispatch="capacity", capacity_factor=1.0),
     "dropless-top2": MoEConfig(num_experts=4, top_k=2, dispatch="dropless"),
-    "dropless-sigmoid-bias": MoEConfig(num_experts=4, top_k=3, dispatch="dropless", scoring="sigmoid",
-                                       score_bias=True, normalize_top_k=False),
+    "dropless-sigmoid-bias": MoEConfig(
+        num_experts=4, top_k=3, dispatch="dropless", scoring="sigmoid", score_bias=True, normalize_top_k=False
+    ),
 }
 
 
@@ -81,7 +88,8 @@ def test_layer_matches_per_expert_loop(name):
     np.testing.assert_allclose(y, ref, rtol=LAYER_RTOL, atol=LAYER_ATOL)
     if m.dispatch == "capacity":
         # The very same assignments are dropped (not just the same number).
-        from models.moe import route
+        from jaxtrain.models.moe import route
+
         _, _, idx, _ = route(x, params[0], params[1], m)
         _, keep = _capacity_positions(idx, m, capacity(x.shape[1], m))
         np.testing.assert_array_equal(np.asarray(keep), kept)
@@ -107,13 +115,22 @@ def test_router_losses_by_hand():
 
 
 def small_model(**moe):
-    return ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=2, n_kv_heads=2, mlp_dim=64,
-                       moe=MoEConfig(num_experts=4, top_k=2, **moe))
+    return ModelConfig(
+        vocab_size=64,
+        d_model=32,
+        n_layers=4,
+        n_heads=2,
+        n_kv_heads=2,
+        mlp_dim=64,
+        moe=MoEConfig(num_experts=4, top_k=2, **moe),
+    )
 
 
-@pytest.mark.parametrize("moe", [dict(), dict(every=2), dict(first_dense_layers=1, num_shared_experts=2,
-                                                                score_bias=True)],
-                         ids=["all-moe", "every-2", "deepseek-like"])
+@pytest.mark.parametrize(
+    "moe",
+    [dict(), dict(every=2), dict(first_dense_layers=1, num_shared_experts=2, score_bias=True)],
+    ids=["all-moe", "every-2", "deepseek-like"],
+)
 def test_model_layout_and_param_count(moe):
     cfg = small_model(**moe)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
@@ -127,7 +144,7 @@ def test_model_layout_and_param_count(moe):
     assert ("blocks" in params) == (m.first_dense_layers > 0)
     logits, aux = model(jnp.zeros((2, 8), jnp.int32), return_aux=True)
     assert logits.shape == (2, 8, 64) and aux["moe_expert_load"].shape == (G, 4)
-    assert model(jnp.zeros((2, 8), jnp.int32)).shape == (2, 8, 64)   # HF-style call: logits only
+    assert model(jnp.zeros((2, 8), jnp.int32)).shape == (2, 8, 64)  # HF-style call: logits only
 
 
 def test_dense_model_has_no_moe_parts():
@@ -139,15 +156,18 @@ def test_dense_model_has_no_moe_parts():
     assert aux == {}
 
 
-@pytest.mark.parametrize("override,key", [
-    ("model.moe.top_k=9", "model.moe.top_k"),
-    ("model.moe.dispatch=magic", "model.moe.dispatch"),
-    ("model.moe.every=3", "model.moe.every"),
-    ("model.moe.first_dense_layers=2", "model.moe.first_dense_layers"),
-    ("mesh.expert=3", "model.moe.num_experts"),
-    ("model.moe.receive_factor=-1", "model.moe.receive_factor"),
-    ("model.moe.dispatch=capacity model.moe.receive_factor=1.5", "model.moe.receive_factor"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("model.moe.top_k=9", "model.moe.top_k"),
+        ("model.moe.dispatch=magic", "model.moe.dispatch"),
+        ("model.moe.every=3", "model.moe.every"),
+        ("model.moe.first_dense_layers=2", "model.moe.first_dense_layers"),
+        ("mesh.expert=3", "model.moe.num_experts"),
+        ("model.moe.receive_factor=-1", "model.moe.receive_factor"),
+        ("model.moe.dispatch=capacity model.moe.receive_factor=1.5", "model.moe.receive_factor"),
+    ],
+)
 def test_bad_moe_config_names_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(os.path.join(REPO, "configs", "tiny-moe.yaml"), override.split())
@@ -160,10 +180,19 @@ EP_LOSS_RTOL, EP_GRAD_RTOL, EP_GRAD_ATOL = 1e-5, 2e-4, 1e-6
 
 
 def ep_loss_and_grads(dispatch, **mesh):
-    cfg = load_config(os.path.join(REPO, "configs", "tiny-moe.yaml"), [
-        "logging.progress=false", "logging.tensorboard=false", "model.d_model=64",
-        "model.vocab_size=128", "train.seq_len=32", "model.moe.capacity_factor=1.0",
-        f"model.moe.dispatch={dispatch}", *[f"mesh.{k}={v}" for k, v in mesh.items()]])
+    cfg = load_config(
+        os.path.join(REPO, "configs", "tiny-moe.yaml"),
+        [
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "model.d_model=64",
+            "model.vocab_size=128",
+            "train.seq_len=32",
+            "model.moe.capacity_factor=1.0",
+            f"model.moe.dispatch={dispatch}",
+            *[f"mesh.{k}={v}" for k, v in mesh.items()],
+        ],
+    )
     with program_on_mesh(cfg) as (program, state, data):
         batch = batch_to_device(next(data), program.batch_sharding)
         loss, _, grads = program.loss_and_grads(state.params, batch)
@@ -192,18 +221,23 @@ EP_MESHES = [
 ]
 
 
-@pytest.mark.parametrize("dispatch,mesh", EP_MESHES, ids=lambda x: x if isinstance(x, str) else
-                         ",".join(f"{k}={v}" for k, v in x.items()))
+@pytest.mark.parametrize(
+    "dispatch,mesh",
+    EP_MESHES,
+    ids=lambda x: x if isinstance(x, str) else ",".join(f"{k}={v}" for k, v in x.items()),
+)
 def test_expert_parallel_matches_single_device(dispatch, mesh):
     ref_loss, ref_grads, _ = single_device(dispatch)
     loss, grads, spec = ep_loss_and_grads(dispatch, **mesh)
     np.testing.assert_allclose(loss, ref_loss, rtol=EP_LOSS_RTOL)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=EP_GRAD_RTOL, atol=EP_GRAD_ATOL),
-                 grads, ref_grads)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=EP_GRAD_RTOL, atol=EP_GRAD_ATOL), grads, ref_grads
+    )
     assert spec[1] == "expert", f"experts should be sharded on the expert axis, got {spec}"
 
 
 # --- bounded dropless receive buffer (moe.receive_factor) ---------------------------
+
 
 def bounded_receive_kept(choices, ep: int, e_local: int, rows: int):
     """Which assignments [b, s, k] a bounded receive keeps, by a plain loop: every
@@ -228,9 +262,9 @@ def bounded_receive_kept(choices, ep: int, e_local: int, rows: int):
 
 def dense_masked_moe(x, w_router, w_gate, w_up, w_down, chosen, kept):
     """Every token through every expert, masked to the kept assignments (jnp, differentiable)."""
-    scores = jax.nn.softmax(x @ w_router, axis=-1)                                  # [b, s, E]
+    scores = jax.nn.softmax(x @ w_router, axis=-1)  # [b, s, E]
     w = jnp.where(chosen, scores, 0.0)
-    w = w / jnp.sum(w, axis=-1, keepdims=True)                                      # top-k renormalised
+    w = w / jnp.sum(w, axis=-1, keepdims=True)  # top-k renormalised
     h = jax.nn.silu(jnp.einsum("bsd,edf->bsef", x, w_gate)) * jnp.einsum("bsd,edf->bsef", x, w_up)
     return jnp.einsum("bse,bsef,efd->bsd", w * kept, h, w_down)
 
@@ -241,8 +275,9 @@ def test_bounded_receive_drops_the_overflow_and_keeps_the_rest_exact(factor):
     outputs and gradients equal a dense oracle masked to the assignments a plain loop
     says fit; dropped_fraction counts the others. (Padded exchange: XLA:CPU has no
     ragged_all_to_all; both exchanges compute the same kept set.)"""
-    import sharding
-    from models.moe import route
+    from jaxtrain import sharding
+    from jaxtrain.models.moe import route
+
     ep, E, k = 4, 8, 2
     m = MoEConfig(num_experts=E, top_k=k, dispatch="dropless", exchange="padded", receive_factor=factor)
     w_router, _, w_gate, w_up, w_down = random_layer(jax.random.key(3), E=E)
@@ -253,7 +288,7 @@ def test_bounded_receive_drops_the_overflow_and_keeps_the_rest_exact(factor):
     a = (x.shape[0] // ep) * x.shape[1] * k
     kept = bounded_receive_kept(choices, ep, E // ep, math.ceil(factor * a))
     assert 0 < (~kept).sum() < kept.size // 2, "some shard's buffer should overflow, not all"
-    chosen = jax.nn.one_hot(idx, E).sum(axis=2) > 0                                 # [b, s, E]
+    chosen = jax.nn.one_hot(idx, E).sum(axis=2) > 0  # [b, s, E]
     kept_e = jnp.einsum("bske,bsk->bse", jax.nn.one_hot(idx, E), jnp.asarray(kept, jnp.float32))
 
     mesh = sharding.make_mesh({"expert": ep}, jax.devices()[:ep])
@@ -265,7 +300,8 @@ def test_bounded_receive_drops_the_overflow_and_keeps_the_rest_exact(factor):
 
     with jax.set_mesh(mesh), sharding.axis_rules(sharding.PRESETS["fsdp_tensor"]):
         grads, (y, stats) = jax.jit(jax.grad(sharded, argnums=(0, 1, 2, 3, 4), has_aux=True))(
-            x, w_router, w_gate, w_up, w_down)
+            x, w_router, w_gate, w_up, w_down
+        )
     oracle = lambda *p: jnp.sum(dense_masked_moe(*p, chosen, kept_e) * ct)
     ref_y = dense_masked_moe(x, w_router, w_gate, w_up, w_down, chosen, kept_e)
     ref_grads = jax.grad(oracle, argnums=(0, 1, 2, 3, 4))(x, w_router, w_gate, w_up, w_down)
@@ -277,10 +313,19 @@ def test_bounded_receive_drops_the_overflow_and_keeps_the_rest_exact(factor):
 
 # --- training ------------------------------------------------------------------------
 
+
 def test_tiny_moe_trains_and_logs_expert_load(tmp_path):
-    cfg = load_config(os.path.join(REPO, "configs", "tiny-moe.yaml"), [
-        "logging.progress=false", "logging.tensorboard=false", f"output_dir={tmp_path}",
-        "train.steps=15", "mesh.expert=2", "model.moe.score_bias=true"])
+    cfg = load_config(
+        os.path.join(REPO, "configs", "tiny-moe.yaml"),
+        [
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            f"output_dir={tmp_path}",
+            "train.steps=15",
+            "mesh.expert=2",
+            "model.moe.score_bias=true",
+        ],
+    )
     result = train(cfg, devices=jax.devices()[:2])
     losses = [r["loss"] for r in result.metrics]
     assert losses[-1] < losses[0] - 0.5, losses
@@ -299,11 +344,21 @@ def test_moe_microbatches_match_one_batch():
     (capacity groups are rows, so the split drops the same tokens) and the step
     reports the router metrics (averaged over microbatches)."""
     ref_loss, _, _ = single_device("capacity")
-    cfg = load_config(os.path.join(REPO, "configs", "tiny-moe.yaml"), [
-        "logging.progress=false", "logging.tensorboard=false", "model.d_model=64",
-        "model.vocab_size=128", "train.seq_len=32", "model.moe.capacity_factor=1.0",
-        "model.moe.dispatch=capacity", "train.microbatches=2", "model.moe.aux_loss_weight=0",
-        "model.moe.z_loss_weight=0"])
+    cfg = load_config(
+        os.path.join(REPO, "configs", "tiny-moe.yaml"),
+        [
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "model.d_model=64",
+            "model.vocab_size=128",
+            "train.seq_len=32",
+            "model.moe.capacity_factor=1.0",
+            "model.moe.dispatch=capacity",
+            "train.microbatches=2",
+            "model.moe.aux_loss_weight=0",
+            "model.moe.z_loss_weight=0",
+        ],
+    )
     with program_on_mesh(cfg) as (program, state, data):
         batch = batch_to_device(next(data), program.batch_sharding)
         loss, _, _ = program.loss_and_grads(state.params, batch)

@@ -5,6 +5,7 @@ and the one-process layout; a killed peer makes the survivor exit in bounded tim
 Oracle: the single-process 8-device run of the same config (in this pytest process).
 Cross-process collectives (gloo) may sum in another order than in-process ones, so
 losses are compared at rtol 1e-5 (f32), as in test_sharded_training."""
+
 import os
 import re
 import shutil
@@ -24,8 +25,14 @@ from tests.test_checkpoint_kill import env as cli_env
 from tests.test_checkpoint_kill import records
 
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
-COMMON = ["model.d_model=64", "model.mlp_dim=128", "train.seq_len=32", "optimizer.decay_steps=6",
-          "mesh.data=2", "mesh.fsdp=4"]
+COMMON = [
+    "model.d_model=64",
+    "model.mlp_dim=128",
+    "train.seq_len=32",
+    "optimizer.decay_steps=6",
+    "mesh.data=2",
+    "mesh.fsdp=4",
+]
 RTOL = 1e-5
 pytestmark = pytest.mark.timeout(600)
 
@@ -41,13 +48,34 @@ def launch(out_dir, *extra, heartbeat=20):
     env = cli_env()
     procs = []
     for pid in range(2):
-        cmd = [sys.executable, "-m", "jaxtrain", "train", TINY, f"output_dir={out_dir}",
-               "logging.progress=false", "logging.tensorboard=false", *COMMON, *extra,
-               f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
-               f"distributed.process_id={pid}", "distributed.initialization_timeout=60",
-               f"distributed.heartbeat_timeout={heartbeat}"]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "jaxtrain",
+            "train",
+            TINY,
+            f"output_dir={out_dir}",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            *COMMON,
+            *extra,
+            f"distributed.coordinator_address=127.0.0.1:{port}",
+            "distributed.num_processes=2",
+            f"distributed.process_id={pid}",
+            "distributed.initialization_timeout=60",
+            f"distributed.heartbeat_timeout={heartbeat}",
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
     return procs
 
 
@@ -67,7 +95,7 @@ def wait_all(procs, timeout=300):
 
 
 def assert_ok(results):
-    for i, (code, out, err) in enumerate(results):
+    for i, (code, _out, err) in enumerate(results):
         assert code == 0, f"process {i} exited {code}:\n{err[-3000:]}"
 
 
@@ -80,7 +108,7 @@ def test_two_processes_train_as_one_mesh_and_checkpoints_cross(tmp_path):
     results = wait_all(launch(tmp_path / "two", "train.steps=3", "checkpoint.every=3"))
     assert_ok(results)
     assert "process 1 of 2 (explicit, coordinator 127.0.0.1:" in " ".join(results[1][2].split())
-    two = records(tmp_path / "two")                   # written by process 0 only
+    two = records(tmp_path / "two")  # written by process 0 only
     assert [r["step"] for r in two] == [1, 2, 3]
     np.testing.assert_allclose([r["loss"] for r in two], [ref[1], ref[2], ref[3]], rtol=RTOL)
 
@@ -107,35 +135,39 @@ def _start_then_kill(tmp_path, victim, *args, heartbeat=10, supervisor_only=Fals
     seconds from the kill to its exit, the victim's worker pids)."""
     procs = launch(tmp_path, *args, heartbeat=heartbeat)
     deadline = time.monotonic() + 240
-    while not (tmp_path / "checkpoints" / "4").is_dir():   # finalized step 4
+    while not (tmp_path / "checkpoints" / "4").is_dir():  # finalized step 4
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
             for p in procs:
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
-            pytest.fail("the two-process run never wrote checkpoint 4: "
-                        + " | ".join(p.communicate()[1][-1500:] for p in procs))
+            pytest.fail(
+                "the two-process run never wrote checkpoint 4: "
+                + " | ".join(p.communicate()[1][-1500:] for p in procs)
+            )
         time.sleep(0.05)
-    workers = subprocess.run(["ps", "-o", "pid=", "--ppid", str(procs[victim].pid)],
-                             capture_output=True, text=True).stdout.split()
+    workers = subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(procs[victim].pid)], capture_output=True, text=True
+    ).stdout.split()
     (os.kill if supervisor_only else os.killpg)(procs[victim].pid, signal.SIGKILL)
     killed_at = time.monotonic()
     procs[victim].communicate()
-    (code, _, err), = wait_all(procs[1 - victim:2 - victim], timeout=120)
+    ((code, _, err),) = wait_all(procs[1 - victim : 2 - victim], timeout=120)
     return code, err, time.monotonic() - killed_at, workers
 
 
 def test_worker_dies_with_its_supervisor(tmp_path):
     """Killing only a supervisor takes its worker down (PR_SET_PDEATHSIG), so no orphan
     keeps training or holds devices; the survivor then names the lost process."""
-    code, err, elapsed, workers = _start_then_kill(tmp_path, 1, "train.steps=40", "checkpoint.every=4",
-                                                   supervisor_only=True)
+    code, err, elapsed, workers = _start_then_kill(
+        tmp_path, 1, "train.steps=40", "checkpoint.every=4", supervisor_only=True
+    )
     assert len(workers) == 1, workers
     assert not os.path.exists(f"/proc/{workers[0]}"), f"worker {workers[0]} outlived its supervisor"
     assert code == 4 and "jaxtrain: error: lost process 1 of 2" in err, f"exit {code}:\n{err[-3000:]}"
 
 
 def test_killed_peer_makes_survivor_exit_in_bounded_time_then_both_resume(tmp_path):
-    heartbeat = 10   # seconds; short for the test (default 60), long enough for a loaded CI box
+    heartbeat = 10  # seconds; short for the test (default 60), long enough for a loaded CI box
     args = ("train.steps=16", "checkpoint.every=4")
     code, err, elapsed, _ = _start_then_kill(tmp_path, 1, *args, heartbeat=heartbeat)
     # bounded: the timeout plus a few heartbeat periods (and slack for a loaded CI machine)
@@ -156,8 +188,11 @@ def test_killed_coordinator_is_named_by_the_survivor(tmp_path):
     code, err, elapsed, _ = _start_then_kill(tmp_path, 0, "train.steps=40", "checkpoint.every=4")
     detail = f"exit {code} after {elapsed:.1f} s:\n{err[-3000:]}"
     assert code == 4 and elapsed < 30, detail
-    assert re.search(r"jaxtrain: error: lost the coordinator, process 0 of 2: 127\.0\.0\.1:\d+ no "
-                     r"longer accepts connections; process 1 exits \(code 4\)", err), detail
+    assert re.search(
+        r"jaxtrain: error: lost the coordinator, process 0 of 2: 127\.0\.0\.1:\d+ no "
+        r"longer accepts connections; process 1 exits \(code 4\)",
+        err,
+    ), detail
 
 
 def test_cluster_auto_detection(monkeypatch):
@@ -167,7 +202,7 @@ def test_cluster_auto_detection(monkeypatch):
     for var in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"):
         monkeypatch.delenv(var, raising=False)
     assert distributed.detect_cluster() is None
-    assert distributed.initialize(DistributedConfig()) is None       # plain single process
+    assert distributed.initialize(DistributedConfig()) is None  # plain single process
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.setenv("SLURM_STEP_NODELIST", "node[1-2]")
     monkeypatch.setenv("SLURM_NTASKS", "2")

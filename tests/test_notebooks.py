@@ -1,4 +1,5 @@
 """Every notebook runs top to bottom (nbclient); any failing cell fails the test."""
+
 import os
 from pathlib import Path
 
@@ -16,8 +17,9 @@ def test_notebook_executes(path):
     # The kernel is a fresh process: let the notebook set its own device count.
     os.environ.pop("XLA_FLAGS", None)
     try:
-        NotebookClient(nb, timeout=600, kernel_name="python3",
-                       resources={"metadata": {"path": str(path.parent)}}).execute()
+        NotebookClient(
+            nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+        ).execute()
     finally:
         if env_backup is not None:
             os.environ["XLA_FLAGS"] = env_backup

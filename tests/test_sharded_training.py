@@ -1,12 +1,13 @@
 """Sharded equals unsharded: one step's loss and gradients on several meshes
 match the single-device run (oracle), and a few training steps give the same losses."""
+
 import dataclasses
 
 import jax
 import numpy as np
 import pytest
 
-import sharding
+from jaxtrain import sharding
 from jaxtrain.train_step import batch_to_device
 from jaxtrain.trainer import train
 from tests.conftest import program_on_mesh, replace, tiny_config
@@ -17,8 +18,9 @@ LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-5, 2e-4, 1e-6
 
 
 def small_cfg(**mesh):
-    cfg = tiny_config(None, "model.d_model=64", "model.mlp_dim=128", "train.seq_len=32",
-                      "model.vocab_size=128")
+    cfg = tiny_config(
+        None, "model.d_model=64", "model.mlp_dim=128", "train.seq_len=32", "model.vocab_size=128"
+    )
     return replace(cfg, mesh=mesh)
 
 
@@ -40,14 +42,16 @@ def test_loss_and_grads_match_single_device(single_device, data, fsdp, tensor):
     ref_loss, ref_grads, _ = single_device
     loss, grads, specs = loss_and_grads(small_cfg(data=data, fsdp=fsdp, tensor=tensor))
     np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL),
-                 grads, ref_grads)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL), grads, ref_grads
+    )
     # The parameters really are sharded as the rules say (not silently replicated).
     wq = specs["blocks"]["attn"]["wq"]
-    assert wq == sharding.logical_to_spec(("layers", "embed", "heads", "head_dim"),
-                                          sharding.DEFAULT_RULES,
-                                          sharding.make_mesh(dict(data=data, fsdp=fsdp, tensor=tensor),
-                                                             jax.devices()[:data * fsdp * tensor]))
+    assert wq == sharding.logical_to_spec(
+        ("layers", "embed", "heads", "head_dim"),
+        sharding.DEFAULT_RULES,
+        sharding.make_mesh(dict(data=data, fsdp=fsdp, tensor=tensor), jax.devices()[: data * fsdp * tensor]),
+    )
 
 
 def test_microbatches_match_one_batch(single_device):
@@ -55,12 +59,14 @@ def test_microbatches_match_one_batch(single_device):
     cfg = small_cfg(data=2, fsdp=2, tensor=1)
     loss, grads, _ = loss_and_grads(replace(cfg, train=dict(microbatches=2)))
     np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL),
-                 grads, ref_grads)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL), grads, ref_grads
+    )
 
 
 def test_training_losses_match_across_meshes(tmp_path):
     """Five AdamW steps of the tiny model: (2,2,2) mesh vs one device."""
+
     def losses(name, **mesh):
         cfg = replace(small_cfg(**mesh), train=dict(steps=5))
         cfg = dataclasses.replace(cfg, output_dir=str(tmp_path / name))

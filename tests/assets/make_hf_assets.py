@@ -8,39 +8,85 @@ Each model directory gets config.json + model.safetensors (as transformers
 saves them) and logits.npy: transformers' float32 logits (eager attention) on
 tokens.npy. The suite compares `models.from_hf` against these logits.
 """
+
 from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          MixtralConfig, MixtralForCausalLM)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+)
 
 OUT = Path(__file__).parent / "hf"
 TOKENS = np.random.default_rng(0).integers(0, 128, size=(2, 16))
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              rms_norm_eps=1e-5, max_position_embeddings=256, attn_implementation="eager")
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=256,
+    attn_implementation="eager",
+)
 
 MODELS = {
     # GQA + Llama 3.1 RoPE scaling (small original context so scaling changes short positions)
-    "llama_gqa_rope_llama3": lambda: LlamaForCausalLM(LlamaConfig(
-        **COMMON, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-        rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "llama_gqa_rope_llama3": lambda: LlamaForCausalLM(
+        LlamaConfig(
+            **COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
+    ),
     # MHA, tied embeddings, default RoPE
-    "llama_tied": lambda: LlamaForCausalLM(LlamaConfig(
-        **COMMON, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
-        rope_theta=10000.0)),
+    "llama_tied": lambda: LlamaForCausalLM(
+        LlamaConfig(
+            **COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            tie_word_embeddings=True,
+            rope_theta=10000.0,
+        )
+    ),
     # Mistral: GQA + a sliding window shorter than the sequence
-    "mistral_sliding_window": lambda: MistralForCausalLM(MistralConfig(
-        **COMMON, num_attention_heads=4, num_key_value_heads=1, sliding_window=5,
-        tie_word_embeddings=False, rope_theta=10000.0)),
+    "mistral_sliding_window": lambda: MistralForCausalLM(
+        MistralConfig(
+            **COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            sliding_window=5,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+        )
+    ),
     # Mixtral: 4 experts, top-2, GQA
-    "mixtral_moe": lambda: MixtralForCausalLM(MixtralConfig(
-        **{**COMMON, "intermediate_size": 48}, num_attention_heads=4, num_key_value_heads=2,
-        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=10000.0)),
+    "mixtral_moe": lambda: MixtralForCausalLM(
+        MixtralConfig(
+            **{**COMMON, "intermediate_size": 48},
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+        )
+    ),
 }
 
 
@@ -49,11 +95,11 @@ def main():
     for name, build in MODELS.items():
         torch.manual_seed(0)
         model = build().eval()
-        with torch.no_grad():   # random norms too, so a dropped norm would show; a sharper router
+        with torch.no_grad():  # random norms too, so a dropped norm would show; a sharper router
             for n, p in model.named_parameters():
                 if "norm" in n:
                     p.copy_(1 + 0.1 * torch.randn_like(p))
-                if n.endswith("mlp.gate.weight"):   # Mixtral router: make top-2 choices decisive
+                if n.endswith("mlp.gate.weight"):  # Mixtral router: make top-2 choices decisive
                     p.mul_(20.0)
             logits = model(torch.tensor(TOKENS)).logits.float().numpy()
         d = OUT / name
