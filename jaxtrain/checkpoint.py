@@ -32,6 +32,7 @@ device count or process count (Universal-Checkpointing style resharding).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -125,12 +126,23 @@ def _array_handlers():
     )
 
 
+class _DropLogMessage(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
 class Checkpointer:
     """Save / find / restore train-state checkpoints under `directory`.
 
     keep: the newest `keep` checkpoints are kept; keep_every: every step that is
     a multiple of it is also kept, forever (0: none). async_save: write in a
     background thread; `save` then blocks only while device arrays are copied.
+    read_only: only find and read checkpoints (`steps`, `restore_params`, `read_meta`):
+    no directory is created and no tmp directory of a run still writing is cleaned up.
     Every process must call every method (Orbax synchronizes them).
     """
 
@@ -142,6 +154,7 @@ class Checkpointer:
         keep_every: int = 0,
         async_save: bool = True,
         log: Callable[[str], None] = print,
+        read_only: bool = False,
     ):
         if keep < 1:
             raise ValueError(f"keep={keep}: expected a positive integer")
@@ -152,19 +165,31 @@ class Checkpointer:
         keep_policies = [policies.LatestN(n=keep)]
         if keep_every:
             keep_policies.append(policies.EveryNSteps(interval_steps=keep_every))
-        options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=async_save,
-            preservation_policy=policies.AnyPreservationPolicy(keep_policies),
-            cleanup_tmp_directories=True,  # leftovers of killed writes
-            create=True,
-        )
+        if read_only:  # nothing created, cleaned up or deleted: a run may be writing here
+            options = ocp.CheckpointManagerOptions(
+                read_only=True, save_interval_steps=0, create=False, cleanup_tmp_directories=False
+            )
+        else:
+            options = ocp.CheckpointManagerOptions(
+                enable_async_checkpointing=async_save,
+                preservation_policy=policies.AnyPreservationPolicy(keep_policies),
+                cleanup_tmp_directories=True,  # leftovers of killed writes
+                create=True,
+            )
         # Handlers named up front, so a fresh manager can read item metadata before any save.
         registry = ocp.handlers.create_default_handler_registry(
             state=ocp.PyTreeCheckpointHandler(type_handler_registry=_array_handlers()),
             data=ocp.JsonCheckpointHandler(),
             meta=ocp.JsonCheckpointHandler(),
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+        # Orbax warns on every read-only open; that is the point here, so not for the user.
+        quiet = _DropLogMessage("Given directory is read only")
+        absl_logger = logging.getLogger("absl")
+        absl_logger.addFilter(quiet)
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+        finally:
+            absl_logger.removeFilter(quiet)
 
     # --- saving --------------------------------------------------------------
 
@@ -233,6 +258,35 @@ class Checkpointer:
         return Restored(
             step=step, state=state, data_state=dict(items["data"]), meta=dict(items["meta"] or {})
         )
+
+    def param_metadata(self, step: int) -> dict:
+        """The stored parameter tree of checkpoint `step`: Orbax array metadata (shape, dtype)."""
+        return dict(self.manager.item_metadata(step)["state"]["params"])
+
+    def restore_params(self, step: int, target: dict | None = None) -> dict:
+        """Only the parameters of checkpoint `step` (an Orbax partial restore: the optimizer
+        state is not read). `target`: ShapeDtypeStructs with shardings to read them into;
+        None: host numpy arrays in their stored dtypes (one copy, no device memory)."""
+        if target is None:
+            stored = self.param_metadata(step)
+            target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), stored)
+            restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), stored)
+        else:
+            restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        items = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item={"params": target}, restore_args={"params": restore_args}, partial_restore=True
+                )
+            ),
+        )
+        return items["state"]["params"]
+
+    def read_meta(self, step: int) -> dict:
+        """Checkpoint `step`'s `meta` item (the resolved config under "config", ...)."""
+        items = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(items["meta"] or {})
 
     def _check_fits(self, step: int, target: TrainState) -> None:
         path = self.directory / str(step)

@@ -3,6 +3,10 @@
 A converted checkpoint is a directory holding
   model.yaml   the ModelConfig (architecture only; dtypes and impls are the run's choice)
   params/      the parameter tree, an Orbax (OCDBT) PyTree, float32
+`ckpt-to-hf` and `train.init_from` also take a training run's checkpoints (a step
+directory, a checkpoint.dir or an output_dir: `resolve_checkpoint`); the model
+config then comes from the checkpoint's saved config, and only the parameters
+are read (not the optimizer state).
 Conversion streams: HF tensors are read one at a time into the stacked
 layout (one copy of the model in memory), and written back one safetensors
 shard at a time.
@@ -10,8 +14,10 @@ shard at a time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -69,23 +75,139 @@ def hf_to_ckpt(hf_dir: str | Path, out_dir: str | Path) -> ModelConfig:
     return cfg
 
 
-def _restore_numpy(ckpt_dir: Path) -> dict:
-    path = (ckpt_dir / "params").absolute()
-    checkpointer = ocp.PyTreeCheckpointer()
-    tree = checkpointer.metadata(path).item_metadata.tree
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+@dataclasses.dataclass
+class CheckpointSource:
+    """Weights to read (see `resolve_checkpoint`): a converted checkpoint `path` (step None),
+    or step `step` of the training checkpoint directory `path` (a checkpoint.dir), read with
+    a read-only Checkpointer (parameters only; never the optimizer state). Close it after use."""
+
+    path: Path
+    step: int | None = None
+    _reader: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __str__(self) -> str:
+        return str(self.path if self.step is None else self.path / str(self.step))
+
+    @property
+    def reader(self):
+        if self._reader is None:
+            from jaxtrain.checkpoint import Checkpointer
+
+            self._reader = Checkpointer(self.path, read_only=True)
+        return self._reader
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+    def model_config(self) -> ModelConfig:
+        """model.yaml, or the model section of the config the training run saved with the step."""
+        if self.step is None:
+            return read_model_config(self.path)
+        try:
+            model = self.reader.read_meta(self.step)["config"]["model"]
+        except Exception as e:  # noqa: BLE001 - a missing/unreadable meta item surfaces as many types
+            raise HFConversionError(
+                f"checkpoint {self}: its saved config is unreadable ({type(e).__name__}: {e})"
+            ) from e
+        from jaxtrain.config import ConfigError, _build
+
+        try:
+            return _build(ModelConfig, model, prefix="model.")
+        except ConfigError as e:
+            raise HFConversionError(f"checkpoint {self}: its saved model config: {e}") from e
+
+    def param_metadata(self) -> dict:
+        """The stored parameter tree: Orbax array metadata (shape, dtype), nothing read."""
+        if self.step is None:
+            return ocp.PyTreeCheckpointer().metadata((self.path / "params").absolute()).item_metadata.tree
+        return self.reader.param_metadata(self.step)
+
+    def restore_params(self, target: dict | None = None) -> dict:
+        """The parameters, into `target`'s ShapeDtypeStructs (dtypes, shardings), or with
+        None as host numpy arrays in the stored dtypes (one copy, no device memory)."""
+        if self.step is None:
+            path = (self.path / "params").absolute()
+            if target is not None:
+                return ocp.StandardCheckpointer().restore(path, target)
+            checkpointer = ocp.PyTreeCheckpointer()
+            tree = checkpointer.metadata(path).item_metadata.tree
+            restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+            return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+        try:
+            return self.reader.restore_params(self.step, target)
+        except Exception as e:  # noqa: BLE001 - truncated/missing files surface as many types
+            detail = str(e).splitlines()[0][:300] if str(e) else ""
+            raise HFConversionError(
+                f"checkpoint {self}: parameters unreadable ({type(e).__name__}: {detail}); "
+                "give an older step directory instead"
+            ) from e
+
+
+EXPECTED_SOURCES = (
+    "expected a converted checkpoint (model.yaml + params/), a training checkpoint step "
+    "directory ({checkpoint.dir}/{step}), a checkpoint.dir holding step directories, or a "
+    "run's output_dir (config.yaml + checkpoints)"
+)
+
+
+def _has_step_dirs(path: Path) -> bool:
+    """Whether `path` has step-named subdirectories (Orbax's tmp ones and `*.unreadable` are not)."""
+    return path.is_dir() and any(c.name.isdigit() and c.is_dir() for c in path.iterdir())
+
+
+def _newest_step(ckpt_dir: Path, what: str) -> CheckpointSource:
+    """The newest complete step of a checkpoint.dir (as Orbax and the trainer list them)."""
+    source = CheckpointSource(ckpt_dir.absolute())
+    steps = source.reader.steps() if _has_step_dirs(ckpt_dir) else []
+    source.close()
+    if not steps:
+        raise HFConversionError(f"{what}: {ckpt_dir} holds no complete training checkpoint")
+    return dataclasses.replace(source, step=steps[-1])
+
+
+def resolve_checkpoint(path: str | Path) -> CheckpointSource:
+    """The checkpoint that `ckpt-to-hf SOURCE` / `train.init_from=SOURCE` names. SOURCE is
+    (a) a converted checkpoint: model.yaml + params/ (`jaxtrain convert hf-to-ckpt`);
+    (b) a training checkpoint step directory `{checkpoint.dir}/{step}` (it holds state/);
+    (c) a checkpoint.dir: its newest complete step (Orbax's `*.orbax-checkpoint-tmp*`
+        directories and `*.unreadable` ones set aside by a resume are not steps);
+    (d) a run's output_dir: the checkpoint.dir of its config.yaml (default
+        output_dir/checkpoints; a relative one is taken from the current directory, as
+        the run did), newest complete step.
+    Anything else raises HFConversionError (the CLI's exit 2) naming the path and what
+    was expected. Nothing is written or cleaned up: a run may still be training there."""
+    p = Path(path)
+    if (p / "model.yaml").is_file():
+        return CheckpointSource(p)
+    if p.name.isdigit() and (p / "state").is_dir():
+        return CheckpointSource(p.parent.absolute(), int(p.name))
+    if _has_step_dirs(p):
+        return _newest_step(p, str(p))
+    if (p / "config.yaml").is_file() or (p / "checkpoints").is_dir():
+        ckpt_dir = None
+        if (p / "config.yaml").is_file():
+            run_cfg = yaml.safe_load((p / "config.yaml").read_text())
+            section = run_cfg.get("checkpoint") if isinstance(run_cfg, dict) else None
+            ckpt_dir = section.get("dir") if isinstance(section, dict) else None
+        return _newest_step(Path(ckpt_dir) if ckpt_dir else p / "checkpoints", f"{p} (a run's output_dir)")
+    raise HFConversionError(f"{p}: not a checkpoint; {EXPECTED_SOURCES}")
 
 
 def ckpt_to_hf(
-    ckpt_dir: str | Path,
+    source: str | Path,
     out_dir: str | Path,
     *,
     architecture: str | None = None,
     max_shard_bytes: int = 2 * 2**30,
 ) -> Path:
-    cfg = read_model_config(ckpt_dir)
-    params = _restore_numpy(Path(ckpt_dir))
+    """Write `source` (see `resolve_checkpoint`: a converted or a training checkpoint) as an
+    HF directory. Holds one float32-or-stored-dtype copy of the parameters on the host
+    (a training checkpoint's optimizer state is not read) plus one output shard."""
+    with contextlib.closing(resolve_checkpoint(source)) as src:
+        cfg = src.model_config()
+        params = src.restore_params()
     return write_hf_dir(
         params_to_hf_tensors(params, cfg),
         cfg,
@@ -96,37 +218,38 @@ def ckpt_to_hf(
 
 
 def load_params(ckpt_dir: str | Path, model_cfg: ModelConfig, abstract_params: dict) -> dict:
-    """Restore converted weights straight into the run's shardings and dtypes.
+    """Restore converted weights, or a training checkpoint's parameters (any source
+    `resolve_checkpoint` accepts), straight into the run's shardings and dtypes.
 
     `abstract_params` is a tree of ShapeDtypeStructs carrying NamedShardings (the
     train program's). Raises HFConversionError naming the first field or parameter
     that does not match the run's model.
     """
-    saved = architecture_of(read_model_config(ckpt_dir))
-    wanted = architecture_of(model_cfg)
-    for key in wanted:
-        if saved.get(key) != wanted[key]:
+    with contextlib.closing(resolve_checkpoint(ckpt_dir)) as src:
+        saved = architecture_of(src.model_config())
+        wanted = architecture_of(model_cfg)
+        for key in wanted:
+            if saved.get(key) != wanted[key]:
+                raise HFConversionError(
+                    f"train.init_from={ckpt_dir}: model.{key}={wanted[key]!r} but the "
+                    f"checkpoint has {saved.get(key)!r}"
+                )
+        stored = src.param_metadata()
+        if jax.tree.structure(stored) != jax.tree.structure(abstract_params):
             raise HFConversionError(
-                f"train.init_from={ckpt_dir}: model.{key}={wanted[key]!r} but the "
-                f"checkpoint has {saved.get(key)!r}"
+                f"train.init_from={ckpt_dir}: the checkpoint's parameter tree does not match the model's"
             )
-    path = (Path(ckpt_dir) / "params").absolute()
-    stored = ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree
-    if jax.tree.structure(stored) != jax.tree.structure(abstract_params):
-        raise HFConversionError(
-            f"train.init_from={ckpt_dir}: the checkpoint's parameter tree does not match the model's"
+        for (p, want), have in zip(
+            jax.tree_util.tree_flatten_with_path(abstract_params)[0], jax.tree.leaves(stored)
+        ):
+            if tuple(want.shape) != tuple(have.shape):
+                raise HFConversionError(
+                    f"train.init_from={ckpt_dir}: parameter {jax.tree_util.keystr(p)} "
+                    f"has shape {tuple(have.shape)}, the model expects {tuple(want.shape)}"
+                )
+        # Read as stored (float32), then cast in the target sharding: no host-side full copy.
+        stored_dtype = jax.tree.map(
+            lambda a, m: jax.ShapeDtypeStruct(a.shape, m.dtype, sharding=a.sharding), abstract_params, stored
         )
-    for (p, want), have in zip(
-        jax.tree_util.tree_flatten_with_path(abstract_params)[0], jax.tree.leaves(stored)
-    ):
-        if tuple(want.shape) != tuple(have.shape):
-            raise HFConversionError(
-                f"train.init_from={ckpt_dir}: parameter {jax.tree_util.keystr(p)} "
-                f"has shape {tuple(have.shape)}, the model expects {tuple(want.shape)}"
-            )
-    # Read as stored (float32), then cast in the target sharding: no host-side full copy.
-    stored_dtype = jax.tree.map(
-        lambda a, m: jax.ShapeDtypeStruct(a.shape, m.dtype, sharding=a.sharding), abstract_params, stored
-    )
-    params = ocp.StandardCheckpointer().restore(path, stored_dtype)
+        params = src.restore_params(stored_dtype)
     return jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract_params)

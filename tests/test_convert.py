@@ -124,3 +124,91 @@ def test_convert_cli_and_init_from_training(tmp_path):
     logits = from_hf(ASSET)(batch["inputs"])
     expected = float(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean())
     assert abs(first - expected) < 1e-4  # f32 CE of the converted model on the first batch
+
+
+# --- training checkpoints -> HF -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The tiny model trained 3 steps on an fsdp=2 mesh, checkpointed at step 3."""
+    from jaxtrain.trainer import train
+
+    out = tmp_path_factory.mktemp("run")
+    cfg = tiny_config(out, "train.steps=3", "checkpoint.every=3", "mesh.fsdp=2", "train.seq_len=32")
+    result = train(cfg, devices=jax.devices()[:2])
+    assert result.checkpoint_step == 3
+    return cfg, result
+
+
+def _logits_of(result, cfg, params, tokens):
+    from jaxtrain import models
+
+    with jax.set_mesh(result.mesh), sharding.axis_rules(sharding.PRESETS[cfg.mesh.rules]):
+        model = models.merge(result.program.graphdef, result.program.abstract_params, params)
+        return np.asarray(jax.jit(lambda t: model(t))(tokens))
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    return subprocess.run(
+        [sys.executable, "-m", "jaxtrain", "convert", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+
+
+def test_ckpt_to_hf_from_a_training_step_dir_and_output_dir(trained, tmp_path):
+    """`ckpt-to-hf` on a training checkpoint's step directory and on the run's output_dir
+    (newest step; Orbax tmp and set-aside directories are not steps, and are left alone):
+    from_hf of each export gives the trained model's logits."""
+    cfg, result = trained
+    out = Path(cfg.output_dir)
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 16), dtype=np.int32)
+    want = _logits_of(result, cfg, result.state.params, tokens)
+    fresh = _logits_of(result, cfg, result.program.init().params, tokens)
+    assert np.max(np.abs(want - fresh)) > 1e-3  # training moved the logits: the test can tell
+
+    ckpts = out / "checkpoints"
+    (ckpts / "9.orbax-checkpoint-tmp-1234").mkdir()  # a write in flight
+    (ckpts / "7.unreadable").mkdir()  # set aside by a resume
+    for name, source in (("step", ckpts / "3"), ("run", out)):
+        done = _cli("ckpt-to-hf", str(source), str(tmp_path / name))
+        assert done.returncode == 0, done.stderr[-2000:]
+        got = np.asarray(from_hf(tmp_path / name)(tokens))
+        err = float(np.max(np.abs(got - want)))
+        print(f"{name}: max |logit error| {err:.3g}")
+        assert err <= 1e-6, (name, err)
+    assert (ckpts / "9.orbax-checkpoint-tmp-1234").is_dir()  # read-only: nothing cleaned up
+
+
+def test_init_from_a_training_checkpoint_restores_its_params(trained):
+    """train.init_from accepts a run's output_dir: the newest step's parameters, exactly."""
+    from jaxtrain.checkpoint import abstract_state
+
+    cfg, result = trained
+    with jax.set_mesh(result.mesh), sharding.axis_rules(sharding.PRESETS[cfg.mesh.rules]):
+        params = load_params(cfg.output_dir, cfg.model, abstract_state(result.program).params)
+    for (path, got), want in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(result.state.params)
+    ):
+        assert got.sharding == want.sharding, jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=jax.tree_util.keystr(path))
+
+
+def test_ckpt_to_hf_on_a_folder_that_is_no_checkpoint_names_it(tmp_path, capsys):
+    from jaxtrain.cli import main
+
+    (tmp_path / "stuff").mkdir()
+    (tmp_path / "stuff" / "notes.txt").write_text("hello")
+    assert main(["convert", "ckpt-to-hf", str(tmp_path / "stuff"), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{tmp_path / 'stuff'}: not a checkpoint" in err
+    assert "model.yaml" in err and "step" in err and "output_dir" in err
+    assert not (tmp_path / "hf").exists()
