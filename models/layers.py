@@ -1,7 +1,9 @@
 """Transformer building blocks (Flax NNX). Every parameter names its dims with
 logical axes (stored as `out_sharding` metadata, resolved by `sharding.rules`);
 activations are hinted with `sharding.constrain` at layer boundaries. No mesh
-axis name appears here."""
+axis name appears here. The names also give a parameter its role: "norm" (norm
+scales) and "bias" (biases) are never sharded and never weight-decayed
+(`jaxtrain.optimizer.decays`)."""
 
 from __future__ import annotations
 
@@ -79,14 +81,8 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, positions, segment_ids):
-        cfg, dt = self.cfg, jnp.dtype(self.cfg.compute_dtype)
-        q = jnp.einsum("bsd,dhk->bshk", x, self.wq[...].astype(dt))
-        k = jnp.einsum("bsd,dhk->bshk", x, self.wk[...].astype(dt))
-        v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...].astype(dt))
-        inv_freq = rope_frequencies(cfg)
-        q = constrain(rope(q, positions, inv_freq), ("batch", "seq", "act_heads", None))
-        k = constrain(rope(k, positions, inv_freq), ("batch", "seq", "act_kv_heads", None))
-        v = constrain(v, ("batch", "seq", "act_kv_heads", None))
+        cfg = self.cfg
+        q, k, v = self.project(x, positions)
         out = attend(
             q,
             k,
@@ -97,8 +93,25 @@ class Attention(nnx.Module):
             sliding_window=cfg.sliding_window,
             context_impl=cfg.context_impl,
         )
+        return self.output(out)
+
+    def project(self, x, positions):
+        """x [b, s, d] -> q [b, s, heads, hd], k and v [b, s, kv_heads, hd], RoPE applied
+        (shared with the KV-cache decode in models/generation.py)."""
+        dt = jnp.dtype(self.cfg.compute_dtype)
+        q = jnp.einsum("bsd,dhk->bshk", x, self.wq[...].astype(dt))
+        k = jnp.einsum("bsd,dhk->bshk", x, self.wk[...].astype(dt))
+        v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...].astype(dt))
+        inv_freq = rope_frequencies(self.cfg)
+        q = constrain(rope(q, positions, inv_freq), ("batch", "seq", "act_heads", None))
+        k = constrain(rope(k, positions, inv_freq), ("batch", "seq", "act_kv_heads", None))
+        v = constrain(v, ("batch", "seq", "act_kv_heads", None))
+        return q, k, v
+
+    def output(self, out):
+        """Attention output [b, s, heads, hd] -> [b, s, d]."""
         out = constrain(out, ("batch", "seq", "act_heads", None))
-        return jnp.einsum("bshk,hkd->bsd", out, self.wo[...].astype(dt))
+        return jnp.einsum("bshk,hkd->bsd", out, self.wo[...].astype(jnp.dtype(self.cfg.compute_dtype)))
 
 
 class MLP(nnx.Module):

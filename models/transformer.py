@@ -73,9 +73,7 @@ class Transformer(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         if segment_ids is None:
             segment_ids = jnp.ones((b, s), jnp.int32)
-        dt = jnp.dtype(cfg.compute_dtype)
-        x = jnp.take(self.embedding[...], tokens, axis=0).astype(dt)
-        x = constrain(x, ("batch", "seq", "act_embed"))
+        x = self.embed(tokens)
 
         def run(stack, x):
             graphdef, layer_state = nnx.split(stack)
@@ -104,10 +102,19 @@ class Transformer(nnx.Module):
                 if k != "expert_load"
             }
             aux["moe_expert_load"] = stats["expert_load"]
-        x = self.final_norm(x)
-        head = self.embedding[...].T if cfg.tie_embeddings else self.lm_head[...]
-        logits = constrain(x @ head.astype(dt), ("batch", "seq", "act_vocab"))
+        logits = self.unembed(x)
         return (logits, aux) if return_aux else logits
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens int [batch, seq] -> activations [batch, seq, d_model] (compute dtype)."""
+        x = jnp.take(self.embedding[...], tokens, axis=0).astype(jnp.dtype(self.cfg.compute_dtype))
+        return constrain(x, ("batch", "seq", "act_embed"))
+
+    def unembed(self, x: jax.Array) -> jax.Array:
+        """Last layer's activations [batch, seq, d_model] -> logits [batch, seq, vocab]."""
+        x = self.final_norm(x)
+        head = self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        return constrain(x @ head.astype(jnp.dtype(self.cfg.compute_dtype)), ("batch", "seq", "act_vocab"))
 
 
 def _stack(cls, n: int, cfg: ModelConfig, rngs: nnx.Rngs):

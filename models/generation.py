@@ -1,0 +1,350 @@
+"""Text generation: prefill, then a jitted decode loop over a KV cache.
+
+`generate(model, tokens, *, max_new_tokens, ...)` -> int32 `[batch, prompt + max_new_tokens]`.
+
+Prompts are right-padded: row i's prompt is `tokens[i, :prompt_lengths[i]]` (the whole
+row when `prompt_lengths` is None), at positions 0 .. L_i - 1; what the padding holds
+never matters. Output row i is its prompt, then its `max_new_tokens` new tokens, then
+(rows shorter than the padded width) fill. A row that emits `eos_id` emits `eos_id`
+ever after, and the loop stops once every row has; fill is `eos_id`, or 0 when
+`eos_id` is None. Each row is what it would be generated alone.
+
+The cache (`KVCache`): k and v `[layers, batch, kv_heads, cache_len, head_dim]` in the
+compute dtype, named `CACHE_AXES` for the sharding rules (batch over data/fsdp, kv
+heads over tensor), and the position each slot holds, `[batch, cache_len]` (-1:
+empty). Position p lives in slot p % cache_len. cache_len is prompt + max_new_tokens,
+or the sliding window W when that is shorter: a ring buffer of exactly the keys a
+query may see (q - k < W, Mistral's rule, as in the training path); the stored
+positions mask the rest.
+
+Prefill runs the model's own attention (`attend`: the Pallas kernel on GPU/TPU) over
+the padded prompts and keeps each row's last cache_len real positions; a decode step
+projects one token per row, writes its k/v into its slot and attends over the cache
+(XLA, f32 softmax). MoE layers route every token on its own, so dropless dispatch
+routes exactly as a full forward pass does; capacity dispatch groups tokens
+differently (one per row in decode), so its drops may differ from a full forward.
+
+Sampling: temperature 0 is greedy (argmax, the first index on ties); otherwise
+softmax(logits / temperature) restricted to the `top_k` largest logits, then to the
+nucleus (the fewest most-probable tokens whose probability, renormalised after top-k,
+reaches `top_p`; never empty). Step t draws with `fold_in(key(seed), t)`: the same
+seed gives the same tokens, on any mesh (threefry is partitionable).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxtrain.models.attention import attend
+from jaxtrain.models.transformer import MoEGroup, Transformer
+from jaxtrain.sharding import constrain
+
+CACHE_AXES = ("layers", "batch", "act_kv_heads", None, None)
+CACHE_POSITION_AXES = ("batch", None)
+
+
+class KVCache(NamedTuple):
+    k: jax.Array  # [layers, batch, kv_heads, cache_len, head_dim]
+    v: jax.Array
+    positions: jax.Array  # int32 [batch, cache_len]: the position each slot holds; -1 empty
+
+
+def cache_length(cfg, total_len: int) -> int:
+    """Slots per row for sequences of `total_len` positions: all of them, or the window."""
+    return min(cfg.sliding_window, total_len) if cfg.sliding_window else total_len
+
+
+class _Step(NamedTuple):
+    """What every layer needs to know about the tokens it is fed."""
+
+    positions: jax.Array  # [b, s] positions of the tokens fed
+    slot_positions: jax.Array  # [b, cache_len] position each slot holds after this step (-1 empty)
+    source: jax.Array | None  # prefill: [b, cache_len] index into the prompt each slot takes
+    write: jax.Array | None  # decode: [b, cache_len] the slot each row's new token goes to
+
+
+def _cached_attention(q, k, v, q_positions, kv_positions, window):
+    """q [b, 1, h, d] over the cache k/v [b, kv_heads, cache_len, d] (GQA without repeating
+    K/V, f32 softmax, as `xla_attention`). A slot is visible when it holds a position p
+    with 0 <= p <= q's position (and q - p < window)."""
+    b, s, h, d = q.shape
+    kv_heads = k.shape[1]
+    qg = q.reshape(b, s, kv_heads, h // kv_heads, d)
+    scores = jnp.einsum("bskgd,bktd->bkgst", qg, k, preferred_element_type=jnp.float32) * d**-0.5
+    q_pos = q_positions[:, None]
+    visible = (kv_positions >= 0) & (kv_positions <= q_pos)
+    if window is not None:
+        visible &= q_pos - kv_positions < window
+    scores = jnp.where(visible[:, None, None, None, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgst,bktd->bskgd", probs, v).reshape(b, s, h, d)
+
+
+def _attention(attn, x, cache, step: _Step):
+    """Attention of one layer through its cache -> (output [b, s, d], (k, v) cache of the layer)."""
+    cfg = attn.cfg
+    q, k, v = attn.project(x, step.positions)
+    if step.write is None:  # prefill: the prompt attends to itself; keep what the slots hold
+        out = attend(
+            q,
+            k,
+            v,
+            causal=True,
+            impl=cfg.attention_impl,
+            sliding_window=cfg.sliding_window,
+            context_impl=cfg.context_impl,
+        )
+        held = (step.slot_positions >= 0)[:, :, None, None]
+        keep = lambda t: jnp.where(held, jnp.take_along_axis(t, step.source[:, :, None, None], axis=1), 0)
+        k_cache, v_cache = keep(k).transpose(0, 2, 1, 3), keep(v).transpose(0, 2, 1, 3)
+    else:  # decode: write the new token's k/v into its slot, attend over the cache
+        write = step.write[:, None, :, None]
+        k_cache = jnp.where(write, k.transpose(0, 2, 1, 3), cache[0])
+        v_cache = jnp.where(write, v.transpose(0, 2, 1, 3), cache[1])
+        out = _cached_attention(
+            q, k_cache, v_cache, step.positions[:, 0], step.slot_positions, cfg.sliding_window
+        )
+    k_cache, v_cache = (constrain(t, CACHE_AXES[1:]) for t in (k_cache, v_cache))
+    return attn.output(out), (k_cache, v_cache)
+
+
+def _block(block, x, cache, step: _Step):
+    """One decoder block (layers.Block or moe.MoEBlock: the same residual layout) with its cache."""
+    h, cache = _attention(block.attn, block.attn_norm(x), cache, step)
+    x = x + h
+    y = block.mlp(block.mlp_norm(x))
+    y = y[0] if isinstance(y, tuple) else y  # MoE: (output, router statistics)
+    return constrain(x + y, ("batch", "seq", "act_embed")), cache
+
+
+def _stacks(model: Transformer):
+    """(stacked layers, decoder blocks per scanned element), in layer order."""
+    out = [(model.blocks, 1)] if hasattr(model, "blocks") else []
+    if model.cfg.moe is not None:
+        out.append((model.moe_blocks, model.cfg.moe.every))
+    return out
+
+
+def _run_layers(model: Transformer, x, cache, step: _Step):
+    """x through every layer; `cache` (k, v) [layers, ...] or None (prefill) -> (x, new (k, v))."""
+    new_k, new_v, start = [], [], 0
+    for stack, per in _stacks(model):
+        graphdef, state = nnx.split(stack)
+        n = jax.tree.leaves(state)[0].shape[0]
+
+        def body(x, xs, graphdef=graphdef):
+            layer_state, c = xs
+            layer = nnx.merge(graphdef, layer_state)
+            blocks = (
+                [*(getattr(layer, f"dense_{i}") for i in range(layer.n_dense)), layer.moe]
+                if isinstance(layer, MoEGroup)
+                else [layer]
+            )
+            ks, vs = [], []
+            for i, block in enumerate(blocks):
+                x, (k, v) = _block(block, x, None if c is None else (c[0][i], c[1][i]), step)
+                ks.append(k)
+                vs.append(v)
+            return x, (jnp.stack(ks), jnp.stack(vs))
+
+        c = None
+        if cache is not None:
+            c = tuple(t[start : start + n * per].reshape(n, per, *t.shape[1:]) for t in cache)
+        x, (k, v) = jax.lax.scan(body, x, (state, c))
+        new_k.append(k.reshape(n * per, *k.shape[2:]))
+        new_v.append(v.reshape(n * per, *v.shape[2:]))
+        start += n * per
+    k, v = (jnp.concatenate(t) if len(t) > 1 else t[0] for t in (new_k, new_v))
+    return x, (constrain(k, CACHE_AXES), constrain(v, CACHE_AXES))
+
+
+def prefill(model: Transformer, tokens, prompt_lengths, cache_len: int) -> tuple[jax.Array, KVCache]:
+    """Right-padded prompts int [b, P] (row i: its first prompt_lengths[i] tokens) ->
+    (logits at each row's last prompt token [b, vocab], the cache of cache_len slots)."""
+    b, p = tokens.shape if tokens.ndim == 2 else (0, 0)
+    if tokens.ndim != 2 or prompt_lengths.shape != (b,) or cache_len < 1:
+        raise ValueError(
+            f"prefill: expected tokens [b, P], prompt_lengths [b] and cache_len >= 1, got "
+            f"{tokens.shape}, {prompt_lengths.shape} and {cache_len}"
+        )
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    last = (prompt_lengths - 1)[:, None]
+    # Slot s holds the latest real position p <= last with p = s (mod cache_len); < 0: none.
+    held = last - jnp.mod(last - jnp.arange(cache_len)[None], cache_len)
+    slot_positions = constrain(jnp.where(held >= 0, held, -1).astype(jnp.int32), CACHE_POSITION_AXES)
+    step = _Step(positions, slot_positions, source=jnp.clip(held, 0, p - 1), write=None)
+    x, (k, v) = _run_layers(model, model.embed(tokens), None, step)
+    x_last = jnp.take_along_axis(x, last[:, :, None], axis=1)  # [b, 1, d]
+    return model.unembed(x_last)[:, 0], KVCache(k, v, slot_positions)
+
+
+def decode_step(model: Transformer, tokens, positions, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """One token per row, int [b] at positions [b] -> (its logits [b, vocab], the updated cache)."""
+    b, cache_len = cache.positions.shape
+    if tokens.shape != (b,) or positions.shape != (b,):
+        raise ValueError(
+            f"decode_step: expected tokens and positions [batch={b}], "
+            f"got {tokens.shape} and {positions.shape}"
+        )
+    write = jnp.arange(cache_len)[None] == (positions % cache_len)[:, None]
+    slot_positions = constrain(jnp.where(write, positions[:, None], cache.positions), CACHE_POSITION_AXES)
+    step = _Step(positions[:, None], slot_positions, source=None, write=write)
+    x, (k, v) = _run_layers(model, model.embed(tokens[:, None]), (cache.k, cache.v), step)
+    return model.unembed(x)[:, 0], KVCache(k, v, slot_positions)
+
+
+def sample(logits, key, temperature, top_k: int | None = None, top_p=None) -> jax.Array:
+    """Next tokens int32 [b] from logits [b, vocab] (rules in the module docstring).
+    `temperature` and `top_p` may be traced; `top_k` is static."""
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1)
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+    if top_k is not None:
+        kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+        scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
+    if top_p is not None:
+        ranked = -jnp.sort(-scaled, axis=-1)  # descending
+        probs = jax.nn.softmax(ranked, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more probable tokens
+        threshold = jnp.min(jnp.where(before < top_p, ranked, jnp.inf), axis=-1, keepdims=True)
+        scaled = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    drawn = jax.random.categorical(key, scaled, axis=-1)
+    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "top_k", "nucleus"))
+def _generate(
+    graphdef,
+    state,
+    tokens,
+    prompt_lengths,
+    key,
+    temperature,
+    top_p,
+    eos_id,
+    *,
+    max_new_tokens,
+    cache_len,
+    top_k,
+    nucleus,
+):
+    model = nnx.merge(graphdef, state)
+    b, p = tokens.shape
+    rows = jnp.arange(b)
+    fill = jnp.maximum(eos_id, 0)  # eos_id -1: none
+    cols = jnp.arange(p + max_new_tokens)[None]
+    out = jnp.where(cols < prompt_lengths[:, None], jnp.pad(tokens, ((0, 0), (0, max_new_tokens))), fill)
+
+    def emit(t, logits, out, done):
+        tok = sample(logits, jax.random.fold_in(key, t), temperature, top_k, top_p if nucleus else None)
+        tok = jnp.where(done, eos_id, tok)
+        return tok, out.at[rows, prompt_lengths + t].set(tok), done | (tok == eos_id)
+
+    logits, cache = prefill(model, tokens, prompt_lengths, cache_len)
+    tok, out, done = emit(0, logits, out, jnp.zeros((b,), bool))
+
+    def step(carry):
+        t, tok, cache, out, done = carry
+        logits, cache = decode_step(model, tok, prompt_lengths + t - 1, cache)
+        tok, out, done = emit(t, logits, out, done)
+        return t + 1, tok, cache, out, done
+
+    def running(carry):
+        t, *_, done = carry
+        return (t < max_new_tokens) & ~jnp.all(done)
+
+    carry = (jnp.asarray(1, jnp.int32), tok, cache, out, done)
+    return jax.lax.while_loop(running, step, carry)[3]
+
+
+def generate(
+    model: Transformer,
+    tokens,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_id: int | None = None,
+    prompt_lengths=None,
+) -> jax.Array:
+    """Continue right-padded prompts int [batch, prompt] by `max_new_tokens` tokens each ->
+    int32 [batch, prompt + max_new_tokens] (layout, padding, EOS and sampling rules: the
+    module docstring). Prefill once, then one jitted `lax.while_loop`; compiled once per
+    model structure, shapes, `max_new_tokens` and `top_k` (and whether `top_p` is set).
+
+    Runs under the mesh and rules in context (`jax.set_mesh` + `sharding.axis_rules`),
+    like the model; a `context` mesh axis > 1 is not supported.
+    """
+    if not isinstance(model, Transformer):
+        raise ValueError(f"model: expected a models.Transformer, got {type(model).__name__}")
+    cfg = model.cfg
+    if not isinstance(tokens, jax.Array):
+        tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(
+            f"tokens: expected int [batch, prompt], got shape {tokens.shape} dtype {tokens.dtype}"
+        )
+    b, p = tokens.shape
+    if b < 1 or p < 1:
+        raise ValueError(f"tokens: expected at least one row and one token, got shape {(b, p)}")
+    if not isinstance(tokens, jax.core.Tracer):
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= cfg.vocab_size:
+            raise ValueError(f"tokens: ids must be in [0, {cfg.vocab_size}), got min {lo} max {hi}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected a positive integer")
+    if not (_is_number(temperature) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature={temperature!r}: expected a finite number >= 0 (0: greedy)")
+    if top_k is not None and (not _is_int(top_k) or not 1 <= top_k <= cfg.vocab_size):
+        raise ValueError(f"top_k={top_k!r}: expected None or an integer in [1, {cfg.vocab_size}]")
+    if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"top_p={top_p!r}: expected None or a number in (0, 1]")
+    if not _is_int(seed):
+        raise ValueError(f"seed={seed!r}: expected an integer")
+    if eos_id is not None and (not _is_int(eos_id) or not 0 <= eos_id < cfg.vocab_size):
+        raise ValueError(f"eos_id={eos_id!r}: expected None or a token id in [0, {cfg.vocab_size})")
+    if prompt_lengths is None:
+        prompt_lengths = np.full((b,), p, np.int32)
+    lengths = np.asarray(prompt_lengths)
+    if lengths.shape != (b,) or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(
+            f"prompt_lengths: expected int [batch={b}], got shape {lengths.shape} dtype {lengths.dtype}"
+        )
+    if lengths.min() < 1 or lengths.max() > p:
+        raise ValueError(f"prompt_lengths={lengths.tolist()}: expected values in [1, prompt={p}]")
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and dict(zip(mesh.axis_names, mesh.axis_sizes)).get("context", 1) > 1:
+        raise ValueError("generate: the mesh in context has context > 1; generation needs context=1")
+
+    graphdef, state = nnx.split(model)
+    return _generate(
+        graphdef,
+        state,
+        jnp.asarray(tokens, jnp.int32),
+        jnp.asarray(lengths, jnp.int32),
+        jax.random.key(seed),
+        jnp.asarray(temperature, jnp.float32),
+        jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
+        jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32),
+        max_new_tokens=max_new_tokens,
+        cache_len=cache_length(cfg, p + max_new_tokens),
+        top_k=top_k,
+        nucleus=top_p is not None,
+    )
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
