@@ -66,16 +66,18 @@ class OptimizerConfig:
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
-    weight_decay: float = 0.1  # applied to >= 2-D weights only
+    weight_decay: float = 0.1  # matmul weights and embeddings only (optimizer.decays)
     clip_norm: float | None = 1.0  # global-norm clipping; null disables
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    source: str = "synthetic"  # synthetic | text
-    paths: tuple[str, ...] = ()  # files or globs, for source=text
-    tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizers JSON
+    source: str = "synthetic"  # synthetic | text | tokens
+    paths: tuple[str, ...] = ()  # text: files or globs; tokens: `jaxtrain tokenize` output dirs
+    tokenizer: str = "byte"  # text: byte | path to a Hugging Face tokenizers JSON (tokens: in the dirs)
     shuffle: bool = True
+    # tokens: mixture weight per path (any positive scale); empty: each dir's token count
+    weights: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -281,6 +283,14 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         cfg.model.validate()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    for key in ("param_dtype", "compute_dtype"):
+        if getattr(cfg.model, key) == "float16":
+            # float16's 5-bit exponent flushes gradients below ~6e-8 to zero; training in
+            # it needs dynamic loss scaling, which the train step does not do (yet).
+            raise ConfigError(
+                f"model.{key}='float16': not supported for training (no dynamic loss scaling "
+                "yet, so small gradients underflow); use bfloat16"
+            )
     m, t = cfg.mesh, cfg.train
     for axis, size in m.sizes().items():
         if size == 0 or size < -1:
@@ -368,8 +378,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             f"train.global_batch_size={t.global_batch_size}: expected a multiple of "
             f"train.microbatches={t.microbatches}"
         )
-    if cfg.data.source not in ("synthetic", "text"):
-        raise ConfigError(f"data.source={cfg.data.source!r}: expected synthetic or text")
+    if cfg.data.source not in ("synthetic", "text", "tokens"):
+        raise ConfigError(f"data.source={cfg.data.source!r}: expected synthetic, text or tokens")
+    _validate_data_tokens(cfg.data)
     if cfg.data.source == "text" and not cfg.data.paths:
         raise ConfigError("data.paths=[]: data.source=text needs at least one file or glob")
     o = cfg.optimizer
@@ -384,6 +395,22 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if cfg.logging.every < 1:
         raise ConfigError(f"logging.every={cfg.logging.every}: expected a positive integer")
     _validate_fault_tolerance(cfg)
+
+
+def _validate_data_tokens(d: DataConfig) -> None:
+    if d.source == "tokens" and not d.paths:
+        raise ConfigError("data.paths=[]: data.source=tokens needs at least one `jaxtrain tokenize` output")
+    if not d.weights:
+        return
+    if d.source != "tokens":
+        raise ConfigError(f"data.weights={list(d.weights)}: only data.source=tokens mixes paths by weight")
+    if len(d.weights) != len(d.paths):
+        raise ConfigError(
+            f"data.weights={list(d.weights)}: expected one weight per data.paths entry ({len(d.paths)})"
+        )
+    for i, w in enumerate(d.weights):
+        if not math.isfinite(w) or w <= 0:
+            raise ConfigError(f"data.weights[{i}]={w}: expected a positive number")
 
 
 def _validate_fault_tolerance(cfg: Config) -> None:

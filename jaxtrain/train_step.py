@@ -95,7 +95,7 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
     param_axes = models.logical_axes(abstract_params)
     param_shapes = nnx.to_pure_dict(abstract_params)
     param_shardings = sharding.tree_shardings(param_axes, rules, mesh, shapes=param_shapes)
-    tx = make_optimizer(cfg.optimizer, cfg.train.steps)
+    tx = make_optimizer(cfg.optimizer, cfg.train.steps, param_axes=param_axes)
     schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
 
     replicated = NamedSharding(mesh, PartitionSpec())

@@ -4,7 +4,7 @@ Parameters of one MoE layer (stacked on a leading `layers` axis in the model;
 E experts, D = d_model, F = expert_mlp_dim), the layout HF conversion relies on:
 
     w_router    [D, E]     ("embed", None)            router logits = x @ w_router
-    router_bias [E]        (None,)                     only with moe.score_bias (not trained by gradients)
+    router_bias [E]        ("bias",)                   only with moe.score_bias (not trained by gradients)
     w_gate      [E, D, F]  ("expert", "embed", "mlp")  expert e: silu(x @ w_gate[e]) * (x @ w_up[e])
                                                         @ w_down[e]
     w_up        [E, D, F]  ("expert", "embed", "mlp")
@@ -71,7 +71,7 @@ class MoE(nnx.Module):
         self.w_router = p((d, e), ("embed", None), cfg.init_std)
         if m.score_bias:
             self.router_bias = nnx.Param(
-                jnp.zeros((e,), cfg.param_dtype), out_sharding=(None,), eager_sharding=False
+                jnp.zeros((e,), cfg.param_dtype), out_sharding=("bias",), eager_sharding=False
             )
         self.w_gate = p((e, d, f), ("expert", "embed", "mlp"), cfg.init_std)
         self.w_up = p((e, d, f), ("expert", "embed", "mlp"), cfg.init_std)

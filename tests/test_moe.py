@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.models import ModelConfig, MoEConfig, Transformer
-from jaxtrain.models.moe import _capacity_positions, capacity, moe_layer
+from jaxtrain.models.moe import MoE, _capacity_positions, capacity, moe_layer
 from jaxtrain.train_step import batch_to_device
 from jaxtrain.trainer import train
 from tests.conftest import REPO, program_on_mesh
@@ -23,8 +23,13 @@ from tests.conftest import REPO, program_on_mesh
 LAYER_RTOL, LAYER_ATOL = 1e-5, 1e-6
 
 
-def reference_moe(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig):
-    """Per token, per chosen expert, a plain loop. Returns (y, kept [b, s, k])."""
+def reference_moe(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig, shared=None):
+    """Per token, per chosen expert, a plain loop. Returns (y, kept [b, s, k]).
+
+    `shared` = (gate [D, S*F], up [D, S*F], down [S*F, D]): S = m.num_shared_experts
+    always-on experts, expert i being columns (rows of down) i*F..(i+1)*F; each adds
+    its SwiGLU output to every token with weight 1 (no gate, no scale), also to tokens
+    whose routed assignments capacity dropped."""
     x, w_router = np.float64(x), np.float64(w_router)
     b, s, d = x.shape
     E, k = m.num_experts, m.top_k
@@ -53,6 +58,16 @@ def reference_moe(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig):
                 h = x[row, t] @ w_gate[e]
                 h = h / (1 + np.exp(-h)) * (x[row, t] @ w_up[e])
                 y[row, t] += w[j] * (h @ w_down[e])
+    if shared is not None:
+        gate, up, down = (np.float64(a) for a in shared)
+        f = gate.shape[1] // m.num_shared_experts
+        for i in range(m.num_shared_experts):
+            cols = slice(i * f, (i + 1) * f)
+            for row in range(b):
+                for t in range(s):
+                    h = x[row, t] @ gate[:, cols]
+                    h = h / (1 + np.exp(-h)) * (x[row, t] @ up[:, cols])
+                    y[row, t] += h @ down[cols]
     return y, kept
 
 
@@ -95,6 +110,45 @@ def test_layer_matches_per_expert_loop(name):
         np.testing.assert_array_equal(np.asarray(keep), kept)
         assert 0 < (~kept).sum() < kept.size, "the case should drop some assignments, not all"
     np.testing.assert_allclose(float(stats["dropped_fraction"]), (~kept).mean(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_shared_experts_match_per_expert_loop(dispatch):
+    """The MoE module with 2 shared experts (fused into one SwiGLU of width 2F) equals
+    the loop oracle's routed experts plus each shared expert's output, ungated.
+    Capacity drops some assignments here: those tokens still get the shared output."""
+    E, d, f, S = 4, 8, 16, 2
+    m = MoEConfig(
+        num_experts=E,
+        top_k=2,
+        expert_mlp_dim=f,
+        num_shared_experts=S,
+        dispatch=dispatch,
+        capacity_factor=0.6,
+        score_bias=True,
+    )
+    cfg = ModelConfig(vocab_size=16, d_model=d, n_layers=1, n_heads=2, n_kv_heads=2, mlp_dim=32, moe=m)
+    layer = MoE(cfg, rngs=nnx.Rngs(0))
+    routed = random_layer(jax.random.key(1), E=E, d=d, f=f, bias=True)
+    ks = jax.random.split(jax.random.key(6), 3)
+    shared = (
+        0.3 * jax.random.normal(ks[0], (d, S * f)),
+        0.3 * jax.random.normal(ks[1], (d, S * f)),
+        0.3 * jax.random.normal(ks[2], (S * f, d)),
+    )
+    names = ("w_router", "router_bias", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down")
+    for name, value in zip(names, routed + shared):
+        getattr(layer, name)[...] = value
+    x = jax.random.normal(jax.random.key(2), (3, 10, d), jnp.float32)
+    y, _ = nnx.jit(lambda layer, x: layer(x))(layer, x)
+    ref, kept = reference_moe(
+        *[np.asarray(a) for a in (x, *routed)], m, shared=[np.asarray(a) for a in shared]
+    )
+    routed_only, _ = reference_moe(*[np.asarray(a) for a in (x, *routed)], m)
+    assert np.abs(ref - routed_only).max() > 0.1, "the shared experts should matter in this case"
+    if dispatch == "capacity":
+        assert 0 < (~kept).sum() < kept.size, "the case should drop some assignments, not all"
+    np.testing.assert_allclose(y, ref, rtol=LAYER_RTOL, atol=LAYER_ATOL)
 
 
 def test_router_losses_by_hand():
