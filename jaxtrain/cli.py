@@ -26,9 +26,19 @@ import sys
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxtrain", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    _compile_parser(sub)
+    _convert_parser(sub)
+    return p
+
+
+def _train_parser(sub) -> None:
     t = sub.add_parser("train", help="train a model from a YAML config")
     t.add_argument("config", help="YAML config file (see configs/)")
     t.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. mesh.fsdp=2")
+
+
+def _compile_parser(sub) -> None:
     c = sub.add_parser(
         "compile",
         help="AOT-compile the train step for a TPU slice or GPU cluster "
@@ -44,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--slices", type=int, default=1, help="TPU slices (DCN tier; default mesh.dcn_data)")
     c.add_argument("--hosts", type=int, default=1, help="GPU hosts")
-    c.add_argument("--gpus-per-host", type=int, default=8)
+    c.add_argument("--gpus-per-host", type=int, default=None, help="GPUs per host (default 8)")
     c.add_argument("--json", action="store_true", help="print the report as one JSON object")
     c.add_argument(
         "--no-estimate",
@@ -60,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
         "kernels without a cost estimate (MaxText's splash attention): for "
         "like-for-like comparisons; the step time then omits attention",
     )
+
+
+def _convert_parser(sub) -> None:
     v = sub.add_parser(
         "convert", help="convert weights: hf-to-ckpt HF_DIR OUT_DIR | ckpt-to-hf CKPT_DIR OUT_DIR"
     )
@@ -72,43 +85,20 @@ def _parser() -> argparse.ArgumentParser:
         help="ckpt-to-hf: LlamaForCausalLM | MistralForCausalLM | MixtralForCausalLM "
         "(default: from the model)",
     )
-    return p
-
-
-def _convert(args) -> int:
-    """`jaxtrain convert`: streaming weight conversion (jaxtrain/convert.py); exit 2 on a bad input."""
-    from jaxtrain.platform import configure_host
-
-    configure_host()
-    from jaxtrain import convert
-    from jaxtrain.models.hf import HFConversionError
-
-    try:
-        if args.direction == "hf-to-ckpt":
-            cfg = convert.hf_to_ckpt(args.source, args.dest)
-            print(
-                f"converted {args.source} -> {args.dest} ({cfg.param_count():,} parameters); "
-                f"train from it with train.init_from={args.dest}"
-            )
-        else:
-            out = convert.ckpt_to_hf(args.source, args.dest, architecture=args.architecture)
-            print(f"converted {args.source} -> {out} (Hugging Face safetensors)")
-    except (HFConversionError, FileNotFoundError) as e:
-        return _fail(str(e))
-    return 0
-
-
-def _fail(message: str) -> int:
-    print(f"jaxtrain: error: {message}", file=sys.stderr)
-    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    if args.command == "train":
+        return _train(args, argv)
     if args.command == "compile":
         return _compile(args)
-    if args.command == "convert":
-        return _convert(args)
+    return _convert(args)
+
+
+def _train(args, argv: list[str]) -> int:
+    """`jaxtrain train`: config, then the job (multi-process: supervisor + worker), then the loop."""
     from jaxtrain.config import ConfigError, load_config, validate
 
     try:
@@ -122,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Multi-process: this process becomes a supervisor around the worker that trains,
     # so that a lost coordinator is reported by name (jaxtrain/distributed.py).
-    code = distributed.supervise(cfg.distributed, list(sys.argv[1:] if argv is None else argv))
+    code = distributed.supervise(cfg.distributed, argv)
     if code is not None:
         return code
     # Join a multi-process job before the backend starts; each process then simulates
@@ -158,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         distributed.wait_for_peer_verdict()  # a lost peer is named (and exits 4) rather than a traceback
         raise
     distributed.finish()
+    return _report_training(cfg, result)
+
+
+def _report_training(cfg, result) -> int:
+    """The closing line of `jaxtrain train`: done, nothing to do, or preempted (exit 0)."""
     if result.preempted_by:
         where = (
             f"checkpoint step {result.checkpoint_step} saved"
@@ -212,6 +207,34 @@ def _compile(args) -> int:
     else:
         print(format_report(report))
     return 0 if report["fits"] else 1
+
+
+def _convert(args) -> int:
+    """`jaxtrain convert`: streaming weight conversion (jaxtrain/convert.py); exit 2 on a bad input."""
+    from jaxtrain.platform import configure_host
+
+    configure_host()
+    from jaxtrain import convert
+    from jaxtrain.models.hf import HFConversionError
+
+    try:
+        if args.direction == "hf-to-ckpt":
+            cfg = convert.hf_to_ckpt(args.source, args.dest)
+            print(
+                f"converted {args.source} -> {args.dest} ({cfg.param_count():,} parameters); "
+                f"train from it with train.init_from={args.dest}"
+            )
+        else:
+            out = convert.ckpt_to_hf(args.source, args.dest, architecture=args.architecture)
+            print(f"converted {args.source} -> {out} (Hugging Face safetensors)")
+    except (HFConversionError, FileNotFoundError) as e:
+        return _fail(str(e))
+    return 0
+
+
+def _fail(message: str) -> int:
+    print(f"jaxtrain: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

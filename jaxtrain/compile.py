@@ -33,35 +33,13 @@ import re
 from typing import Any
 
 from jaxtrain.config import Config, ConfigError
+from jaxtrain.sharding import hardware
 
 GiB = 1024**3
 
-# name -> (generation key, chips per "N" in the slice name, chip_config, 2D/3D torus, HBM bytes, peak)
-_TPU = {
-    # v4 and v5p names count TensorCores: 2 per chip, one megacore device per chip.
-    "v4": dict(
-        topo="v4", cores_per_chip=2, chip_config="megacore", dims=3, hbm=32 * GiB, peak=275e12, kind="TPU v4"
-    ),
-    "v5p": dict(
-        topo="v5p",
-        cores_per_chip=2,
-        chip_config="megacore",
-        dims=3,
-        hbm=95 * GiB,
-        peak=459e12,
-        kind="TPU v5p",
-    ),
-    "v5e": dict(
-        topo="v5e", cores_per_chip=1, chip_config="default", dims=2, hbm=16 * GiB, peak=197e12, kind="TPU v5e"
-    ),
-    "v6e": dict(
-        topo="v6e", cores_per_chip=1, chip_config="default", dims=2, hbm=32 * GiB, peak=918e12, kind="TPU v6e"
-    ),
-}
-_GPU = {
-    "h100": dict(hbm=84942979072, peak=989e12, kind="H100 SXM 80GB"),
-    "a100": dict(hbm=85899345920, peak=312e12, kind="A100 SXM 80GB"),
-}
+# `--target` generations: rows of the one hardware table (peak FLOP/s, HBM, chips per host).
+_TPU = {name: c for name, c in hardware.CHIPS.items() if c.platform == "tpu" and c.torus_dims}
+_GPU = {name: hardware.chip(name) for name in ("h100", "a100")}  # those sharding.targets can build
 COLLECTIVES = (
     "all-gather",
     "all-reduce",
@@ -118,12 +96,13 @@ def _torus_shape(chips: int, dims: int) -> tuple[int, ...]:
     return tuple(sorted(shape))
 
 
-def parse_target(text: str, *, slices: int = 1, hosts: int = 1, gpus_per_host: int = 8) -> Target:
-    """`tpu:v5p-256` (x `slices`) or `gpu:h100` / `gpu:a100` (`hosts` x `gpus_per_host`)."""
+def parse_target(text: str, *, slices: int = 1, hosts: int = 1, gpus_per_host: int | None = None) -> Target:
+    """`tpu:v5p-256` (x `slices`) or `gpu:h100` / `gpu:a100` (`hosts` x `gpus_per_host`,
+    by default the hardware table's GPUs per host: 8)."""
     platform, _, name = (text or "").partition(":")
     platform, name = platform.lower(), name.lower()
     if platform == "tpu":
-        m = re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", name)
+        m = re.fullmatch(r"(" + "|".join(_TPU) + r")-(\d+)", name)
         if not m:
             raise ConfigError(
                 f"--target={text!r}: expected tpu:GEN-N with GEN one of "
@@ -132,33 +111,34 @@ def parse_target(text: str, *, slices: int = 1, hosts: int = 1, gpus_per_host: i
         if slices < 1:
             raise ConfigError(f"--slices={slices}: expected a positive integer")
         gen, n = m.group(1), int(m.group(2))
-        spec = _TPU[gen]
-        if n % spec["cores_per_chip"]:
+        chip = _TPU[gen]
+        if n % chip.cores_per_chip:
             raise ConfigError(
                 f"--target={text!r}: {gen} slice names count TensorCores "
-                f"({spec['cores_per_chip']} per chip); expected an even number"
+                f"({chip.cores_per_chip} per chip); expected an even number"
             )
-        chips = n // spec["cores_per_chip"]
-        shape = _torus_shape(chips, spec["dims"])
+        chips = n // chip.cores_per_chip
+        shape = _torus_shape(chips, chip.torus_dims)
         return Target(
             "tpu",
             name,
             gen,
             chips,
             slices,
-            f"{spec['topo']}:{'x'.join(map(str, shape))}",
-            spec["hbm"],
-            spec["peak"],
-            spec["kind"],
+            f"{gen}:{'x'.join(map(str, shape))}",
+            chip.hbm_bytes,
+            chip.bf16_flops,
+            chip.description,
         )
     if platform == "gpu":
         if name not in _GPU:
             raise ConfigError(f"--target={text!r}: expected gpu:h100 or gpu:a100")
+        chip = _GPU[name]
+        gpus_per_host = chip.chips_per_host if gpus_per_host is None else gpus_per_host
         if hosts < 1 or gpus_per_host < 1:
             raise ConfigError(f"--hosts={hosts} --gpus-per-host={gpus_per_host}: expected positive integers")
         if slices != 1:
             raise ConfigError("--slices applies to TPU targets; use --hosts for GPU clusters")
-        spec = _GPU[name]
         return Target(
             "gpu",
             name,
@@ -166,9 +146,9 @@ def parse_target(text: str, *, slices: int = 1, hosts: int = 1, gpus_per_host: i
             gpus_per_host,
             hosts,
             f"{hosts}x1x{gpus_per_host}",
-            spec["hbm"],
-            spec["peak"],
-            spec["kind"],
+            chip.hbm_bytes,
+            chip.bf16_flops,
+            chip.description,
         )
     raise ConfigError(f"--target={text!r}: expected tpu:GEN-N (e.g. tpu:v5p-64) or gpu:h100")
 
@@ -178,12 +158,11 @@ def target_devices(target: Target) -> list:
     from jaxtrain.sharding import targets
 
     if target.platform == "tpu":
-        spec = _TPU[target.generation]
-        small = math.prod(int(x) for x in target.topology.split(":")[1].split("x")) < 4
-        per_host = (1, 1, 1) if small else (2, 2, 1)  # 4 chips per host (v5e/v6e: also 8)
-        return targets.tpu_topology_devices(
-            target.topology, spec["chip_config"], per_host, num_slices=target.groups
-        )
+        chip = _TPU[target.generation]
+        small = math.prod(int(x) for x in target.topology.split(":")[1].split("x")) < chip.chips_per_host
+        per_host = (1, 1, 1) if small else (2, chip.chips_per_host // 2, 1)  # 4 chips per host: 2x2x1
+        chip_config = "megacore" if chip.cores_per_chip == 2 else "default"
+        return targets.tpu_topology_devices(target.topology, chip_config, per_host, num_slices=target.groups)
     if target.generation == "a100":
         return targets.a100_devices(target.groups, target.chips)
     return targets.h100_devices(target.groups, target.chips)
@@ -198,6 +177,11 @@ def config_for_target(cfg: Config, target: Target) -> tuple[Config, dict[str, in
     With several slices/hosts and no `mesh.dcn_*` set, TPU slices get data
     parallelism across the DCN (`mesh.dcn_data = slices`); GPU hosts keep one
     flat mesh over all GPUs (the mesh axes then span hosts in host-major order).
+
+    A mesh with every ICI axis 1 (the tiny configs' default, meant for one device)
+    on a multi-device target gets `mesh.fsdp` filled to the devices per slice/host,
+    as `mesh.fsdp=-1` would, rather than failing on the device count; the returned
+    config carries the filled degree (`compile_report` notes it).
     """
     from jaxtrain.models.attention import resolve_impl
 
@@ -223,10 +207,14 @@ def config_for_target(cfg: Config, target: Target) -> tuple[Config, dict[str, in
         per_group = target.chips if n_dcn > 1 else target.num_devices
     from jaxtrain import sharding
 
+    sizes = cfg.mesh.sizes()
+    fill_fsdp = per_group > 1 and all(s == 1 for s in sizes.values())
     try:
-        ici = sharding.mesh_shape_from_sizes(cfg.mesh.sizes(), per_group)
+        ici = sharding.mesh_shape_from_sizes({**sizes, "fsdp": -1} if fill_fsdp else sizes, per_group)
     except ValueError as e:
         raise ConfigError(f"mesh on {target.describe()}: {e}") from None
+    if fill_fsdp:
+        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, fsdp=ici["fsdp"]))
     full = {a: ici[a] * dcn.get(a, 1) for a in ici}
     dp = full["data"] * full["fsdp"] * full["expert"]
     t = cfg.train
@@ -438,6 +426,7 @@ def compile_report(
     from jaxtrain import sharding
     from jaxtrain.sharding.targets import compiled_cost, compiled_memory, custom_call_targets
 
+    requested_fsdp = cfg.mesh.fsdp
     cfg, ici, dcn = config_for_target(cfg, target)
     devices = target_devices(target)
     if len(devices) != target.num_devices:
@@ -467,6 +456,11 @@ def compile_report(
         "kernels_charged": charge_kernels,
         "notes": [],
     }
+    if cfg.mesh.fsdp != requested_fsdp:  # config_for_target filled an all-1 mesh
+        where = f"the {cfg.mesh.fsdp} devices of each slice/host" if dcn else f"all {cfg.mesh.fsdp} devices"
+        report["notes"].append(
+            f"the config's mesh is all 1 (one device): filled mesh.fsdp={cfg.mesh.fsdp} to shard over {where}"
+        )
     t0 = time.perf_counter()
     try:
         compiled = _compile_or_oom(cfg, mesh, rules)

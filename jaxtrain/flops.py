@@ -1,5 +1,8 @@
 """Model FLOPs per token and peak FLOP/s per device, for MFU.
 
+Peak FLOP/s come from the one hardware table, `jaxtrain.sharding.hardware`
+(dense bf16, per chip or GPU); CPU has none and is measured instead.
+
 FLOPs per token (training, forward + backward) = 6 * N (N = parameters a
 token uses: for MoE, the top-k routed and shared experts only; embedding lookup
 excluded; a tied embedding still counts once as the output projection) + attention:
@@ -14,33 +17,15 @@ import functools
 import time
 
 from jaxtrain.models.config import ModelConfig
+from jaxtrain.sharding.hardware import peak_flops_for_device_kind
 
-# Dense bf16 peak FLOP/s per device (per chip; per GPU), from vendor spec sheets.
-PEAK_FLOPS_PER_DEVICE: dict[str, float] = {
-    "tpu v4": 275e12,
-    "tpu v5 lite": 197e12,  # v5e reports itself as "TPU v5 lite"
-    "tpu v5e": 197e12,
-    "tpu v5p": 459e12,
-    "tpu v5": 459e12,  # v5p reports itself as "TPU v5"
-    "tpu v6 lite": 918e12,  # v6e (Trillium)
-    "tpu v6e": 918e12,
-    "a100": 312e12,
-    "h100": 989e12,  # SXM dense bf16
-    "h200": 989e12,
-}
+__all__ = ["flops_per_token", "measure_matmul_flops", "peak_flops_for_device_kind", "peak_flops_per_device"]
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
     n = cfg.active_param_count(include_embedding=cfg.tie_embeddings)
     attn = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.resolved_head_dim
     return 6 * n + (attn / 2 if causal else attn)
-
-
-def peak_flops_for_device_kind(device_kind: str) -> float | None:
-    """Table lookup by `jax.Device.device_kind`; longest matching key wins."""
-    kind = device_kind.lower()
-    matches = [k for k in PEAK_FLOPS_PER_DEVICE if k in kind]
-    return PEAK_FLOPS_PER_DEVICE[max(matches, key=len)] if matches else None
 
 
 @functools.cache

@@ -18,10 +18,12 @@ Fault tolerance (details in checkpoint.py, faults.py, distributed.py):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -149,6 +151,178 @@ def _config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
 
 
 def train(cfg: Config, *, devices=None) -> TrainResult:
+    """Train `cfg` (resuming from its newest checkpoint) on `devices` (default: all)."""
+    with _setup(cfg, devices) as run:
+        restored = _resume(run)
+        state = (
+            restored.state
+            if restored is not None
+            else initial_state(cfg, run.program, run.target, run.writer.log)
+        )
+        step = int(jax.device_get(state.step))
+        result = TrainResult(
+            metrics=[],
+            state=state,
+            program=run.program,
+            mesh=run.mesh,
+            start_step=step,
+            final_step=step,
+            checkpoint_step=restored.step if restored else None,
+        )
+        if step >= cfg.train.steps:
+            run.writer.log(
+                f"nothing to do: the checkpoint is at step {step} >= train.steps={cfg.train.steps}"
+            )
+            return result
+        batch = run.feeder.next()
+        t0 = time.perf_counter()
+        step_fn = run.program.step.lower(state, batch[0]).compile()
+        run.writer.log(f"compiled train step in {time.perf_counter() - t0:.1f} s")
+        with _Preemption() as preemption:
+            state, step = _loop(run, result, step_fn, state, step, batch, preemption)
+            if run.checkpointer is not None:
+                run.checkpointer.wait()  # the last write is on disk before we say so
+        if result.preempted_by:
+            _log_preemption(run, result, step)
+        result.state, result.final_step = state, step
+        return result
+
+
+def _loop(run: _Run, result: TrainResult, step_fn, state, step: int, first_batch, preemption: _Preemption):
+    """Train steps until `train.steps`, a stop request or a fault stop; returns (state, step).
+
+    Batches come as (device batch, global batch index), each fetched while the step
+    before it runs on the device."""
+    total = run.cfg.train.steps
+    batch, batch_index = first_batch
+    pending: list[tuple[int, int, dict]] = []  # (step, batch index, device metrics) not yet fetched
+    timer = _StepTimer(step)
+    while step < total:
+        state, metrics = step_fn(state, batch)
+        step += 1
+        pending.append((step, batch_index, metrics))
+        data_state = run.feeder.data_state()  # position of the next batch to train on
+        if step < total:
+            batch, batch_index = run.feeder.next()  # overlaps the step
+        stop = preemption.requested(step)  # sync ids = step numbers, as Orbax uses
+        save_due = run.save_due(step, stop)
+        log_due = step % run.cfg.logging.every == 0 or step == total
+        if not (log_due or save_due or stop):
+            continue
+        action, newest = _process_pending(pending, run.monitor)
+        if action == "rollback":
+            state, step, (batch, batch_index) = _rollback(run, step)
+            timer.reset(step)
+            continue
+        if action == "stop":
+            raise run.monitor.stop_error()
+        blocked = run.save(step, state, data_state, result) if save_due else None
+        if log_due:
+            record = _metrics_record(run, step, newest, timer.lap(step), blocked)
+            run.writer.write(record)
+            result.metrics.append(record)
+        if stop:
+            result.preempted_by = preemption.signal_name
+            break
+    return state, step
+
+
+# --- what the loop is built from ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rates:
+    """Per-step work and the mesh's peak, for tokens/s and MFU."""
+
+    tokens_per_step: int
+    flops_per_step: float
+    peak_total: float  # FLOP/s of the whole mesh
+    peak_source: str
+
+    @classmethod
+    def for_run(cls, cfg: Config, mesh: jax.sharding.Mesh) -> _Rates:
+        tokens = cfg.train.global_batch_size * cfg.train.seq_len
+        peak, source = peak_flops_per_device(mesh.devices.flat[0], cfg.logging.peak_flops_per_device)
+        # Simulated CPU devices share one host: the measured matmul peak is the whole host's.
+        total = peak if source == "measured matmul" else peak * mesh.size
+        return cls(tokens, flops_per_token(cfg.model, cfg.train.seq_len) * tokens, total, source)
+
+
+class _BatchFeeder:
+    """Global batches on the mesh, in data order: the TESTING HOOK
+    `faults.testing_poison_batches` applied, then the zig-zag sequence order of
+    context parallelism (load-balanced causal ring)."""
+
+    def __init__(self, cfg: Config, data, mesh: jax.sharding.Mesh, batch_sharding):
+        self.data = data
+        self.poison = frozenset(cfg.faults.testing_poison_batches)
+        self.context = mesh.shape["context"]
+        self.batch_sharding = batch_sharding
+
+    def next(self) -> tuple[dict, int]:
+        """(device batch, its global batch index)."""
+        index = self.data.get_state()["batch"]
+        rows = next(self.data)
+        if index in self.poison:
+            rows = dict(rows, loss_mask=np.full_like(rows["loss_mask"], np.inf))
+        rows = permute_batch(rows, self.context)
+        return batch_to_device(rows, self.batch_sharding), index
+
+    def data_state(self) -> dict:
+        """The data position (of the next batch `next` returns), as checkpoints store it."""
+        return self.data.get_state()
+
+    def seek(self, data_state: dict) -> None:
+        self.data.set_state(data_state)
+
+
+@dataclasses.dataclass
+class _Run:
+    """What a run holds besides the train state (built by `_setup`)."""
+
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    program: TrainProgram
+    feeder: _BatchFeeder
+    writer: MetricsWriter | _ProcessLog
+    checkpointer: Checkpointer | None
+    monitor: FaultMonitor
+    target: TrainState  # abstract state (shapes, shardings) that checkpoints restore into
+    rates: _Rates
+
+    def save_due(self, step: int, stop: bool) -> bool:
+        every = self.cfg.checkpoint.every
+        return (
+            self.checkpointer is not None
+            and every > 0
+            and (step % every == 0 or step == self.cfg.train.steps or stop)
+        )
+
+    def save(self, step: int, state, data_state: dict, result: TrainResult) -> float | None:
+        """Checkpoint `step`; returns the seconds the loop was blocked (None: not written)."""
+        meta = {
+            "config": to_dict(self.cfg),
+            "faults": self.monitor.state_dict(),
+            "seed": self.cfg.seed,
+            "process_count": jax.process_count(),
+            "mesh": dict(self.mesh.shape),
+        }
+        blocked = self.checkpointer.save(step, state, data_state, meta)
+        if blocked is not None:
+            result.checkpoint_step = step
+            self.writer.log(
+                f"checkpoint step {step}: loop blocked {blocked * 1e3:.0f} ms, "
+                f"writing {'in the background' if self.cfg.checkpoint.async_save else 'done'}"
+            )
+        return blocked
+
+
+@contextlib.contextmanager
+def _setup(cfg: Config, devices) -> Iterator[_Run]:
+    """Mesh, output dir (+ config.yaml), data, metrics writer, program, checkpointer.
+
+    On exit the checkpointer closes first (waiting for a write still in flight),
+    then the metrics writer, the mesh and the axis rules."""
     mesh = make_mesh(cfg, devices)
     rules = sharding.PRESETS[cfg.mesh.rules]
     primary = jax.process_index() == 0
@@ -156,14 +330,7 @@ def train(cfg: Config, *, devices=None) -> TrainResult:
     out.mkdir(parents=True, exist_ok=True)
     if primary:
         (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
-    flops_per_step = flops_per_token(cfg.model, cfg.train.seq_len) * tokens_per_step
-    peak, peak_source = peak_flops_per_device(mesh.devices.flat[0], cfg.logging.peak_flops_per_device)
-    # Simulated CPU devices share one host: the measured matmul peak is the whole host's.
-    peak_total = peak if (peak_source == "measured matmul") else peak * mesh.size
-    total = cfg.train.steps
-    ckpt_cfg = cfg.checkpoint
-
+    rates = _Rates.for_run(cfg, mesh)
     data = make_data_iterator(
         cfg.data,
         vocab_size=cfg.model.vocab_size,
@@ -173,23 +340,9 @@ def train(cfg: Config, *, devices=None) -> TrainResult:
         process_index=jax.process_index(),
         process_count=jax.process_count(),
     )
-    poison = frozenset(cfg.faults.testing_poison_batches)
-
-    def next_batch():
-        """(device batch, its global batch index)."""
-        index = data.get_state()["batch"]
-        rows = next(data)
-        if index in poison:  # TESTING HOOK: faults.testing_poison_batches
-            rows = dict(rows, loss_mask=np.full_like(rows["loss_mask"], np.inf))
-        # Context parallelism: zig-zag sequence order (load-balanced causal ring).
-        rows = permute_batch(rows, mesh.shape["context"])
-        return batch_to_device(rows, program.batch_sharding), index
-
-    history: list[dict] = []
+    log = cfg.logging
     writer_cm = (
-        MetricsWriter(
-            out, total_steps=total, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress
-        )
+        MetricsWriter(out, total_steps=cfg.train.steps, tensorboard=log.tensorboard, progress=log.progress)
         if primary
         else _ProcessLog()
     )
@@ -198,152 +351,106 @@ def train(cfg: Config, *, devices=None) -> TrainResult:
         writer.log(
             f"mesh {dict((k, v) for k, v in mesh.shape.items() if v > 1) or 'single device'} "
             f"rules={cfg.mesh.rules} params={cfg.model.param_count():,} "
-            f"peak={peak_total:.3g} FLOP/s ({peak_source})"
+            f"peak={rates.peak_total:.3g} FLOP/s ({rates.peak_source})"
         )
         if jax.process_count() > 1:
             from jaxtrain.distributed import describe_topology
 
             writer.log(describe_topology())
-
-        ckpt_dir = Path(cfg.checkpoint_dir)
-        checkpointer = None
-        if ckpt_cfg.every > 0 or (ckpt_cfg.resume and ckpt_dir.is_dir()):
-            checkpointer = Checkpointer(
-                ckpt_dir,
-                keep=ckpt_cfg.keep,
-                keep_every=ckpt_cfg.keep_every,
-                async_save=ckpt_cfg.async_save,
-                log=writer.log,
-            )
+        checkpointer = _checkpointer(cfg, writer.log)
         try:
-            target = abstract_state(program)
-            monitor = FaultMonitor(cfg.faults)
-            restored = _resume(cfg, checkpointer, target, data, monitor, writer)
-            state = (
-                restored.state if restored is not None else initial_state(cfg, program, target, writer.log)
-            )
-            start = step = int(jax.device_get(state.step))
-            result = TrainResult(
-                metrics=history,
-                state=state,
-                program=program,
+            yield _Run(
+                cfg=cfg,
                 mesh=mesh,
-                start_step=start,
-                final_step=start,
-                checkpoint_step=restored.step if restored else None,
+                program=program,
+                feeder=_BatchFeeder(cfg, data, mesh, program.batch_sharding),
+                writer=writer,
+                checkpointer=checkpointer,
+                monitor=FaultMonitor(cfg.faults),
+                target=abstract_state(program),
+                rates=rates,
             )
-            if start >= total:
-                writer.log(f"nothing to do: the checkpoint is at step {start} >= train.steps={total}")
-                return result
-
-            batch, batch_index = next_batch()
-            t0 = time.perf_counter()
-            step_fn = program.step.lower(state, batch).compile()
-            writer.log(f"compiled train step in {time.perf_counter() - t0:.1f} s")
-
-            def save(step, state, data_state) -> float | None:
-                meta = {
-                    "config": to_dict(cfg),
-                    "faults": monitor.state_dict(),
-                    "seed": cfg.seed,
-                    "process_count": jax.process_count(),
-                    "mesh": dict(mesh.shape),
-                }
-                blocked = checkpointer.save(step, state, data_state, meta)
-                if blocked is not None:
-                    result.checkpoint_step = step
-                    writer.log(
-                        f"checkpoint step {step}: loop blocked {blocked * 1e3:.0f} ms, "
-                        f"writing {'in the background' if ckpt_cfg.async_save else 'done'}"
-                    )
-                return blocked
-
-            pending: list[tuple[int, int, dict]] = []  # (step, batch index, device metrics)
-            last_time, last_step = time.perf_counter(), step
-            with _Preemption() as preemption:
-                while step < total:
-                    state, metrics = step_fn(state, batch)
-                    step += 1
-                    pending.append((step, batch_index, metrics))
-                    data_state = data.get_state()  # position of the next batch to train on
-                    if step < total:
-                        batch, batch_index = next_batch()  # overlaps the step
-                    stop = preemption.requested(step)  # sync ids = step numbers, as Orbax uses
-                    save_due = (
-                        checkpointer is not None
-                        and ckpt_cfg.every > 0
-                        and (step % ckpt_cfg.every == 0 or step == total or stop)
-                    )
-                    log_due = step % cfg.logging.every == 0 or step == total
-                    if not (log_due or save_due or stop):
-                        continue
-                    fetched = jax.device_get([m for _, _, m in pending])  # the loop's host sync
-                    action = None
-                    for (s, b, _), m in zip(pending, fetched):
-                        action = (
-                            monitor.observe(s, b, float(m["loss"]), bool(m["skipped"]), int(m["fault"]))
-                            or action
-                        )
-                        if action:
-                            break
-                    pending.clear()
-                    if action == "rollback":
-                        state, step, batch, batch_index = _rollback(
-                            cfg, checkpointer, monitor, target, data, writer, step, next_batch
-                        )
-                        last_time, last_step = time.perf_counter(), step
-                        continue
-                    if action == "stop":
-                        raise monitor.stop_error()
-                    blocked = save(step, state, data_state) if save_due else None
-                    if log_due:
-                        m = fetched[-1]
-                        now = time.perf_counter()
-                        step_time = (now - last_time) / (step - last_step)
-                        last_time, last_step = now, step
-                        record = {
-                            "step": step,
-                            "loss": float(m["loss"]),
-                            "grad_norm": float(m["grad_norm"]),
-                            "lr": float(m["lr"]),
-                            "skipped": int(m["skipped"]),
-                            "skipped_total": monitor.skipped_total,
-                            "step_time_s": step_time,
-                            "tokens_per_second": tokens_per_step / step_time,
-                            "mfu": flops_per_step / step_time / peak_total,
-                        }
-                        if cfg.faults.spike_factor is not None:
-                            record["spikes_total"] = monitor.spikes_total
-                        # Extra scalar metrics of the step (MoE router losses and load).
-                        record.update({k: float(v) for k, v in m.items() if k.startswith("moe_")})
-                        if blocked is not None:
-                            record["checkpoint_blocked_s"] = blocked
-                        writer.write(record)
-                        history.append(record)
-                    if stop:
-                        result.preempted_by = preemption.signal_name
-                        break
-                if checkpointer is not None:
-                    checkpointer.wait()  # the last write is on disk before we say so
-            if result.preempted_by:
-                where = (
-                    f"saved checkpoint step {result.checkpoint_step} in {checkpointer.directory}"
-                    if checkpointer is not None and ckpt_cfg.every > 0
-                    else "no checkpoint written (checkpoint.every=0)"
-                )
-                writer.log(
-                    f"preempted by {result.preempted_by} after step {step}: {where}; "
-                    "run the same command again to resume"
-                )
         finally:
             if checkpointer is not None:
                 checkpointer.close()  # waits for a write still in flight
-    result.state, result.final_step = state, step
-    return result
 
 
-def _resume(cfg, checkpointer, target, data, monitor, writer):
+def _checkpointer(cfg: Config, log) -> Checkpointer | None:
+    """The run's checkpointer: when it saves (`checkpoint.every`) or may resume from one."""
+    c, ckpt_dir = cfg.checkpoint, Path(cfg.checkpoint_dir)
+    if c.every > 0 or (c.resume and ckpt_dir.is_dir()):
+        return Checkpointer(ckpt_dir, keep=c.keep, keep_every=c.keep_every, async_save=c.async_save, log=log)
+    return None
+
+
+class _StepTimer:
+    """Wall time per step between two logging points (the loop syncs with the device only there)."""
+
+    def __init__(self, step: int):
+        self.reset(step)
+
+    def reset(self, step: int) -> None:
+        self.time, self.step = time.perf_counter(), step
+
+    def lap(self, step: int) -> float:
+        now = time.perf_counter()
+        per_step = (now - self.time) / (step - self.step)
+        self.time, self.step = now, step
+        return per_step
+
+
+def _process_pending(pending: list[tuple[int, int, dict]], monitor: FaultMonitor) -> tuple[str | None, dict]:
+    """The loop's host sync: fetch the metrics of every step since the last sync in one
+    transfer and feed them to the fault monitor, oldest first, up to the first action.
+    Returns (the action, "rollback" / "stop" / None; the newest step's metrics) and
+    empties `pending`."""
+    fetched = jax.device_get([m for _, _, m in pending])
+    action = None
+    for (step, batch_index, _), m in zip(pending, fetched):
+        action = monitor.observe(step, batch_index, float(m["loss"]), bool(m["skipped"]), int(m["fault"]))
+        if action:
+            break
+    pending.clear()
+    return action, fetched[-1]
+
+
+def _metrics_record(run: _Run, step: int, m: dict, step_time: float, blocked: float | None) -> dict:
+    """One line of metrics.jsonl: the step's metrics (host values), throughput and MFU."""
+    rates, monitor = run.rates, run.monitor
+    record = {
+        "step": step,
+        "loss": float(m["loss"]),
+        "grad_norm": float(m["grad_norm"]),
+        "lr": float(m["lr"]),
+        "skipped": int(m["skipped"]),
+        "skipped_total": monitor.skipped_total,
+        "step_time_s": step_time,
+        "tokens_per_second": rates.tokens_per_step / step_time,
+        "mfu": rates.flops_per_step / step_time / rates.peak_total,
+    }
+    if run.cfg.faults.spike_factor is not None:
+        record["spikes_total"] = monitor.spikes_total
+    # Extra scalar metrics of the step (MoE router losses and load).
+    record.update({k: float(v) for k, v in m.items() if k.startswith("moe_")})
+    if blocked is not None:
+        record["checkpoint_blocked_s"] = blocked
+    return record
+
+
+def _log_preemption(run: _Run, result: TrainResult, step: int) -> None:
+    where = (
+        f"saved checkpoint step {result.checkpoint_step} in {run.checkpointer.directory}"
+        if run.checkpointer is not None and run.cfg.checkpoint.every > 0
+        else "no checkpoint written (checkpoint.every=0)"
+    )
+    run.writer.log(
+        f"preempted by {result.preempted_by} after step {step}: {where}; run the same command again to resume"
+    )
+
+
+def _resume(run: _Run):
     """Restore the newest readable checkpoint into (state, data position, monitor); None if none."""
+    cfg, checkpointer = run.cfg, run.checkpointer
     if checkpointer is None:
         return None
     if not cfg.checkpoint.resume:
@@ -354,28 +461,30 @@ def _resume(cfg, checkpointer, target, data, monitor, writer):
                 "output_dir, or remove them"
             )
         return None
-    restored = checkpointer.restore_latest(target)
+    restored = checkpointer.restore_latest(run.target)
     if restored is None:
         return None
-    data.set_state(restored.data_state)
-    monitor.load_state_dict(restored.meta.get("faults", {}))
-    writer.log(
+    run.feeder.seek(restored.data_state)
+    run.monitor.load_state_dict(restored.meta.get("faults", {}))
+    run.writer.log(
         f"resumed from checkpoint {checkpointer.directory / str(restored.step)} "
         f"(step {restored.step}, next batch {restored.data_state.get('batch')})"
     )
     changes = _config_changes(restored.meta.get("config", {}), to_dict(cfg))
     if changes:
-        writer.log("config changed since that checkpoint: " + "; ".join(changes))
+        run.writer.log("config changed since that checkpoint: " + "; ".join(changes))
     return restored
 
 
-def _rollback(cfg, checkpointer, monitor, target, data, writer, step, next_batch):
-    """Restore the newest checkpoint before the fault streak; continue past its batches."""
+def _rollback(run: _Run, step: int):
+    """Restore the newest checkpoint before the fault streak; continue past its batches.
+    Returns (state, step, (device batch, batch index))."""
+    cfg, checkpointer, monitor, writer = run.cfg, run.checkpointer, run.monitor, run.writer
     streak = monitor.streak
     restored = None
     if checkpointer is not None:
         checkpointer.wait()
-        restored = checkpointer.restore_latest(target, before=streak.first_step)
+        restored = checkpointer.restore_latest(run.target, before=streak.first_step)
     if restored is None:
         raise monitor.stop_error(
             f"no checkpoint from before step {streak.first_step} to roll back to"
@@ -399,6 +508,5 @@ def _rollback(cfg, checkpointer, monitor, target, data, writer, step, next_batch
         }
     )
     monitor.after_rollback(restored.meta.get("faults"))
-    data.set_state(dict(restored.data_state, batch=resume_batch))
-    batch, batch_index = next_batch()
-    return restored.state, restored.step, batch, batch_index
+    run.feeder.seek(dict(restored.data_state, batch=resume_batch))
+    return restored.state, restored.step, run.feeder.next()

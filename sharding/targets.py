@@ -10,7 +10,7 @@ compiled program reports memory (``memory_analysis()``) and, on TPU, cost
 Run such processes with ``JAX_PLATFORMS=cpu`` (for GPU targets this is
 required: without it the CUDA plugin tries to load cuDNN and drops out).
 
-This module imports only jax and numpy.
+This module imports only jax and numpy (and the stdlib-only hardware table).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import importlib.util
 from typing import Any
 
 import numpy as np
+
+from jaxtrain.sharding import hardware
 
 __all__ = [
     "A100_SXM_TARGET_CONFIG",
@@ -36,7 +38,8 @@ __all__ = [
 ]
 
 # GpuTargetConfigProto (text format) for one H100 SXM 80GB: XLA's upstream
-# h100_sxm.txtpb. Embedded so the package does not read files at run time.
+# h100_sxm.txtpb. Embedded so the package does not read files at run time; the
+# memory size comes from the hardware table (sharding/hardware.py).
 H100_SXM_TARGET_CONFIG = """\
 gpu_device_info {
   threads_per_block_limit: 1024
@@ -53,7 +56,7 @@ gpu_device_info {
   memory_bandwidth: 3352320000000
   l2_cache_size: 52428800
   clock_rate_ghz: 1.98
-  device_memory_size: 84942979072
+  device_memory_size: HBM_BYTES
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
   cuda_compute_capability { major: 9 minor: 0 }
@@ -61,11 +64,11 @@ gpu_device_info {
 platform_name: "CUDA"
 dnn_version_info { major: 9 minor: 10 }
 device_description_str: "NVIDIA H100 80GB HBM3"
-"""
+""".replace("HBM_BYTES", str(hardware.chip("h100").hbm_bytes))
 
 
 # The same for one A100 SXM 80GB (compute capability 8.0, 108 SMs, 164 KiB opt-in
-# shared memory per block, 40 MB L2, 2.04 TB/s).
+# shared memory per block, 40 MB L2, 2.04 TB/s); memory size from the hardware table.
 A100_SXM_TARGET_CONFIG = """\
 gpu_device_info {
   threads_per_block_limit: 1024
@@ -82,7 +85,7 @@ gpu_device_info {
   memory_bandwidth: 2039000000000
   l2_cache_size: 41943040
   clock_rate_ghz: 1.41
-  device_memory_size: 85051572224
+  device_memory_size: HBM_BYTES
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
   cuda_compute_capability { major: 8 minor: 0 }
@@ -90,7 +93,7 @@ gpu_device_info {
 platform_name: "CUDA"
 dnn_version_info { major: 9 minor: 10 }
 device_description_str: "NVIDIA A100-SXM4-80GB"
-"""
+""".replace("HBM_BYTES", str(hardware.chip("a100").hbm_bytes))
 
 
 class DevicelessUnavailableError(RuntimeError):

@@ -58,6 +58,24 @@ def test_config_error_exits_2(capsys):
     assert "does not equal the device count 4" in capsys.readouterr().err
 
 
+def test_all_one_mesh_fills_fsdp_on_a_multi_device_target():
+    """A mesh left at 1 everywhere (tiny.yaml, written for one device) gets mesh.fsdp filled
+    to the devices per slice/host instead of failing on the device count; a mesh the user
+    set is left alone."""
+    from jaxtrain.compile import config_for_target
+    from jaxtrain.config import load_config
+
+    cfg, ici, dcn = config_for_target(load_config(TINY), parse_target("tpu:v5p-8"))
+    assert cfg.mesh.fsdp == ici["fsdp"] == 4 and dcn == {}
+    cfg, ici, dcn = config_for_target(load_config(TINY), parse_target("tpu:v5p-8", slices=2))
+    assert cfg.mesh.fsdp == ici["fsdp"] == 4 and dcn == {"data": 2}  # per slice; slices on DCN data
+    big_batch = load_config(TINY, ["train.global_batch_size=16"])
+    _, ici, _ = config_for_target(big_batch, parse_target("gpu:h100", hosts=2))
+    assert ici["fsdp"] == 16  # one flat mesh over both hosts
+    with pytest.raises(ConfigError, match="does not equal the device count 4"):
+        config_for_target(load_config(TINY, ["mesh.tensor=2"]), parse_target("tpu:v5p-8"))
+
+
 @needs_tpu
 def test_tiny_compiles_for_tpu_v5p_8(capsys):
     code, r = run_compile(capsys, TINY, "mesh.fsdp=-1", "--target", "tpu:v5p-8")
@@ -89,8 +107,11 @@ def test_two_slices_put_data_parallelism_on_dcn(capsys):
     # The gradient reduction across slices is a DCN (megascale) all-reduce in the compiled program;
     # a single slice has none.
     assert r["collectives"]["dcn-all-reduce"]["count"] > 0
-    _, single = run_compile(capsys, TINY, "mesh.fsdp=-1", "--target", "tpu:v5p-8", "--no-estimate")
+    # tiny.yaml's all-1 mesh: compile fills mesh.fsdp itself and says so.
+    _, single = run_compile(capsys, TINY, "--target", "tpu:v5p-8", "--no-estimate")
     assert not any(k.startswith("dcn-") for k in single["collectives"])
+    assert single["mesh"] == {"fsdp": 4}
+    assert any("filled mesh.fsdp=4" in note for note in single["notes"])
 
 
 @needs_tpu

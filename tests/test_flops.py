@@ -40,6 +40,36 @@ def test_peak_table(kind, peak):
     assert peak_flops_for_device_kind(kind) == peak
 
 
+def test_one_hardware_table_feeds_mfu_compile_and_the_gpu_target_configs():
+    """flops, compile and sharding.targets read sharding.hardware; the figures the README's
+    tables rest on stay put (v5p and H100 peaks and HBM)."""
+    import re
+
+    from jaxtrain.compile import parse_target
+    from jaxtrain.sharding import hardware, targets
+
+    v5p, h100 = parse_target("tpu:v5p-8"), parse_target("gpu:h100")
+    assert (v5p.peak_flops, v5p.hbm_bytes) == (459e12, 95 * 2**30)
+    assert (h100.peak_flops, h100.hbm_bytes) == (989e12, 84942979072)  # XLA's h100_sxm.txtpb
+    for text, kind, proto in [
+        ("gpu:h100", "NVIDIA H100 80GB HBM3", targets.H100_SXM_TARGET_CONFIG),
+        ("gpu:a100", "NVIDIA A100-SXM4-80GB", targets.A100_SXM_TARGET_CONFIG),
+    ]:
+        t = parse_target(text)
+        assert t.peak_flops == peak_flops_for_device_kind(kind)
+        assert t.hbm_bytes == int(re.search(r"device_memory_size: (\d+)", proto).group(1))
+        assert kind in proto
+    # The A100 80GB reports 85100068864 bytes (XLA's a100_sxm_80.txtpb), not a nominal 80 GiB.
+    assert parse_target("gpu:a100").hbm_bytes == 85100068864 < 80 * 2**30
+    assert parse_target("gpu:h100").num_devices == hardware.chip("h100").chips_per_host == 8
+    # Other dtypes where the vendor gives a figure; None where it gives none.
+    assert peak_flops_for_device_kind("NVIDIA H100 80GB HBM3", "float8") == 1979e12
+    assert peak_flops_for_device_kind("NVIDIA A100-SXM4-80GB", "float32") == 19.5e12
+    assert peak_flops_for_device_kind("TPU v5 lite", "float8") is None
+    with pytest.raises(ValueError, match="dtype='int4'"):
+        hardware.chip("v5p").peak_flops("int4")
+
+
 def test_moe_counts_only_active_experts():
     from jaxtrain.models.config import MoEConfig
 
