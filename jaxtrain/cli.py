@@ -15,6 +15,9 @@ slice or GPU cluster on this machine (jaxtrain/compile.py): exit 0 it fits,
 
 `jaxtrain convert hf-to-ckpt HF_DIR OUT_DIR` / `ckpt-to-hf CKPT_DIR OUT_DIR` convert
 weights tensor by tensor (jaxtrain/convert.py); `train.init_from=OUT_DIR` trains from them.
+
+`jaxtrain tokenize INPUT... --out DIR --tokenizer byte|tokenizer.json` streams a corpus into
+token shards for `data.source: tokens` (jaxtrain/data/tokenize.py).
 """
 
 from __future__ import annotations
@@ -29,7 +32,14 @@ def _parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     _compile_parser(sub)
     _convert_parser(sub)
+    _tokenize_parser(sub)
     return p
+
+
+def _tokenize_parser(sub) -> None:
+    from jaxtrain.data.tokenize import add_tokenize_parser
+
+    add_tokenize_parser(sub)
 
 
 def _train_parser(sub) -> None:
@@ -94,7 +104,16 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args, argv)
     if args.command == "compile":
         return _compile(args)
+    if args.command == "tokenize":
+        return _tokenize(args)
     return _convert(args)
+
+
+def _tokenize(args) -> int:
+    """`jaxtrain tokenize`: corpus files -> token shards (jaxtrain/data/tokenize.py); exit 2 on bad input."""
+    from jaxtrain.data.tokenize import run_tokenize
+
+    return run_tokenize(args)
 
 
 def _train(args, argv: list[str]) -> int:

@@ -1,0 +1,194 @@
+"""Streaming document readers, one per format public corpora ship in.
+
+The format comes from the file name: ``.jsonl`` (one JSON object per line, the
+document in a string field, ``"text"`` by default), ``.parquet`` (a string column),
+anything else is plain text: the whole file is one document, or, with a separator,
+the pieces between separators are. ``.gz``, ``.zst``, ``.bz2`` and ``.xz`` after the
+format's suffix are decompressed on the fly (``corpus.jsonl.zst``, ``book.txt.gz``).
+
+Documents are yielded one at a time, so memory holds one document (text) or one
+parquet row batch, never a file. Empty documents are skipped; blank ``.jsonl`` lines
+too. A bad record raises `DataError` naming ``file:line`` (``file:row N`` in parquet).
+Text is decoded as UTF-8 with invalid bytes replaced (U+FFFD), and ``\\r`` is kept.
+"""
+
+from __future__ import annotations
+
+import bz2
+import codecs
+import gzip
+import io
+import json
+import lzma
+import zlib
+from collections.abc import Iterator
+from typing import IO
+
+from . import storage
+from .core import DataError
+
+COMPRESSIONS = (".gz", ".zst", ".bz2", ".xz")
+_TEXT_CHUNK = 1 << 20  # characters read at a time when splitting text by a separator
+
+
+def split_name(path: str) -> tuple[str, str | None]:
+    """``(format, compression)``: format ``"jsonl" | "parquet" | "text"``, compression a suffix or None."""
+    name = str(path).rsplit("/", 1)[-1].lower()
+    compression = next((c for c in COMPRESSIONS if name.endswith(c)), None)
+    if compression:
+        name = name[: -len(compression)]
+    if name.endswith(".jsonl"):
+        return "jsonl", compression
+    if name.endswith(".parquet"):
+        if compression:
+            raise DataError(f"{path}: compressed parquet files are not supported (parquet compresses inside)")
+        return "parquet", None
+    return "text", compression
+
+
+def _decompressed(raw: IO[bytes], compression: str | None, path: str) -> IO[bytes]:
+    if compression is None:
+        return raw
+    if compression == ".gz":
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if compression == ".bz2":
+        return bz2.BZ2File(raw, mode="rb")
+    if compression == ".xz":
+        return lzma.LZMAFile(raw, mode="rb")
+    try:
+        import zstandard
+    except ImportError as e:  # pragma: no cover - zstandard is a dependency
+        raise DataError(f"{path}: reading .zst needs the `zstandard` package (pip install zstandard)") from e
+    reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+    return io.BufferedReader(reader, buffer_size=1 << 20)
+
+
+def _corrupt_data_errors() -> tuple[type[BaseException], ...]:
+    errors: tuple[type[BaseException], ...] = (OSError, EOFError, lzma.LZMAError, zlib.error)
+    try:
+        import zstandard
+    except ImportError:  # pragma: no cover
+        return errors
+    return (*errors, zstandard.ZstdError)
+
+
+class DocumentReader:
+    """Iterate ``(line, text)`` over one file's non-empty documents.
+
+    ``line`` is where the document is (1-based line, or row for parquet), for messages.
+    ``bytes_read`` is how far into the (compressed) file reading has got, for progress.
+    """
+
+    def __init__(self, path: str, *, text_field: str = "text", separator: str | None = None):
+        self.path = str(path)
+        self.format, self.compression = split_name(self.path)
+        self.text_field = text_field
+        if separator == "":
+            raise DataError("separator='': expected a non-empty string or None (one document per file)")
+        self.separator = separator
+        self._raw: IO[bytes] | None = None
+        self._parquet_fraction = 0.0
+        self._line = 0  # the last line read, for messages about corrupt data
+        self.size = storage.file_size(self.path)
+
+    @property
+    def bytes_read(self) -> int:
+        if self.format == "parquet":
+            return int(self.size * self._parquet_fraction)
+        if self._raw is None or self._raw.closed:
+            return self.size if self._raw is not None else 0
+        try:
+            return min(self.size, self._raw.tell())
+        except (OSError, ValueError):
+            return 0
+
+    def __iter__(self) -> Iterator[tuple[int, str]]:
+        try:
+            raw = storage.open_read(self.path)
+        except OSError as e:
+            raise DataError(f"{self.path}: cannot open ({e.strerror or e})") from e
+        self._raw = raw
+        with raw:
+            try:
+                if self.format == "parquet":
+                    yield from self._parquet(raw)
+                    return
+                stream = _decompressed(raw, self.compression, self.path)
+                if self.format == "jsonl":
+                    yield from self._jsonl(stream)
+                elif self.separator is None:
+                    text = stream.read().decode("utf-8", errors="replace")
+                    if text:
+                        yield 1, text
+                else:
+                    yield from self._split_text(stream)
+            except _corrupt_data_errors() as e:  # truncated or corrupt (compressed) data
+                where = f" after line {self._line}" if self._line else ""
+                raise DataError(f"{self.path}: unreadable{where} ({type(e).__name__}: {e})") from e
+
+    def _jsonl(self, stream: IO[bytes]) -> Iterator[tuple[int, str]]:
+        field = self.text_field
+        for lineno, line in enumerate(stream, start=1):
+            self._line = lineno
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.decode("utf-8", errors="replace"))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{self.path}:{lineno}: invalid JSON ({e.msg})") from e
+            text = record.get(field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise DataError(f"{self.path}:{lineno}: expected an object with a string {field!r} field")
+            if text:
+                yield lineno, text
+
+    def _split_text(self, stream: IO[bytes]) -> Iterator[tuple[int, str]]:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        sep, pending, line = self.separator, "", 1
+        while True:
+            chunk = stream.read(_TEXT_CHUNK)
+            final = not chunk
+            pending += decoder.decode(chunk, final=final)
+            pieces = pending.split(sep)
+            pending = "" if final else pieces.pop()  # may end in part of a separator
+            for piece in pieces:
+                if piece:
+                    yield line, piece
+                line += piece.count("\n") + sep.count("\n")
+            if final:
+                return
+
+    def _parquet(self, raw: IO[bytes]) -> Iterator[tuple[int, str]]:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise DataError(
+                f"{self.path}: reading .parquet needs the `pyarrow` package (pip install pyarrow)"
+            ) from e
+        try:
+            pf = pq.ParquetFile(raw)
+        except Exception as e:  # pyarrow raises ArrowInvalid etc.
+            raise DataError(f"{self.path}: not a readable parquet file ({e})") from e
+        names = pf.schema_arrow.names
+        if self.text_field not in names:
+            raise DataError(f"{self.path}: no column {self.text_field!r}; columns are {names}")
+        total = max(1, pf.metadata.num_rows)
+        row = 0
+        batches = pf.iter_batches(batch_size=1024, columns=[self.text_field])
+        while True:
+            try:
+                batch = next(batches, None)
+            except Exception as e:  # pyarrow's ArrowInvalid / OSError on a corrupt row group
+                raise DataError(f"{self.path}: unreadable after row {row} ({type(e).__name__}: {e})") from e
+            if batch is None:
+                return
+            for text in batch.column(0).to_pylist():
+                row += 1
+                if not isinstance(text, str):
+                    raise DataError(
+                        f"{self.path}:row {row}: expected a string in column {self.text_field!r}, "
+                        f"got {type(text).__name__}"
+                    )
+                if text:
+                    yield row, text
+            self._parquet_fraction = row / total

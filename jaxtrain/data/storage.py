@@ -1,0 +1,138 @@
+"""Every file the data package reads or writes goes through here: local paths and
+remote URLs (``gs://bucket/...``, anything `etils.epath` can open) alike.
+
+Local files use plain ``os``/``open`` (and the loader memory-maps them); remote ones
+go through `etils.epath` (its fsspec/gfile backends), which supports streaming reads,
+ranged reads (``seek`` + ``read``) and whole-object writes. Nothing here appends to a
+remote object, so every writer builds a file whole and renames it into place.
+"""
+
+from __future__ import annotations
+
+import glob as _glob
+import os
+from typing import IO
+
+from etils import epath
+
+__all__ = [
+    "as_path",
+    "is_local",
+    "open_read",
+    "read_bytes",
+    "write_atomic",
+    "file_size",
+    "exists",
+    "is_file",
+    "is_dir",
+    "list_dir",
+    "remove",
+    "make_dirs",
+    "glob_files",
+    "join",
+]
+
+_GLOB_CHARS = frozenset("*?[")
+
+
+def is_local(path: str | os.PathLike) -> bool:
+    """A path on this machine's file system (no ``scheme://``, or ``file://``)."""
+    text = os.fspath(path)
+    return "://" not in text or text.startswith("file://")
+
+
+def _local(path: str | os.PathLike) -> str:
+    text = os.fspath(path)
+    return text[len("file://") :] if text.startswith("file://") else text
+
+
+def as_path(path: str | os.PathLike) -> epath.Path:
+    return epath.Path(_local(path) if is_local(path) else os.fspath(path))
+
+
+def join(directory: str | os.PathLike, *names: str) -> str:
+    if is_local(directory):
+        return os.path.join(_local(directory), *names)
+    return "/".join([os.fspath(directory).rstrip("/"), *names])
+
+
+def open_read(path: str | os.PathLike) -> IO[bytes]:
+    """A seekable binary file object (remote: ranged reads under the hood)."""
+    if is_local(path):
+        return open(_local(path), "rb")
+    return as_path(path).open("rb")
+
+
+def read_bytes(path: str | os.PathLike) -> bytes:
+    with open_read(path) as f:
+        return f.read()
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never a part."""
+    tmp = f"{os.fspath(path)}.tmp"
+    if is_local(path):
+        with open(_local(tmp), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(_local(tmp), _local(path))
+    else:
+        as_path(tmp).write_bytes(data)
+        as_path(tmp).rename(as_path(path))
+
+
+def file_size(path: str | os.PathLike) -> int:
+    if is_local(path):
+        return os.path.getsize(_local(path))
+    return int(as_path(path).stat().length)
+
+
+def exists(path: str | os.PathLike) -> bool:
+    return os.path.exists(_local(path)) if is_local(path) else as_path(path).exists()
+
+
+def is_file(path: str | os.PathLike) -> bool:
+    return os.path.isfile(_local(path)) if is_local(path) else as_path(path).is_file()
+
+
+def is_dir(path: str | os.PathLike) -> bool:
+    return os.path.isdir(_local(path)) if is_local(path) else as_path(path).is_dir()
+
+
+def list_dir(path: str | os.PathLike) -> list[str]:
+    """Names (not paths) in a directory, sorted; [] if it does not exist."""
+    if not is_dir(path):
+        return []
+    if is_local(path):
+        return sorted(os.listdir(_local(path)))
+    return sorted(p.name for p in as_path(path).iterdir())
+
+
+def remove(path: str | os.PathLike) -> None:
+    if is_local(path):
+        os.remove(_local(path))
+    else:
+        as_path(path).unlink()
+
+
+def make_dirs(path: str | os.PathLike) -> None:
+    if is_local(path):
+        os.makedirs(_local(path), exist_ok=True)
+    else:
+        as_path(path).mkdir(parents=True, exist_ok=True)
+
+
+def glob_files(pattern: str) -> list[str]:
+    """Files matching a glob pattern (``**`` recurses), sorted."""
+    if is_local(pattern):
+        return sorted(m for m in _glob.glob(_local(pattern), recursive=True) if os.path.isfile(m))
+    # Remote: glob below the longest directory prefix without glob characters.
+    parts = pattern.split("/")
+    fixed = next(i for i, p in enumerate(parts) if _GLOB_CHARS & set(p))
+    base = as_path("/".join(parts[:fixed]))
+    return sorted(os.fspath(p) for p in base.glob("/".join(parts[fixed:])) if p.is_file())
+
+
+def has_glob(pattern: str) -> bool:
+    return bool(_GLOB_CHARS & set(pattern))
