@@ -8,8 +8,9 @@ Imports only jax and numpy.
 """
 
 from jaxtrain.pallas_kernels import reference
+from jaxtrain.pallas_kernels.chunked import chunked_attention
 from jaxtrain.pallas_kernels.flash_attention import BlockSizes, default_block_sizes, flash_attention
-from jaxtrain.pallas_kernels.ring_attention import chunked_attention, ring_attention
+from jaxtrain.pallas_kernels.ring_attention import ring_attention
 from jaxtrain.pallas_kernels.sharded import sharded_flash_attention
 from jaxtrain.pallas_kernels.ulysses import ulysses_attention
 

@@ -47,7 +47,23 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-__all__ = ["BlockSizes", "cost_estimates", "flash_attention", "default_block_sizes", "resolve_backend"]
+from jaxtrain.pallas_kernels.mesh_utils import device_kind, resolve_backend
+
+__all__ = [
+    "BlockSizes",
+    "FlashConfig",
+    "cost_estimates",
+    "default_block_sizes",
+    "flash_attention",
+    "flash_config",
+    "flash_dkv_call",
+    "flash_dq_call",
+    "flash_fwd_call",
+    "from_kernel_layout",
+    "matmul_precision",
+    "resolve_block_sizes",
+    "to_kernel_layout",
+]
 
 # Finite stand-in for -inf: keeps exp() and max() free of inf - inf = NaN.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -141,7 +157,13 @@ def default_block_sizes(backend: str, head_dim: int, dtype=jnp.bfloat16) -> Bloc
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class FlashConfig:
+    """Everything static about one set of kernel calls; build it with ``flash_config``.
+
+    Public so that other attention paths (ring and chunked attention's blocks)
+    can call the kernels on sequence blocks of their own.
+    """
+
     backend: str  # "tpu" | "gpu" | "cpu" (which defaults/params to use)
     interpret: bool
     causal: bool
@@ -182,12 +204,13 @@ def _dot_nn(a, b, precision):
     )
 
 
-def _precision(dtype):
+def matmul_precision(dtype):
+    """Matmul precision for inputs of ``dtype`` (also used by the XLA blocks of ring attention)."""
     # f32 inputs: true f32 matmuls (Triton would otherwise use TF32; Mosaic bf16 passes).
     return lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def _position_mask(cfg: _Config, shape, q0, k0, q_axis: int):
+def _position_mask(cfg: FlashConfig, shape, q0, k0, q_axis: int):
     """Causal / window / key-padding mask for a tile whose q positions run along ``q_axis``."""
     qpos = q0 + lax.broadcasted_iota(jnp.int32, shape, q_axis)
     kpos = k0 + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
@@ -207,7 +230,7 @@ def _position_mask(cfg: _Config, shape, q0, k0, q_axis: int):
     return mask
 
 
-def _scores(cfg: _Config, a, b, precision, q0, k0, *, q_axis: int, masked: bool, segment_mask):
+def _scores(cfg: FlashConfig, a, b, precision, q0, k0, *, q_axis: int, masked: bool, segment_mask):
     """scale * a @ b.T with disallowed entries set to the mask value.
 
     ``q_axis`` says which tile axis holds queries (0: [q, kv] tiles, 1: [kv, q]);
@@ -233,7 +256,7 @@ _JNP_OPS = _Ops(div=lax.div, max=jnp.maximum, min=jnp.minimum)
 _PY_OPS = _Ops(div=lambda a, b: a // b, max=max, min=min)
 
 
-def _ranges_for_q_tile(cfg: _Config, q0, bq: int, bk: int, ops: _Ops = _JNP_OPS):
+def _ranges_for_q_tile(cfg: FlashConfig, q0, bq: int, bk: int, ops: _Ops = _JNP_OPS):
     """For the query tile [q0, q0+bq): kv block ranges (lo, full_lo, full_hi, hi).
 
     Blocks in [lo, hi) hold at least one allowed (query, key) pair (segments
@@ -264,7 +287,7 @@ def _ranges_for_q_tile(cfg: _Config, q0, bq: int, bk: int, ops: _Ops = _JNP_OPS)
     return lo, full_lo, full_hi, hi
 
 
-def _ranges_for_kv_tile(cfg: _Config, k0, bk: int, bq: int, ops: _Ops = _JNP_OPS):
+def _ranges_for_kv_tile(cfg: FlashConfig, k0, bk: int, bq: int, ops: _Ops = _JNP_OPS):
     """For the key tile [k0, k0+bk): query block ranges (lo, full_lo, full_hi, hi)."""
     cdiv = lambda a, b: ops.div(a + (b - 1), b)
     n_valid = -(-cfg.seq_len // bq)
@@ -312,7 +335,7 @@ def _masked_loops(ranges, body):
 # ----------------------------------------------------------------------------
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, *rest, cfg: _Config, has_segments: bool):
+def _fwd_kernel(q_ref, k_ref, v_ref, *rest, cfg: FlashConfig, has_segments: bool):
     if has_segments:
         q_seg_ref, kv_seg_ref, o_ref, lse_ref = rest
     else:
@@ -320,7 +343,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, cfg: _Config, has_segments: bool):
     bq, bk = cfg.blocks.block_q, cfg.blocks.block_kv
     q0 = pl.program_id(2) * bq
     q = q_ref[...]
-    prec = _precision(q.dtype)
+    prec = matmul_precision(q.dtype)
     q_seg = jnp.transpose(q_seg_ref[...]) if has_segments else None  # [bq, 1]
 
     def body(j, carry, masked):
@@ -350,7 +373,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, cfg: _Config, has_segments: bool):
     lse_ref[...] = jnp.transpose(m + jnp.log(l))  # stored lane-dense as [1, bq]
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, cfg: _Config, has_segments: bool):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, cfg: FlashConfig, has_segments: bool):
     if has_segments:
         q_seg_ref, kv_seg_ref, dq_ref = rest
     else:
@@ -361,7 +384,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, cfg: _Con
     do = do_ref[...]
     lse = jnp.transpose(lse_ref[...])  # [1, bq] -> [bq, 1]
     delta = jnp.transpose(delta_ref[...])  # [1, bq] -> [bq, 1]
-    prec = _precision(q.dtype)
+    prec = matmul_precision(q.dtype)
     q_seg = jnp.transpose(q_seg_ref[...]) if has_segments else None
 
     def body(j, dq, masked):
@@ -380,7 +403,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, cfg: _Con
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, cfg: _Config, has_segments: bool):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, cfg: FlashConfig, has_segments: bool):
     """dK, dV for one kv tile of one *query* head, computed transposed ([kv, q] tiles)."""
     if has_segments:
         q_seg_ref, kv_seg_ref, dk_ref, dv_ref = rest
@@ -390,7 +413,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, cfg: _Co
     k0 = pl.program_id(2) * bk
     k = k_ref[...]
     v = v_ref[...]
-    prec = _precision(k.dtype)
+    prec = matmul_precision(k.dtype)
     kv_seg = jnp.transpose(kv_seg_ref[...]) if has_segments else None  # [bk, 1]
 
     def body(i, carry, masked):
@@ -420,7 +443,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, cfg: _Co
 # ----------------------------------------------------------------------------
 
 
-def _to_kernel_layout(x, cfg: _Config):
+def to_kernel_layout(x, cfg: FlashConfig):
     """[B, S, H, D] -> [B, H, S, D] (head-major) or [B, S, H*D] (free reshape)."""
     b, s, h, d = x.shape
     if cfg.head_major:
@@ -428,19 +451,19 @@ def _to_kernel_layout(x, cfg: _Config):
     return x.reshape(b, s, h * d)
 
 
-def _from_kernel_layout(x, cfg: _Config, heads: int):
+def from_kernel_layout(x, cfg: FlashConfig, heads: int):
     if cfg.head_major:
         return jnp.swapaxes(x, 1, 2)
     b, s, _ = x.shape
     return x.reshape(b, s, heads, cfg.head_dim)
 
 
-def _whole_spec(cfg: _Config, head_fn):
+def _whole_spec(cfg: FlashConfig, head_fn):
     """BlockSpec for the whole [seq, D] sequence of one head (read by the in-kernel loop)."""
     return _tile_spec(cfg, cfg.seq_pad, head_fn, whole=True)
 
 
-def _tile_spec(cfg: _Config, block: int, head_fn, *, whole: bool = False):
+def _tile_spec(cfg: FlashConfig, block: int, head_fn, *, whole: bool = False):
     """BlockSpec for the grid step's [block, D] tile of one head (or, whole=True, all of it).
 
     Grid is (batch, q_head, tile); ``head_fn`` maps the query head to the head of
@@ -478,7 +501,7 @@ def _vector_tile_spec(block: int, *, per_head: bool):
     return pl.BlockSpec((None, None, 1, block), lambda b, h, i: (b, i, 0, 0))
 
 
-def _vector_rows_spec(cfg: _Config, block: int, *, per_head: bool):
+def _vector_rows_spec(cfg: FlashConfig, block: int, *, per_head: bool):
     """All [n, 1, block] rows of one (batch, head), for the in-kernel loop (``ref[j]``)."""
     n = cfg.seq_pad // block
     if per_head:
@@ -486,7 +509,7 @@ def _vector_rows_spec(cfg: _Config, block: int, *, per_head: bool):
     return pl.BlockSpec((None, n, 1, block), lambda b, h, i: (b, 0, 0, 0))
 
 
-def _compiler_params(cfg: _Config, kind: str):
+def _compiler_params(cfg: FlashConfig, kind: str):
     if cfg.interpret:
         return None
     if cfg.backend == "tpu":
@@ -509,7 +532,7 @@ def _compiler_params(cfg: _Config, kind: str):
     return None
 
 
-def _visited_blocks(cfg: _Config, kind: str) -> int:
+def _visited_blocks(cfg: FlashConfig, kind: str) -> int:
     """Number of (tile, tile) pairs a kernel visits for one (batch, head): for cost estimates."""
     bq, bk = cfg.blocks.for_kernel(kind)
     total = 0
@@ -547,7 +570,7 @@ def cost_estimates(enabled: bool):
         _CHARGE_COST = before
 
 
-def _cost(cfg: _Config, kind: str, batch: int, operands, outputs) -> pl.CostEstimate | None:
+def _cost(cfg: FlashConfig, kind: str, batch: int, operands, outputs) -> pl.CostEstimate | None:
     if not cfg.charge_cost:
         return None
     pairs = _visited_blocks(cfg, kind) * batch * cfg.q_heads
@@ -561,40 +584,70 @@ def _cost(cfg: _Config, kind: str, batch: int, operands, outputs) -> pl.CostEsti
 
 
 # ----------------------------------------------------------------------------
-# pallas_call wrappers on kernel-layout arrays.
+# pallas_call wrappers on kernel-layout arrays: the block-level API.
+#
+# Each call runs one kernel over a whole (padded) sequence of cfg.seq_pad. Query
+# and key segment ids are separate arguments (both or neither), so that ring
+# and chunked attention can attend one sequence block to another.
 # ----------------------------------------------------------------------------
 
 
-def _segment_inputs(cfg: _Config, segment_ids, bq: int, bk: int, *, q_tiled: bool):
-    """Specs and operands for (q-side, kv-side) segment ids: the tiled side as the
-    grid step's row, the looped side as all rows."""
-    if segment_ids is None:
-        return [], []
-    if q_tiled:
-        specs = [_vector_tile_spec(bq, per_head=False), _vector_rows_spec(cfg, bk, per_head=False)]
+def _specs(cfg: FlashConfig, kind: str, *, has_segments: bool):
+    """(in_specs, out_specs) of kernel ``kind`` ('fwd', 'dq' or 'dkv') over the grid (batch, q_head, tile).
+
+    Operands are (q, k, v[, dO, LSE, delta][, q segment ids, kv segment ids]).
+    The forward and dQ kernels tile the queries and loop over keys; dK/dV tiles
+    the keys and loops over queries. The tiled side's operands are the grid
+    step's tile (a row for per-position vectors), the looped side's are whole.
+    Query head h reads kv head h // group (GQA).
+    """
+    bq, bk = cfg.blocks.for_kernel(kind)
+    g = cfg.group
+    q_head, kv_head = (lambda h: h), (lambda h: h // g)
+    if kind == "dkv":
+        q_spec = _whole_spec(cfg, q_head)
+        kv_spec = _tile_spec(cfg, bk, kv_head)
+        q_vector = _vector_rows_spec(cfg, bq, per_head=True)
+        seg_specs = [_vector_rows_spec(cfg, bq, per_head=False), _vector_tile_spec(bk, per_head=False)]
     else:
-        specs = [_vector_rows_spec(cfg, bq, per_head=False), _vector_tile_spec(bk, per_head=False)]
-    return specs, [_vectors(segment_ids, bq), _vectors(segment_ids, bk)]
+        q_spec = _tile_spec(cfg, bq, q_head)
+        kv_spec = _whole_spec(cfg, kv_head)
+        q_vector = _vector_tile_spec(bq, per_head=True)
+        seg_specs = [_vector_tile_spec(bq, per_head=False), _vector_rows_spec(cfg, bk, per_head=False)]
+    in_specs = [q_spec, kv_spec, kv_spec]
+    if kind != "fwd":
+        in_specs += [q_spec, q_vector, q_vector]  # dO is laid out like q; LSE, delta per query
+    if has_segments:
+        in_specs += seg_specs
+    if kind == "fwd":
+        return in_specs, [q_spec, q_vector]  # O, LSE
+    if kind == "dq":
+        return in_specs, q_spec
+    # dK, dV per *query* head: a key tile of head h.
+    kv_out = _tile_spec(cfg, bk, q_head)
+    return in_specs, [kv_out, kv_out]
 
 
 def _call(
-    cfg: _Config,
-    kind: str,
-    kernel,
-    *,
-    tiles: int,
-    in_specs,
-    operands,
-    out_specs,
-    out_shape,
-    has_segments: bool,
+    cfg: FlashConfig, kind: str, kernel, arrays, per_query, q_segment_ids, kv_segment_ids, *, out_shape
 ):
-    """pallas_call over the grid (batch, q_head, tile) with per-backend params and costs."""
+    """pallas_call of kernel ``kind`` over the grid (batch, q_head, tile), per-backend params and costs.
+
+    Operands: ``arrays`` (q, k, v[, dO]), then the ``per_query`` vectors (LSE,
+    delta), then the segment ids, all as ``_specs`` describes them.
+    """
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must both be given or both be None")
+    has_segments = q_segment_ids is not None
+    bq, bk = cfg.blocks.for_kernel(kind)
+    segments = [_vectors(q_segment_ids, bq), _vectors(kv_segment_ids, bk)] if has_segments else []
+    operands = [*arrays, *(_vectors(x, bq) for x in per_query), *segments]
+    in_specs, out_specs = _specs(cfg, kind, has_segments=has_segments)
     batch = operands[0].shape[0]
     return pl.pallas_call(
         functools.partial(kernel, cfg=cfg, has_segments=has_segments),
         out_shape=out_shape,
-        grid=(batch, cfg.q_heads, tiles),
+        grid=(batch, cfg.q_heads, cfg.seq_pad // (bk if kind == "dkv" else bq)),
         in_specs=in_specs,
         out_specs=out_specs,
         compiler_params=_compiler_params(cfg, kind),
@@ -604,89 +657,37 @@ def _call(
     )(*operands)
 
 
-def _fwd_call(q, k, v, segment_ids, cfg: _Config):
-    bq, bk = cfg.blocks.for_kernel("fwd")
-    g = cfg.group
-    seg_specs, seg_operands = _segment_inputs(cfg, segment_ids, bq, bk, q_tiled=True)
-    in_specs = [
-        _tile_spec(cfg, bq, lambda h: h),
-        _whole_spec(cfg, lambda h: h // g),
-        _whole_spec(cfg, lambda h: h // g),
-        *seg_specs,
-    ]
+def flash_fwd_call(q, k, v, q_segment_ids, kv_segment_ids, cfg: FlashConfig):
+    """Forward kernel on kernel-layout q, k, v (``to_kernel_layout``) of cfg.seq_pad positions.
+
+    Segment ids: [batch, seq] int32 for the queries and for the keys, or both None.
+    Returns (O in q's dtype and layout, LSE f32 as [batch, q_heads, seq / block_q, 1, block_q]).
+    """
+    bq = cfg.blocks.block_q
     lse_shape = (q.shape[0], cfg.q_heads, cfg.seq_pad // bq, 1, bq)
-    return _call(
-        cfg,
-        "fwd",
-        _fwd_kernel,
-        tiles=cfg.seq_pad // bq,
-        in_specs=in_specs,
-        operands=[q, k, v, *seg_operands],
-        out_specs=[_tile_spec(cfg, bq, lambda h: h), _vector_tile_spec(bq, per_head=True)],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)],
-        has_segments=segment_ids is not None,
-    )
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
+    return _call(cfg, "fwd", _fwd_kernel, [q, k, v], [], q_segment_ids, kv_segment_ids, out_shape=out_shape)
 
 
-def _dq_call(q, k, v, do, lse, delta, segment_ids, cfg: _Config):
-    bq, bk = cfg.blocks.for_kernel("dq")
-    g = cfg.group
-    seg_specs, seg_operands = _segment_inputs(cfg, segment_ids, bq, bk, q_tiled=True)
-    in_specs = [
-        _tile_spec(cfg, bq, lambda h: h),
-        _whole_spec(cfg, lambda h: h // g),
-        _whole_spec(cfg, lambda h: h // g),
-        _tile_spec(cfg, bq, lambda h: h),
-        _vector_tile_spec(bq, per_head=True),
-        _vector_tile_spec(bq, per_head=True),
-        *seg_specs,
-    ]
-    return _call(
-        cfg,
-        "dq",
-        _dq_kernel,
-        tiles=cfg.seq_pad // bq,
-        in_specs=in_specs,
-        operands=[q, k, v, do, _vectors(lse, bq), _vectors(delta, bq), *seg_operands],
-        out_specs=_tile_spec(cfg, bq, lambda h: h),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        has_segments=segment_ids is not None,
-    )
+def flash_dq_call(q, k, v, do, lse, delta, q_segment_ids, kv_segment_ids, cfg: FlashConfig, *, out_dtype):
+    """dQ kernel on kernel-layout q, k, v, dO; ``lse`` and ``delta`` (rowsum(dO * O)) are
+    [batch, q_heads, seq] f32. Returns dQ in q's layout, ``out_dtype``."""
+    out_shape = jax.ShapeDtypeStruct(q.shape, out_dtype)
+    arrays, per_query = [q, k, v, do], [lse, delta]
+    return _call(cfg, "dq", _dq_kernel, arrays, per_query, q_segment_ids, kv_segment_ids, out_shape=out_shape)
 
 
-def _dkv_call(q, k, v, do, lse, delta, segment_ids, cfg: _Config):
-    """dK, dV per query head ([B, S, Hq*D] or [B, Hq, S, D]); the caller sums GQA groups."""
-    batch = q.shape[0]
-    bq, bk = cfg.blocks.for_kernel("dkv")
-    g = cfg.group
-    seg_specs, seg_operands = _segment_inputs(cfg, segment_ids, bq, bk, q_tiled=False)
-    in_specs = [
-        _whole_spec(cfg, lambda h: h),
-        _tile_spec(cfg, bk, lambda h: h // g),
-        _tile_spec(cfg, bk, lambda h: h // g),
-        _whole_spec(cfg, lambda h: h),
-        _vector_rows_spec(cfg, bq, per_head=True),
-        _vector_rows_spec(cfg, bq, per_head=True),
-        *seg_specs,
-    ]
-    # GQA: each query head writes its own partial dK/dV (f32 so the group sum
-    # loses nothing); MHA writes the final dtype directly.
-    out_dtype = jnp.float32 if g > 1 else k.dtype
+def flash_dkv_call(q, k, v, do, lse, delta, q_segment_ids, kv_segment_ids, cfg: FlashConfig, *, out_dtype):
+    """dK, dV per *query* head ([B, S, Hq*D] or [B, Hq, S, D], ``out_dtype``); the caller
+    sums GQA groups. Arguments as for ``flash_dq_call``."""
     if cfg.head_major:
-        shape = (batch, cfg.q_heads, cfg.seq_pad, cfg.head_dim)
+        shape = (q.shape[0], cfg.q_heads, cfg.seq_pad, cfg.head_dim)
     else:
-        shape = (batch, cfg.seq_pad, cfg.q_heads * cfg.head_dim)
-    out_spec = _tile_spec(cfg, bk, lambda h: h)
+        shape = (q.shape[0], cfg.seq_pad, cfg.q_heads * cfg.head_dim)
+    out_shape = [jax.ShapeDtypeStruct(shape, out_dtype)] * 2
+    arrays, per_query = [q, k, v, do], [lse, delta]
     return _call(
-        cfg,
-        "dkv",
-        _dkv_kernel,
-        tiles=cfg.seq_pad // bk,
-        in_specs=in_specs,
-        operands=[q, k, v, do, _vectors(lse, bq), _vectors(delta, bq), *seg_operands],
-        out_specs=[out_spec, out_spec],
-        out_shape=[jax.ShapeDtypeStruct(shape, out_dtype)] * 2,
-        has_segments=segment_ids is not None,
+        cfg, "dkv", _dkv_kernel, arrays, per_query, q_segment_ids, kv_segment_ids, out_shape=out_shape
     )
 
 
@@ -696,22 +697,22 @@ def _dkv_call(q, k, v, do, lse, delta, segment_ids, cfg: _Config):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, segment_ids, cfg: _Config):
+def _flash(q, k, v, segment_ids, cfg: FlashConfig):
     return _flash_fwd(q, k, v, segment_ids, cfg)[0]
 
 
-def _flash_fwd(q, k, v, segment_ids, cfg: _Config):
-    qk, kk, vk = (_to_kernel_layout(x, cfg) for x in (q, k, v))
-    ok, lse = _fwd_call(qk, kk, vk, segment_ids, cfg)
+def _flash_fwd(q, k, v, segment_ids, cfg: FlashConfig):
+    qk, kk, vk = (to_kernel_layout(x, cfg) for x in (q, k, v))
+    ok, lse = flash_fwd_call(qk, kk, vk, segment_ids, segment_ids, cfg)
     # Residuals stay in kernel layout: the backward needs no second relayout.
-    return _from_kernel_layout(ok, cfg, q.shape[2]), (qk, kk, vk, segment_ids, ok, lse)
+    return from_kernel_layout(ok, cfg, q.shape[2]), (qk, kk, vk, segment_ids, ok, lse)
 
 
-def _flash_bwd(cfg: _Config, residuals, do):
+def _flash_bwd(cfg: FlashConfig, residuals, do):
     qk, kk, vk, segment_ids, ok, lse = residuals
     batch, q_heads, kv_heads = qk.shape[0], cfg.q_heads, cfg.kv_heads
     seq_pad = cfg.seq_pad
-    dok = _to_kernel_layout(do, cfg)
+    dok = to_kernel_layout(do, cfg)
     # delta_i = sum_d dO_id O_id  (= rowsum(P * dP)); O(S) work in XLA.
     prod = ok.astype(jnp.float32) * dok.astype(jnp.float32)
     if cfg.head_major:
@@ -722,11 +723,14 @@ def _flash_bwd(cfg: _Config, residuals, do):
     if cfg.seq_pad != cfg.seq_len:
         # Padded queries: exp(s - inf) = 0 makes their probabilities exactly 0.
         lse = jnp.where(jnp.arange(seq_pad) < cfg.seq_len, lse, jnp.inf)
-    dq = _dq_call(qk, kk, vk, dok, lse, delta, segment_ids, cfg)
-    dk, dv = _dkv_call(qk, kk, vk, dok, lse, delta, segment_ids, cfg)
-    dq = _from_kernel_layout(dq, cfg, q_heads)
-    dk = _from_kernel_layout(dk, cfg, q_heads)
-    dv = _from_kernel_layout(dv, cfg, q_heads)
+    grads = (qk, kk, vk, dok, lse, delta, segment_ids, segment_ids, cfg)
+    dq = flash_dq_call(*grads, out_dtype=qk.dtype)
+    # GQA: each query head writes its own partial dK/dV (f32 so the group sum
+    # loses nothing); MHA writes the final dtype directly.
+    dk, dv = flash_dkv_call(*grads, out_dtype=jnp.float32 if cfg.group > 1 else kk.dtype)
+    dq = from_kernel_layout(dq, cfg, q_heads)
+    dk = from_kernel_layout(dk, cfg, q_heads)
+    dv = from_kernel_layout(dv, cfg, q_heads)
     if cfg.group > 1:
         g = cfg.group
         dk = dk.reshape(batch, seq_pad, kv_heads, g, -1).sum(axis=3).astype(kk.dtype)
@@ -742,52 +746,6 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # ----------------------------------------------------------------------------
 
 
-def _platform_of(x) -> str | None:
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-        try:
-            return next(iter(x.devices())).platform
-        except Exception:
-            return None
-    return None
-
-
-def _abstract_device():
-    try:
-        mesh = jax.sharding.get_abstract_mesh()
-    except Exception:
-        return None
-    if mesh is None or getattr(mesh, "empty", True):
-        return None
-    return getattr(mesh, "abstract_device", None)
-
-
-def resolve_backend(x=None) -> str:
-    """'tpu', 'gpu' or 'cpu' for an array: its devices, else the mesh in context, else jax's default."""
-    platform = _platform_of(x) if x is not None else None
-    if platform is None:
-        dev = _abstract_device()
-        platform = getattr(dev, "platform", None)
-    if platform is None:
-        platform = jax.default_backend()
-    platform = platform.lower()
-    if platform == "tpu":
-        return "tpu"
-    if platform in ("gpu", "cuda", "rocm"):
-        return "gpu"
-    return "cpu"
-
-
-def _device_kind() -> str | None:
-    dev = _abstract_device()
-    if dev is not None:
-        return dev.device_kind
-    try:
-        d = jax.devices()[0]
-        return d.device_kind if d.platform == "tpu" else None
-    except Exception:
-        return None
-
-
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
@@ -796,7 +754,9 @@ def _is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 
 
-def _resolve_blocks(block_sizes, backend: str, seq_len: int, head_dim: int, dtype) -> BlockSizes:
+def resolve_block_sizes(block_sizes, backend: str, seq_len: int, head_dim: int, dtype) -> BlockSizes:
+    """Validated block sizes (None: the backend's defaults), backward sizes filled in,
+    each clamped to the sequence so a short sequence is not padded up to a big tile."""
     if block_sizes is None:
         block_sizes = default_block_sizes(backend, head_dim, dtype)
     elif not isinstance(block_sizes, BlockSizes):
@@ -822,7 +782,7 @@ def _resolve_blocks(block_sizes, backend: str, seq_len: int, head_dim: int, dtyp
     return BlockSizes(*(min(int(b), cap) for b in block_sizes.as_tuple()))
 
 
-def _tpu_vmem_need(cfg: _Config, itemsize: int) -> int:
+def _tpu_vmem_need(cfg: FlashConfig, itemsize: int) -> int:
     """Rough VMEM bytes of the largest kernel: whole-sequence operands + tiles + f32 temporaries."""
     d = max(cfg.head_dim, 128)  # lanes pad to 128
     whole = 2 * cfg.seq_pad * d * itemsize  # K+V (fwd, dq) or Q+dO (dkv), single-buffered
@@ -834,10 +794,10 @@ def _tpu_vmem_need(cfg: _Config, itemsize: int) -> int:
     return whole + rows + tiles + temps
 
 
-def _check_tpu_vmem(cfg: _Config, dtype) -> int:
+def _check_tpu_vmem(cfg: FlashConfig, dtype) -> int:
     """VMEM limit for the TPU kernels; ValueError when one head's sequence cannot fit."""
     need = _tpu_vmem_need(cfg, jnp.dtype(dtype).itemsize)
-    capacity = _TPU_VMEM_BYTES.get(_device_kind() or "", _TPU_DEFAULT_VMEM_BYTES)
+    capacity = _TPU_VMEM_BYTES.get(device_kind() or "", _TPU_DEFAULT_VMEM_BYTES)
     if need > capacity * 0.85:
         raise ValueError(
             f"seq={cfg.seq_len}, head_dim={cfg.head_dim}, {jnp.dtype(dtype).name}: the kernels "
@@ -846,6 +806,50 @@ def _check_tpu_vmem(cfg: _Config, dtype) -> int:
             f"parallelism) or use shorter sequences per device"
         )
     return int(min(capacity * 0.9, max(need * 1.25, 32 << 20)))
+
+
+def flash_config(
+    *,
+    backend: str,
+    interpret: bool,
+    causal: bool,
+    window: int | None,
+    scale: float,
+    seq_len: int,
+    seq_pad: int,
+    head_dim: int,
+    q_heads: int,
+    kv_heads: int,
+    blocks: BlockSizes,
+    dtype,
+) -> FlashConfig:
+    """The kernels' static configuration for resolved ``blocks`` (``resolve_block_sizes``).
+
+    ``seq_pad`` must be a multiple of every block; ``head_dim`` is the kernel's
+    (padded to a power of two on GPU). On TPU it carries the VMEM limit, and
+    raises ValueError when one head's whole sequence does not fit VMEM.
+    """
+    # TPU tiles the two minor dims of [B, S, H, D] together, so a per-head tile
+    # is not contiguous there: use [B, H, S, D] (XLA can fuse the transpose
+    # into the producer). On GPU the [B, S, H*D] view is a free reshape.
+    cfg = FlashConfig(
+        backend=backend,
+        interpret=interpret,
+        causal=causal,
+        window=window,
+        scale=scale,
+        seq_len=seq_len,
+        seq_pad=seq_pad,
+        head_dim=head_dim,
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        blocks=blocks,
+        head_major=backend == "tpu",
+        vmem_limit=None,
+    )
+    if backend == "tpu":
+        cfg = dataclasses.replace(cfg, vmem_limit=_check_tpu_vmem(cfg, dtype))
+    return cfg
 
 
 def _check_array(name: str, x, rank: int = 4):
@@ -948,13 +952,9 @@ def flash_attention(
     kernel_head_dim = head_dim
     if backend == "gpu" and not _is_pow2(head_dim):
         kernel_head_dim = max(pl.next_power_of_2(head_dim), _TRITON_MIN_BLOCK)
-    blocks = _resolve_blocks(block_sizes, backend, seq_len, kernel_head_dim, q.dtype)
+    blocks = resolve_block_sizes(block_sizes, backend, seq_len, kernel_head_dim, q.dtype)
     seq_pad = _round_up(seq_len, math.lcm(*blocks.as_tuple()))
-    # TPU tiles the two minor dims of [B, S, H, D] together, so a per-head tile
-    # is not contiguous there: use [B, H, S, D] (XLA can fuse the transpose
-    # into the producer). On GPU the [B, S, H*D] view is a free reshape.
-    head_major = backend == "tpu"
-    cfg = _Config(
+    cfg = flash_config(
         backend=backend,
         interpret=bool(interpret),
         causal=bool(causal),
@@ -966,16 +966,13 @@ def flash_attention(
         q_heads=q_heads,
         kv_heads=kv_heads,
         blocks=blocks,
-        head_major=head_major,
-        vmem_limit=None,
+        dtype=q.dtype,
     )
-    if backend == "tpu":
-        cfg = dataclasses.replace(cfg, vmem_limit=_check_tpu_vmem(cfg, q.dtype))
     return _flash_padded(q, k, v, segment_ids, cfg=cfg, head_dim=head_dim)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "head_dim"))
-def _flash_padded(q, k, v, segment_ids, *, cfg: _Config, head_dim: int):
+def _flash_padded(q, k, v, segment_ids, *, cfg: FlashConfig, head_dim: int):
     pad_s = cfg.seq_pad - cfg.seq_len
     pad_d = cfg.head_dim - head_dim
     if pad_s or pad_d:

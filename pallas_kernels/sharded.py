@@ -16,29 +16,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.pallas_kernels.flash_attention import BlockSizes, flash_attention
+from jaxtrain.pallas_kernels.chunked import flash_attention_any_length
+from jaxtrain.pallas_kernels.flash_attention import BlockSizes
+from jaxtrain.pallas_kernels.mesh_utils import axes_tuple, mesh_backend, reshard_to_specs
 
 __all__ = ["sharded_flash_attention"]
-
-
-def _axes_tuple(name: str, axes) -> tuple[str, ...]:
-    if axes is None:
-        return ()
-    if isinstance(axes, str):
-        return (axes,)
-    try:
-        return tuple(axes)
-    except TypeError:
-        raise ValueError(f"{name} must be a mesh axis name or a sequence of them, got {axes!r}") from None
-
-
-def _mesh_platform(mesh) -> str:
-    if isinstance(mesh, jax.sharding.AbstractMesh):
-        platform = getattr(mesh.abstract_device, "platform", None) or jax.default_backend()
-    else:
-        platform = next(iter(mesh.devices.flat)).platform
-    platform = platform.lower()
-    return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
 
 
 def sharded_flash_attention(
@@ -76,15 +58,13 @@ def sharded_flash_attention(
         interpret=interpret,
     )
     if mesh is None:
-        return _any_length(q, k, v, **kwargs)
-    backend = _mesh_platform(mesh)
-    if backend not in ("tpu", "gpu"):
-        backend = "cpu"
+        return flash_attention_any_length(q, k, v, **kwargs)
+    backend = mesh_backend(mesh)
     if math.prod(mesh.axis_sizes) == 1:
-        return _any_length(q, k, v, backend=backend, **kwargs)
+        return flash_attention_any_length(q, k, v, backend=backend, **kwargs)
 
-    batch_axes = _axes_tuple("batch_axes", batch_axes)
-    head_axes = _axes_tuple("head_axes", head_axes)
+    batch_axes = axes_tuple("batch_axes", batch_axes)
+    head_axes = axes_tuple("head_axes", head_axes)
     for name, axes in (("batch_axes", batch_axes), ("head_axes", head_axes)):
         for a in axes:
             if a not in mesh.axis_names:
@@ -133,7 +113,7 @@ def sharded_flash_attention(
                 idx = (first_q_head + jnp.arange(local_q_heads)) // group
                 k = jnp.take(k, idx, axis=2)
                 v = jnp.take(v, idx, axis=2)
-        return _any_length(
+        return flash_attention_any_length(
             q,
             k,
             v,
@@ -151,37 +131,4 @@ def sharded_flash_attention(
     # check_vma=False: the kernels' out_shapes carry no manual-axis types, and
     # interpret mode fails the varying-axes check (JAX_NOTES, Pallas).
     fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)
-    args = (q, k, v, segment_ids)
-    if _has_explicit_axes(mesh):
-        # Explicit ("sharding in types") axes: shard_map wants inputs already laid
-        # out as in_specs; Auto axes are resharded by shard_map itself.
-        # An AbstractMesh (from jax.get_abstract_mesh()) is the one set in context,
-        # so a bare PartitionSpec refers to it.
-        abstract = isinstance(mesh, jax.sharding.AbstractMesh)
-        args = tuple(
-            x if spec is None else jax.reshard(x, spec if abstract else jax.NamedSharding(mesh, spec))
-            for x, spec in zip(args, in_specs)
-        )
-    return fn(*args)
-
-
-def _any_length(q, k, v, *, backend=None, **kwargs):
-    """flash_attention, or over sequence chunks where one head's K/V would not fit
-    the TPU kernels' VMEM (``ring_attention.chunked_attention``; no sliding window)."""
-    from jaxtrain.pallas_kernels.flash_attention import resolve_backend
-    from jaxtrain.pallas_kernels.ring_attention import chunked_attention, flash_chunks_needed
-
-    resolved = backend or resolve_backend(q)
-    if resolved == "tpu" and kwargs.get("sliding_window") is None:
-        chunks = flash_chunks_needed(
-            q.shape[1], q.shape[3], q.dtype, backend=resolved, block_sizes=kwargs.get("block_sizes")
-        )
-        if chunks > 1:
-            kwargs.pop("sliding_window", None)
-            return chunked_attention(q, k, v, chunks=chunks, backend=resolved, block_impl="pallas", **kwargs)
-    return flash_attention(q, k, v, backend=backend, **kwargs)
-
-
-def _has_explicit_axes(mesh) -> bool:
-    types = getattr(mesh, "axis_types", None) or ()
-    return any(t == jax.sharding.AxisType.Explicit for t in types)
+    return fn(*reshard_to_specs(mesh, (q, k, v, segment_ids), in_specs))

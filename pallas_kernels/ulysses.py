@@ -26,8 +26,13 @@ import numpy as np
 from jax import lax
 
 from jaxtrain.pallas_kernels import reference
-from jaxtrain.pallas_kernels.ring_attention import check_inputs, shard_over_sequence
-from jaxtrain.pallas_kernels.sharded import _any_length, _axes_tuple, _mesh_platform
+from jaxtrain.pallas_kernels.chunked import flash_attention_any_length
+from jaxtrain.pallas_kernels.mesh_utils import (
+    axes_tuple,
+    check_context_inputs,
+    mesh_backend,
+    shard_over_sequence,
+)
 
 __all__ = ["ulysses_attention"]
 
@@ -64,13 +69,13 @@ def ulysses_attention(
     sliding_window: as for ``flash_attention`` (in sequence order: each shard
     sees the whole sequence, so the window needs nothing from the ring).
     """
-    check_inputs(q, k, v, mesh=mesh, axis_name=axis_name)
+    check_context_inputs(q, k, v, mesh=mesh, axis_name=axis_name)
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     n = sizes[axis_name]
     batch, seq, q_heads, _ = q.shape
     kv_heads = k.shape[2]
-    batch_axes = _axes_tuple("batch_axes", batch_axes)
-    head_axes = _axes_tuple("head_axes", head_axes)
+    batch_axes = axes_tuple("batch_axes", batch_axes)
+    head_axes = axes_tuple("head_axes", head_axes)
     n_batch = math.prod(sizes[a] for a in batch_axes)
     n_head = math.prod(sizes[a] for a in head_axes)
     if q_heads % (n * n_head):
@@ -87,12 +92,11 @@ def ulysses_attention(
         # Repeat kv heads up to the q heads so every shard gets whole groups.
         k = jnp.repeat(k, q_heads // kv_heads, axis=2)
         v = jnp.repeat(v, q_heads // kv_heads, axis=2)
+    backend = mesh_backend(mesh)
     if block_impl is None:
-        block_impl = "pallas" if _mesh_platform(mesh) in ("tpu", "gpu") else "xla"
+        block_impl = "xla" if backend == "cpu" else "pallas"
     if block_impl not in ("xla", "pallas"):
         raise ValueError(f"block_impl={block_impl!r}: expected 'xla', 'pallas' or None")
-    backend = _mesh_platform(mesh)
-    backend = backend if backend in ("tpu", "gpu") else "cpu"
     perm = _zigzag(seq, n) if load_balanced else None
     inv = None if perm is None else np.argsort(perm)
 
@@ -112,7 +116,7 @@ def ulysses_attention(
         if block_impl == "pallas":
             # The flash kernels, over sequence chunks where one head's whole sequence
             # does not fit the TPU kernels' VMEM (as sharded_flash_attention).
-            o = _any_length(
+            o = flash_attention_any_length(
                 q,
                 k,
                 v,

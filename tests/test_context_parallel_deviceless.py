@@ -80,7 +80,7 @@ def test_ulysses_on_tpu_beyond_one_heads_vmem_compiles_with_chunks():
         pytest.skip(_available("tpu"))
     import jax.numpy as jnp
 
-    from jaxtrain.pallas_kernels.ring_attention import flash_chunks_needed
+    from jaxtrain.pallas_kernels.chunked import flash_chunks_needed
 
     assert flash_chunks_needed(131072, 128, jnp.bfloat16, backend="tpu") > 1
     r = compile_ring("tpu", 8, 131072, impl="ulysses")

@@ -165,7 +165,7 @@ def test_non_contiguous_segments_and_jit():
 
 
 def test_default_backend_on_cpu_is_interpret():
-    from jaxtrain.pallas_kernels.flash_attention import resolve_backend
+    from jaxtrain.pallas_kernels.mesh_utils import resolve_backend
 
     q, _, _, _ = _inputs(1, 128, 4, 4, 64, jnp.float32)
     assert resolve_backend(q) == "cpu"

@@ -1,0 +1,289 @@
+"""Attention of one sequence block to another, and the merge of partial results:
+the building blocks of ring attention (``ring_attention``) and chunked attention
+(``chunked``).
+
+A block is a (q chunk, kv chunk) pair of equal length. Its compute is the
+Pallas flash kernels on GPU/TPU (their forward, dQ and dK/dV calls with
+separate q-side and kv-side segment ids) or an XLA block on CPU; both return
+the block's output and log-sum-exp, so partial results over disjoint key sets
+merge exactly. A pair is ``diagonal`` when q and kv are the same chunk (causal
+mask inside it); off-diagonal pairs that are computed are fully visible.
+
+Chunks are read with dynamic slices of a shard's buffers and results
+accumulated with dynamic_update_slice, which XLA does in place: no
+split/concatenate copies and no select over whole chunks, so per-device memory
+is a fixed number of shard-sized buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+
+from jaxtrain.pallas_kernels.flash_attention import (
+    BlockSizes,
+    FlashConfig,
+    flash_config,
+    flash_dkv_call,
+    flash_dq_call,
+    flash_fwd_call,
+    from_kernel_layout,
+    matmul_precision,
+    resolve_block_sizes,
+    to_kernel_layout,
+)
+
+__all__ = [
+    "BlockConfig",
+    "block_bwd",
+    "block_fwd",
+    "bwd_pairs",
+    "chunk",
+    "empty_output",
+    "flash_block_config",
+    "fwd_pairs",
+    "merge",
+    "put",
+    "softmax_delta",
+    "zero_grads",
+]
+
+_NEG_INF = -jnp.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """Static description of the blocks one attention call computes (hashable)."""
+
+    backend: str  # cpu -> XLA block; tpu/gpu -> flash kernels
+    scale: float
+    chunk: int  # chunk length (q and kv)
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    block_sizes: BlockSizes | None
+    interpret: bool
+    use_flash: bool  # False: XLA block (CPU default)
+
+
+# ----------------------------------------------------------------------------
+# XLA blocks (materialised chunk x chunk scores).
+# ----------------------------------------------------------------------------
+
+
+def _xla_scores(spec: BlockConfig, q, k, q_seg, k_seg, diagonal):
+    b, c, h, d = q.shape
+    g = spec.q_heads // spec.kv_heads
+    qg = q.reshape(b, c, spec.kv_heads, g, d)
+    s = (
+        jnp.einsum(
+            "bqkgd,btkd->bkgqt",
+            qg,
+            k,
+            preferred_element_type=jnp.float32,
+            precision=matmul_precision(q.dtype),
+        )
+        * spec.scale
+    )
+    mask = None
+    if diagonal:
+        mask = (jnp.arange(c)[:, None] >= jnp.arange(k.shape[1])[None, :])[None, None, None]
+    if q_seg is not None:
+        seg = (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None]
+        mask = seg if mask is None else mask & seg
+    return s if mask is None else jnp.where(mask, s, _NEG_INF)
+
+
+def _xla_fwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal):
+    s = _xla_scores(spec, q, k, q_seg, k_seg, diagonal)  # [b, kv, g, q, t]
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    o = (
+        jnp.einsum("bkgqt,btkd->bqkgd", p, v.astype(jnp.float32), precision=matmul_precision(q.dtype))
+        / jnp.moveaxis(jnp.where(l > 0, l, 1.0), -2, 1)[..., 0][..., None]
+    )
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), _NEG_INF)[..., 0]
+    b, c = q.shape[:2]
+    return o.reshape(q.shape), lse.reshape(b, spec.q_heads, c)
+
+
+def _xla_bwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, lse, do, delta):
+    b, c, h, d = q.shape
+    g = spec.q_heads // spec.kv_heads
+    prec = matmul_precision(q.dtype)
+    s = _xla_scores(spec, q, k, q_seg, k_seg, diagonal)
+    lse_g = lse.reshape(b, spec.kv_heads, g, c)[..., None]
+    p = jnp.exp(s - lse_g)  # [b, kv, g, q, t]
+    dog = do.astype(jnp.float32).reshape(b, c, spec.kv_heads, g, d)
+    dv = jnp.einsum("bkgqt,bqkgd->btkd", p, dog, precision=prec)
+    dp = jnp.einsum("bqkgd,btkd->bkgqt", dog, v.astype(jnp.float32), precision=prec)
+    ds = p * (dp - delta.reshape(b, spec.kv_heads, g, c)[..., None]) * spec.scale
+    dq = jnp.einsum("bkgqt,btkd->bqkgd", ds, k.astype(jnp.float32), precision=prec)
+    dk = jnp.einsum(
+        "bkgqt,bqkgd->btkd", ds, q.astype(jnp.float32).reshape(b, c, spec.kv_heads, g, d), precision=prec
+    )
+    return dq.reshape(q.shape), dk, dv
+
+
+# ----------------------------------------------------------------------------
+# Flash blocks (the Pallas kernels on one chunk pair).
+# ----------------------------------------------------------------------------
+
+
+def flash_block_config(spec: BlockConfig, diagonal: bool, dtype) -> FlashConfig:
+    """The flash kernels' configuration for one chunk pair: no padding (the chunk
+    must be a multiple of every block), causal inside diagonal pairs only.
+    ValueError when the chunk does not fit (blocks, or TPU VMEM)."""
+    blocks = resolve_block_sizes(spec.block_sizes, spec.backend, spec.chunk, spec.head_dim, dtype)
+    for b in blocks.as_tuple():
+        if spec.chunk % b:
+            raise ValueError(
+                f"ring attention chunk length {spec.chunk} (seq / (context shards"
+                f" * chunks per shard)) must be a multiple of the flash block {b}"
+            )
+    return flash_config(
+        backend=spec.backend,
+        interpret=spec.interpret,
+        causal=diagonal,
+        window=None,
+        scale=spec.scale,
+        seq_len=spec.chunk,
+        seq_pad=spec.chunk,
+        head_dim=spec.head_dim,
+        q_heads=spec.q_heads,
+        kv_heads=spec.kv_heads,
+        blocks=blocks,
+        dtype=dtype,
+    )
+
+
+def _flash_fwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal):
+    cfg = flash_block_config(spec, diagonal, q.dtype)
+    qk, kk, vk = (to_kernel_layout(x, cfg) for x in (q, k, v))
+    ok, lse = flash_fwd_call(qk, kk, vk, q_seg, k_seg, cfg)
+    o = from_kernel_layout(ok, cfg, cfg.q_heads)
+    return o, lse.reshape(q.shape[0], cfg.q_heads, cfg.seq_pad)
+
+
+def _flash_bwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, lse, do, delta):
+    """dQ, dK, dV in f32 (they are accumulated over blocks); dK/dV summed over GQA groups."""
+    cfg = flash_block_config(spec, diagonal, q.dtype)
+    g = cfg.group
+    batch = q.shape[0]
+    qk, kk, vk, dok = (to_kernel_layout(x, cfg) for x in (q, k, v, do.astype(q.dtype)))
+    args = (qk, kk, vk, dok, lse, delta, q_seg, k_seg, cfg)
+    dq = flash_dq_call(*args, out_dtype=jnp.float32)
+    dk, dv = flash_dkv_call(*args, out_dtype=jnp.float32)
+    dq = from_kernel_layout(dq, cfg, cfg.q_heads)
+    dk = from_kernel_layout(dk, cfg, cfg.q_heads)
+    dv = from_kernel_layout(dv, cfg, cfg.q_heads)
+    if g > 1:
+        dk = dk.reshape(batch, cfg.seq_pad, cfg.kv_heads, g, -1).sum(axis=3)
+        dv = dv.reshape(batch, cfg.seq_pad, cfg.kv_heads, g, -1).sum(axis=3)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------
+# Block compute, merge, and accumulation over chunk pairs.
+# ----------------------------------------------------------------------------
+
+
+def block_fwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal):
+    """(out [b, c, h, d], lse [b, h, c] f32) of q attending to k, v (one chunk each)."""
+    return (_flash_fwd if spec.use_flash else _xla_fwd)(spec, q, k, v, q_seg, k_seg, diagonal)
+
+
+def block_bwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, lse, do, delta):
+    """(dq, dk, dv) f32 of one block, given the full (merged) lse and delta of its queries."""
+    return (_flash_bwd if spec.use_flash else _xla_bwd)(spec, q, k, v, q_seg, k_seg, diagonal, lse, do, delta)
+
+
+def merge(o, lse, o_b, lse_b):
+    """Combine two normalised partial attentions over disjoint key sets."""
+    new = jnp.logaddexp(lse, lse_b)
+    ref = jnp.where(jnp.isfinite(new), new, 0.0)
+    w = lambda l: jnp.moveaxis(jnp.exp(l - ref), 1, 2)[..., None]  # [b, c, h, 1]
+    return o * w(lse) + o_b.astype(jnp.float32) * w(lse_b), new
+
+
+# A pair is (q chunk index, kv chunk index, diagonal); an index is a Python int
+# or a traced int32 scalar (the ring picks some by the step's relation).
+
+
+def chunk(x, idx, size, axis=1):
+    """Chunk ``idx`` of length ``size`` along ``axis`` (None passes through)."""
+    if x is None:
+        return None
+    if isinstance(idx, int):
+        return lax.slice_in_dim(x, idx * size, (idx + 1) * size, axis=axis)
+    return lax.dynamic_slice_in_dim(x, idx * size, size, axis=axis)
+
+
+def put(acc, idx, size, val, axis=1):
+    """``acc`` with chunk ``idx`` replaced by ``val`` (in place for XLA)."""
+    if isinstance(idx, int):
+        idx = jnp.int32(idx)
+    return lax.dynamic_update_slice_in_dim(acc, val.astype(acc.dtype), idx * size, axis=axis)
+
+
+def fwd_pairs(block: BlockConfig, pairs, c, q, seg, kv, acc):
+    """Attend q's chunks to kv = (k, v, kv segment ids)'s chunks for each (q chunk,
+    kv chunk, diagonal) pair, merging into acc = (o f32, lse) in place."""
+    ks, vs, ksegs = kv
+    o, lse = acc
+    for qi, ki, diagonal in pairs:
+        o_b, lse_b = block_fwd(
+            block,
+            chunk(q, qi, c),
+            chunk(ks, ki, c),
+            chunk(vs, ki, c),
+            chunk(seg, qi, c),
+            chunk(ksegs, ki, c),
+            diagonal,
+        )
+        o_a, lse_a = merge(chunk(o, qi, c), chunk(lse, qi, c, axis=2), o_b, lse_b)
+        o, lse = put(o, qi, c, o_a), put(lse, qi, c, lse_a, axis=2)
+    return o, lse
+
+
+def bwd_pairs(block: BlockConfig, pairs, c, q, seg, kv, lse, do, delta, grads):
+    """The backward of fwd_pairs: adds each pair's dQ to its q chunk and dK/dV to its
+    kv chunk of grads = (dq, dk, dv) f32, in place."""
+    ks, vs, ksegs = kv
+    dq, dk, dv = grads
+    for qi, ki, diagonal in pairs:
+        gq, gk, gv = block_bwd(
+            block,
+            chunk(q, qi, c),
+            chunk(ks, ki, c),
+            chunk(vs, ki, c),
+            chunk(seg, qi, c),
+            chunk(ksegs, ki, c),
+            diagonal,
+            chunk(lse, qi, c, axis=2),
+            chunk(do, qi, c),
+            chunk(delta, qi, c, axis=2),
+        )
+        dq = put(dq, qi, c, chunk(dq, qi, c) + gq)
+        dk = put(dk, ki, c, chunk(dk, ki, c) + gk)
+        dv = put(dv, ki, c, chunk(dv, ki, c) + gv)
+    return dq, dk, dv
+
+
+def empty_output(q):
+    """(o, lse) accumulators before any key: zeros and -inf."""
+    b, L, h, d = q.shape
+    return jnp.zeros((b, L, h, d), jnp.float32), jnp.full((b, h, L), _NEG_INF, jnp.float32)
+
+
+def zero_grads(q, k, v):
+    return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+
+
+def softmax_delta(o, do):
+    """rowsum(dO * O) per query, [b, h, L] f32: the softmax backward's correction term."""
+    return jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))

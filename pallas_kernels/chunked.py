@@ -1,0 +1,196 @@
+"""Exact attention over sequence chunks on one device: ring attention's blocks
+(``blocks``) for every (q chunk, kv chunk) pair that is not fully masked,
+merged through the log-sum-exp, with nothing travelling.
+
+The TPU flash kernels keep one head's whole K/V sequence in VMEM, which caps
+the sequence they take; chunking lifts that cap (e.g. after Ulysses'
+all_to_all, or for a long sequence per device in ``sharded_flash_attention``).
+``flash_attention_any_length`` is the entry point those paths use: the flash
+kernels when the sequence fits, chunked attention when it does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.pallas_kernels.blocks import (
+    BlockConfig,
+    bwd_pairs,
+    empty_output,
+    flash_block_config,
+    fwd_pairs,
+    softmax_delta,
+    zero_grads,
+)
+from jaxtrain.pallas_kernels.flash_attention import BlockSizes, flash_attention
+from jaxtrain.pallas_kernels.mesh_utils import resolve_backend
+
+__all__ = ["chunked_attention", "flash_attention_any_length", "flash_chunks_needed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunked:
+    chunks: int
+    causal: bool
+    block: BlockConfig
+
+
+def _chunk_pairs(spec: _Chunked):
+    """(q chunk, kv chunk, diagonal) pairs in sequence order; causal skips j > i."""
+    m = spec.chunks
+    return [(i, j, spec.causal and i == j) for i in range(m) for j in range(m) if not (spec.causal and j > i)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked(spec: _Chunked, q, k, v, seg):
+    return _chunked_fwd_local(spec, q, k, v, seg)[0]
+
+
+def _chunked_fwd_local(spec, q, k, v, seg):
+    c = q.shape[1] // spec.chunks
+    o, lse = fwd_pairs(spec.block, _chunk_pairs(spec), c, q, seg, (k, v, seg), empty_output(q))
+    return o.astype(q.dtype), lse
+
+
+def _chunked_fwd(spec, q, k, v, seg):
+    o, lse = _chunked_fwd_local(spec, q, k, v, seg)
+    return o, (q, k, v, seg, o, lse)
+
+
+def _chunked_bwd(spec, res, do):
+    q, k, v, seg, o, lse = res
+    c = q.shape[1] // spec.chunks
+    dq, dk, dv = bwd_pairs(
+        spec.block,
+        _chunk_pairs(spec),
+        c,
+        q,
+        seg,
+        (k, v, seg),
+        lse,
+        do,
+        softmax_delta(o, do),
+        zero_grads(q, k, v),
+    )
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def flash_chunks_needed(
+    seq: int,
+    head_dim: int,
+    dtype,
+    *,
+    backend: str,
+    block_sizes: BlockSizes | None = None,
+    max_chunks: int = 64,
+) -> int:
+    """How many sequence chunks the flash kernels need on `backend`: 1 unless one
+    head's whole K/V does not fit TPU VMEM (the kernels keep it there); then the
+    smallest power of two whose chunk fits."""
+    if backend != "tpu":
+        return 1
+    m = 1
+    while m <= max_chunks:
+        if seq % m == 0:
+            spec = BlockConfig(
+                backend=backend,
+                scale=1.0,
+                chunk=seq // m,
+                q_heads=1,
+                kv_heads=1,
+                head_dim=head_dim,
+                block_sizes=block_sizes,
+                interpret=False,
+                use_flash=True,
+            )
+            try:
+                flash_block_config(spec, True, dtype)
+                return m
+            except ValueError:
+                pass
+        m *= 2
+    raise ValueError(
+        f"seq={seq}: no power-of-two chunking up to {max_chunks} fits the TPU flash "
+        "kernels; shard the sequence over more devices"
+    )
+
+
+def chunked_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = True,
+    segment_ids=None,
+    softmax_scale: float | None = None,
+    chunks: int | None = None,
+    block_sizes: BlockSizes | None = None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+    block_impl: str | None = None,
+):
+    """Exact attention on one device's ``[batch, seq, heads, head_dim]`` arrays, the
+    sequence cut into ``chunks`` pieces: the ring's per-block kernels for every
+    (q chunk, kv chunk) pair that is not fully masked, merged through the
+    log-sum-exp, with nothing travelling. It lets the TPU flash kernels (which
+    keep one head's whole K/V in VMEM) run sequences of any length, e.g. after
+    Ulysses' all_to_all. ``chunks=None``: as few as the kernels need
+    (``flash_chunks_needed``). Sequence order, no permutation.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(
+                f"{name} must have rank 4 ([batch, seq, heads, head_dim]), "
+                f"got shape {getattr(x, 'shape', None)}"
+            )
+    batch, seq, q_heads, head_dim = q.shape
+    if backend is None:
+        backend = resolve_backend(q)
+    if block_impl is None:
+        block_impl = "pallas" if backend in ("tpu", "gpu") else "xla"
+    if chunks is None:
+        chunks = (
+            flash_chunks_needed(seq, head_dim, q.dtype, backend=backend, block_sizes=block_sizes)
+            if block_impl == "pallas"
+            else 1
+        )
+    if chunks < 1 or seq % chunks:
+        raise ValueError(f"seq={seq} must be a multiple of chunks={chunks}")
+    if interpret is None:
+        interpret = backend == "cpu"
+    block = BlockConfig(
+        backend=backend,
+        scale=float(softmax_scale or 1.0 / math.sqrt(head_dim)),
+        chunk=seq // chunks,
+        q_heads=q_heads,
+        kv_heads=k.shape[2],
+        head_dim=head_dim,
+        block_sizes=block_sizes,
+        interpret=bool(interpret),
+        use_flash=block_impl == "pallas",
+    )
+    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    return _chunked(_Chunked(chunks=chunks, causal=bool(causal), block=block), q, k, v, seg)
+
+
+def flash_attention_any_length(q, k, v, *, backend=None, **kwargs):
+    """``flash_attention``, or ``chunked_attention`` where one head's K/V would not fit
+    the TPU kernels' VMEM. With a sliding window it always calls ``flash_attention``
+    (chunked attention has no window)."""
+    resolved = backend or resolve_backend(q)
+    if resolved == "tpu" and kwargs.get("sliding_window") is None:
+        chunks = flash_chunks_needed(
+            q.shape[1], q.shape[3], q.dtype, backend=resolved, block_sizes=kwargs.get("block_sizes")
+        )
+        if chunks > 1:
+            kwargs.pop("sliding_window", None)
+            return chunked_attention(q, k, v, chunks=chunks, backend=resolved, block_impl="pallas", **kwargs)
+    return flash_attention(q, k, v, backend=backend, **kwargs)
