@@ -1,7 +1,9 @@
 """Checkpoints: an Orbax CheckpointManager that saves asynchronously and restores onto any mesh.
 
 One checkpoint is a step directory `{dir}/{step}` with three items:
-  state  the TrainState (step, params, optimizer state) as sharded arrays (OCDBT/zarr)
+  state  the TrainState (step, params, optimizer state, loss window; the loss scale with
+         float16 compute, the fp8 amax histories and scales with model.fp8) as sharded
+         arrays (OCDBT/zarr)
   data   the data iterator's position (`DataIterator.get_state()`: a batch index)
   meta   the resolved config, the fault monitor's state and the seed
 
@@ -10,7 +12,9 @@ function of (seed, batch index), so `data` and `seed` are the whole RNG state.
 
 Atomicity is Orbax's: a save is written to `{step}.orbax-checkpoint-tmp*` and
 renamed when complete, so a killed run leaves at most a tmp directory, which
-`steps()` never lists. A complete-looking checkpoint that fails to load
+`steps()` never lists. On object stores (`gs://`), which cannot rename a directory,
+Orbax writes `{step}` in place and marks it complete with `commit_success.txt` last;
+`steps()` lists only marked steps there. A complete-looking checkpoint that fails to load
 (truncated or missing file) is logged, renamed to `{step}.unreadable` (kept
 for inspection, out of Orbax's way) and the previous one is tried, so a bad
 checkpoint is never crash-looped on. A checkpoint whose parameter shapes
@@ -31,8 +35,13 @@ device count or process count (Universal-Checkpointing style resharding).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
+import inspect
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,9 +50,19 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
+from jaxtrain.data import storage
 from jaxtrain.train_step import TrainProgram, TrainState
+
+
+def checkpoint_path(directory: str | os.PathLike) -> epath.Path:
+    """A checkpoint location as Orbax takes it: a local path made absolute, or a URL
+    (`gs://bucket/run/checkpoints`, any `etils.epath` scheme) as given."""
+    if storage.is_local(directory):
+        return epath.Path(os.path.abspath(storage.as_path(directory)))
+    return storage.as_path(directory)
 
 
 class CheckpointError(RuntimeError):
@@ -52,6 +71,45 @@ class CheckpointError(RuntimeError):
 
 class CheckpointMismatchError(CheckpointError):
     """The checkpoint's parameters do not fit the configured model (the checkpoint is left as is)."""
+
+
+def _first_sentence(error: Exception, limit: int = 200) -> str:
+    """The gist of a restore error: TensorStore appends pages of spec details."""
+    text = " ".join(str(error).split())
+    text = text.split(" See full TensorStore details")[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def _quiet_failed_reads():
+    """Keep a failed restore to the one warning line the caller prints.
+
+    Orbax logs its own warnings about the item it could not read, and a failed read
+    abandons its other shard-read coroutines: they end with GeneratorExit / "Event loop is
+    closed" when garbage collected, which Python prints as "Exception ignored in
+    coroutine" blocks. Both are silenced here, at their source, and the coroutines are
+    collected before leaving so nothing surfaces later."""
+    loggers = [logging.getLogger(name) for name in ("absl", "orbax", "asyncio")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    previous_hook = sys.unraisablehook
+
+    def hook(unraisable):
+        abandoned = isinstance(unraisable.exc_value, GeneratorExit | RuntimeError) and (
+            inspect.iscoroutine(unraisable.object) or "Event loop is closed" in str(unraisable.exc_value)
+        )
+        if not abandoned:
+            previous_hook(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        gc.collect()
+        sys.unraisablehook = previous_hook
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 @dataclasses.dataclass
@@ -160,7 +218,7 @@ class Checkpointer:
             raise ValueError(f"keep={keep}: expected a positive integer")
         if keep_every < 0:
             raise ValueError(f"keep_every={keep_every}: expected >= 0")
-        self.directory = Path(directory).absolute()
+        self.directory = checkpoint_path(directory)
         self.log = log
         keep_policies = [policies.LatestN(n=keep)]
         if keep_every:
@@ -231,13 +289,19 @@ class Checkpointer:
         """Restore the newest readable checkpoint (with step < `before`, if given) onto
         `target`'s shardings. Unreadable ones are logged, set aside and skipped; a
         parameter-shape mismatch raises CheckpointMismatchError. None if there is none."""
+        unreadable: list[str] = []
+        restored = None
         for step in reversed(self.steps()):
             if before is not None and step >= before:
                 continue
-            restored = self._try_restore(step, target)
+            restored, failure = self._try_restore(step, target)
             if restored is not None:
-                return restored
-        return None
+                break
+            unreadable.append(failure)
+        fallback = f"fell back to step {restored.step}" if restored else "no earlier one to fall back to"
+        for failure in unreadable:  # one line each, once the step it fell back to is known
+            self.log(f"warning: {failure}; {fallback}")
+        return restored
 
     def restore(self, step: int, target: TrainState) -> Restored:
         """Restore checkpoint `step` onto `target` (raises CheckpointError if unreadable)."""
@@ -306,6 +370,18 @@ class Checkpointer:
                 f"its loss window (spike detection) holds {got}, the run expects "
                 f"faults.spike_window={want[0]}"
             )
+        for field, what in (
+            ("loss_scale", "a dynamic loss scale (model.compute_dtype=float16)"),
+            ("fp8", "fp8 scaling state (model.fp8=true)"),
+        ):
+            saved = metadata.get(field) if hasattr(metadata, "get") else None
+            if not mismatch and (saved is None) != (getattr(target, field) is None):
+                has = "has" if saved is not None else "has no"
+                wants = "expects one" if getattr(target, field) is not None else "does not"
+                mismatch = f"it {has} {what}; the run {wants}"
+        if not mismatch and target.fp8 is not None:
+            mismatch = first_param_mismatch(dict(metadata["fp8"]), target.fp8)
+            mismatch = mismatch and "fp8 state: " + mismatch.replace("parameter", "entry")
         if mismatch:
             raise CheckpointMismatchError(
                 f"checkpoint {path}: {mismatch}. The config changed since this run was "
@@ -313,28 +389,23 @@ class Checkpointer:
                 "(or checkpoint.dir). The checkpoint was left untouched"
             )
 
-    def _try_restore(self, step: int, target: TrainState) -> Restored | None:
+    def _try_restore(self, step: int, target: TrainState) -> tuple[Restored | None, str | None]:
+        """(the restored step, None), or (None, one line saying why it is unreadable and where
+        it was set aside)."""
         path = self.directory / str(step)
         error = None
-        try:
-            restored = self.restore(step, target)
-        except CheckpointMismatchError:
-            raise
-        except Exception as e:  # noqa: BLE001 - truncated/missing files surface as many types
-            restored, error = None, e
+        with _quiet_failed_reads():
+            try:
+                restored = self.restore(step, target)
+            except CheckpointMismatchError:
+                raise
+            except Exception as e:  # noqa: BLE001 - truncated/missing files surface as many types
+                restored, error = None, e
         if _all_processes_agree(error is None):
-            return restored
-        detail = (
-            f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-            if error
-            else "unreadable on another process"
-        )
+            return restored, None
+        detail = f"{type(error).__name__}: {_first_sentence(error)}" if error else "unreadable elsewhere"
         aside = self._set_aside(step)
-        self.log(
-            f"checkpoint {path} is unreadable ({detail}); moved it to {aside.name} "
-            "and trying the previous one"
-        )
-        return None
+        return None, f"checkpoint {path} is unreadable ({detail}); moved it to {aside.name}"
 
     def _set_aside(self, step: int) -> Path:
         """Rename step directory out of Orbax's namespace (`{step}.unreadable[-n]`)."""
@@ -345,7 +416,7 @@ class Checkpointer:
             n += 1
             dst = src.with_name(f"{step}.unreadable-{n}")
         if jax.process_index() == 0:
-            src.rename(dst)
+            storage.move_tree(src, dst)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 

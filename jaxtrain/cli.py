@@ -6,24 +6,34 @@ expectation, before any backend starts or anything compiles.
 Exit codes: 0 done, or preempted (SIGTERM/SIGINT) after saving a checkpoint;
 2 bad config or data, or checkpoints that do not fit the run (model shape); 3 the
 numerical-fault policy stopped the run; 4 a peer process was lost
-(multi-process runs; see jaxtrain/distributed.py).
+(multi-process runs; see jaxtrain/distributed.py); 70 a bug in jaxtrain (a traceback
+and a line asking for a report; every expected failure is one line and exit 2).
 
 `jaxtrain compile CONFIG.yaml [overrides] --target TARGET [--slices N]
 [--hosts N --gpus-per-host 8] [--json]` AOT-compiles the train step for a TPU
 slice or GPU cluster on this machine (jaxtrain/compile.py): exit 0 it fits,
 1 it does not fit (by how much, and which knob would help), 2 config error.
+`--mode decode --batch B --max-len L` compiles generation instead (prefill and one
+decode step over a KV cache of B x L positions): KV-cache and total memory per device.
 
 `jaxtrain convert hf-to-ckpt HF_DIR OUT_DIR` / `ckpt-to-hf CKPT_DIR OUT_DIR` convert
 weights tensor by tensor (jaxtrain/convert.py); `train.init_from=OUT_DIR` trains from them.
 
 `jaxtrain tokenize INPUT... --out DIR --tokenizer byte|tokenizer.json` streams a corpus into
 token shards for `data.source: tokens` (jaxtrain/data/tokenize.py).
+
+`jaxtrain generate SOURCE --prompt TEXT [overrides]` samples from a run config, a training
+or converted checkpoint or an HF directory on the configured mesh and streams the text
+(jaxtrain/generate.py); exit 2 on a bad source, prompt, tokenizer or option.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
+
+EXIT_BUG = 70  # sysexits' EX_SOFTWARE: an internal error, never a bad input
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     _compile_parser(sub)
     _convert_parser(sub)
     _tokenize_parser(sub)
+    _generate_parser(sub)
     return p
 
 
@@ -80,6 +91,18 @@ def _compile_parser(sub) -> None:
         "kernels without a cost estimate (MaxText's splash attention): for "
         "like-for-like comparisons; the step time then omits attention",
     )
+    c.add_argument(
+        "--mode",
+        choices=("train", "decode"),
+        default="train",
+        help="train: the train step (default); decode: generation's prefill and one decode step "
+        "with a KV cache of --batch x --max-len (KV-cache and total memory per device)",
+    )
+    c.add_argument("--batch", type=int, default=None, help="decode: sequences decoded together")
+    c.add_argument("--max-len", type=int, default=None, help="decode: KV-cache positions per sequence")
+    c.add_argument(
+        "--prompt-len", type=int, default=None, help="decode: prefill prompt length (default --max-len)"
+    )
 
 
 def _convert_parser(sub) -> None:
@@ -95,18 +118,68 @@ def _convert_parser(sub) -> None:
         help="ckpt-to-hf: LlamaForCausalLM | MistralForCausalLM | MixtralForCausalLM "
         "(default: from the model)",
     )
+    v.add_argument("--force", action="store_true", help="write into a non-empty output directory")
+
+
+def _generate_parser(sub) -> None:
+    g = sub.add_parser(
+        "generate",
+        help="sample text from a run config, a training or converted checkpoint or an HF directory, "
+        "streamed as it is generated",
+    )
+    g.add_argument(
+        "source",
+        help="run config (YAML: its newest checkpoint), training checkpoint (step dir, checkpoint.dir "
+        "or output_dir), converted checkpoint (model.yaml) or Hugging Face directory (config.json)",
+    )
+    g.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. mesh.tensor=2")
+    prompt = g.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt text")
+    prompt.add_argument("--prompt-file", help="a UTF-8 file whose whole contents are the prompt")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (128)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; else sample")
+    g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with mass p")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (the same on any mesh)")
+    g.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="context positions, prompt included (default: the run's train.seq_len, an HF "
+        "model's max_position_embeddings)",
+    )
+    g.add_argument(
+        "--tokenizer", default=None, help="byte | tokenizer.json (default: the run's, or the directory's)"
+    )
+    g.add_argument(
+        "--random-init",
+        action="store_true",
+        help="a run config without a checkpoint: sample from its random initialisation (a smoke test)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
-    if args.command == "train":
-        return _train(args, argv)
-    if args.command == "compile":
-        return _compile(args)
-    if args.command == "tokenize":
-        return _tokenize(args)
-    return _convert(args)
+    commands = {
+        "train": lambda: _train(args, argv),
+        "compile": lambda: _compile(args),
+        "convert": lambda: _convert(args),
+        "tokenize": lambda: _tokenize(args),
+        "generate": lambda: _generate(args),
+    }
+    try:
+        return commands[args.command]()
+    except Exception:
+        # Expected failures (bad config, data, paths, checkpoints) were mapped to one line and
+        # exit 2 where they entered; anything reaching here is a bug in jaxtrain.
+        traceback.print_exc()
+        print(
+            f"jaxtrain: internal error in `jaxtrain {args.command}`: the traceback above is a bug in "
+            "jaxtrain, not a problem with your input; please report it with the command you ran",
+            file=sys.stderr,
+        )
+        return EXIT_BUG
 
 
 def _tokenize(args) -> int:
@@ -118,7 +191,7 @@ def _tokenize(args) -> int:
 
 def _train(args, argv: list[str]) -> int:
     """`jaxtrain train`: config, then the job (multi-process: supervisor + worker), then the loop."""
-    from jaxtrain.config import ConfigError, load_config, validate
+    from jaxtrain.config import ConfigError, load_config, validate, validate_paths
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -147,9 +220,16 @@ def _train(args, argv: list[str]) -> int:
     from jaxtrain.checkpoint import CheckpointError
     from jaxtrain.data import DataError
     from jaxtrain.faults import TrainingFault
+    from jaxtrain.footprint import check_fits
+    from jaxtrain.sharding.mesh import mesh_shape_from_sizes
 
     try:
         validate(cfg, num_devices=jax.device_count())
+        validate_paths(cfg)
+        if cfg.train.init_from:
+            _check_init_from(cfg.train.init_from)
+        # Sizes that cannot fit are refused here, in a second, not after compiling.
+        check_fits(cfg, mesh_shape_from_sizes(cfg.mesh.sizes(), jax.device_count()), jax.devices()[0])
     except ConfigError as e:
         return _fail(str(e))
     from jaxtrain.trainer import train
@@ -168,6 +248,18 @@ def _train(args, argv: list[str]) -> int:
         raise
     distributed.finish()
     return _report_training(cfg, result)
+
+
+def _check_init_from(path: str) -> None:
+    """`train.init_from` names weights we can read: a ConfigError now, not a traceback later."""
+    from jaxtrain.config import ConfigError
+    from jaxtrain.convert import resolve_checkpoint
+    from jaxtrain.models.hf import HFConversionError
+
+    try:
+        resolve_checkpoint(path)
+    except (HFConversionError, FileNotFoundError) as e:
+        raise ConfigError(f"train.init_from={path!r}: {e}") from None
 
 
 def _report_training(cfg, result) -> int:
@@ -211,9 +303,12 @@ def _compile(args) -> int:
         target = parse_target(
             args.target, slices=args.slices, hosts=args.hosts, gpus_per_host=args.gpus_per_host
         )
-        config_for_target(cfg, target)  # mesh and batch checks before any backend starts
+        if args.mode == "train":  # mesh and batch checks before any backend starts
+            config_for_target(cfg, target)
     except ConfigError as e:
         return _fail(str(e))
+    if args.mode == "decode":
+        return _compile_decode(args, cfg, target)
     from jaxtrain.compile import compile_report, format_report
     from jaxtrain.sharding.targets import DevicelessUnavailableError
 
@@ -228,6 +323,26 @@ def _compile(args) -> int:
     return 0 if report["fits"] else 1
 
 
+def _compile_decode(args, cfg, target) -> int:
+    """`jaxtrain compile --mode decode`: prefill + one decode step, deviceless (jaxtrain/compile.py)."""
+    import json
+
+    from jaxtrain.compile import compile_decode_report, format_decode_report
+    from jaxtrain.config import ConfigError
+    from jaxtrain.sharding.targets import DevicelessUnavailableError
+
+    if args.batch is None or args.max_len is None:
+        return _fail("--mode decode: expected --batch B and --max-len L")
+    try:
+        report = compile_decode_report(
+            cfg, target, batch=args.batch, max_len=args.max_len, prompt_len=args.prompt_len
+        )
+    except (ConfigError, DevicelessUnavailableError) as e:
+        return _fail(str(e))
+    print(json.dumps(report, default=float) if args.json else format_decode_report(report))
+    return 0 if report["fits"] else 1
+
+
 def _convert(args) -> int:
     """`jaxtrain convert`: streaming weight conversion (jaxtrain/convert.py); exit 2 on a bad input."""
     from jaxtrain.platform import configure_host
@@ -238,16 +353,61 @@ def _convert(args) -> int:
 
     try:
         if args.direction == "hf-to-ckpt":
-            cfg = convert.hf_to_ckpt(args.source, args.dest)
+            cfg = convert.hf_to_ckpt(args.source, args.dest, force=args.force)
             print(
                 f"converted {args.source} -> {args.dest} ({cfg.param_count():,} parameters); "
                 f"train from it with train.init_from={args.dest}"
             )
         else:
-            out = convert.ckpt_to_hf(args.source, args.dest, architecture=args.architecture)
+            out = convert.ckpt_to_hf(args.source, args.dest, architecture=args.architecture, force=args.force)
             print(f"converted {args.source} -> {out} (Hugging Face safetensors)")
     except (HFConversionError, FileNotFoundError) as e:
         return _fail(str(e))
+    return 0
+
+
+def _generate(args) -> int:
+    """`jaxtrain generate`: the source, its mesh (simulated on a CPU host), then the text,
+    streamed to stdout (jaxtrain/generate.py); exit 2 on a bad input."""
+    from pathlib import Path
+
+    from jaxtrain import generate
+    from jaxtrain.platform import configure_host
+
+    if args.prompt_file is not None:
+        try:
+            args.prompt = Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            return _fail(f"--prompt-file={args.prompt_file}: {e}")
+    configure_host(generate.plan_devices(args.source, args.overrides))  # before the backend starts
+    from jaxtrain.checkpoint import CheckpointError
+    from jaxtrain.config import ConfigError
+    from jaxtrain.data import DataError
+    from jaxtrain.models.hf import HFConversionError
+
+    write = lambda text: (sys.stdout.write(text), sys.stdout.flush())
+    src = None
+    try:
+        src = generate.open_source(
+            args.source, args.overrides, tokenizer=args.tokenizer, random_init=args.random_init
+        )
+        generate.run(
+            src,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            max_len=args.max_len,
+            write=write,
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    except (generate.GenerateError, ConfigError, DataError, HFConversionError, CheckpointError) as e:
+        return _fail(str(e))
+    finally:
+        if src is not None:
+            src.close()
     return 0
 
 

@@ -20,6 +20,10 @@ XLA:GPU compiler. From the compiled program we read:
   XLA still counts fewer, the time is scaled up by the shortfall, and the
   ratio is printed so this shows.
 
+`--mode decode` (`compile_decode_report`) compiles generation instead: the prefill
+and one decode step (models.generation) with the KV cache sharded by its logical
+axes, and reports the cache and the memory per device (no time estimate).
+
 What this proves: the program partitions, compiles and fits, and which
 collectives it emits. It does not measure speed: step time and MFU are the
 compiler's estimate.
@@ -632,6 +636,196 @@ def suggestions(cfg: Config, report: dict) -> list[str]:
     return out
 
 
+# --- decode -------------------------------------------------------------------
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_cache_bytes(model_cfg, batch: int, cache_len: int) -> int:
+    """Bytes of the whole KV cache (models.generation.KVCache k and v, every layer) in the
+    compute dtype: 2 x layers x batch x kv_heads x cache_len x head_dim x itemsize."""
+    m = model_cfg
+    return (
+        2 * m.n_layers * batch * m.n_kv_heads * cache_len * m.resolved_head_dim * _ITEMSIZE[m.compute_dtype]
+    )
+
+
+def _per_device_bytes(shape, dtype, sharding) -> int:
+    import numpy as np
+
+    return math.prod(sharding.shard_shape(tuple(shape))) * np.dtype(dtype).itemsize
+
+
+def compile_decode_report(
+    cfg: Config, target: Target, *, batch: int, max_len: int, prompt_len: int | None = None
+) -> dict[str, Any]:
+    """Compile generation for `target` (deviceless, like `compile_report`): the prefill of
+    `batch` prompts of `prompt_len` tokens (default max_len: the longest prompt the cache
+    holds, the worst case for the prefill's activations) into a KV cache of `max_len`
+    positions (the sliding window when shorter), and one decode step (a token per row
+    against that cache, the cache donated and updated in place) -- models.generation's
+    `prefill` and `decode_step`, the functions `jaxtrain generate` runs, on the config's
+    mesh with parameters, tokens and the cache sharded by their logical axes.
+
+    Reports per device: the KV cache (computed from the shapes and the cache's sharding, and
+    read back from the compiled decode step's argument shardings), the parameters, and each
+    program's argument / output / temp / total memory against HBM; fits when both do.
+    The train batch does not apply; the mesh rules, dtypes and attention are the config's.
+    Raises ConfigError for a bad batch / length or a mesh the target cannot hold.
+    """
+    import time
+
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+
+    from jaxtrain import models, sharding
+    from jaxtrain.models.generation import CACHE_AXES, CACHE_POSITION_AXES, KVCache, cache_length
+    from jaxtrain.models.generation import decode_step as decode_fn
+    from jaxtrain.models.generation import prefill as prefill_fn
+    from jaxtrain.sharding.targets import compiled_memory
+
+    prompt_len = max_len if prompt_len is None else prompt_len
+    for name, value in (("--batch", batch), ("--max-len", max_len), ("--prompt-len", prompt_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name}={value!r}: expected a positive integer")
+    if prompt_len > max_len:
+        raise ConfigError(f"--prompt-len={prompt_len}: expected at most --max-len={max_len}")
+    if cfg.mesh.context != 1:
+        raise ConfigError(f"mesh.context={cfg.mesh.context}: generation needs mesh.context=1")
+    requested_fsdp = cfg.mesh.fsdp
+    # config_for_target checks the *train* batch against the mesh; decode has its own batch
+    # (rules drop a mesh axis that does not divide it), so give it one every mesh divides.
+    cfg = dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, global_batch_size=target.num_devices, microbatches=1)
+    )
+    cfg, ici, dcn = config_for_target(cfg, target)
+    devices = target_devices(target)
+    mesh = sharding.make_mesh(ici, devices, dcn_axis_sizes=dcn or None)
+    rules = sharding.PRESETS[cfg.mesh.rules]
+    m = cfg.model
+    cache_len = cache_length(m, max_len)
+    report: dict[str, Any] = {
+        "mode": "decode",
+        "target": target.describe(),
+        "platform": target.platform,
+        "device_kind": devices[0].device_kind,
+        "num_devices": len(devices),
+        "mesh": {a: n for a, n in mesh.shape.items() if n > 1},
+        "mesh_dcn": dcn,
+        "rules": cfg.mesh.rules,
+        "attention_impl": m.attention_impl,
+        "params": m.param_count(),
+        "param_dtype": m.param_dtype,
+        "compute_dtype": m.compute_dtype,
+        "batch": batch,
+        "max_len": max_len,
+        "prompt_len": prompt_len,
+        "cache_len": cache_len,
+        "hbm_bytes": target.hbm_bytes,
+        "notes": [],
+    }
+    if cfg.mesh.fsdp != requested_fsdp:
+        report["notes"].append(
+            f"the config's mesh is all 1 (one device): filled mesh.fsdp={cfg.mesh.fsdp} to shard over "
+            "the target's devices"
+        )
+    if cache_len < max_len:
+        report["notes"].append(f"sliding window: the cache is a ring of {cache_len} positions")
+
+    graphdef, abstract = models.abstract_model(lambda: models.Transformer(m, rngs=nnx.Rngs(0)))
+    shapes = nnx.to_pure_dict(abstract)
+    param_shardings = sharding.tree_shardings(models.logical_axes(abstract), rules, mesh, shapes=shapes)
+    params = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, param_shardings
+    )
+    named = lambda axes, shape: NamedSharding(mesh, sharding.logical_to_spec(axes, rules, mesh, shape))
+    arg = lambda shape, dtype, axes: jax.ShapeDtypeStruct(shape, dtype, sharding=named(axes, shape))
+    kv_shape = (m.n_layers, batch, m.n_kv_heads, cache_len, m.resolved_head_dim)
+    cache = KVCache(
+        arg(kv_shape, m.compute_dtype, CACHE_AXES),
+        arg(kv_shape, m.compute_dtype, CACHE_AXES),
+        arg((batch, cache_len), "int32", CACHE_POSITION_AXES),
+    )
+    cache_shardings = jax.tree.map(lambda a: a.sharding, cache)
+    logits_sharding = named(("batch", "act_vocab"), (batch, m.vocab_size))
+
+    def prefill(params, tokens, lengths):
+        return prefill_fn(models.merge(graphdef, abstract, params), tokens, lengths, cache_len)
+
+    def decode(params, tokens, positions, cache):
+        return decode_fn(models.merge(graphdef, abstract, params), tokens, positions, cache)
+
+    programs = {
+        "prefill": (
+            jax.jit(prefill, out_shardings=(logits_sharding, cache_shardings)),
+            (params, arg((batch, prompt_len), "int32", ("batch", None)), arg((batch,), "int32", ("batch",))),
+        ),
+        "decode": (
+            jax.jit(decode, out_shardings=(logits_sharding, cache_shardings), donate_argnums=3),
+            (params, arg((batch,), "int32", ("batch",)), arg((batch,), "int32", ("batch",)), cache),
+        ),
+    }
+    shards = math.prod(mesh.shape[a] for entry in cache.k.sharding.spec for a in sharding.axes_tuple(entry))
+    report["kv_cache_bytes"] = kv_cache_bytes(m, batch, cache_len)
+    report["kv_cache_spec"] = str(cache.k.sharding.spec)
+    report["kv_cache_shards"] = shards
+    report["kv_cache_bytes_per_device"] = report["kv_cache_bytes"] // shards
+    report["param_bytes_per_device"] = sum(
+        _per_device_bytes(p.shape, p.dtype, p.sharding) for p in jax.tree.leaves(params)
+    )
+    fits = True
+    for name, (jitted, args) in programs.items():
+        entry: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        try:
+            with jax.set_mesh(mesh), sharding.axis_rules(rules):
+                compiled = jitted.lower(*args).compile()
+        except Exception as e:  # XlaRuntimeError: RESOURCE_EXHAUSTED from the device compiler
+            text = str(e)
+            if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+                if m.attention_impl != "pallas":
+                    raise
+                # As compile_report: the prefill's flash kernel refused these shapes; XLA attention.
+                xla = dataclasses.replace(cfg, model=dataclasses.replace(m, attention_impl="xla"))
+                again = compile_decode_report(
+                    xla, target, batch=batch, max_len=max_len, prompt_len=prompt_len
+                )
+                again["notes"] = report["notes"] + [
+                    f"pallas attention failed to compile the {name} ({_first_line(text)[:200]}); "
+                    "fell back to model.attention_impl=xla",
+                    *again["notes"],
+                ]
+                return again
+            used = _oom_used_bytes(text)
+            entry.update(compile_error=_first_line(text), memory={"total": used} if used else None)
+            entry["fits"] = False
+        else:
+            mem = compiled_memory(compiled)
+            entry.update(memory=mem, fits=mem["total"] <= target.hbm_bytes)
+            entry["collectives"] = collectives(compiled.as_text())
+            if name == "decode":
+                k_sharding = compiled.input_shardings[0][3].k
+                report["kv_cache_bytes_per_device_compiled"] = 2 * _per_device_bytes(
+                    kv_shape, m.compute_dtype, k_sharding
+                )
+        entry["compile_s"] = time.perf_counter() - t0
+        report[name] = entry
+        fits &= entry["fits"]
+    report["fits"] = fits
+    totals = [(report[n]["memory"] or {}).get("total") for n in programs]
+    report["margin_bytes"] = (
+        target.hbm_bytes - max(t for t in totals if t is not None) if any(totals) else None
+    )
+    if not fits:
+        report["suggestions"] = [
+            "shard the cache wider: mesh.tensor (kv heads) or mesh.data / mesh.fsdp (batch)",
+            f"a smaller --batch (now {batch}) or --max-len (now {max_len})",
+            "model.param_dtype=bfloat16 halves the weights (float32 master weights are for training)",
+        ]
+    return report
+
+
 # --- printing -----------------------------------------------------------------
 
 
@@ -669,6 +863,12 @@ def format_report(r: dict) -> str:
                 _gib(mem["alias"]),
                 _gib(mem["temp"]),
                 _gib(mem["generated_code"]),
+            )
+        )
+    if mem and mem.get("host_total"):
+        lines.append(
+            "host/dev    {} pinned host (args {}, temp {}): offloaded state / activations".format(
+                _gib(mem["host_total"]), _gib(mem["host_argument"]), _gib(mem["host_temp"])
             )
         )
     total = mem.get("total") if mem else None
@@ -714,4 +914,46 @@ def format_report(r: dict) -> str:
     if not r["fits"]:
         for s in r.get("suggestions", []):
             lines.append(f"try         {s}")
+    return "\n".join(lines)
+
+
+def format_decode_report(r: dict) -> str:
+    """`jaxtrain compile --mode decode` as text."""
+    hbm = r["hbm_bytes"]
+    lines = [
+        f"target      {r['target']}  [{r['device_kind']}, {r['num_devices']} devices]",
+        f"mesh        {r['mesh'] or 'one device'}"
+        + (f"  dcn {r['mesh_dcn']}" if r["mesh_dcn"] else "")
+        + f"  rules={r['rules']}",
+        f"model       {_count(r['params'])} params ({r['param_dtype']}; compute {r['compute_dtype']}), "
+        f"attention={r['attention_impl']}",
+        f"decode      batch {r['batch']}, cache {r['cache_len']} positions (--max-len {r['max_len']}); "
+        f"prefill of {r['prompt_len']}-token prompts, then one token per row per step",
+        f"kv cache    {_gib(r['kv_cache_bytes'])} in all, {_gib(r['kv_cache_bytes_per_device'])}/device "
+        f"({r['kv_cache_shards']} shards, spec {r['kv_cache_spec']}; compiled args: "
+        f"{_gib(r.get('kv_cache_bytes_per_device_compiled'))})",
+        f"params/dev  {_gib(r['param_bytes_per_device'])}",
+    ]
+    for name in ("prefill", "decode"):
+        e = r[name]
+        mem = e.get("memory") or {}
+        if "argument" in mem:
+            lines.append(
+                f"{name:<11} args {_gib(mem['argument'])}  output {_gib(mem['output'])}  "
+                f"aliased {_gib(mem['alias'])}  temp {_gib(mem['temp'])}  -> total {_gib(mem['total'])} "
+                f"of {_gib(hbm)} ({100 * mem['total'] / hbm:.1f}%): {'fits' if e['fits'] else 'DOES NOT FIT'}"
+                f"  [compile {e['compile_s']:.1f} s]"
+            )
+        else:
+            lines.append(f"{name:<11} DOES NOT FIT: {e.get('compile_error', '')[:300]}")
+    verdict = "FITS" if r["fits"] else "DOES NOT FIT"
+    if r.get("margin_bytes") is not None:
+        word = "free" if r["margin_bytes"] >= 0 else "over"
+        lines.append(f"verdict     {verdict}, {_gib(abs(r['margin_bytes']))} {word} at the peak")
+    else:
+        lines.append(f"verdict     {verdict}")
+    for note in r.get("notes", []):
+        lines.append(f"note        {note}")
+    for s in r.get("suggestions", []):
+        lines.append(f"try         {s}")
     return "\n".join(lines)

@@ -56,6 +56,21 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LossScaleConfig:
+    """Dynamic loss scaling, on when model.compute_dtype is float16 (train_step.py): the
+    objective is multiplied by `scale` before the backward pass and the gradients divided
+    by it; a step whose gradients overflow is skipped and the scale multiplied by
+    `backoff_factor` (not below `min_scale`); after `growth_interval` clean steps in a row it
+    is multiplied by `growth_factor`. The scale is part of the train state (checkpointed)."""
+
+    init: float = 2.0**15
+    growth_interval: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    min_scale: float = 1.0  # an overflow at this scale is a numerical fault (faults.*)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`."""
 
@@ -68,6 +83,11 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1  # matmul weights and embeddings only (optimizer.decays)
     clip_norm: float | None = 1.0  # global-norm clipping; null disables
+    # Keep the Adam moments in pinned host memory (memory kinds), moved to the device for the
+    # update and back (donated) inside the step; offload_params: the fp32 master weights too.
+    offload: bool = False
+    offload_params: bool = False
+    loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)  # float16 only
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,6 +146,20 @@ class FaultsConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Held-out loss during training (jaxtrain/trainer.py): `eval_loss` and `eval_perplexity`
+    every `every` steps and after the last step, over the same `batches` batches each time.
+    Eval data: `paths` (tokens: `jaxtrain tokenize` directories, their eval split if they have
+    one, else their train split; text: held-out files); empty: the `eval` split of
+    data.paths (tokens), a held-out synthetic stream (synthetic); text needs `paths`."""
+
+    every: int = 0  # evaluate every N steps and after the last one; 0: never
+    batches: int = 8  # eval batches per evaluation (the same ones every time)
+    batch_size: int | None = None  # rows per eval batch; null: train.global_batch_size
+    paths: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     every: int = 1  # log metrics every N steps (the only host sync in the loop)
     tensorboard: bool = True
@@ -146,14 +180,15 @@ class Config:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     faults: FaultsConfig = dataclasses.field(default_factory=FaultsConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
     @property
     def checkpoint_dir(self) -> str:
-        return (
-            self.checkpoint.dir
-            if self.checkpoint.dir is not None
-            else str(Path(self.output_dir) / "checkpoints")
-        )
+        if self.checkpoint.dir is not None:
+            return self.checkpoint.dir
+        if "://" in self.output_dir:  # gs://bucket/run (a URL: pathlib would fold the //)
+            return self.output_dir.rstrip("/") + "/checkpoints"
+        return str(Path(self.output_dir) / "checkpoints")
 
     @property
     def mesh_size(self) -> int:
@@ -187,6 +222,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         raise ConfigError(f"{key}={value!r}: expected {' or '.join(_type_name(a) for a in args)}")
     if origin is tuple:
         (item,) = typing.get_args(tp)[:1]
+        if isinstance(value, dict) and typing.get_origin(item) is tuple:
+            value = list(value.items())  # a mapping field stored as (key, value) pairs
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, (list, tuple)):
@@ -222,7 +259,10 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
         if k not in fields:
             raise ConfigError(f"{prefix}{k}: unknown key; expected one of {', '.join(sorted(fields))}")
     kwargs = {k: _coerce(f"{prefix}{k}", v, hints[k]) for k, v in data.items()}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a dataclass's own check (__post_init__) names its key
+        raise ConfigError(str(e)) from None
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -233,7 +273,29 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"{dotted}: {p} is not a section")
         node = child
-    node[parts[-1]] = value
+    last = parts[-1]
+    if isinstance(value, dict) and isinstance(node.get(last), dict):
+        # `model={d_model: 64}` merges into the section rather than replacing it, so
+        # the YAML's other model settings are not silently reset to their defaults.
+        _merge(node[last], value)
+    else:
+        node[last] = value
+
+
+def _one_line(error: Exception) -> str:
+    """A YAML or decoding error as one line: where it is and what is wrong."""
+    mark, problem = getattr(error, "problem_mark", None), getattr(error, "problem", None)
+    if mark is not None and problem:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return " ".join(str(error).split())
+
+
+def _merge(into: dict, update: dict) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -261,12 +323,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     data: dict = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {str(p)!r}: is a directory; expected a YAML file (see configs/)")
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r}: not found")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r}: not valid YAML ({e})") from None
+            data = yaml.safe_load(p.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {str(p)!r}: not valid YAML ({_one_line(e)})") from None
+        if data is None:
+            # An empty file would otherwise train on every default without a word.
+            raise ConfigError(
+                f"config file {str(p)!r}: empty; expected a YAML mapping of sections "
+                "(model, train, data, ...; see configs/tiny.yaml)"
+            )
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level")
     for text in overrides:
@@ -277,20 +347,45 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return cfg
 
 
+def validate_paths(cfg: Config) -> None:
+    """Paths of the right kind, checked before anything is written or compiled: a folder
+    where a folder is needed (output_dir, checkpoint.dir, train.init_from). URLs
+    (gs://...) are left to the storage layer."""
+    folders = {"output_dir": cfg.output_dir, "checkpoint.dir": cfg.checkpoint_dir}
+    if cfg.train.init_from:
+        folders["train.init_from"] = cfg.train.init_from
+    for key, value in folders.items():
+        if "://" in str(value):
+            continue
+        path = Path(value)
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{key}={value!r}: is a file; expected a folder (or a new path)")
+        for parent in path.parents:  # a file in the way: mkdir would fail deep inside
+            if parent.exists():
+                if not parent.is_dir():
+                    raise ConfigError(f"{key}={value!r}: {str(parent)!r} is a file; expected a folder")
+                break
+    if cfg.train.init_from and "://" not in cfg.train.init_from and not Path(cfg.train.init_from).exists():
+        raise ConfigError(
+            f"train.init_from={cfg.train.init_from!r}: not found; expected a converted checkpoint "
+            "(jaxtrain convert hf-to-ckpt) or a training run's output_dir / checkpoint folder"
+        )
+
+
 def validate(cfg: Config, num_devices: int | None = None) -> None:
     """Cross-field checks; `num_devices` (when known) is checked against the mesh."""
     try:
         cfg.model.validate()
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    for key in ("param_dtype", "compute_dtype"):
-        if getattr(cfg.model, key) == "float16":
-            # float16's 5-bit exponent flushes gradients below ~6e-8 to zero; training in
-            # it needs dynamic loss scaling, which the train step does not do (yet).
-            raise ConfigError(
-                f"model.{key}='float16': not supported for training (no dynamic loss scaling "
-                "yet, so small gradients underflow); use bfloat16"
-            )
+    if cfg.model.param_dtype == "float16":
+        # Master weights and Adam moments in float16 lose small updates (10-bit mantissa);
+        # fp16 training keeps them float32 and computes in float16 with loss scaling.
+        raise ConfigError(
+            "model.param_dtype='float16': master weights must stay float32 (or bfloat16); "
+            "for fp16 training set model.compute_dtype=float16 (dynamic loss scaling)"
+        )
+    _validate_precision(cfg)
     m, t = cfg.mesh, cfg.train
     for axis, size in m.sizes().items():
         if size == 0 or size < -1:
@@ -373,6 +468,11 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                 f"mesh.data*mesh.fsdp*mesh.expert ({dp}) x train.microbatches ({t.microbatches})"
                 f" = {dp * t.microbatches}"
             )
+        if cfg.eval.batch_size is not None and cfg.eval.batch_size % (dp * t.microbatches):
+            raise ConfigError(
+                f"eval.batch_size={cfg.eval.batch_size}: expected a multiple of "
+                f"mesh.data*mesh.fsdp*mesh.expert ({dp}) x train.microbatches ({t.microbatches})"
+            )
     elif t.global_batch_size % t.microbatches:
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size}: expected a multiple of "
@@ -395,6 +495,47 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if cfg.logging.every < 1:
         raise ConfigError(f"logging.every={cfg.logging.every}: expected a positive integer")
     _validate_fault_tolerance(cfg)
+    _validate_eval(cfg)
+
+
+def _validate_eval(cfg: Config) -> None:
+    e, d = cfg.eval, cfg.data
+    if e.every < 0:
+        raise ConfigError(f"eval.every={e.every}: expected >= 0 (0 turns evaluation off)")
+    if e.batches < 1:
+        raise ConfigError(f"eval.batches={e.batches}: expected a positive integer")
+    if e.batch_size is not None and (e.batch_size < 1 or e.batch_size % cfg.train.microbatches):
+        raise ConfigError(
+            f"eval.batch_size={e.batch_size}: expected a positive multiple of "
+            f"train.microbatches={cfg.train.microbatches}"
+        )
+    if e.every and d.source == "text" and not e.paths:
+        raise ConfigError(
+            "eval.paths=[]: eval with data.source=text needs held-out text files in eval.paths "
+            "(text has no eval split; or `jaxtrain tokenize --eval-fraction` and data.source=tokens)"
+        )
+    if e.paths and d.source == "synthetic":
+        raise ConfigError(
+            f"eval.paths={list(e.paths)}: data.source=synthetic evaluates on a held-out synthetic "
+            "stream; eval.paths is for the text and tokens sources"
+        )
+
+
+def _validate_precision(cfg: Config) -> None:
+    ls = cfg.optimizer.loss_scale
+    if not (math.isfinite(ls.init) and ls.init > 0):
+        raise ConfigError(f"optimizer.loss_scale.init={ls.init}: expected a positive number")
+    if ls.growth_interval < 1:
+        raise ConfigError(f"optimizer.loss_scale.growth_interval={ls.growth_interval}: expected >= 1")
+    if ls.growth_factor < 1:
+        raise ConfigError(f"optimizer.loss_scale.growth_factor={ls.growth_factor}: expected >= 1")
+    if not 0 < ls.backoff_factor < 1:
+        raise ConfigError(f"optimizer.loss_scale.backoff_factor={ls.backoff_factor}: expected in (0, 1)")
+    if not 0 < ls.min_scale <= ls.init:
+        raise ConfigError(
+            f"optimizer.loss_scale.min_scale={ls.min_scale}: expected > 0 and <= "
+            f"optimizer.loss_scale.init={ls.init}"
+        )
 
 
 def _validate_data_tokens(d: DataConfig) -> None:

@@ -18,8 +18,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain import models, sharding
-from jaxtrain.config import Config
+from jaxtrain.config import Config, LossScaleConfig
 from jaxtrain.faults import FAULT_NONE, FAULT_NONFINITE, FAULT_SPIKE
+from jaxtrain.models.fp8 import combine as fp8_combine
+from jaxtrain.models.fp8 import model_meta as fp8_model_meta
 from jaxtrain.models.moe import update_router_bias
 from jaxtrain.optimizer import learning_rate_schedule, make_optimizer
 
@@ -32,6 +34,42 @@ class TrainState(NamedTuple):
     params: dict  # nested dict of arrays (fp32 master weights)
     opt_state: Any  # optax state mirroring params
     loss_window: jax.Array  # f32[faults.spike_window]: last good losses, oldest first; NaN = empty
+    # float16 compute: the dynamic loss scale (`init_loss_scale`); None otherwise
+    loss_scale: dict | None = None
+    # model.fp8: delayed-scaling state of every fp8 matmul (models/fp8.py); None otherwise
+    fp8: dict | None = None
+
+
+MAX_LOSS_SCALE = 2.0**24  # growth stops here (or at the initial scale, if higher)
+
+
+def init_loss_scale(cfg: LossScaleConfig) -> dict:
+    """Dynamic loss scaling state: the scale, clean steps since the last change, and the
+    steps skipped because the scaled gradients overflowed (a running total)."""
+    return {
+        "scale": jnp.asarray(cfg.init, jnp.float32),
+        "good_steps": jnp.zeros((), jnp.int32),
+        "overflows": jnp.zeros((), jnp.int32),
+    }
+
+
+def update_loss_scale(state: dict, overflow, clean, skipped, cfg: LossScaleConfig) -> dict:
+    """The next loss-scale state. `overflow`: the gradients overflowed at this scale (back
+    off, restart the clean count); `clean`: a step that updated normally (count towards
+    growth); `skipped`: the step was skipped for the overflow alone (the running total)."""
+    good_steps = jnp.where(overflow, 0, state["good_steps"] + clean.astype(jnp.int32))
+    grow = good_steps >= cfg.growth_interval
+    scale = state["scale"]
+    scale = jnp.where(
+        overflow,
+        jnp.maximum(scale * cfg.backoff_factor, cfg.min_scale),
+        jnp.where(grow, jnp.minimum(scale * cfg.growth_factor, max(MAX_LOSS_SCALE, cfg.init)), scale),
+    )
+    return {
+        "scale": scale.astype(jnp.float32),
+        "good_steps": jnp.where(grow, 0, good_steps).astype(jnp.int32),
+        "overflows": state["overflows"] + skipped.astype(jnp.int32),
+    }
 
 
 def judge_step(loss, grad_norm, window, *, skip_nonfinite: bool, spike_factor: float | None):
@@ -69,6 +107,8 @@ class TrainProgram:
     step: Callable  # jitted (state, batch) -> (state, metrics); state donated
     loss_and_grads: Callable  # jitted (params, batch) -> (loss, tokens, grads); for tests/tools
     optimizer: optax.GradientTransformation
+    # jitted (state, batch) -> (CE sum, counted tokens), f32; state not donated (`eval.*`)
+    eval_step: Callable | None = None
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -100,16 +140,35 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
 
     replicated = NamedSharding(mesh, PartitionSpec())
     abstract_opt = jax.eval_shape(tx.init, param_shapes)
-    opt_shardings = optax.tree_map_params(
-        tx,
-        lambda _, s: s,
-        abstract_opt,
-        param_shardings,
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
+    ocfg = cfg.optimizer
+
+    def opt_state_shardings(memory_kind: str | None):
+        """Param-shaped optimizer leaves (Adam's moments) as their params, in `memory_kind`."""
+        return optax.tree_map_params(
+            tx,
+            lambda _, s: s if memory_kind is None else s.with_memory_kind(memory_kind),
+            abstract_opt,
+            param_shardings,
+            transform_non_params=lambda _: replicated,
+            is_leaf=lambda x: isinstance(x, NamedSharding),
+        )
+
+    # optimizer.offload(_params): the train state keeps the moments (master weights) in
+    # pinned host memory; the step brings them to the device and its output shardings
+    # send the new values back, into the donated host buffers.
+    opt_shardings = opt_state_shardings(None)
+    # float16 compute: dynamic loss scaling (optimizer.loss_scale), its state in the train state.
+    scaling = mcfg.compute_dtype == "float16"
     state_shardings = TrainState(
-        step=replicated, params=param_shardings, opt_state=opt_shardings, loss_window=replicated
+        step=replicated,
+        params=_in_memory(param_shardings, HOST if ocfg.offload_params else None),
+        opt_state=opt_state_shardings(HOST) if ocfg.offload else opt_shardings,
+        loss_window=replicated,
+        loss_scale=jax.tree.map(lambda _: replicated, init_loss_scale(ocfg.loss_scale)) if scaling else None,
+        # model.fp8: scales and amax histories, replicated (a few KB per layer)
+        fp8=jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: fp8_model_meta(mcfg)))
+        if mcfg.fp8
+        else None,
     )
     batch_sharding = sharding.named_sharding(BATCH_AXES, rules, mesh)
 
@@ -120,57 +179,74 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
             params=params,
             opt_state=tx.init(params),
             loss_window=jnp.full((cfg.faults.spike_window,), jnp.nan, jnp.float32),
+            loss_scale=init_loss_scale(ocfg.loss_scale) if scaling else None,
+            fp8=fp8_model_meta(mcfg) if mcfg.fp8 else None,
         )
 
-    def micro_loss_and_grads(params, micro):
-        """(CE sum, token count, gradients of the objective, MoE stats). The objective is
-        the CE sum, plus for MoE models count * (weighted router losses), so that
-        after the division by the total count the router losses enter as their
-        token-weighted mean over microbatches."""
+    def micro_loss_and_grads(params, micro, scale=None, fp8=None):
+        """(CE sum, token count, gradients of the objective, MoE stats, next fp8 state). The
+        objective is the CE sum, plus for MoE models count * (weighted router losses), so
+        that after the division by the total count the router losses enter as their
+        token-weighted mean over microbatches. `scale` (loss scaling: the loss scale over
+        the batch's token count): the gradients are those of scale x objective. `fp8`: the
+        fp8 state the matmuls quantize with; its "gradient" is its next value (models/fp8.py)."""
+        scaled = (lambda x: x) if scale is None else (lambda x: x * scale)
 
-        def loss_sum(p):
+        def loss_sum(p, meta):
             model = models.merge(graphdef, abstract_params, p)
             if mcfg.moe is None:
                 logits = model(
-                    micro["inputs"], positions=micro["positions"], segment_ids=micro["segment_ids"]
+                    micro["inputs"], positions=micro["positions"], segment_ids=micro["segment_ids"], fp8=meta
                 )
                 total, count = cross_entropy(logits, micro["targets"], micro["loss_mask"])
-                return total, (total, count, {})
+                return scaled(total), (total, count, {})
             logits, stats = model(
                 micro["inputs"],
                 positions=micro["positions"],
                 segment_ids=micro["segment_ids"],
                 return_aux=True,
+                fp8=meta,
             )
             total, count = cross_entropy(logits, micro["targets"], micro["loss_mask"])
             router = (
                 mcfg.moe.aux_loss_weight * stats["moe_aux_loss"]
                 + mcfg.moe.z_loss_weight * stats["moe_z_loss"]
             )
-            return total + count * router, (total, count, stats)
+            return scaled(total + count * router), (total, count, stats)
 
-        (_, (total, count, stats)), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
-        return total, count, grads, stats
+        if fp8 is None:
+            (_, (total, count, stats)), grads = jax.value_and_grad(loss_sum, has_aux=True)(params, None)
+            return total, count, grads, stats, None
+        (_, (total, count, stats)), (grads, new_fp8) = jax.value_and_grad(
+            loss_sum, argnums=(0, 1), has_aux=True
+        )(params, fp8)
+        return total, count, grads, stats, new_fp8
 
-    def loss_grads_and_stats(params, batch):
+    def loss_grads_and_stats(params, batch, scale=None, fp8=None):
         """Mean loss over counted tokens, their number, and the mean-loss gradients,
         accumulated over `train.microbatches` (sums first, one division at the end,
         so the result does not depend on how the batch is split); plus MoE stats
-        (mean over microbatches; {} for dense models)."""
+        (mean over microbatches; {} for dense models). `scale`: the loss scale the
+        backward pass ran at, applied to the mean loss as usual (the gradients come back
+        unscaled). `fp8`: the fp8 state; its next value is returned last (None without)."""
         n = cfg.train.microbatches
+        per_token = None
+        if scale is not None:  # the objective is a sum over tokens: scale / their number
+            per_token = scale / jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
         if n == 1:
-            total, count, grads, stats = micro_loss_and_grads(params, batch)
+            total, count, grads, stats, new_fp8 = micro_loss_and_grads(params, batch, per_token, fp8)
         else:
 
             def accumulate(carry, micro):
                 micro = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), micro)
-                total, count, grads, stats = micro_loss_and_grads(params, micro)
-                acc_total, acc_count, acc_grads, acc_stats = carry
+                total, count, grads, stats, new_fp8 = micro_loss_and_grads(params, micro, per_token, fp8)
+                acc_total, acc_count, acc_grads, acc_stats, acc_fp8 = carry
                 return (
                     acc_total + total,
                     acc_count + count,
                     jax.tree.map(jnp.add, acc_grads, grads),
                     jax.tree.map(lambda a, s: a + s / n, acc_stats, stats),
+                    None if fp8 is None else fp8_combine(acc_fp8, new_fp8),
                 ), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -184,39 +260,88 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
                     ),
                 )
             )
-            init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros, zero_stats)
-            (total, count, grads, stats), _ = jax.lax.scan(accumulate, init, split_microbatches(batch, n))
+            # fp8: the microbatches' next states combine by max (models/fp8.py `combine`)
+            no_fp8 = None if fp8 is None else jax.tree.map(lambda x: jnp.full_like(x, -jnp.inf), fp8)
+            init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros, zero_stats, no_fp8)
+            (total, count, grads, stats, new_fp8), _ = jax.lax.scan(
+                accumulate, init, split_microbatches(batch, n)
+            )
         denom = jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
-        return total / denom, count, grads, stats
+        grad_denom = denom if scale is None else scale
+        grads = jax.tree.map(lambda g, p: (g / grad_denom).astype(p.dtype), grads, params)
+        return total / denom, count, grads, stats, new_fp8
 
     def loss_and_grads(params, batch):
-        return loss_grads_and_stats(params, batch)[:3]
+        return loss_grads_and_stats(params, batch)[:3]  # model.fp8: without fp8 (no state here)
+
+    def eval_sums(state: TrainState, batch: dict):
+        """(sum of masked next-token losses, counted tokens) over `batch`: the step's forward
+        without gradients or MoE router losses, over `train.microbatches` slices as the step
+        takes them (so its peak memory stays below the step's); model.fp8: quantized with the
+        state's fp8 scales, which it leaves as they are. Nothing is donated."""
+        params = jax.device_put(state.params, param_shardings) if ocfg.offload_params else state.params
+        model = models.merge(graphdef, abstract_params, params)
+
+        def sums(micro):
+            logits = model(
+                micro["inputs"], positions=micro["positions"], segment_ids=micro["segment_ids"], fp8=state.fp8
+            )
+            return cross_entropy(logits, micro["targets"], micro["loss_mask"])
+
+        n = cfg.train.microbatches
+        if n == 1:
+            return sums(batch)
+
+        def accumulate(carry, micro):
+            total, count = sums(jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), micro))
+            return (carry[0] + total, carry[1] + count), None
+
+        zero = jnp.zeros((), jnp.float32)
+        (total, count), _ = jax.lax.scan(accumulate, (zero, zero), split_microbatches(batch, n))
+        return total, count
 
     def step(state: TrainState, batch: dict):
-        loss, count, grads, moe_stats = loss_grads_and_stats(state.params, batch)
+        # Offloaded state comes to the device here (a no-op when it lives there already).
+        old_params = jax.device_put(state.params, param_shardings) if ocfg.offload_params else state.params
+        old_opt = jax.device_put(state.opt_state, opt_shardings) if ocfg.offload else state.opt_state
+        scale = state.loss_scale["scale"] if scaling else None
+        loss, count, grads, moe_stats, fp8 = loss_grads_and_stats(old_params, batch, scale, state.fp8)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        updates, opt_state = tx.update(grads, old_opt, old_params)
+        params = optax.apply_updates(old_params, updates)
         if mcfg.moe is not None and mcfg.moe.score_bias:
             params = update_router_bias(params, moe_stats["moe_expert_load"], mcfg.moe.score_bias_rate)
+        # Loss scaling: gradients that overflow (finite loss, non-finite gradients) at a
+        # scale above the minimum are the scaler's business, not a numerical fault: the
+        # update is skipped and the scale lowered, and the fault judge below sees a
+        # finite step (so the fault monitor neither counts it nor rolls back for it).
+        overflow = jnp.zeros((), bool)
+        if scaling:
+            ls_cfg = ocfg.loss_scale
+            overflow = jnp.isfinite(loss) & ~jnp.isfinite(grad_norm) & (scale > ls_cfg.min_scale)
         # A faulty step (non-finite, or a loss spike) leaves params and optimizer state
         # exactly as they were (a select, so nothing leaves the device); the step
         # counter still advances because the batch was consumed. The loop counts these.
         apply, fault, window = judge_step(
             loss,
-            grad_norm,
+            jnp.where(overflow, 0.0, grad_norm),
             state.loss_window,
             skip_nonfinite=cfg.faults.skip_nonfinite,
             spike_factor=cfg.faults.spike_factor,
         )
-        if cfg.faults.skip_nonfinite or cfg.faults.spike_factor is not None:
-            params, opt_state = jax.tree.map(
-                lambda new, old: jnp.where(apply, new, old),
-                (params, opt_state),
-                (state.params, state.opt_state),
+        skipped = (~apply).astype(jnp.int32)  # the fault monitor's (faults.*)
+        window = jnp.where(overflow, state.loss_window, window)  # no update: not a good step
+        update = apply & ~overflow
+        if cfg.faults.skip_nonfinite or cfg.faults.spike_factor is not None or scaling:
+            params, opt_state, fp8 = jax.tree.map(
+                lambda new, old: jnp.where(update, new, old),
+                (params, opt_state, fp8),
+                (old_params, old_opt, state.fp8),
             )
-        skipped = (~apply).astype(jnp.int32)
+        loss_scale = None
+        if scaling:
+            scale_skipped = overflow & apply  # skipped for the overflow alone
+            loss_scale = update_loss_scale(state.loss_scale, overflow, update, scale_skipped, ls_cfg)
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
@@ -226,8 +351,17 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
             "fault": fault,
         }
         metrics.update({k: v for k, v in moe_stats.items() if k != "moe_expert_load"})
+        if scaling:
+            metrics["loss_scale"] = scale  # the scale this step's backward pass ran at
+            metrics["loss_scale_skipped"] = scale_skipped.astype(jnp.int32)
+            metrics["loss_scale_overflows"] = loss_scale["overflows"]  # running total
         return TrainState(
-            step=state.step + 1, params=params, opt_state=opt_state, loss_window=window
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            loss_window=window,
+            loss_scale=loss_scale,
+            fp8=fp8,
         ), metrics
 
     return TrainProgram(
@@ -249,6 +383,21 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
             out_shardings=(replicated, replicated, param_shardings),
         ),
         optimizer=tx,
+        eval_step=jax.jit(
+            eval_sums, in_shardings=(state_shardings, batch_sharding), out_shardings=(replicated, replicated)
+        ),
+    )
+
+
+HOST = "pinned_host"  # where optimizer.offload keeps state (a JAX memory kind)
+
+
+def _in_memory(shardings, memory_kind: str | None):
+    """The same shardings in `memory_kind` (None: unchanged, i.e. device memory)."""
+    if memory_kind is None:
+        return shardings
+    return jax.tree.map(
+        lambda s: s.with_memory_kind(memory_kind), shardings, is_leaf=lambda x: isinstance(x, NamedSharding)
     )
 
 

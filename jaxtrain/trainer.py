@@ -6,6 +6,15 @@ fetch in one transfer, feeds them to the fault monitor, and writes a record for
 the logging step. Step time is the wall time between two logging points divided
 by the steps in between.
 
+Evaluation (`eval.*`, `_Evaluator`): every `eval.every` steps and after the last one,
+the held-out loss over the same `eval.batches` batches, through `TrainProgram.eval_step`
+(jitted with the state's shardings, nothing donated); recorded as its own metrics line
+`{"step", "eval_loss", "eval_perplexity", "eval_tokens", "eval_time_s"}` after the step's.
+
+`output_dir`, `checkpoint.dir`, `data.paths`, `eval.paths` and `train.init_from` may be
+URLs (`gs://bucket/run`, any `etils.epath` scheme); process 0 alone writes the shared
+files (config.yaml, metrics.jsonl, TensorBoard), Orbax writes the checkpoints.
+
 Fault tolerance (details in checkpoint.py, faults.py, distributed.py):
 - resume: the newest complete checkpoint in `checkpoint.dir` is restored (state,
   data position, fault-monitor state), so the losses continue exactly as in an
@@ -20,11 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import signal
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -33,7 +42,7 @@ import yaml
 from jaxtrain import sharding
 from jaxtrain.checkpoint import Checkpointer, CheckpointError, abstract_state
 from jaxtrain.config import Config, to_dict
-from jaxtrain.data import make_data_iterator
+from jaxtrain.data import make_data_iterator, make_eval_iterator, storage
 from jaxtrain.faults import FaultMonitor
 from jaxtrain.flops import flops_per_token, peak_flops_per_device
 from jaxtrain.metrics import MetricsWriter
@@ -41,7 +50,7 @@ from jaxtrain.sharding.context import permute_batch
 from jaxtrain.train_step import TrainProgram, TrainState, batch_to_device, build_program
 
 # Config sections whose change does not affect the numbers of a resumed run.
-_RESUME_NEUTRAL = ("output_dir", "checkpoint.", "logging.", "distributed.")
+_RESUME_NEUTRAL = ("output_dir", "checkpoint.", "logging.", "distributed.", "eval.")
 
 
 @dataclasses.dataclass
@@ -54,6 +63,7 @@ class TrainResult:
     final_step: int = 0
     preempted_by: str | None = None  # "SIGTERM", "SIGINT" or "preemption notice"
     checkpoint_step: int | None = None  # newest checkpoint written by this run
+    evals: list[dict] = dataclasses.field(default_factory=list)  # eval records (`eval.*`), oldest first
 
 
 def make_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
@@ -81,6 +91,12 @@ class _ProcessLog:
         self.prefix = f"[process {jax.process_index()}] "
 
     def write(self, record: dict) -> None:
+        pass
+
+    def has_earlier_records(self) -> bool:
+        return False
+
+    def sync(self) -> None:
         pass
 
     def log(self, message: str) -> None:
@@ -154,6 +170,8 @@ def train(cfg: Config, *, devices=None) -> TrainResult:
     """Train `cfg` (resuming from its newest checkpoint) on `devices` (default: all)."""
     with _setup(cfg, devices) as run:
         restored = _resume(run)
+        # Accepted (data readable, checkpoints fit the model): only now touch output_dir.
+        _record_start(run, restored)
         state = (
             restored.state
             if restored is not None
@@ -207,7 +225,11 @@ def _loop(run: _Run, result: TrainResult, step_fn, state, step: int, first_batch
         stop = preemption.requested(step)  # sync ids = step numbers, as Orbax uses
         save_due = run.save_due(step, stop)
         log_due = step % run.cfg.logging.every == 0 or step == total
-        if not (log_due or save_due or stop):
+        # Evaluate at eval.every and after the last step (not when stopping early).
+        eval_due = (
+            run.evaluator is not None and run.evaluator.due(step, total) and (not stop or step == total)
+        )
+        if not (log_due or save_due or stop or eval_due):
             continue
         action, newest = _process_pending(pending, run.monitor)
         if action == "rollback":
@@ -216,11 +238,20 @@ def _loop(run: _Run, result: TrainResult, step_fn, state, step: int, first_batch
             continue
         if action == "stop":
             raise run.monitor.stop_error()
+        # Before the save, so that a checkpoint at this step means its evaluation ran; its
+        # record is written after the step's own.
+        evaluated = run.evaluator(state, step) if eval_due else None
         blocked = run.save(step, state, data_state, result) if save_due else None
         if log_due:
             record = _metrics_record(run, step, newest, timer.lap(step), blocked)
             run.writer.write(record)
             result.metrics.append(record)
+        if evaluated is not None:
+            run.writer.write(evaluated)
+            result.evals.append(evaluated)
+            timer.reset(step)  # the evaluation is not step time
+        if evaluated is not None or blocked is not None:
+            run.writer.sync()  # remote output_dir: metrics durable with each checkpoint / eval
         if stop:
             result.preempted_by = preemption.signal_name
             break
@@ -265,8 +296,11 @@ class _BatchFeeder:
         rows = next(self.data)
         if index in self.poison:
             rows = dict(rows, loss_mask=np.full_like(rows["loss_mask"], np.inf))
-        rows = permute_batch(rows, self.context)
-        return batch_to_device(rows, self.batch_sharding), index
+        return self.place(rows), index
+
+    def place(self, rows: dict) -> dict:
+        """This process's rows -> the global device batch, in the step's sequence order."""
+        return batch_to_device(permute_batch(rows, self.context), self.batch_sharding)
 
     def data_state(self) -> dict:
         """The data position (of the next batch `next` returns), as checkpoints store it."""
@@ -289,6 +323,7 @@ class _Run:
     monitor: FaultMonitor
     target: TrainState  # abstract state (shapes, shardings) that checkpoints restore into
     rates: _Rates
+    evaluator: _Evaluator | None = None  # `eval.every` > 0
 
     def save_due(self, step: int, stop: bool) -> bool:
         every = self.cfg.checkpoint.every
@@ -321,28 +356,29 @@ class _Run:
 def _setup(cfg: Config, devices) -> Iterator[_Run]:
     """Mesh, output dir (+ config.yaml), data, metrics writer, program, checkpointer.
 
-    On exit the checkpointer closes first (waiting for a write still in flight),
-    then the metrics writer, the mesh and the axis rules."""
+    On exit the checkpointer closes first (waiting for a write still in flight), then
+    the data iterators, the metrics writer, the mesh and the axis rules."""
     mesh = make_mesh(cfg, devices)
     rules = sharding.PRESETS[cfg.mesh.rules]
     primary = jax.process_index() == 0
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if primary:
-        (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     rates = _Rates.for_run(cfg, mesh)
-    data = make_data_iterator(
-        cfg.data,
+    data_args = dict(
         vocab_size=cfg.model.vocab_size,
         seq_len=cfg.train.seq_len,
-        global_batch_size=cfg.train.global_batch_size,
         seed=cfg.seed,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
     )
+    data = make_data_iterator(cfg.data, global_batch_size=cfg.train.global_batch_size, **data_args)
+    eval_data = None
+    if cfg.eval.every:
+        eval_rows = cfg.eval.batch_size or cfg.train.global_batch_size
+        eval_data = make_eval_iterator(cfg.data, cfg.eval.paths, global_batch_size=eval_rows, **data_args)
     log = cfg.logging
     writer_cm = (
-        MetricsWriter(out, total_steps=cfg.train.steps, tensorboard=log.tensorboard, progress=log.progress)
+        MetricsWriter(
+            cfg.output_dir, total_steps=cfg.train.steps, tensorboard=log.tensorboard, progress=log.progress
+        )
         if primary
         else _ProcessLog()
     )
@@ -358,29 +394,108 @@ def _setup(cfg: Config, devices) -> Iterator[_Run]:
 
             writer.log(describe_topology())
         checkpointer = _checkpointer(cfg, writer.log)
+        feeder = _BatchFeeder(cfg, data, mesh, program.batch_sharding)
+        evaluator = None
+        if eval_data is not None:
+            evaluator = _Evaluator(cfg, eval_data, feeder, program, writer.log)
+            writer.log(evaluator.describe())
         try:
             yield _Run(
                 cfg=cfg,
                 mesh=mesh,
                 program=program,
-                feeder=_BatchFeeder(cfg, data, mesh, program.batch_sharding),
+                feeder=feeder,
                 writer=writer,
                 checkpointer=checkpointer,
                 monitor=FaultMonitor(cfg.faults),
                 target=abstract_state(program),
                 rates=rates,
+                evaluator=evaluator,
             )
         finally:
             if checkpointer is not None:
                 checkpointer.close()  # waits for a write still in flight
+            for it in (data, eval_data):  # open shard files (remote: HTTP sessions)
+                if hasattr(it, "close"):
+                    it.close()
+
+
+def _record_start(run: _Run, restored) -> None:
+    """Write config.yaml (process 0) and, when metrics.jsonl already holds an earlier run's
+    records, a marker row, so appended rows are never mixed in silently."""
+    if jax.process_index() != 0:
+        return
+    cfg = run.cfg
+    out = storage.as_path(cfg.output_dir)  # a local path or a URL (gs://bucket/run)
+    out.mkdir(parents=True, exist_ok=True)
+    if run.writer.has_earlier_records():
+        step = restored.step if restored is not None else 0
+        marker = {"step": step, "event": "resume" if restored is not None else "restart"}
+        if restored is not None:
+            marker["checkpoint"] = str(run.checkpointer.directory / str(restored.step))
+        run.writer.write(marker)
+    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def _checkpointer(cfg: Config, log) -> Checkpointer | None:
     """The run's checkpointer: when it saves (`checkpoint.every`) or may resume from one."""
-    c, ckpt_dir = cfg.checkpoint, Path(cfg.checkpoint_dir)
+    c, ckpt_dir = cfg.checkpoint, storage.as_path(cfg.checkpoint_dir)
     if c.every > 0 or (c.resume and ckpt_dir.is_dir()):
         return Checkpointer(ckpt_dir, keep=c.keep, keep_every=c.keep_every, async_save=c.async_save, log=log)
     return None
+
+
+class _Evaluator:
+    """`eval.*`: the held-out loss over the same `eval.batches` batches every time (batches
+    0 .. eval.batches - 1 of the eval data, a pure function of seed and data), placed with
+    the step's batch sharding and sequence order (context parallelism), through a jitted
+    forward that donates nothing (`TrainProgram.eval_step`). eval_loss = the summed token
+    losses of all batches / their counted tokens (MoE router losses excluded);
+    eval_perplexity = exp(eval_loss)."""
+
+    def __init__(self, cfg: Config, data, feeder: _BatchFeeder, program: TrainProgram, log):
+        self.every, self.batches = cfg.eval.every, cfg.eval.batches
+        self.data, self.feeder, self.program, self.log = data, feeder, program, log
+        self._compiled = None
+
+    def describe(self) -> str:
+        rows = self.data.global_batch_size
+        text = f"eval every {self.every} steps and at the end: {self.batches} batches of {rows} rows"
+        windows = getattr(self.data, "num_windows", None)
+        windows = sum(windows) if isinstance(windows, list) else windows
+        if windows is not None and windows < self.batches * rows:
+            text += f" (the eval data holds {windows} windows of train.seq_len: some are read twice)"
+        return text
+
+    def due(self, step: int, total: int) -> bool:
+        return step % self.every == 0 or step == total
+
+    def __call__(self, state: TrainState, step: int) -> dict:
+        """Evaluate `state` (not donated); returns the metrics record of step `step`."""
+        sums, t0 = [], time.perf_counter()
+        for k in range(self.batches):
+            batch = self.feeder.place(self.data.batch_at(k))
+            if self._compiled is None:
+                self._compiled = self.program.eval_step.lower(state, batch).compile()
+                self.log(f"compiled eval step in {time.perf_counter() - t0:.1f} s")
+                t0 = time.perf_counter()
+            sums.append(self._compiled(state, batch))  # dispatched: reading batch k+1 overlaps it
+        sums = jax.device_get(sums)
+        total, count = math.fsum(float(t) for t, _ in sums), sum(float(c) for _, c in sums)
+        loss = total / count if count else math.nan
+        perplexity = math.inf if loss >= 700 else math.exp(loss)  # nan stays nan
+        record = {
+            "step": step,
+            "eval_loss": loss,
+            "eval_perplexity": perplexity,
+            "eval_tokens": int(count),
+            "eval_time_s": time.perf_counter() - t0,
+        }
+        self.log(
+            f"eval step {step}: loss {loss:.4f}, perplexity {perplexity:.3f} "
+            f"({int(count):,} tokens, {self.batches} batches, {record['eval_time_s']:.1f} s)"
+        )
+        return record
 
 
 class _StepTimer:

@@ -5,7 +5,24 @@ from __future__ import annotations
 
 import dataclasses
 
-REMAT_POLICIES = ("none", "full", "save_matmuls")
+# `model.remat`: what each layer's backward pass may keep from its forward pass (the jax
+# policies are in models/transformer.py `remat_policy`). The names are the activation
+# checkpoints the layers tag with `jax.ad_checkpoint.checkpoint_name` (CHECKPOINT_NAMES).
+REMAT_POLICIES = (
+    "none",  # no jax.checkpoint: keep everything
+    "full",  # keep nothing: recompute the whole layer
+    "minimal",  # keep every matmul output: qkv_proj, out_proj, mlp_in, mlp_out (MaxText "minimal")
+    "save_dot_except_mlp",  # qkv_proj, out_proj
+    "save_qkv_proj",  # qkv_proj
+    "save_out_proj",  # out_proj
+    "save_attention",  # the attention sub-layer: qkv_proj, context, out_proj
+    "offload_matmuls",  # the "minimal" names, offloaded to pinned host memory
+    "custom",  # model.remat_custom: {name: device | offload | recompute}
+    "save_matmuls",  # any matmul without batch dims (jax's dots_with_no_batch_dims_saveable)
+)
+CHECKPOINT_NAMES = ("layer_input", "qkv_proj", "context", "out_proj", "mlp_in", "mlp_out")
+REMAT_CUSTOM_MODES = ("device", "offload", "recompute")
+FP8_HISTORY_DEFAULT = 1024
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 CONTEXT_IMPLS = ("ring", "ulysses")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -121,11 +138,30 @@ class ModelConfig:
     init_std: float = 0.02
     param_dtype: str = "float32"  # master weights (and optimizer state)
     compute_dtype: str = "float32"  # matmuls and activations
-    remat: str = "none"  # none | full | save_matmuls
+    remat: str = "none"  # REMAT_POLICIES
+    # remat=custom: checkpoint name -> device (keep in HBM) | offload (pinned host) | recompute;
+    # a YAML mapping, stored as sorted (name, mode) pairs (the config must stay hashable)
+    remat_custom: tuple[tuple[str, str], ...] = ()
+    # FP8 matmuls (models/fp8.py): e4m3 operands, e5m2 gradients, delayed per-tensor scales
+    # from the amax of the last `fp8_amax_history` steps (kept in the train state)
+    fp8: bool = False
+    fp8_amax_history: int = FP8_HISTORY_DEFAULT
     scan_layers: bool = True  # False unrolls the layer loop (same parameters)
     attention_impl: str = "auto"  # auto | xla | pallas (auto: pallas on GPU/TPU, xla on CPU)
     context_impl: str = "ring"  # ring | ulysses: attention when the mesh has context > 1
     moe: MoEConfig | None = None  # mixture of experts (models/moe.py); None: dense
+
+    def __post_init__(self):
+        # A mapping (Python callers, YAML) or pairs in any order -> sorted (name, mode) pairs.
+        custom = self.remat_custom
+        pairs = custom.items() if isinstance(custom, dict) else custom
+        pairs = [tuple(p) for p in pairs] if not isinstance(pairs, str) else None
+        if pairs is None or any(len(p) != 2 for p in pairs):
+            raise ValueError(
+                f"model.remat_custom={custom!r}: expected a mapping {{checkpoint name: device | offload | "
+                "recompute}"
+            )
+        object.__setattr__(self, "remat_custom", tuple(sorted(pairs)))
 
     @property
     def resolved_head_dim(self) -> int:
@@ -155,6 +191,19 @@ class ModelConfig:
                 raise ValueError(f"model.{key}={getattr(self, key)!r}: expected one of {DTYPES}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"model.remat={self.remat!r}: expected one of {REMAT_POLICIES}")
+        for name, mode in self.remat_custom:
+            if name not in CHECKPOINT_NAMES:
+                raise ValueError(
+                    f"model.remat_custom.{name}: unknown checkpoint name; expected one of {CHECKPOINT_NAMES}"
+                )
+            if mode not in REMAT_CUSTOM_MODES:
+                raise ValueError(f"model.remat_custom.{name}={mode!r}: expected one of {REMAT_CUSTOM_MODES}")
+        if len({n for n, _ in self.remat_custom}) != len(self.remat_custom):
+            raise ValueError(f"model.remat_custom={self.remat_custom}: a checkpoint name appears twice")
+        if self.remat_custom and self.remat != "custom":
+            raise ValueError(
+                f"model.remat_custom is set but model.remat={self.remat!r}: expected model.remat=custom"
+            )
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(
                 f"model.attention_impl={self.attention_impl!r}: expected one of {ATTENTION_IMPLS}"
@@ -169,6 +218,13 @@ class ModelConfig:
             raise ValueError(f"model.context_impl={self.context_impl!r}: expected one of {CONTEXT_IMPLS}")
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             raise ValueError("model.rope_theta, model.norm_eps and model.init_std must be positive")
+        if self.fp8_amax_history < 1:
+            raise ValueError(f"model.fp8_amax_history={self.fp8_amax_history}: expected a positive integer")
+        if self.fp8 and self.compute_dtype == "float16":
+            raise ValueError(
+                "model.fp8=true with model.compute_dtype='float16': fp8 scaling and loss scaling "
+                "together are not supported; use compute_dtype bfloat16"
+            )
         if self.moe is not None:
             self.moe.validate(self)
 

@@ -20,21 +20,29 @@ positions mask the rest.
 Prefill runs the model's own attention (`attend`: the Pallas kernel on GPU/TPU) over
 the padded prompts and keeps each row's last cache_len real positions; a decode step
 projects one token per row, writes its k/v into its slot and attends over the cache
-(XLA, f32 softmax). MoE layers route every token on its own, so dropless dispatch
-routes exactly as a full forward pass does; capacity dispatch groups tokens
-differently (one per row in decode), so its drops may differ from a full forward.
+(XLA, f32 softmax). The decode step carries the whole cache through the layer scan and
+puts each layer back with a dynamic update, so a donated cache is updated in place
+(temp memory: about one layer's cache, not a second copy). MoE layers route every
+token on its own, so dropless dispatch routes exactly as a full forward pass does;
+capacity dispatch groups tokens differently (one per row in decode), so its drops may
+differ from a full forward.
 
 Sampling: temperature 0 is greedy (argmax, the first index on ties); otherwise
 softmax(logits / temperature) restricted to the `top_k` largest logits, then to the
 nucleus (the fewest most-probable tokens whose probability, renormalised after top-k,
 reaches `top_p`; never empty). Step t draws with `fold_in(key(seed), t)`: the same
 seed gives the same tokens, on any mesh (threefry is partitionable).
+
+`stream(model, tokens, ...)` yields the same tokens one step at a time (the prefill
+and the loop body jitted on their own, driven from Python), for callers that show
+text as it is produced (`jaxtrain generate`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import jax
@@ -87,8 +95,10 @@ def _cached_attention(q, k, v, q_positions, kv_positions, window):
     return jnp.einsum("bkgst,bktd->bskgd", probs, v).reshape(b, s, h, d)
 
 
-def _attention(attn, x, cache, step: _Step):
-    """Attention of one layer through its cache -> (output [b, s, d], (k, v) cache of the layer)."""
+def _attention(attn, x, cache, step: _Step, layer=None):
+    """Attention of one layer through the cache. Prefill (cache None) -> (output [b, s, d],
+    this layer's (k, v) [b, kv_heads, cache_len, head_dim]); decode: `cache` is the whole
+    (k, v) [layers, ...] -> (output, the cache with layer `layer`'s slots written)."""
     cfg = attn.cfg
     q, k, v = attn.project(x, step.positions)
     if step.write is None:  # prefill: the prompt attends to itself; keep what the slots hold
@@ -103,21 +113,30 @@ def _attention(attn, x, cache, step: _Step):
         )
         held = (step.slot_positions >= 0)[:, :, None, None]
         keep = lambda t: jnp.where(held, jnp.take_along_axis(t, step.source[:, :, None, None], axis=1), 0)
-        k_cache, v_cache = keep(k).transpose(0, 2, 1, 3), keep(v).transpose(0, 2, 1, 3)
-    else:  # decode: write the new token's k/v into its slot, attend over the cache
-        write = step.write[:, None, :, None]
-        k_cache = jnp.where(write, k.transpose(0, 2, 1, 3), cache[0])
-        v_cache = jnp.where(write, v.transpose(0, 2, 1, 3), cache[1])
-        out = _cached_attention(
-            q, k_cache, v_cache, step.positions[:, 0], step.slot_positions, cfg.sliding_window
+        k_cache, v_cache = (constrain(keep(t).transpose(0, 2, 1, 3), CACHE_AXES[1:]) for t in (k, v))
+        return attn.output(out), (k_cache, v_cache)
+    # decode: write the new token's k/v into its slot of this layer, attend over the layer's
+    # cache, and put the layer back (a dynamic update of the carried cache: in place).
+    write = step.write[:, None, :, None]
+    k_cache, v_cache = (
+        constrain(
+            jnp.where(write, new.transpose(0, 2, 1, 3), jax.lax.dynamic_index_in_dim(c, layer, 0, False)),
+            CACHE_AXES[1:],
         )
-    k_cache, v_cache = (constrain(t, CACHE_AXES[1:]) for t in (k_cache, v_cache))
-    return attn.output(out), (k_cache, v_cache)
+        for new, c in zip((k, v), cache)
+    )
+    out = _cached_attention(
+        q, k_cache, v_cache, step.positions[:, 0], step.slot_positions, cfg.sliding_window
+    )
+    cache = tuple(
+        jax.lax.dynamic_update_index_in_dim(c, t, layer, 0) for c, t in zip(cache, (k_cache, v_cache))
+    )
+    return attn.output(out), cache
 
 
-def _block(block, x, cache, step: _Step):
+def _block(block, x, cache, step: _Step, layer=None):
     """One decoder block (layers.Block or moe.MoEBlock: the same residual layout) with its cache."""
-    h, cache = _attention(block.attn, block.attn_norm(x), cache, step)
+    h, cache = _attention(block.attn, block.attn_norm(x), cache, step, layer)
     x = x + h
     y = block.mlp(block.mlp_norm(x))
     y = y[0] if isinstance(y, tuple) else y  # MoE: (output, router statistics)
@@ -133,14 +152,19 @@ def _stacks(model: Transformer):
 
 
 def _run_layers(model: Transformer, x, cache, step: _Step):
-    """x through every layer; `cache` (k, v) [layers, ...] or None (prefill) -> (x, new (k, v))."""
+    """x through every layer -> (x, the cache (k, v) [layers, ...]). Prefill (`cache` None)
+    builds the cache as the scan's output; decode carries `cache` through the scan and
+    updates it layer by layer in place, so a donated cache is never copied whole."""
     new_k, new_v, start = [], [], 0
+    if cache is not None:
+        cache = tuple(constrain(t, CACHE_AXES) for t in cache)
     for stack, per in _stacks(model):
         graphdef, state = nnx.split(stack)
         n = jax.tree.leaves(state)[0].shape[0]
 
-        def body(x, xs, graphdef=graphdef):
-            layer_state, c = xs
+        def body(carry, xs, graphdef=graphdef, start=start, per=per):
+            x, c = carry
+            layer_state, g = xs  # g: the scanned element's index
             layer = nnx.merge(graphdef, layer_state)
             blocks = (
                 [*(getattr(layer, f"dense_{i}") for i in range(layer.n_dense)), layer.moe]
@@ -148,21 +172,23 @@ def _run_layers(model: Transformer, x, cache, step: _Step):
                 else [layer]
             )
             ks, vs = [], []
-            for i, block in enumerate(blocks):
-                x, (k, v) = _block(block, x, None if c is None else (c[0][i], c[1][i]), step)
-                ks.append(k)
-                vs.append(v)
-            return x, (jnp.stack(ks), jnp.stack(vs))
+            for j, block in enumerate(blocks):
+                if c is None:
+                    x, (k, v) = _block(block, x, None, step)
+                    ks.append(k)
+                    vs.append(v)
+                else:
+                    x, c = _block(block, x, c, step, start + g * per + j)
+            return (x, c), (None if c is not None else (jnp.stack(ks), jnp.stack(vs)))
 
-        c = None
-        if cache is not None:
-            c = tuple(t[start : start + n * per].reshape(n, per, *t.shape[1:]) for t in cache)
-        x, (k, v) = jax.lax.scan(body, x, (state, c))
-        new_k.append(k.reshape(n * per, *k.shape[2:]))
-        new_v.append(v.reshape(n * per, *v.shape[2:]))
+        (x, cache), made = jax.lax.scan(body, (x, cache), (state, jnp.arange(n)))
+        if made is not None:
+            new_k.append(made[0].reshape(n * per, *made[0].shape[2:]))
+            new_v.append(made[1].reshape(n * per, *made[1].shape[2:]))
         start += n * per
-    k, v = (jnp.concatenate(t) if len(t) > 1 else t[0] for t in (new_k, new_v))
-    return x, (constrain(k, CACHE_AXES), constrain(v, CACHE_AXES))
+    if cache is None:
+        cache = tuple(jnp.concatenate(t) if len(t) > 1 else t[0] for t in (new_k, new_v))
+    return x, tuple(constrain(t, CACHE_AXES) for t in cache)
 
 
 def prefill(model: Transformer, tokens, prompt_lengths, cache_len: int) -> tuple[jax.Array, KVCache]:
@@ -219,6 +245,13 @@ def sample(logits, key, temperature, top_k: int | None = None, top_p=None) -> ja
     return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
 
 
+def _choose(t, logits, done, key, temperature, top_p, eos_id, *, top_k, nucleus):
+    """Step t's tokens [b] (a row already done emits eos_id) and the rows done after them."""
+    tok = sample(logits, jax.random.fold_in(key, t), temperature, top_k, top_p if nucleus else None)
+    tok = jnp.where(done, eos_id, tok)
+    return tok, done | (tok == eos_id)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "top_k", "nucleus"))
 def _generate(
     graphdef,
@@ -243,9 +276,8 @@ def _generate(
     out = jnp.where(cols < prompt_lengths[:, None], jnp.pad(tokens, ((0, 0), (0, max_new_tokens))), fill)
 
     def emit(t, logits, out, done):
-        tok = sample(logits, jax.random.fold_in(key, t), temperature, top_k, top_p if nucleus else None)
-        tok = jnp.where(done, eos_id, tok)
-        return tok, out.at[rows, prompt_lengths + t].set(tok), done | (tok == eos_id)
+        tok, done = _choose(t, logits, done, key, temperature, top_p, eos_id, top_k=top_k, nucleus=nucleus)
+        return tok, out.at[rows, prompt_lengths + t].set(tok), done
 
     logits, cache = prefill(model, tokens, prompt_lengths, cache_len)
     tok, out, done = emit(0, logits, out, jnp.zeros((b,), bool))
@@ -264,26 +296,8 @@ def _generate(
     return jax.lax.while_loop(running, step, carry)[3]
 
 
-def generate(
-    model: Transformer,
-    tokens,
-    *,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int = 0,
-    eos_id: int | None = None,
-    prompt_lengths=None,
-) -> jax.Array:
-    """Continue right-padded prompts int [batch, prompt] by `max_new_tokens` tokens each ->
-    int32 [batch, prompt + max_new_tokens] (layout, padding, EOS and sampling rules: the
-    module docstring). Prefill once, then one jitted `lax.while_loop`; compiled once per
-    model structure, shapes, `max_new_tokens` and `top_k` (and whether `top_p` is set).
-
-    Runs under the mesh and rules in context (`jax.set_mesh` + `sharding.axis_rules`),
-    like the model; a `context` mesh axis > 1 is not supported.
-    """
+def _checked(model, tokens, max_new_tokens, temperature, top_k, top_p, seed, eos_id, prompt_lengths):
+    """The door of `generate` and `stream`: every argument checked -> (tokens, prompt_lengths)."""
     if not isinstance(model, Transformer):
         raise ValueError(f"model: expected a models.Transformer, got {type(model).__name__}")
     cfg = model.cfg
@@ -324,22 +338,121 @@ def generate(
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and dict(zip(mesh.axis_names, mesh.axis_sizes)).get("context", 1) > 1:
         raise ValueError("generate: the mesh in context has context > 1; generation needs context=1")
+    return tokens, lengths
 
-    graphdef, state = nnx.split(model)
-    return _generate(
-        graphdef,
-        state,
+
+def _operands(tokens, lengths, seed, temperature, top_p, eos_id) -> tuple:
+    """tokens, prompt_lengths, key, temperature, top_p, eos_id (-1: none) as jax operands."""
+    return (
         jnp.asarray(tokens, jnp.int32),
         jnp.asarray(lengths, jnp.int32),
         jax.random.key(seed),
         jnp.asarray(temperature, jnp.float32),
         jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
         jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32),
+    )
+
+
+def generate(
+    model: Transformer,
+    tokens,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_id: int | None = None,
+    prompt_lengths=None,
+) -> jax.Array:
+    """Continue right-padded prompts int [batch, prompt] by `max_new_tokens` tokens each ->
+    int32 [batch, prompt + max_new_tokens] (layout, padding, EOS and sampling rules: the
+    module docstring). Prefill once, then one jitted `lax.while_loop`; compiled once per
+    model structure, shapes, `max_new_tokens` and `top_k` (and whether `top_p` is set).
+
+    Runs under the mesh and rules in context (`jax.set_mesh` + `sharding.axis_rules`),
+    like the model; a `context` mesh axis > 1 is not supported.
+    """
+    tokens, lengths = _checked(
+        model, tokens, max_new_tokens, temperature, top_k, top_p, seed, eos_id, prompt_lengths
+    )
+    graphdef, state = nnx.split(model)
+    return _generate(
+        graphdef,
+        state,
+        *_operands(tokens, lengths, seed, temperature, top_p, eos_id),
         max_new_tokens=max_new_tokens,
-        cache_len=cache_length(cfg, p + max_new_tokens),
+        cache_len=cache_length(model.cfg, tokens.shape[1] + max_new_tokens),
         top_k=top_k,
         nucleus=top_p is not None,
     )
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "top_k", "nucleus"))
+def _stream_prefill(
+    graphdef, state, tokens, prompt_lengths, key, temperature, top_p, eos_id, *, cache_len, top_k, nucleus
+):
+    """`_generate` up to its first token: (tokens [b], rows done, cache)."""
+    logits, cache = prefill(nnx.merge(graphdef, state), tokens, prompt_lengths, cache_len)
+    done = jnp.zeros(tokens.shape[:1], bool)
+    tok, done = _choose(0, logits, done, key, temperature, top_p, eos_id, top_k=top_k, nucleus=nucleus)
+    return tok, done, cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "top_k", "nucleus"), donate_argnames=("cache",))
+def _stream_step(
+    graphdef, state, t, tok, done, cache, prompt_lengths, key, temperature, top_p, eos_id, *, top_k, nucleus
+):
+    """One iteration of `_generate`'s loop body: step t >= 1 -> (tokens [b], rows done, cache)."""
+    logits, cache = decode_step(nnx.merge(graphdef, state), tok, prompt_lengths + t - 1, cache)
+    tok, done = _choose(t, logits, done, key, temperature, top_p, eos_id, top_k=top_k, nucleus=nucleus)
+    return tok, done, cache
+
+
+def stream(
+    model: Transformer,
+    tokens,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_id: int | None = None,
+    prompt_lengths=None,
+) -> Iterator[np.ndarray]:
+    """`generate`, one step at a time: yields each step's new tokens, int32 numpy [batch]
+    (a row past its EOS yields eos_id), and stops where `generate`'s loop stops (after
+    `max_new_tokens` steps, or once every row has emitted `eos_id`). Same arguments,
+    checks (made at the call) and rules as `generate`, and the same computation: the
+    prefill and each loop step are the same functions jitted on their own, driven from
+    Python with one host sync per token, so that a caller can show text as it is made.
+    The same seed gives the tokens `generate` returns (tests/test_generate.py).
+    """
+    tokens, lengths = _checked(
+        model, tokens, max_new_tokens, temperature, top_k, top_p, seed, eos_id, prompt_lengths
+    )
+    graphdef, state = nnx.split(model)
+    tokens, lengths, *rest = _operands(tokens, lengths, seed, temperature, top_p, eos_id)
+    static = dict(top_k=top_k, nucleus=top_p is not None)
+    cache_len = cache_length(model.cfg, tokens.shape[1] + max_new_tokens)
+
+    def steps():
+        tok, done, cache = _stream_prefill(
+            graphdef, state, tokens, lengths, *rest, cache_len=cache_len, **static
+        )
+        for t in range(max_new_tokens):
+            if t:
+                t_ = jnp.asarray(t, jnp.int32)
+                tok, done, cache = _stream_step(
+                    graphdef, state, t_, tok, done, cache, lengths, *rest, **static
+                )
+            host_tok, host_done = jax.device_get((tok, done))
+            yield host_tok
+            if host_done.all():
+                return
+
+    return steps()
 
 
 def _is_int(x) -> bool:

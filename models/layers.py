@@ -10,7 +10,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from jaxtrain.models import fp8 as fp8_ops
 from jaxtrain.models.attention import attend
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.sharding import constrain
@@ -80,9 +82,9 @@ class Attention(nnx.Module):
         )
         self.cfg = cfg
 
-    def __call__(self, x, positions, segment_ids):
+    def __call__(self, x, positions, segment_ids, fp8=None):
         cfg = self.cfg
-        q, k, v = self.project(x, positions)
+        q, k, v = self.project(x, positions, fp8)
         out = attend(
             q,
             k,
@@ -93,25 +95,30 @@ class Attention(nnx.Module):
             sliding_window=cfg.sliding_window,
             context_impl=cfg.context_impl,
         )
-        return self.output(out)
+        return self.output(out, fp8)
 
-    def project(self, x, positions):
+    def project(self, x, positions, fp8=None):
         """x [b, s, d] -> q [b, s, heads, hd], k and v [b, s, kv_heads, hd], RoPE applied
-        (shared with the KV-cache decode in models/generation.py)."""
+        (shared with the KV-cache decode in models/generation.py). `fp8`: this layer's
+        fp8 state (models/fp8.py); None: matmuls in the compute dtype."""
         dt = jnp.dtype(self.cfg.compute_dtype)
-        q = jnp.einsum("bsd,dhk->bshk", x, self.wq[...].astype(dt))
-        k = jnp.einsum("bsd,dhk->bshk", x, self.wk[...].astype(dt))
-        v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...].astype(dt))
+        site = lambda name: None if fp8 is None else fp8[name]
+        q = fp8_ops.einsum("bsd,dhk->bshk", x, self.wq[...].astype(dt), site("wq"))
+        k = fp8_ops.einsum("bsd,dhk->bshk", x, self.wk[...].astype(dt), site("wk"))
+        v = fp8_ops.einsum("bsd,dhk->bshk", x, self.wv[...].astype(dt), site("wv"))
         inv_freq = rope_frequencies(self.cfg)
         q = constrain(rope(q, positions, inv_freq), ("batch", "seq", "act_heads", None))
         k = constrain(rope(k, positions, inv_freq), ("batch", "seq", "act_kv_heads", None))
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))
-        return q, k, v
+        # Activation checkpoint names (model.remat policies); no effect outside jax.checkpoint.
+        return tuple(checkpoint_name(t, "qkv_proj") for t in (q, k, v))
 
-    def output(self, out):
+    def output(self, out, fp8=None):
         """Attention output [b, s, heads, hd] -> [b, s, d]."""
-        out = constrain(out, ("batch", "seq", "act_heads", None))
-        return jnp.einsum("bshk,hkd->bsd", out, self.wo[...].astype(jnp.dtype(self.cfg.compute_dtype)))
+        out = checkpoint_name(constrain(out, ("batch", "seq", "act_heads", None)), "context")
+        wo = self.wo[...].astype(jnp.dtype(self.cfg.compute_dtype))
+        out = fp8_ops.einsum("bshk,hkd->bsd", out, wo, None if fp8 is None else fp8["wo"])
+        return checkpoint_name(out, "out_proj")
 
 
 class MLP(nnx.Module):
@@ -125,11 +132,19 @@ class MLP(nnx.Module):
         self.w_down = p((f, d), ("mlp", "embed"), cfg.init_std / (2 * cfg.n_layers) ** 0.5)
         self.dtype = jnp.dtype(cfg.compute_dtype)
 
-    def __call__(self, x):
-        dt = self.dtype
-        h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
-        h = constrain(h, ("batch", "seq", "act_mlp"))
-        return h @ self.w_down[...].astype(dt)
+    def __call__(self, x, fp8=None):
+        return swiglu(x, self.w_gate[...], self.w_up[...], self.w_down[...], self.dtype, fp8)
+
+
+def swiglu(x, w_gate, w_up, w_down, dt, fp8=None):
+    """silu(x @ w_gate) * (x @ w_up) @ w_down in dtype `dt` (fp8: its sites, or None)."""
+    mm = lambda a, w, name: fp8_ops.einsum(
+        "...d,df->...f", a, w.astype(dt), None if fp8 is None else fp8[name]
+    )
+    gate = checkpoint_name(mm(x, w_gate, "w_gate"), "mlp_in")
+    up = checkpoint_name(mm(x, w_up, "w_up"), "mlp_in")
+    h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+    return checkpoint_name(mm(h, w_down, "w_down"), "mlp_out")
 
 
 class Block(nnx.Module):
@@ -141,7 +156,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids):
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        x = x + self.mlp(self.mlp_norm(x))
+    def __call__(self, x, positions, segment_ids, fp8=None):
+        x = checkpoint_name(x, "layer_input")
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids, None if fp8 is None else fp8["attn"])
+        x = x + self.mlp(self.mlp_norm(x), None if fp8 is None else fp8["mlp"])
         return constrain(x, ("batch", "seq", "act_embed"))

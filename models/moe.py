@@ -53,11 +53,13 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import sharding
+from jaxtrain.models import fp8 as fp8_ops
 from jaxtrain.models.config import ModelConfig, MoEConfig
-from jaxtrain.models.layers import Attention, RMSNorm, param
+from jaxtrain.models.layers import Attention, RMSNorm, param, swiglu
 
 F32 = jnp.float32
 
@@ -84,8 +86,9 @@ class MoE(nnx.Module):
         self.moe = m
         self.dtype = jnp.dtype(cfg.compute_dtype)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
-        """x [b, s, d] -> (y [b, s, d], per-layer stats: see `moe_layer`)."""
+    def __call__(self, x: jax.Array, fp8=None) -> tuple[jax.Array, dict]:
+        """x [b, s, d] -> (y [b, s, d], per-layer stats: see `moe_layer`). `fp8`: this
+        layer's fp8 state ({"experts": ..., "shared": ...}; models/fp8.py) or None."""
         dt = self.dtype
         bias = self.router_bias[...] if self.moe.score_bias else None
         y, stats = moe_layer(
@@ -96,12 +99,12 @@ class MoE(nnx.Module):
             self.w_up[...].astype(dt),
             self.w_down[...].astype(dt),
             self.moe,
+            fp8=None if fp8 is None else fp8["experts"],
         )
         if self.moe.num_shared_experts:
-            h = jax.nn.silu(x @ self.shared_gate[...].astype(dt)) * (x @ self.shared_up[...].astype(dt))
-            h = sharding.constrain(h, ("batch", "seq", "act_mlp"))
-            y = y + h @ self.shared_down[...].astype(dt)
-        return y, stats
+            shared = None if fp8 is None else fp8["shared"]
+            y = y + swiglu(x, self.shared_gate[...], self.shared_up[...], self.shared_down[...], dt, shared)
+        return checkpoint_name(y, "mlp_out"), stats
 
 
 class MoEBlock(nnx.Module):
@@ -113,9 +116,10 @@ class MoEBlock(nnx.Module):
         self.mlp_norm = RMSNorm(cfg, rngs=rngs)
         self.mlp = MoE(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids):
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        y, stats = self.mlp(self.mlp_norm(x))
+    def __call__(self, x, positions, segment_ids, fp8=None):
+        x = checkpoint_name(x, "layer_input")
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids, None if fp8 is None else fp8["attn"])
+        y, stats = self.mlp(self.mlp_norm(x), None if fp8 is None else fp8["mlp"])
         return sharding.constrain(x + y, ("batch", "seq", "act_embed")), stats
 
 
@@ -139,14 +143,28 @@ def route(x, w_router, bias, m: MoEConfig):
     return logits, scores, idx, weights
 
 
-def _swiglu(x, w_gate, w_up, w_down, eq_in: str, eq_out: str):
-    h = jax.nn.silu(jnp.einsum(eq_in, x, w_gate)) * jnp.einsum(eq_in, x, w_up)
-    return jnp.einsum(eq_out, h, w_down)
+def _fp8_site(fp8, name):
+    """(meta of expert matmul `name`, the mesh axes to reduce its amax over), or (None, ())."""
+    return (None, ()) if fp8 is None else (fp8[0][name], fp8[1])
 
 
-def _ragged_swiglu(x, w_gate, w_up, w_down, group_sizes):
-    rd = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes)
-    return rd(jax.nn.silu(rd(x, w_gate)) * rd(x, w_up), w_down)
+def _swiglu(x, w_gate, w_up, w_down, eq_in: str, eq_out: str, fp8=None):
+    mm = lambda eq, a, w, name: fp8_ops.expert_matmul(
+        lambda a, w: jnp.einsum(eq, a, w), a, w, *_fp8_site(fp8, name)
+    )
+    gate = checkpoint_name(mm(eq_in, x, w_gate, "w_gate"), "mlp_in")
+    up = checkpoint_name(mm(eq_in, x, w_up, "w_up"), "mlp_in")
+    return mm(eq_out, jax.nn.silu(gate) * up, w_down, "w_down")
+
+
+def _ragged_swiglu(x, w_gate, w_up, w_down, group_sizes, fp8=None):
+    """fp8: (this layer's expert sites, the shard_map's mesh axes) or None."""
+    rd = lambda a, w, name: fp8_ops.expert_matmul(
+        lambda a, w: jax.lax.ragged_dot(a, w, group_sizes), a, w, *_fp8_site(fp8, name)
+    )
+    gate = checkpoint_name(rd(x, w_gate, "w_gate"), "mlp_in")
+    up = checkpoint_name(rd(x, w_up, "w_up"), "mlp_in")
+    return rd(jax.nn.silu(gate) * up, w_down, "w_down")
 
 
 def _capacity_positions(idx, m: MoEConfig, cap: int):
@@ -173,8 +191,10 @@ def _local_moe(
     expert_axes,
     tensor_axes,
     exchange: str,
+    fp8=None,
 ):
-    """The layer on this device's tokens x [b, s, d] (all of them without a mesh)."""
+    """The layer on this device's tokens x [b, s, d] (all of them without a mesh).
+    fp8: (the expert sites' fp8 state, the mesh axes of the shard_map) or None."""
     b, s, d = x.shape
     E, k = m.num_experts, m.top_k
     ep = 1 if not expert_axes else jax.lax.axis_size(expert_axes)
@@ -201,7 +221,7 @@ def _local_moe(
         xin = jnp.einsum("bsec,bsd->ebcd", dispatch.astype(x.dtype), x)  # [E, b, cap, d]
         if ep > 1:  # send expert e's slots to the device holding e; receive all sources' slots
             xin = jax.lax.all_to_all(xin, expert_axes, 0, 1, tiled=True)  # [E/ep, ep*b, cap, d]
-        out = _swiglu(xin, w_gate, w_up, w_down, "ebcd,edf->ebcf", "ebcf,efd->ebcd")
+        out = _swiglu(xin, w_gate, w_up, w_down, "ebcd,edf->ebcf", "ebcf,efd->ebcd", fp8)
         out = psum(out, tensor_axes)
         if ep > 1:
             out = jax.lax.all_to_all(out, expert_axes, 1, 0, tiled=True)  # [E, b, cap, d]
@@ -214,7 +234,7 @@ def _local_moe(
         xs = x.reshape(b * s, d)[order // k]
         group_sizes = counts.astype(jnp.int32)
         if ep == 1:
-            out = _ragged_swiglu(xs, w_gate, w_up, w_down, group_sizes)
+            out = _ragged_swiglu(xs, w_gate, w_up, w_down, group_sizes, fp8)
             out = psum(out, tensor_axes)
             dropped = jnp.zeros((), jnp.int32)
         else:
@@ -230,6 +250,7 @@ def _local_moe(
                 tensor_axes=tensor_axes,
                 exchange=exchange,
                 rows=receive_rows(a, ep, m),
+                fp8=fp8,
             )
         out = out[jnp.argsort(order)].reshape(b, s, k, d)  # back to token order
         y = jnp.einsum("bskd,bsk->bsd", out, weights.astype(x.dtype))
@@ -257,7 +278,7 @@ def receive_rows(a: int, ep: int, m: MoEConfig) -> int:
 
 
 def _dropless_exchange(
-    xs, sorted_e, group_sizes, w_gate, w_up, w_down, *, ep, expert_axes, tensor_axes, exchange, rows
+    xs, sorted_e, group_sizes, w_gate, w_up, w_down, *, ep, expert_axes, tensor_axes, exchange, rows, fp8=None
 ):
     """Expert-parallel dropless: xs [A, d] sorted by expert -> (expert outputs [A, d] in the
     same order, zero for rows the receiver had no room for; how many such rows, int32).
@@ -304,7 +325,7 @@ def _dropless_exchange(
     ends = jnp.cumsum(kept, axis=1)[src]  # [rows, e_local]
     local_e = jnp.where(valid, jnp.sum(i[:, None] >= ends, axis=1), e_local)
     order = jnp.argsort(local_e, stable=True)
-    out = _ragged_swiglu(buf[order], w_gate, w_up, w_down, jnp.sum(kept, axis=0).astype(jnp.int32))
+    out = _ragged_swiglu(buf[order], w_gate, w_up, w_down, jnp.sum(kept, axis=0).astype(jnp.int32), fp8)
     if tensor_axes:
         out = jax.lax.psum(out, tensor_axes)
     out = out[jnp.argsort(order)]  # [rows, d] buffer order
@@ -331,11 +352,13 @@ def resolve_exchange(m: MoEConfig) -> str:
     return "padded" if jax.default_backend() == "cpu" else "ragged"
 
 
-def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig):
+def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig, fp8=None):
     """Routed experts on x [b, s, d] -> (y [b, s, d], stats dict of f32 scalars + expert_load [E]).
 
     Without a mesh (or rules) in context: plain single-device code. With one: a
     shard_map over the whole mesh, experts sharded as the rules say (see module doc).
+    `fp8`: the expert matmuls' fp8 state (models/fp8.py; replicated into the shard_map,
+    amax reduced over the whole mesh) or None.
     """
     if x.ndim != 3:
         raise ValueError(f"moe_layer: x must be [batch, seq, d_model], got shape {x.shape}")
@@ -354,6 +377,7 @@ def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig):
             expert_axes=(),
             tensor_axes=(),
             exchange=exchange,
+            fp8=None if fp8 is None else (fp8, ()),
         )
     x_spec = sharding.logical_to_spec(("batch", None, None), rules, mesh, x.shape)
     in_spec = sharding.logical_to_spec(("expert", None, "mlp"), rules, mesh, w_gate.shape)
@@ -368,15 +392,38 @@ def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig):
         )
     if set(tensor_axes) & set(batch_axes):
         raise ValueError(f"moe_layer: mlp mesh axes {tensor_axes} also shard the batch")
-    fn = lambda *a: _local_moe(
-        *a, m=m, batch_axes=batch_axes, expert_axes=expert_axes, tensor_axes=tensor_axes, exchange=exchange
-    )
+    mesh_axes = tuple(mesh.axis_names)
+
+    def fn(x, w_router, bias, w_gate, w_up, w_down, meta):
+        return _local_moe(
+            *(x, w_router, bias, w_gate, w_up, w_down),
+            m=m,
+            batch_axes=batch_axes,
+            expert_axes=expert_axes,
+            tensor_axes=tensor_axes,
+            exchange=exchange,
+            fp8=None if meta is None else (meta, mesh_axes),
+        )
+
     bias_spec = () if bias is None else (P(),)
-    args = (x, w_router) + (() if bias is None else (bias,)) + (w_gate, w_up, w_down)
-    body = fn if bias is not None else (lambda x, r, g, u, dn: fn(x, r, None, g, u, dn))
+    meta_spec = () if fp8 is None else (P(),)
+    args = (
+        (x, w_router)
+        + (() if bias is None else (bias,))
+        + (w_gate, w_up, w_down)
+        + (() if fp8 is None else (fp8,))
+    )
+
+    def body(x, r, *rest):
+        bias, rest = (rest[0], rest[1:]) if bias_spec else (None, rest)
+        g, u, dn, *meta = rest
+        return fn(x, r, bias, g, u, dn, meta[0] if meta else None)
+
     stats_spec = {k: P() for k in ("aux_loss", "z_loss", "dropped_fraction", "max_load", "expert_load")}
     return jax.shard_map(
-        body, in_specs=(x_spec, P(), *bias_spec, in_spec, in_spec, out_spec), out_specs=(x_spec, stats_spec)
+        body,
+        in_specs=(x_spec, P(), *bias_spec, in_spec, in_spec, out_spec, *meta_spec),
+        out_specs=(x_spec, stats_spec),
     )(*args)
 
 

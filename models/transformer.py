@@ -13,11 +13,44 @@ from jaxtrain.models.layers import Block, RMSNorm, param
 from jaxtrain.models.moe import MoEBlock
 from jaxtrain.sharding import constrain
 
-# What the backward pass may keep from the forward pass, per `cfg.remat`.
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+# What the backward pass may keep from the forward pass, per `cfg.remat` (models/config.py
+# REMAT_POLICIES says what each keeps). The names are the `checkpoint_name` tags in
+# models/layers.py and models/moe.py. Policies modelled on MaxText's `remat_policy` list.
+_MATMULS = ("qkv_proj", "out_proj", "mlp_in", "mlp_out")
+_SAVED_NAMES = {
+    "minimal": _MATMULS,
+    "save_dot_except_mlp": ("qkv_proj", "out_proj"),
+    "save_qkv_proj": ("qkv_proj",),
+    "save_out_proj": ("out_proj",),
+    "save_attention": ("qkv_proj", "context", "out_proj"),
 }
+OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
+
+
+def remat_policy(cfg: ModelConfig):
+    """The `jax.checkpoint` policy for `cfg.remat` (None for "none": no checkpoint at all)."""
+    cp = jax.checkpoint_policies
+    if cfg.remat == "none":
+        return None
+    if cfg.remat == "full":
+        return cp.nothing_saveable
+    if cfg.remat == "save_matmuls":
+        return cp.dots_with_no_batch_dims_saveable
+    if cfg.remat in _SAVED_NAMES:
+        return cp.save_only_these_names(*_SAVED_NAMES[cfg.remat])
+    if cfg.remat == "offload_matmuls":
+        saved, offloaded = (), _MATMULS
+    elif cfg.remat == "custom":
+        saved = tuple(n for n, mode in cfg.remat_custom if mode == "device")
+        offloaded = tuple(n for n, mode in cfg.remat_custom if mode == "offload")
+    else:
+        raise ValueError(f"model.remat={cfg.remat!r}: no policy")  # validate() catches this first
+    return cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=list(saved),
+        names_which_can_be_offloaded=list(offloaded),
+        offload_src=OFFLOAD_SRC,
+        offload_dst=OFFLOAD_DST,
+    )
 
 
 class Transformer(nnx.Module):
@@ -55,6 +88,7 @@ class Transformer(nnx.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         return_aux: bool = False,
+        fp8: dict | None = None,
     ):
         """tokens int [batch, seq] -> logits [batch, seq, vocab] (compute dtype).
 
@@ -64,6 +98,8 @@ class Transformer(nnx.Module):
         load statistics averaged over MoE layers (`moe_aux_loss`, `moe_z_loss`,
         `moe_dropped_fraction`, `moe_max_load`; max over layers for the latter) and
         `moe_expert_load` [moe layers, experts]; {} for dense models.
+        `fp8` (model.fp8): the fp8 state (models/fp8.py `model_meta`; in training, the
+        train state's); None: every matmul in the compute dtype.
         """
         cfg = self.cfg
         if tokens.ndim != 2:
@@ -75,27 +111,27 @@ class Transformer(nnx.Module):
             segment_ids = jnp.ones((b, s), jnp.int32)
         x = self.embed(tokens)
 
-        def run(stack, x):
+        def run(stack, x, meta):
             graphdef, layer_state = nnx.split(stack)
             n = jax.tree.leaves(layer_state)[0].shape[0]
 
-            def layer(x, state):
-                out = nnx.merge(graphdef, state)(x, positions, segment_ids)
+            def layer(x, xs):
+                state, meta = xs
+                out = nnx.merge(graphdef, state)(x, positions, segment_ids, meta)
                 return out if isinstance(out, tuple) else (out, None)
 
             if cfg.remat != "none":
                 # Inside a scan XLA cannot CSE the recompute away, and prevent_cse=True would
                 # only add barriers; unrolled, it is what keeps the remat a remat.
-                layer = jax.checkpoint(
-                    layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers
-                )
-            return jax.lax.scan(layer, x, layer_state, unroll=1 if cfg.scan_layers else n)
+                layer = jax.checkpoint(layer, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers)
+            return jax.lax.scan(layer, x, (layer_state, meta), unroll=1 if cfg.scan_layers else n)
 
+        meta = fp8 or {}
         aux = {}
         if hasattr(self, "blocks"):
-            x, _ = run(self.blocks, x)
+            x, _ = run(self.blocks, x, meta.get("blocks"))
         if cfg.moe is not None:
-            x, stats = run(self.moe_blocks, x)
+            x, stats = run(self.moe_blocks, x, meta.get("moe_blocks"))
             aux = {
                 f"moe_{k}": (jnp.max(v) if k == "max_load" else jnp.mean(v, axis=0))
                 for k, v in stats.items()
@@ -137,7 +173,9 @@ class MoEGroup(nnx.Module):
             setattr(self, f"dense_{i}", Block(cfg, rngs=rngs))
         self.moe = MoEBlock(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids):
+    def __call__(self, x, positions, segment_ids, fp8=None):
         for i in range(self.n_dense):
-            x = getattr(self, f"dense_{i}")(x, positions, segment_ids)
-        return self.moe(x, positions, segment_ids)
+            x = getattr(self, f"dense_{i}")(
+                x, positions, segment_ids, None if fp8 is None else fp8[f"dense_{i}"]
+            )
+        return self.moe(x, positions, segment_ids, None if fp8 is None else fp8["moe"])

@@ -199,7 +199,8 @@ def compiled_memory(compiled: Any) -> dict[str, int]:
     """Per-device byte counts from ``compiled.memory_analysis()``.
 
     Keys: argument, output, alias, temp, generated_code, total (= argument +
-    output - alias + temp). Missing fields read as 0.
+    output - alias + temp), and the same for host memory (host_argument, ...,
+    host_total: pinned_host buffers). Missing fields read as 0.
     """
     stats = compiled.memory_analysis()
     if stats is None:
@@ -215,6 +216,10 @@ def compiled_memory(compiled: Any) -> dict[str, int]:
         "generated_code": get("generated_code_size_in_bytes"),
     }
     out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    # Host (pinned_host memory kind) buffers: optimizer.offload state, offloaded remat.
+    for kind in ("argument", "output", "alias", "temp"):
+        out[f"host_{kind}"] = get(f"host_{kind}_size_in_bytes")
+    out["host_total"] = out["host_argument"] + out["host_output"] - out["host_alias"] + out["host_temp"]
     return out
 
 

@@ -60,11 +60,14 @@ def test_train_end_to_end_on_a_sharded_mesh(tmp_path):
         (["mesh.tensor=8"], "model.n_heads=4: expected a multiple of mesh.tensor=8"),
         (["train.seq_len=0"], "train.seq_len=0: expected a positive integer"),
         (
-            ["model.compute_dtype=float16"],
-            "model.compute_dtype='float16': not supported for training (no dynamic loss scaling yet, "
-            "so small gradients underflow); use bfloat16",
+            ["model.param_dtype=float16"],
+            "model.param_dtype='float16': master weights must stay float32 (or bfloat16); "
+            "for fp16 training set model.compute_dtype=float16 (dynamic loss scaling)",
         ),
-        (["model.param_dtype=float16"], "model.param_dtype='float16': not supported for training"),
+        (
+            ["optimizer.loss_scale.backoff_factor=2"],
+            "optimizer.loss_scale.backoff_factor=2.0: expected in (0, 1)",
+        ),
         (["mesh.data=8", "train.global_batch_size=12"], "train.global_batch_size=12: expected a multiple of"),
         (["mesh.data=2", "train.microbatches=3", "train.global_batch_size=8"], "train.global_batch_size=8"),
         (["mesh.data=3"], "mesh: product 3 (data=3) does not equal the device count 8"),

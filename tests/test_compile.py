@@ -193,3 +193,58 @@ def test_llama2_7b_fits_on_2x8_h100(capsys):
     assert code == 0 and r["fits"] and r["num_devices"] == 16 and r["per_device_batch"] == 4
     assert r["memory"]["total"] < 36.3 * 2**30  # MaxText 0.2.5, same batch/seq/remat: 36.3 GiB
     assert r["pallas_in_program"]
+
+
+# --- decode: prefill + one decode step over a KV cache (`--mode decode`) -----------------
+
+
+def _kv_bytes_by_hand(layers, batch, kv_heads, max_len, head_dim, itemsize, shards):
+    return 2 * layers * batch * kv_heads * max_len * head_dim * itemsize // shards
+
+
+@pytest.mark.deviceless
+@needs_tpu
+def test_decode_compile_for_tpu_v5p_8(capsys):
+    """tiny (2 layers, 2 kv heads of 32, float32) at batch 64 x 4096 on 4 chips: the batch
+    over fsdp=4, so a quarter of the cache per device, as the compiled step's arguments say;
+    the decode step updates the donated cache in place (no second copy in temp)."""
+    decode = ["--target", "tpu:v5p-8", "--mode", "decode", "--batch", "64", "--max-len", "4096"]
+    code, r = run_compile(capsys, TINY, "mesh.fsdp=-1", *decode, "--prompt-len", "256")
+    assert code == 0 and r["fits"] and r["mode"] == "decode" and r["num_devices"] == 4
+    kv = _kv_bytes_by_hand(2, 64, 2, 4096, 32, 4, shards=4)
+    assert r["kv_cache_shards"] == 4 and r["kv_cache_bytes"] == 4 * kv
+    assert r["kv_cache_bytes_per_device"] == r["kv_cache_bytes_per_device_compiled"] == kv
+    assert r["attention_impl"] == "pallas" and (r["prompt_len"], r["cache_len"]) == (256, 4096)
+    dec, pre = r["decode"]["memory"], r["prefill"]["memory"]
+    assert dec["alias"] >= kv and dec["temp"] < kv / 4  # donated and written in place
+    assert pre["output"] >= kv and kv < dec["total"] < 1.1 * kv + r["param_bytes_per_device"]
+    # A sliding window caps the cache at the window (a ring), whatever --max-len says.
+    code, r = run_compile(capsys, TINY, "mesh.fsdp=-1", "model.sliding_window=64", *decode[:-1], "256")
+    assert code == 0 and r["cache_len"] == 64 and r["prompt_len"] == 256
+    assert r["kv_cache_bytes_per_device_compiled"] == _kv_bytes_by_hand(2, 64, 2, 64, 32, 4, shards=4)
+
+
+@pytest.mark.deviceless
+@needs_cuda
+def test_decode_compile_for_h100_1x8_tensor_parallel(capsys):
+    """batch over fsdp=4 and the 2 kv heads over tensor=2: an eighth of the cache per GPU."""
+    mesh = ["mesh.fsdp=4", "mesh.tensor=2", "model.compute_dtype=bfloat16"]
+    decode = ["--mode", "decode", "--batch", "64", "--max-len", "4096", "--prompt-len", "256"]
+    code, r = run_compile(capsys, TINY, *mesh, "--target", "gpu:h100", *decode)
+    assert code == 0 and r["fits"] and r["num_devices"] == 8 and "H100" in r["device_kind"]
+    kv = _kv_bytes_by_hand(2, 64, 2, 4096, 32, 2, shards=8)
+    assert r["kv_cache_spec"] == "P(None, 'fsdp', 'tensor')"
+    assert r["kv_cache_bytes_per_device"] == r["kv_cache_bytes_per_device_compiled"] == kv
+    assert r["decode"]["memory"]["alias"] >= kv and r["decode"]["memory"]["temp"] < kv
+
+
+def test_decode_compile_bad_arguments_exit_2(capsys):
+    base = [TINY, "--target", "tpu:v5p-8", "--mode", "decode"]
+    assert cli.main(["compile", *base, "--batch", "8"]) == 2
+    assert "expected --batch B and --max-len L" in capsys.readouterr().err
+    assert cli.main(["compile", *base, "--batch", "8", "--max-len", "16", "--prompt-len", "32"]) == 2
+    assert "--prompt-len=32: expected at most --max-len=16" in capsys.readouterr().err
+    assert cli.main(["compile", *base, "--batch", "0", "--max-len", "16"]) == 2
+    assert "--batch=0" in capsys.readouterr().err
+    assert cli.main(["compile", TINY, "mesh.context=2", *base[1:], "--batch", "8", "--max-len", "16"]) == 2
+    assert "generation needs mesh.context=1" in capsys.readouterr().err

@@ -36,7 +36,7 @@ def test_init_from_loads_sharded_weights_with_transformers_logits(tmp_path):
     overrides = [
         f"model.{k}={v}"
         for k, v in dataclasses.asdict(model_cfg).items()
-        if v is not None and not isinstance(v, dict)
+        if v not in (None, ()) and not isinstance(v, dict)
     ]
     cfg = tiny_config(
         tmp_path,
@@ -101,7 +101,7 @@ def test_convert_cli_and_init_from_training(tmp_path):
     overrides = [
         f"model.{k}={v}"
         for k, v in dataclasses.asdict(model_cfg).items()
-        if v is not None and not isinstance(v, dict)
+        if v not in (None, ()) and not isinstance(v, dict)
     ]
     cfg = tiny_config(
         tmp_path / "run",

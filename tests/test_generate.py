@@ -129,6 +129,37 @@ def test_window_cache_is_a_ring_of_window_slots():
     np.testing.assert_array_equal(np.asarray(cache.positions), [[3, 4, 2], [0, 1, -1]])
 
 
+@pytest.mark.parametrize("name", CONFIGS)
+def test_stream_yields_what_generate_returns(name):
+    """Step by step (the CLI's streaming path) = the jitted while loop: greedy, sampled,
+    per-row lengths, and an EOS that ends the loop early (fill after it)."""
+    model = build(name)
+    greedy = np.asarray(models.generate(model, PROMPT, max_new_tokens=STEPS, prompt_lengths=LENGTHS))
+    eos = int(greedy[0, 5 + 1])
+    for kw in (
+        dict(),
+        dict(temperature=1.0, top_k=20, top_p=0.9, seed=3),
+        dict(eos_id=eos),
+        dict(temperature=0.7, seed=5, eos_id=eos),
+    ):
+        kw = dict(max_new_tokens=STEPS, prompt_lengths=LENGTHS, **kw)
+        expected = np.asarray(models.generate(model, PROMPT, **kw))
+        steps = list(gen.stream(model, PROMPT, **kw))
+        assert 1 <= len(steps) <= STEPS and all(s.shape == (2,) and s.dtype == np.int32 for s in steps)
+        fill = kw.get("eos_id", 0)
+        out = np.full(expected.shape, fill, np.int32)
+        for i, n in enumerate(LENGTHS):
+            out[i, :n] = PROMPT[i, :n]
+            out[i, n : n + len(steps)] = [s[i] for s in steps]
+        np.testing.assert_array_equal(out, expected, err_msg=str(kw))
+    assert len(list(gen.stream(model, PROMPT[:1], max_new_tokens=STEPS, eos_id=eos))) == 2  # stops at EOS
+
+
+def test_stream_checks_its_arguments_at_the_call():
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        gen.stream(build("dense-gqa-llama3"), PROMPT, max_new_tokens=0)
+
+
 # --- meshes -----------------------------------------------------------------------------
 
 

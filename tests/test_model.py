@@ -1,6 +1,7 @@
 """The NNX transformer against an independent naive jnp Llama (tests/reference_llama.py)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +81,67 @@ def test_remat_and_unrolled_layers_change_nothing():
         loss, grads = loss_and_grad(dataclasses.replace(SMALL, **variant))
         np.testing.assert_allclose(loss, base_loss, rtol=1e-6)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, base_grads)
+
+
+REMAT_VARIANTS = [dict(remat=p) for p in models.config.REMAT_POLICIES if p not in ("none", "custom")] + [
+    dict(remat="custom"),  # nothing named: recompute all
+    dict(remat="custom", remat_custom={"qkv_proj": "offload", "context": "device", "mlp_out": "recompute"}),
+    dict(remat="custom", remat_custom={"layer_input": "offload", "mlp_in": "offload", "out_proj": "device"}),
+]
+REMAT_MOE = dataclasses.replace(
+    SMALL,
+    n_layers=2,
+    moe=models.MoEConfig(num_experts=4, top_k=2, first_dense_layers=1, num_shared_experts=1),
+)
+
+
+@functools.cache
+def _remat_loss_and_grads(cfg):
+    tok = tokens()
+    model = models.Transformer(cfg, rngs=nnx.Rngs(0))  # same parameters whatever the policy
+    gd, state = nnx.split(model)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    loss = lambda p: jnp.mean(models.merge(gd, state, p)(tok) ** 2)
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.mark.parametrize("variant", REMAT_VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
+def test_every_remat_policy_gives_the_gradients_of_none(variant):
+    """Named activation checkpoints: whatever a policy keeps, offloads or recomputes, the
+    f32 loss and gradients equal those without remat (1e-6); dense layers for every
+    policy, a dense + MoE stack for the name-based ones that keep or offload."""
+    bases = [SMALL]
+    if variant["remat"] in ("minimal", "offload_matmuls") or variant.get("remat_custom"):
+        bases.append(REMAT_MOE)
+    for base in bases:
+        base_loss, base_grads = _remat_loss_and_grads(base)
+        loss, grads = _remat_loss_and_grads(dataclasses.replace(base, **variant))
+        np.testing.assert_allclose(loss, base_loss, rtol=1e-6)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9), grads, base_grads)
+
+
+def test_remat_policy_table_matches_the_config_names():
+    from jaxtrain.models.transformer import remat_policy
+
+    for name in models.config.REMAT_POLICIES:
+        cfg = dataclasses.replace(SMALL, remat=name)
+        assert (remat_policy(cfg) is None) == (name == "none")
+
+
+@pytest.mark.parametrize(
+    "custom,match",
+    [
+        ({"qkv": "offload"}, "model.remat_custom.qkv: unknown checkpoint name"),
+        ({"qkv_proj": "host"}, "model.remat_custom.qkv_proj='host': expected one of"),
+    ],
+)
+def test_remat_custom_bad_names_are_config_errors(custom, match):
+    from jaxtrain.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, ["model.remat=custom"] + [f"model.remat_custom.{k}={v}" for k, v in custom.items()])
+    with pytest.raises(ConfigError, match="expected model.remat=custom"):
+        load_config(None, ["model.remat=full", "model.remat_custom.qkv_proj=offload"])
 
 
 def test_bf16_compute_close_to_f32():

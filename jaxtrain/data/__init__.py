@@ -24,6 +24,8 @@ This package is numpy-only: it never imports jax.
 
 from __future__ import annotations
 
+import types
+
 from .core import DataError, DataIterator, SyntheticIterator
 from .text import TextIterator, expand_paths, read_documents
 from .tokenizers import BYTE_EOS_ID, EOS_TOKEN_CANDIDATES, ByteTokenizer, HFTokenizer, load_tokenizer
@@ -36,6 +38,7 @@ __all__ = [
     "TextIterator",
     "TokenIterator",
     "make_data_iterator",
+    "make_eval_iterator",
     "load_tokenizer",
     "expand_paths",
     "read_documents",
@@ -75,4 +78,84 @@ def make_data_iterator(
         return TextIterator(data_cfg, **kwargs)
     if source == "tokens":
         return TokenIterator(data_cfg, **kwargs)
+    raise DataError(f"data.source={source!r}: expected one of {', '.join(SOURCES)}")
+
+
+def _has_split(directory: str, split: str) -> bool:
+    from .shards import read_manifest
+
+    info = read_manifest(directory).get("splits", {}).get(split) or {}
+    return bool(info.get("tokens"))
+
+
+def make_eval_iterator(
+    data_cfg,
+    eval_paths=(),
+    *,
+    vocab_size: int,
+    seq_len: int,
+    global_batch_size: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> DataIterator:
+    """The held-out data of ``eval.*``: batch ``k`` is a pure function of ``(seed, k)`` and the
+    data, so batches ``0 .. eval.batches - 1`` are the same at every evaluation.
+
+    - ``tokens``: ``eval_paths`` (token directories: each one's ``eval`` split if it has one,
+      else its ``train`` split, e.g. a held-out corpus tokenized with no ``--eval-fraction``),
+      or, with none, the ``eval`` split of every ``data.paths`` directory, mixed by
+      ``data.weights`` as for training;
+    - ``text``: the held-out files ``eval_paths`` (required: text has no split);
+    - ``synthetic``: stream 1 of the generator (training reads stream 0); no paths.
+    """
+    kwargs = dict(
+        vocab_size=vocab_size,
+        seq_len=seq_len,
+        global_batch_size=global_batch_size,
+        seed=seed,
+        process_index=process_index,
+        process_count=process_count,
+    )
+    eval_paths = (eval_paths,) if isinstance(eval_paths, str) else tuple(eval_paths)
+    source = getattr(data_cfg, "source", None)
+
+    def with_paths(paths, weights=()):
+        return types.SimpleNamespace(
+            source=source,
+            paths=tuple(paths),
+            tokenizer=getattr(data_cfg, "tokenizer", "byte"),
+            shuffle=bool(getattr(data_cfg, "shuffle", True)),
+            weights=tuple(weights),
+        )
+
+    if source == "synthetic":
+        if eval_paths:
+            raise DataError(
+                f"eval.paths={list(eval_paths)}: data.source=synthetic evaluates on a held-out "
+                "synthetic stream; eval.paths is for the text and tokens sources"
+            )
+        return SyntheticIterator(stream=1, **kwargs)
+    if source == "text":
+        if not eval_paths:
+            raise DataError(
+                "eval.paths=[]: data.source=text has no eval split; give held-out text files in "
+                "eval.paths (or `jaxtrain tokenize --eval-fraction F` and data.source=tokens)"
+            )
+        return TextIterator(with_paths(eval_paths), **kwargs)
+    if source == "tokens":
+        if eval_paths:
+            splits = tuple("eval" if _has_split(p, "eval") else "train" for p in eval_paths)
+            return TokenIterator(with_paths(eval_paths), split=splits, **kwargs)
+        paths = tuple(data_cfg.paths) if not isinstance(data_cfg.paths, str) else (data_cfg.paths,)
+        for p in paths:
+            if not _has_split(p, "eval"):
+                raise DataError(
+                    f"eval: data.paths {p!r} has no eval split (tokenized with --eval-fraction 0); "
+                    "rerun `jaxtrain tokenize` with --eval-fraction F, or set eval.paths to "
+                    "held-out token directories"
+                )
+        return TokenIterator(
+            with_paths(paths, getattr(data_cfg, "weights", ()) or ()), split="eval", **kwargs
+        )
     raise DataError(f"data.source={source!r}: expected one of {', '.join(SOURCES)}")

@@ -126,9 +126,14 @@ class SyntheticIterator(DataIterator):
 
     source = "synthetic"
 
+    def __init__(self, *, stream: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        # stream > 0: another sequence of batches from the same seed (held-out eval data).
+        self.stream = check_int("stream", stream, minimum=0)
+
     def batch_at(self, k: int) -> dict[str, np.ndarray]:
         k = check_int("batch index", k, minimum=0)
-        rng = np.random.default_rng([self.seed, k])
+        rng = np.random.default_rng([self.seed, k] if self.stream == 0 else [self.seed, k, self.stream])
         # Draw the whole global batch so row r is the same for any process count.
         starts = rng.integers(0, self.vocab_size, size=self.global_batch_size, dtype=np.int64)
         strides = rng.choice(SYNTHETIC_STRIDES, size=self.global_batch_size)

@@ -9,13 +9,14 @@ format's suffix are decompressed on the fly (``corpus.jsonl.zst``, ``book.txt.gz
 Documents are yielded one at a time, so memory holds one document (text) or one
 parquet row batch, never a file. Empty documents are skipped; blank ``.jsonl`` lines
 too. A bad record raises `DataError` naming ``file:line`` (``file:row N`` in parquet).
-Text is decoded as UTF-8 with invalid bytes replaced (U+FFFD), and ``\\r`` is kept.
+Text must be UTF-8: an invalid byte, or a NUL byte (a binary file given as text), raises
+`DataError` naming the file and the byte offset, rather than training on garbage.
+``\\r`` is kept.
 """
 
 from __future__ import annotations
 
 import bz2
-import codecs
 import gzip
 import io
 import json
@@ -44,6 +45,16 @@ def split_name(path: str) -> tuple[str, str | None]:
             raise DataError(f"{path}: compressed parquet files are not supported (parquet compresses inside)")
         return "parquet", None
     return "text", compression
+
+
+def _utf8_boundary(data: bytes) -> int:
+    """The end of the last whole UTF-8 character in `data` (a character's bytes never split)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # a lead byte (or ASCII): does its character fit?
+            need = 1 if byte < 0x80 else 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4
+            return len(data) if need <= back else len(data) - back
+    return len(data)
 
 
 def _decompressed(raw: IO[bytes], compression: str | None, path: str) -> IO[bytes]:
@@ -117,7 +128,7 @@ class DocumentReader:
                 if self.format == "jsonl":
                     yield from self._jsonl(stream)
                 elif self.separator is None:
-                    text = stream.read().decode("utf-8", errors="replace")
+                    text = self._decode(stream.read(), 0)
                     if text:
                         yield 1, text
                 else:
@@ -133,7 +144,7 @@ class DocumentReader:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line.decode("utf-8", errors="replace"))
+                record = json.loads(self._decode(line, None, lineno))
             except json.JSONDecodeError as e:
                 raise DataError(f"{self.path}:{lineno}: invalid JSON ({e.msg})") from e
             text = record.get(field) if isinstance(record, dict) else None
@@ -142,13 +153,32 @@ class DocumentReader:
             if text:
                 yield lineno, text
 
+    def _decode(self, data: bytes, offset: int | None, lineno: int | None = None) -> str:
+        """UTF-8 text of `data` (at byte `offset` of the decompressed file, or on `lineno`);
+        invalid or NUL bytes are a DataError naming where they are."""
+        where = f"{self.path}:{lineno}" if lineno is not None else self.path
+
+        def at(i: int) -> str:
+            return f"byte {offset + i}" if offset is not None else f"byte {i} of the line"
+
+        nul = data.find(b"\0")
+        if nul >= 0:
+            raise DataError(f"{where}: NUL byte at {at(nul)}; this looks like a binary file, not text")
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{where}: not valid UTF-8 at {at(e.start)} ({e.reason})") from None
+
     def _split_text(self, stream: IO[bytes]) -> Iterator[tuple[int, str]]:
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        sep, pending, line = self.separator, "", 1
+        sep, pending, line, offset, carry = self.separator, "", 1, 0, b""
         while True:
             chunk = stream.read(_TEXT_CHUNK)
             final = not chunk
-            pending += decoder.decode(chunk, final=final)
+            data = carry + chunk
+            # Decode whole characters only: up to 3 bytes of a split character wait for the next chunk.
+            cut = len(data) if final else _utf8_boundary(data)
+            pending += self._decode(data[:cut], offset)
+            offset, carry = offset + cut, data[cut:]
             pieces = pending.split(sep)
             pending = "" if final else pieces.pop()  # may end in part of a separator
             for piece in pieces:

@@ -274,7 +274,7 @@ class TokenShards:
                 else np.zeros(0, DOC_DTYPE)
             )
         else:
-            tokens = storage.open_read(tokens_path)
+            tokens = storage.open_read(tokens_path, random_access=True)
             ends = np.frombuffer(storage.read_bytes(docs_path), dtype=DOC_DTYPE)
         if len(self._open) >= self.max_open:
             _, (old, _) = self._open.popitem(last=False)

@@ -5,12 +5,18 @@ Local files use plain ``os``/``open`` (and the loader memory-maps them); remote 
 go through `etils.epath` (its fsspec/gfile backends), which supports streaming reads,
 ranged reads (``seek`` + ``read``) and whole-object writes. Nothing here appends to a
 remote object, so every writer builds a file whole and renames it into place.
+
+``gs://`` goes through gcsfs (fsspec) here and through TensorStore's GCS driver in Orbax
+checkpoints. ``STORAGE_EMULATOR_HOST=http://HOST:PORT`` (the GCS emulator convention that
+gcsfs and google-cloud-storage follow) points both at an emulator such as fake-gcs-server:
+see `follow_storage_emulator`.
 """
 
 from __future__ import annotations
 
 import glob as _glob
 import os
+import sys
 from typing import IO
 
 from etils import epath
@@ -30,9 +36,38 @@ __all__ = [
     "make_dirs",
     "glob_files",
     "join",
+    "move_tree",
+    "follow_storage_emulator",
 ]
 
 _GLOB_CHARS = frozenset("*?[")
+
+
+def follow_storage_emulator() -> None:
+    """With ``STORAGE_EMULATOR_HOST`` set, point every GCS client we use at that emulator.
+
+    gcsfs follows the variable itself; here it also gets anonymous credentials (no search
+    for Google credentials and no metadata-server probe) and its zonal/HNS bucket probe
+    is turned off (a gRPC call to the storage control API, which emulators do not serve:
+    every first access would stall for a minute). TensorStore, which writes and reads
+    Orbax's arrays, does not read the variable: it gets ``TENSORSTORE_GCS_HTTP_URL`` and a
+    placeholder token (``GOOGLE_AUTH_TOKEN_FOR_TESTING``, which it sends as is). Variables
+    already set are left alone. Called on import, before gcsfs or TensorStore start.
+    """
+    host = os.environ.get("STORAGE_EMULATOR_HOST", "")
+    if host in ("", "default"):
+        return
+    url = host if host.startswith(("http://", "https://")) else f"http://{host}"
+    os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", url)
+    os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    os.environ.setdefault("FSSPEC_GCS_TOKEN", "anon")
+    fsspec = sys.modules.get("fsspec")
+    if fsspec is not None:  # imported already: its config read the environment before this
+        fsspec.config.conf.setdefault("gcs", {}).setdefault("token", os.environ["FSSPEC_GCS_TOKEN"])
+
+
+follow_storage_emulator()
 
 
 def is_local(path: str | os.PathLike) -> bool:
@@ -56,10 +91,19 @@ def join(directory: str | os.PathLike, *names: str) -> str:
     return "/".join([os.fspath(directory).rstrip("/"), *names])
 
 
-def open_read(path: str | os.PathLike) -> IO[bytes]:
-    """A seekable binary file object (remote: ranged reads under the hood)."""
+def open_read(path: str | os.PathLike, *, random_access: bool = False) -> IO[bytes]:
+    """A seekable binary file object (remote: ranged reads under the hood).
+
+    ``random_access``: the caller seeks to scattered small ranges (token windows), so a
+    remote file reads exactly the bytes asked for (fsspec ``cache_type="none"``) rather than
+    prefetching ahead of each read as it does for streaming."""
     if is_local(path):
         return open(_local(path), "rb")
+    if random_access:
+        import fsspec
+
+        fs, fs_path = fsspec.core.url_to_fs(os.fspath(path))
+        return fs.open(fs_path, "rb", cache_type="none")
     return as_path(path).open("rb")
 
 
@@ -78,8 +122,10 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(_local(tmp), _local(path))
     else:
-        as_path(tmp).write_bytes(data)
-        as_path(tmp).rename(as_path(path))
+        # Object stores (gs://, s3://, ...) replace an object atomically on upload: a
+        # reader sees the old object or the new one. A temporary object + rename would be
+        # a copy and a delete on top (GCS has no rename), for nothing.
+        as_path(path).write_bytes(data)
 
 
 def file_size(path: str | os.PathLike) -> int:
@@ -136,3 +182,16 @@ def glob_files(pattern: str) -> list[str]:
 
 def has_glob(pattern: str) -> bool:
     return bool(_GLOB_CHARS & set(pattern))
+
+
+def move_tree(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Move a directory (local: one rename; remote object stores: copy every object, then
+    delete the originals, since they have no directories to rename)."""
+    if is_local(src) and is_local(dst):
+        os.replace(_local(src), _local(dst))
+        return
+    import fsspec
+
+    fs, src_path = fsspec.core.url_to_fs(os.fspath(src))
+    fs.copy(src_path, fsspec.core.url_to_fs(os.fspath(dst))[1], recursive=True)
+    fs.rm(src_path, recursive=True)

@@ -138,7 +138,7 @@ class TokenIterator(DataIterator):
         seed: int,
         process_index: int = 0,
         process_count: int = 1,
-        split: str = "train",
+        split: str | tuple[str, ...] = "train",
     ):
         super().__init__(
             vocab_size=vocab_size,
@@ -152,7 +152,11 @@ class TokenIterator(DataIterator):
         if not paths:
             raise DataError("data.paths=(): data.source=tokens needs at least one token directory")
         self.shuffle = bool(data_cfg.shuffle)
-        self.components = [TokenShards(p, split) for p in paths]
+        # One split for every directory, or one per directory (eval.paths: see make_eval_iterator).
+        splits = (split,) * len(paths) if isinstance(split, str) else tuple(split)
+        if len(splits) != len(paths):
+            raise DataError(f"split={split!r}: expected one split per data.paths entry ({len(paths)})")
+        self.components = [TokenShards(p, s) for p, s in zip(paths, splits)]
         first = self.components[0]
         for comp in self.components:
             tok = comp.manifest["tokenizer"]
