@@ -151,15 +151,16 @@ def test_text_packing_hand_checked(tmp_path):
 
 
 def test_text_shuffle_covers_each_window_once_per_epoch_and_resumes(tmp_path):
-    # Every window's first token is unique (bytes 0..n-1 with stride seq_len), so a window
-    # is identified by inputs[:, 0] // seq_len.
+    # Every window's first token is unique (bytes 1..n with stride seq_len), so a window
+    # is identified by (inputs[:, 0] - 1) // seq_len.
     seq_len, n_windows = 4, 10
-    data = bytes(range(n_windows * seq_len))  # plus EOS: 41 tokens -> exactly 10 windows
+    # bytes 1..40 (NUL would mark the file as binary), plus EOS: 41 tokens -> exactly 10 windows
+    data = bytes(range(1, n_windows * seq_len + 1))
     (tmp_path / "d.bin.txt").write_bytes(data)
     it = text_iter([tmp_path / "d.bin.txt"], seq_len=seq_len, batch=4, seed=7)
     assert it.num_windows == n_windows
     batches = draw(it, 5)  # 20 slots = exactly two epochs; batch 2 straddles them
-    ids = np.concatenate([b["inputs"][:, 0] // seq_len for b in batches]).tolist()
+    ids = np.concatenate([(b["inputs"][:, 0] - 1) // seq_len for b in batches]).tolist()
     assert sorted(ids[:10]) == list(range(10)) and sorted(ids[10:]) == list(range(10))
     assert ids[:10] != list(range(10)) and ids[:10] != ids[10:]  # shuffled, per-epoch
     assert ids[:10] == np.random.default_rng([7, 0]).permutation(10).tolist()
