@@ -21,7 +21,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless: the TPU / CUDA compilers run on the host
 
 from jaxtrain.compile import compile_report, parse_target  # noqa: E402
-from jaxtrain.config import load_config  # noqa: E402
+from jaxtrain.config import ConfigError, load_config  # noqa: E402
 from jaxtrain.models.fp8 import count_fp8_matmuls  # noqa: E402
 
 CUSTOM = (
@@ -79,6 +79,9 @@ def markdown(rows: list[dict], target: str) -> str:
     for r in rows:
         step = f"{r['step_s']:.2f}" if r.get("step_s") else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        if r["fits"] is None:
+            lines.append(f"| {r['row']} | n/a: {r['error']} | | | | |")
+            continue
         fits = "yes" if r["fits"] else "**no**"
         host = (
             f"{r['host_gib']:.2f} ({r['host_args_gib']:.2f}, {r['host_temp_gib']:.2f})"
@@ -111,7 +114,10 @@ def main(argv=None) -> int:
             continue
         cfg = load_config(args.config, [*args.overrides, *ROWS[name]])
         t0 = time.perf_counter()
-        report = compile_report(cfg, target, estimate=not args.no_estimate and target.platform == "tpu")
+        try:
+            report = compile_report(cfg, target, estimate=not args.no_estimate and target.platform == "tpu")
+        except ConfigError as e:  # e.g. no pinned_host memory on this deviceless target
+            report = {"fits": None, "compile_error": str(e)}
         if cfg.model.fp8 and report.get("fits") is not None:
             report["fp8_gemms"] = _fp8_gemms(cfg, target)
         row = row_of(name, report)

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain import models, sharding
-from jaxtrain.config import Config, LossScaleConfig
+from jaxtrain.config import Config, ConfigError, LossScaleConfig
 from jaxtrain.faults import FAULT_NONE, FAULT_NONFINITE, FAULT_SPIKE
 from jaxtrain.models.fp8 import combine as fp8_combine
 from jaxtrain.models.fp8 import model_meta as fp8_model_meta
@@ -157,6 +157,14 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
     # pinned host memory; the step brings them to the device and its output shardings
     # send the new values back, into the donated host buffers.
     opt_shardings = opt_state_shardings(None)
+    if ocfg.offload or ocfg.offload_params:
+        probe = jax.tree.leaves(param_shardings)[0].with_memory_kind(HOST)
+        if probe.memory_kind != HOST:  # JAX drops a memory kind the devices do not have
+            raise ConfigError(
+                f"optimizer.offload: the devices ({mesh.devices.flat[0].device_kind}) have no "
+                f"'{HOST}' memory (JAX memory kinds), so the optimizer state cannot live on the host; "
+                "set optimizer.offload=false and optimizer.offload_params=false"
+            )
     # float16 compute: dynamic loss scaling (optimizer.loss_scale), its state in the train state.
     scaling = mcfg.compute_dtype == "float16"
     state_shardings = TrainState(
