@@ -15,7 +15,7 @@ train: $(STAMP)
 	$(VPY) -m jaxtrain train $(CONFIG) $(ARGS)
 
 test: $(STAMP)
-	$(VPY) -m ruff check . && $(VPY) -m ruff format --check . && $(VPY) -m pytest $(ARGS)
+	$(VPY) -m ruff check . && $(VPY) -m ruff format --check . && $(VPY) -m pytest -n auto --dist loadfile $(ARGS)
 
 bench: $(STAMP)
 	$(VPY) benchmarks/throughput.py $(ARGS)

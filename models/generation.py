@@ -228,21 +228,27 @@ def decode_step(model: Transformer, tokens, positions, cache: KVCache) -> tuple[
 
 def sample(logits, key, temperature, top_k: int | None = None, top_p=None) -> jax.Array:
     """Next tokens int32 [b] from logits [b, vocab] (rules in the module docstring).
-    `temperature` and `top_p` may be traced; `top_k` is static."""
+    `temperature` and `top_p` may be traced; `top_k` is static. Greedy decoding (temperature
+    0) takes a `lax.cond` branch that neither sorts nor draws: only the argmax runs."""
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1)
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
-    if top_k is not None:
-        kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
-        scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
-    if top_p is not None:
-        ranked = -jnp.sort(-scaled, axis=-1)  # descending
-        probs = jax.nn.softmax(ranked, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more probable tokens
-        threshold = jnp.min(jnp.where(before < top_p, ranked, jnp.inf), axis=-1, keepdims=True)
-        scaled = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    drawn = jax.random.categorical(key, scaled, axis=-1)
-    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+
+    def greedy():
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def drawn():
+        scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+        if top_k is not None:
+            kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+            scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
+        if top_p is not None:
+            ranked = -jnp.sort(-scaled, axis=-1)  # descending
+            probs = jax.nn.softmax(ranked, axis=-1)
+            before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more probable tokens
+            threshold = jnp.min(jnp.where(before < top_p, ranked, jnp.inf), axis=-1, keepdims=True)
+            scaled = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+        return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+
+    return jax.lax.cond(jnp.asarray(temperature) > 0, drawn, greedy)
 
 
 def _choose(t, logits, done, key, temperature, top_p, eos_id, *, top_k, nucleus):
