@@ -87,6 +87,9 @@ class OptimizerConfig:
     # update and back (donated) inside the step; offload_params: the fp32 master weights too.
     offload: bool = False
     offload_params: bool = False
+    # ZeRO-1: the optimizer state (Adam moments) is also split over mesh.data (each leaf on its
+    # largest dimension data divides); parameters and gradients stay as the rules place them.
+    shard_state: bool = False
     loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)  # float16 only
 
 

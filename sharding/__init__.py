@@ -27,6 +27,7 @@ from jaxtrain.sharding.rules import (
     logical_to_spec,
     named_sharding,
     parameter_table,
+    shard_further,
     tree_shardings,
     tree_specs,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "named_sharding",
     "parameter_table",
     "format_parameter_table",
+    "shard_further",
     "tree_shardings",
     "tree_specs",
 ]

@@ -162,6 +162,36 @@ def tree_shardings(logical_tree: Any, rules: AxisRules, mesh: Mesh, shapes: Any 
     )
 
 
+def shard_further(
+    spec: PartitionSpec, shape: Sequence[int], mesh: Mesh | jax.sharding.AbstractMesh, axis: str = "data"
+) -> PartitionSpec:
+    """`spec` with mesh `axis` added to the largest dimension it still divides.
+
+    ZeRO-1 (`optimizer.shard_state`): the optimizer state is laid out like its
+    parameter and then also split over the data-parallel axis, so each data
+    replica keeps 1/data of the moments while parameters stay replicated. The
+    axis goes innermost on the chosen dimension (after the axes already there);
+    `spec` comes back unchanged when `axis` has size 1, is already used, or
+    divides no dimension's local size (such small leaves stay replicated).
+    """
+    sizes = dict(mesh.shape)
+    if sizes.get(axis, 1) == 1:
+        return spec
+    entries = [axes_tuple(e) for e in spec] + [()] * (len(shape) - len(spec))
+    if any(axis in e for e in entries):
+        return spec
+    local = [d // math.prod(sizes[a] for a in e) for d, e in zip(shape, entries)]
+    fits = [i for i, n in enumerate(local) if n % sizes[axis] == 0]
+    if not fits:
+        return spec
+    i = max(fits, key=lambda j: (local[j], -j))
+    entries[i] = (*entries[i], axis)
+    out = [None if not e else e[0] if len(e) == 1 else e for e in entries]
+    while out and out[-1] is None:
+        out.pop()
+    return PartitionSpec(*out)
+
+
 # --- activation constraints -------------------------------------------------
 
 _RULES: contextvars.ContextVar[AxisRules | None] = contextvars.ContextVar("axis_rules", default=None)
