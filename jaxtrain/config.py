@@ -33,7 +33,7 @@ class MeshConfig:
     context: int = 1  # sequence shards: ring / Ulysses attention (model.context_impl)
     expert: int = 1  # expert parallelism (MoE experts split over it; also a batch axis)
     stage: int = 1  # reserved: pipeline parallelism
-    rules: str = "fsdp_tensor"  # sharding.PRESETS name: data_parallel | fsdp | fsdp_tensor
+    rules: str = "fsdp_tensor"  # sharding.PRESETS: data_parallel | fsdp | fsdp_tensor | fsdp_tensor_sp
     # DCN tier (across TPU slices / GPU hosts): these multiply the ICI degrees above,
     # which then count devices per slice. See `jaxtrain compile --slices`.
     dcn_data: int = 1
@@ -425,7 +425,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                 f"divisible by mesh.context={m.context} x mesh.tensor={m.tensor}; "
                 f"use model.context_impl=ring"
             )
-    rules = ("data_parallel", "fsdp", "fsdp_tensor")
+    rules = ("data_parallel", "fsdp", "fsdp_tensor", "fsdp_tensor_sp")
     if m.rules not in rules:
         raise ConfigError(f"mesh.rules={m.rules!r}: expected one of {rules}")
     if m.tensor > 0:

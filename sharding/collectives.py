@@ -37,7 +37,9 @@ COLLECTIVES: tuple[str, ...] = (
 # `%name = <result shape> <kind>(` or `<kind>-start(` (the async form carries the attributes;
 # its `-done` partner does not and is skipped).
 _OP = re.compile(r"%?([\w.\-]+)\s*=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
-_GROUPS = re.compile(r"replica_groups=(\{[0-9,{} ]*\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?)")
+_GROUPS = re.compile(
+    r"replica_groups=(\{[0-9,{} ]*\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?|mesh\[[^\]]*\]\s*\{[^}]*\})"
+)
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9]+,[0-9]+\},?)*)\}")
 
@@ -55,14 +57,30 @@ class Collective:
 
 
 def parse_groups(text: str) -> list[list[int]]:
-    """A `replica_groups=` value, explicit (`{{0,1},{2,3}}`) or iota (`[2,4]<=[4,2]T(1,0)`)."""
+    """A `replica_groups=` value: explicit (`{{0,1},{2,3}}`), iota (`[2,4]<=[4,2]T(1,0)`) or
+    named (`mesh['axis_0'=4,'axis_1'=2] {'axis_1'}`)."""
+    if text.startswith("mesh["):
+        # Shardy's named form: mesh['a'=4,'b'=2] {'b'} -- ids row-major over that mesh (our
+        # axis names, or anonymous axis_0.. after size-1 axes drop out); the braces name the
+        # axes each group runs along.
+        m = re.fullmatch(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", text)
+        dims = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=([0-9]+)", m.group(1))]
+        along = re.findall(r"'([^']+)'", m.group(2))
+        names = [a for a, _ in dims]
+        unknown = [a for a in along if a not in names]
+        if unknown:
+            raise ValueError(f"replica_groups={text!r}: axis {unknown[0]!r} is not in its mesh")
+        ids = np.arange(math.prod(n for _, n in dims)).reshape([n for _, n in dims] or [1])
+        order = [i for i, a in enumerate(names) if a not in along] + [names.index(a) for a in along]
+        size = math.prod(n for a, n in dims if a in along)
+        return ids.transpose(order or [0]).reshape(-1, size).tolist()
     if text.startswith("{"):
         return [
             [int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([0-9, ]*)\}", text[1:-1])
         ]
     m = re.fullmatch(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
     if not m:
-        raise ValueError(f"replica_groups={text!r}: not an explicit or iota replica-group list")
+        raise ValueError(f"replica_groups={text!r}: not an explicit, iota or named replica-group list")
     out_shape = [int(x) for x in m.group(1).split(",")]
     dims = [int(x) for x in m.group(2).split(",")]
     ids = np.arange(math.prod(dims)).reshape(dims)

@@ -35,6 +35,7 @@ LogicalAxes = tuple[str | None, ...]
 _ACTIVATIONS: AxisRules = (
     ("batch", ("data", "fsdp", "expert")),
     ("seq", ("context",)),
+    ("residual_seq", ("context",)),  # the residual stream's seq (models.layers.RESIDUAL_AXES)
     ("act_embed", None),
     ("act_heads", ("tensor",)),
     ("act_kv_heads", ("tensor",)),
@@ -61,11 +62,19 @@ FSDP_TENSOR: AxisRules = FSDP + (
     ("expert", ("expert",)),
 )
 
+#: FSDP + tensor + Megatron sequence parallelism (Korthikanti et al. 2022): the residual
+#: stream and the norms on it -- the activations between tensor-parallel regions -- are
+#: split on seq over `tensor` (inside `context`). Each TP region then starts with an
+#: all-gather over tensor and ends with a reduce-scatter where plain TP all-reduces: the
+#: same bytes moved, 1/tensor of the norm activations stored and computed.
+FSDP_TENSOR_SP: AxisRules = (("residual_seq", ("context", "tensor")),) + FSDP_TENSOR
+
 DEFAULT_RULES: AxisRules = FSDP_TENSOR
 PRESETS: dict[str, AxisRules] = {
     "data_parallel": DATA_PARALLEL,
     "fsdp": FSDP,
     "fsdp_tensor": FSDP_TENSOR,
+    "fsdp_tensor_sp": FSDP_TENSOR_SP,
 }
 
 

@@ -11,6 +11,7 @@ A new parallelism (pipeline: collective-permute over `stage`) is one more row
 in CASES.
 """
 
+import itertools
 import math
 import os
 import re
@@ -36,6 +37,10 @@ CASES = {
     "fsdp": ((), dict(fsdp=8), "fsdp", {"all-gather": ("fsdp",), "all-reduce": ("fsdp",)}),
     "tp": ((), dict(data=4, tensor=2), "fsdp_tensor", {"all-reduce": ("tensor",)}),
     "ep": (MOE, dict(expert=8), "fsdp_tensor", {"all-to-all": ("expert",)}),
+    # Megatron sequence parallelism: the residual stream split on seq over tensor, gathered
+    # at each TP region's input (XLA:CPU leaves the reduce-scatter an all-reduce; see
+    # tests/test_sequence_parallel.py for the TPU compile)
+    "sp": ((), dict(data=4, tensor=2), "fsdp_tensor_sp", {"all-gather": ("tensor",)}),
     "cp": (
         ("model.context_impl=ring",),
         dict(data=2, context=4),
@@ -73,23 +78,41 @@ def compiled_hlo(cfg, devices):
 
 
 def param_shapes_and_axes(program, mesh, rules):
-    """{global shape (and its per-layer shape for stacked layers): mesh axes sharding it}."""
+    """{shape a parameter can have in the program: mesh axes sharding that parameter}.
+
+    The shapes: global, and split by any subset of its sharding axes (a gather over one
+    axis leaves the others split), each also without the stacked `layers` dim (a scan
+    body sees one layer); leading 1s dropped (`_dims`)."""
+    sizes = dict(mesh.shape)
     shapes = nnx.to_pure_dict(program.abstract_params)
     out: dict[tuple[int, ...], set[str]] = {}
     for axes, x in zip(
         jax.tree.leaves(program.param_axes, is_leaf=lambda a: isinstance(a, tuple)), jax.tree.leaves(shapes)
     ):
-        spec = sharding.logical_to_spec(axes, rules, mesh, x.shape)
-        sharded = {a for entry in spec for a in sharding.axes_tuple(entry)}
-        out.setdefault(tuple(x.shape), set()).update(sharded)
-        if axes and axes[0] == "layers":
-            out.setdefault(tuple(x.shape[1:]), set()).update(sharded)
+        spec = list(sharding.logical_to_spec(axes, rules, mesh, x.shape))
+        spec += [None] * (len(x.shape) - len(spec))
+        placed = [(d, a) for d, entry in enumerate(spec) for a in sharding.axes_tuple(entry)]
+        sharded = {a for _, a in placed}
+        for subset in itertools.product((False, True), repeat=len(placed)):
+            shape = list(x.shape)
+            for (d, a), split in zip(placed, subset):
+                shape[d] //= sizes[a] if split else 1
+            for s in (shape, shape[1:] if axes and axes[0] == "layers" else None):
+                if s is not None:
+                    out.setdefault(_strip(s), set()).update(sharded)
     return out
+
+
+def _strip(dims):
+    dims = list(dims)
+    while dims and dims[0] == 1:
+        dims.pop(0)
+    return tuple(dims)
 
 
 def _dims(shape_text):
     m = re.match(r"\(?\w+\[([0-9,]*)\]", shape_text)
-    return tuple(int(d) for d in m.group(1).split(",") if d) if m else None
+    return _strip(int(d) for d in m.group(1).split(",") if d) if m else None
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -126,6 +149,9 @@ def test_no_parameter_is_gathered_over_an_axis_that_does_not_shard_it(case):
     if name == "dp":  # pure data parallelism: parameters replicated, nothing to gather
         assert not [op for op in ops if op.kind == "all-gather"]
         assert not param_axes
+    if name == "sp":  # the activations are gathered, never the weights
+        params = [op for op in ops if op.kind == "all-gather" and _dims(op.shape) in by_shape]
+        assert not params, f"sp gathers parameter-shaped arrays: {[(op.name, op.shape) for op in params]}"
     if name == "tp":  # `data` shards no parameter: no all-gather over it at all
         assert not [op for op in ops if op.kind == "all-gather" and "data" in op.axes]
 
@@ -140,6 +166,10 @@ def test_spanned_axes_by_hand():
     # iota form: [4,2]<=[2,4]T(1,0) is the transpose: groups {0,4}, {1,5}, ...
     assert parse_groups("[4,2]<=[2,4]T(1,0)") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert parse_groups("{{0,1},{2,3}}") == [[0, 1], [2, 3]]
+    # Shardy's named form: groups run along the braced axes of a row-major mesh
+    assert parse_groups("mesh['axis_0'=4,'axis_1'=2] {'axis_1'}") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert parse_groups("mesh['data'=2,'stage'=1,'tensor'=2] {'data'}") == [[0, 2], [1, 3]]
+    assert parse_groups("mesh['a'=2,'b'=2] {'a','b'}") == [[0, 1, 2, 3]]
     assert "ragged-all-to-all" in COLLECTIVES
 
 
