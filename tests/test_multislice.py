@@ -50,6 +50,7 @@ def test_dcn_axes_cross_the_process_boundary():
     ]
 
 
+@pytest.mark.slow  # two processes compile and train: minutes on a loaded 2-core machine
 def test_two_slices_train_like_one_process(tmp_path):
     """mesh.fsdp=4 per slice x mesh.dcn_data=2 over two processes == data=2 x fsdp=4 in one."""
     ref_cfg = tiny_config(tmp_path / "ref", *COMMON, "train.steps=3", "checkpoint.every=0")
@@ -63,6 +64,7 @@ def test_two_slices_train_like_one_process(tmp_path):
     np.testing.assert_allclose(two, ref, rtol=RTOL)
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_at_the_same_step_and_saves(tmp_path):
     procs = launch(tmp_path, "train.steps=500", "checkpoint.every=1000")
     deadline = time.monotonic() + 240

@@ -25,6 +25,7 @@ def loss_and_grads(cfg):
         return float(loss), jax.device_get(grads)
 
 
+@pytest.mark.slow  # two compiles of the train program on 8 devices
 def test_sequence_parallel_matches_one_device():
     ref_loss, ref_grads = loss_and_grads(small_config((), dict(data=1), "fsdp_tensor"))
     loss, grads = loss_and_grads(small_config((), dict(data=2, fsdp=2, tensor=2), "fsdp_tensor_sp"))
