@@ -30,6 +30,7 @@ or converted checkpoint or an HF directory on the configured mesh and streams th
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import traceback
 
@@ -229,7 +230,10 @@ def _train(args, argv: list[str]) -> int:
         if cfg.train.init_from:
             _check_init_from(cfg.train.init_from)
         # Sizes that cannot fit are refused here, in a second, not after compiling.
-        check_fits(cfg, mesh_shape_from_sizes(cfg.mesh.sizes(), jax.device_count()), jax.devices()[0])
+        # The whole mesh: per-slice (ICI) degrees times the DCN ones (mesh.dcn_*).
+        dcn = cfg.mesh.dcn_sizes()
+        ici = mesh_shape_from_sizes(cfg.mesh.sizes(), jax.device_count() // math.prod(dcn.values()))
+        check_fits(cfg, {a: n * dcn.get(a, 1) for a, n in ici.items()}, jax.devices()[0])
     except ConfigError as e:
         return _fail(str(e))
     from jaxtrain.trainer import train

@@ -38,20 +38,13 @@ from typing import Any
 
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.sharding import hardware
+from jaxtrain.sharding.collectives import COLLECTIVES
 
 GiB = 1024**3
 
 # `--target` generations: rows of the one hardware table (peak FLOP/s, HBM, chips per host).
 _TPU = {name: c for name, c in hardware.CHIPS.items() if c.platform == "tpu" and c.torus_dims}
 _GPU = {name: hardware.chip(name) for name in ("h100", "a100")}  # those sharding.targets can build
-COLLECTIVES = (
-    "all-gather",
-    "all-reduce",
-    "reduce-scatter",
-    "all-to-all",
-    "collective-permute",
-    "ragged-all-to-all",
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,37 +328,6 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
         entry["count"] += 1
         entry["bytes"] += nbytes
     return out
-
-
-def replica_groups(hlo_text: str, kind: str) -> list[list[list[int]]]:
-    """The replica groups (lists of logical device ids) of every `kind` collective."""
-    groups = []
-    for line in hlo_text.splitlines():
-        m = _COLL.search(line)
-        if not m or m.group(2) != kind:
-            continue
-        g = re.search(r"replica_groups=(\{[0-9,{} ]*\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?)", line)
-        if not g:
-            continue
-        text = g.group(1)
-        if text.startswith("{"):
-            groups.append(
-                [
-                    [int(x) for x in grp.split(",") if x.strip()]
-                    for grp in re.findall(r"\{([0-9, ]*)\}", text[1:-1])
-                ]
-            )
-        else:  # iota form: [G,S]<=[dims]T(perm)
-            import numpy as np
-
-            m2 = re.fullmatch(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
-            out_shape = [int(x) for x in m2.group(1).split(",")]
-            dims = [int(x) for x in m2.group(2).split(",")]
-            ids = np.arange(math.prod(dims)).reshape(dims)
-            if m2.group(3):
-                ids = ids.transpose([int(x) for x in m2.group(3).split(",")])
-            groups.append(ids.reshape(out_shape).tolist())
-    return groups
 
 
 def _variant(cfg: Config, n_layers: int) -> Config:

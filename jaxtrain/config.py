@@ -33,7 +33,7 @@ class MeshConfig:
     context: int = 1  # sequence shards: ring / Ulysses attention (model.context_impl)
     expert: int = 1  # expert parallelism (MoE experts split over it; also a batch axis)
     stage: int = 1  # reserved: pipeline parallelism
-    rules: str = "fsdp_tensor"  # sharding.PRESETS name: data_parallel | fsdp | fsdp_tensor
+    rules: str = "fsdp_tensor"  # sharding.PRESETS: data_parallel | fsdp | fsdp_tensor | fsdp_tensor_sp
     # DCN tier (across TPU slices / GPU hosts): these multiply the ICI degrees above,
     # which then count devices per slice. See `jaxtrain compile --slices`.
     dcn_data: int = 1
@@ -87,6 +87,9 @@ class OptimizerConfig:
     # update and back (donated) inside the step; offload_params: the fp32 master weights too.
     offload: bool = False
     offload_params: bool = False
+    # ZeRO-1: the optimizer state (Adam moments) is also split over mesh.data (each leaf on its
+    # largest dimension data divides); parameters and gradients stay as the rules place them.
+    shard_state: bool = False
     loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)  # float16 only
 
 
@@ -422,7 +425,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                 f"divisible by mesh.context={m.context} x mesh.tensor={m.tensor}; "
                 f"use model.context_impl=ring"
             )
-    rules = ("data_parallel", "fsdp", "fsdp_tensor")
+    rules = ("data_parallel", "fsdp", "fsdp_tensor", "fsdp_tensor_sp")
     if m.rules not in rules:
         raise ConfigError(f"mesh.rules={m.rules!r}: expected one of {rules}")
     if m.tensor > 0:

@@ -8,7 +8,8 @@ empty run folder behind).
 
 It is deliberately a LOWER bound, so it never refuses a config that fits. Per device:
 - state: parameters, gradients and the two AdamW moments, 4 bytes each, sharded
-  over the axes that shard parameters (fsdp x tensor x expert);
+  over the axes that shard parameters (fsdp x tensor x expert), the moments also over
+  data with optimizer.shard_state (ZeRO-1);
 - activations: what the backward pass must keep, at least one [tokens, d_model]
   tensor per layer (remat full keeps only the layer inputs), in the compute dtype;
 - logits: the [tokens, vocab] output projection in f32 (cross-entropy runs in f32),
@@ -47,7 +48,9 @@ def lower_bound(cfg: Config, mesh_sizes: dict[str, int]) -> Footprint:
     m, t = cfg.model, cfg.train
     size = lambda *axes: math.prod(max(1, mesh_sizes.get(a, 1)) for a in axes)
     param_shards = size("fsdp", "tensor", "expert")
-    state = 4 * 4 * m.param_count() // param_shards
+    # parameters and gradients, then the two moments (ZeRO-1, optimizer.shard_state: over data too)
+    moment_shards = size("data") if cfg.optimizer.shard_state else 1
+    state = int(4 * (2 + 2 / moment_shards) * m.param_count()) // param_shards
     rows = max(1, t.global_batch_size // (size("data", "fsdp", "expert") * t.microbatches))
     tokens = rows * max(1, t.seq_len // size("context"))
     activations = m.n_layers * tokens * m.d_model * _BYTES.get(m.compute_dtype, 4)

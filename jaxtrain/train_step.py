@@ -142,13 +142,24 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
     abstract_opt = jax.eval_shape(tx.init, param_shapes)
     ocfg = cfg.optimizer
 
+    # optimizer.shard_state (ZeRO-1): the moments are laid out as their params and then split
+    # over `data` too; XLA reduce-scatters the gradients into them and all-gathers the updates.
+    state_layout = param_shardings
+    if ocfg.shard_state:
+        state_layout = jax.tree.map(
+            lambda s, x: NamedSharding(mesh, sharding.shard_further(s.spec, x.shape, mesh, "data")),
+            param_shardings,
+            param_shapes,
+        )
+
     def opt_state_shardings(memory_kind: str | None):
-        """Param-shaped optimizer leaves (Adam's moments) as their params, in `memory_kind`."""
+        """Param-shaped optimizer leaves (Adam's moments) as their params (ZeRO-1: split
+        over data as well), in `memory_kind`."""
         return optax.tree_map_params(
             tx,
             lambda _, s: s if memory_kind is None else s.with_memory_kind(memory_kind),
             abstract_opt,
-            param_shardings,
+            state_layout,
             transform_non_params=lambda _: replicated,
             is_leaf=lambda x: isinstance(x, NamedSharding),
         )

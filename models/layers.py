@@ -17,6 +17,15 @@ from jaxtrain.models.attention import attend
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.sharding import constrain
 
+# The residual stream between blocks and sublayers (and the norms on it). Its sequence dim
+# has its own logical name so that Megatron sequence parallelism (the `fsdp_tensor_sp` rule
+# preset) can split it over `tensor` while q/k/v and the MLP keep `seq` whole there.
+RESIDUAL_AXES = ("batch", "residual_seq", "act_embed")
+# The input of a tensor-parallel region (attention, MLP): seq whole over `tensor` again, so
+# sequence parallelism all-gathers the normed activations here (Megatron's `g`) rather than
+# letting XLA gather the weights and reshuffle heads.
+REGION_INPUT_AXES = ("batch", "seq", "act_embed")
+
 
 def param(rngs: nnx.Rngs, shape, logical_axes, *, std: float | None, dtype) -> nnx.Param:
     """A parameter with logical axis names; std None means ones (norm scales)."""
@@ -158,6 +167,8 @@ class Block(nnx.Module):
 
     def __call__(self, x, positions, segment_ids, fp8=None):
         x = checkpoint_name(x, "layer_input")
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids, None if fp8 is None else fp8["attn"])
-        x = x + self.mlp(self.mlp_norm(x), None if fp8 is None else fp8["mlp"])
-        return constrain(x, ("batch", "seq", "act_embed"))
+        h = constrain(self.attn_norm(x), REGION_INPUT_AXES)
+        h = self.attn(h, positions, segment_ids, None if fp8 is None else fp8["attn"])
+        x = constrain(x + h, RESIDUAL_AXES)
+        x = x + self.mlp(constrain(self.mlp_norm(x), REGION_INPUT_AXES), None if fp8 is None else fp8["mlp"])
+        return constrain(x, RESIDUAL_AXES)

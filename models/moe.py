@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain import sharding
 from jaxtrain.models import fp8 as fp8_ops
 from jaxtrain.models.config import ModelConfig, MoEConfig
-from jaxtrain.models.layers import Attention, RMSNorm, param, swiglu
+from jaxtrain.models.layers import REGION_INPUT_AXES, RESIDUAL_AXES, Attention, RMSNorm, param, swiglu
 
 F32 = jnp.float32
 
@@ -118,9 +118,11 @@ class MoEBlock(nnx.Module):
 
     def __call__(self, x, positions, segment_ids, fp8=None):
         x = checkpoint_name(x, "layer_input")
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids, None if fp8 is None else fp8["attn"])
+        h = sharding.constrain(self.attn_norm(x), REGION_INPUT_AXES)
+        h = self.attn(h, positions, segment_ids, None if fp8 is None else fp8["attn"])
+        x = sharding.constrain(x + h, RESIDUAL_AXES)
         y, stats = self.mlp(self.mlp_norm(x), None if fp8 is None else fp8["mlp"])
-        return sharding.constrain(x + y, ("batch", "seq", "act_embed")), stats
+        return sharding.constrain(x + y, RESIDUAL_AXES), stats
 
 
 # --- the layer as a function -----------------------------------------------------

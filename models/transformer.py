@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.models.layers import Block, RMSNorm, param
+from jaxtrain.models.layers import REGION_INPUT_AXES, RESIDUAL_AXES, Block, RMSNorm, param
 from jaxtrain.models.moe import MoEBlock
 from jaxtrain.sharding import constrain
 
@@ -144,7 +144,10 @@ class Transformer(nnx.Module):
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens int [batch, seq] -> activations [batch, seq, d_model] (compute dtype)."""
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(jnp.dtype(self.cfg.compute_dtype))
-        return constrain(x, ("batch", "seq", "act_embed"))
+        # The lookup in a vocab-sharded table ends in a reduction over those shards: keep
+        # seq whole through it so that XLA reduces the rows (a reduce-scatter into the
+        # residual layout) instead of all-gathering the table.
+        return constrain(constrain(x, REGION_INPUT_AXES), RESIDUAL_AXES)
 
     def unembed(self, x: jax.Array) -> jax.Array:
         """Last layer's activations [batch, seq, d_model] -> logits [batch, seq, vocab]."""

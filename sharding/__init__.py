@@ -17,6 +17,7 @@ from jaxtrain.sharding.rules import (
     DEFAULT_RULES,
     FSDP,
     FSDP_TENSOR,
+    FSDP_TENSOR_SP,
     PRESETS,
     AxisRules,
     axes_tuple,
@@ -27,6 +28,7 @@ from jaxtrain.sharding.rules import (
     logical_to_spec,
     named_sharding,
     parameter_table,
+    shard_further,
     tree_shardings,
     tree_specs,
 )
@@ -39,6 +41,7 @@ __all__ = [
     "DEFAULT_RULES",
     "FSDP",
     "FSDP_TENSOR",
+    "FSDP_TENSOR_SP",
     "PRESETS",
     "AxisRules",
     "axes_tuple",
@@ -49,6 +52,7 @@ __all__ = [
     "named_sharding",
     "parameter_table",
     "format_parameter_table",
+    "shard_further",
     "tree_shardings",
     "tree_specs",
 ]

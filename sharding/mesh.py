@@ -80,13 +80,39 @@ def make_mesh(
                 ici_shape, dcn_shape, devices, allow_split_physical_axes=True
             )
         except Exception:  # devices without slice/process structure mesh_utils understands
-            grid = _plain_grid(devices, tuple(i * d for i, d in zip(ici_shape, dcn_shape)))
+            grid = _hybrid_plain_grid(devices, ici_shape, dcn_shape)
     else:
         try:
             grid = mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
         except Exception:  # e.g. CPU or GPU counts mesh_utils has no physical layout for
             grid = _plain_grid(devices, ici_shape)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _hybrid_plain_grid(
+    devices: Sequence[jax.Device], ici_shape: tuple[int, ...], dcn_shape: tuple[int, ...]
+) -> np.ndarray:
+    """A multi-slice grid where mesh_utils has no physical layout (CPU processes, GPU hosts):
+    devices grouped by slice (TPU `slice_index`, else `process_index`; stable in the given
+    order), each group laid out on the ICI shape, groups on the DCN shape, and each mesh
+    axis indexed DCN-major (index = dcn_i * ici_size + ici_i), as mesh_utils does. So a DCN
+    degree always crosses the slice / process boundary, whatever the other axes are."""
+    n_slices = math.prod(dcn_shape)
+
+    def key(d) -> int:
+        index = getattr(d, "slice_index", None)
+        return int(index if index is not None else getattr(d, "process_index", 0))
+
+    ordered = sorted(devices, key=key)
+    per = len(ordered) // n_slices
+    groups = [ordered[i * per : (i + 1) * per] for i in range(n_slices)]
+    if len(set(map(key, ordered))) == n_slices and any(len(set(map(key, g))) > 1 for g in groups):
+        raise ValueError(f"devices do not split evenly into {n_slices} slices / processes")
+    k = len(ici_shape)
+    grid = np.asarray(ordered, dtype=object).reshape(*dcn_shape, *ici_shape)
+    # (d0, ..., dk, i0, ..., ik) -> (d0, i0, d1, i1, ...) -> (d0*i0, d1*i1, ...)
+    grid = grid.transpose([j for a in range(k) for j in (a, k + a)])
+    return grid.reshape(tuple(i * d for i, d in zip(ici_shape, dcn_shape)))
 
 
 def _plain_grid(devices: Sequence[jax.Device], shape: tuple[int, ...]) -> np.ndarray:

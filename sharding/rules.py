@@ -35,6 +35,7 @@ LogicalAxes = tuple[str | None, ...]
 _ACTIVATIONS: AxisRules = (
     ("batch", ("data", "fsdp", "expert")),
     ("seq", ("context",)),
+    ("residual_seq", ("context",)),  # the residual stream's seq (models.layers.RESIDUAL_AXES)
     ("act_embed", None),
     ("act_heads", ("tensor",)),
     ("act_kv_heads", ("tensor",)),
@@ -61,11 +62,19 @@ FSDP_TENSOR: AxisRules = FSDP + (
     ("expert", ("expert",)),
 )
 
+#: FSDP + tensor + Megatron sequence parallelism (Korthikanti et al. 2022): the residual
+#: stream and the norms on it -- the activations between tensor-parallel regions -- are
+#: split on seq over `tensor` (inside `context`). Each TP region then starts with an
+#: all-gather over tensor and ends with a reduce-scatter where plain TP all-reduces: the
+#: same bytes moved, 1/tensor of the norm activations stored and computed.
+FSDP_TENSOR_SP: AxisRules = (("residual_seq", ("context", "tensor")),) + FSDP_TENSOR
+
 DEFAULT_RULES: AxisRules = FSDP_TENSOR
 PRESETS: dict[str, AxisRules] = {
     "data_parallel": DATA_PARALLEL,
     "fsdp": FSDP,
     "fsdp_tensor": FSDP_TENSOR,
+    "fsdp_tensor_sp": FSDP_TENSOR_SP,
 }
 
 
@@ -160,6 +169,36 @@ def tree_shardings(logical_tree: Any, rules: AxisRules, mesh: Mesh, shapes: Any 
     return jax.tree.map(
         lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
     )
+
+
+def shard_further(
+    spec: PartitionSpec, shape: Sequence[int], mesh: Mesh | jax.sharding.AbstractMesh, axis: str = "data"
+) -> PartitionSpec:
+    """`spec` with mesh `axis` added to the largest dimension it still divides.
+
+    ZeRO-1 (`optimizer.shard_state`): the optimizer state is laid out like its
+    parameter and then also split over the data-parallel axis, so each data
+    replica keeps 1/data of the moments while parameters stay replicated. The
+    axis goes innermost on the chosen dimension (after the axes already there);
+    `spec` comes back unchanged when `axis` has size 1, is already used, or
+    divides no dimension's local size (such small leaves stay replicated).
+    """
+    sizes = dict(mesh.shape)
+    if sizes.get(axis, 1) == 1:
+        return spec
+    entries = [axes_tuple(e) for e in spec] + [()] * (len(shape) - len(spec))
+    if any(axis in e for e in entries):
+        return spec
+    local = [d // math.prod(sizes[a] for a in e) for d, e in zip(shape, entries)]
+    fits = [i for i, n in enumerate(local) if n % sizes[axis] == 0]
+    if not fits:
+        return spec
+    i = max(fits, key=lambda j: (local[j], -j))
+    entries[i] = (*entries[i], axis)
+    out = [None if not e else e[0] if len(e) == 1 else e for e in entries]
+    while out and out[-1] is None:
+        out.pop()
+    return PartitionSpec(*out)
 
 
 # --- activation constraints -------------------------------------------------
