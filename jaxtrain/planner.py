@@ -280,7 +280,7 @@ def analytic_step(cfg: Config, mesh: dict[str, int], chip, per_host: int) -> dic
 
 
 def _gib(x: float | None) -> str:
-    return "-" if x is None else f"{x / GiB:.1f}"
+    return "-" if x is None else f"{x / GiB:.1f}" if x >= 10 * GiB else f"{x / GiB:.2f}"
 
 
 def plan(
@@ -501,7 +501,10 @@ def resolve_remat_for_devices(
         sizes = mesh_shape_from_sizes(cfg.mesh.sizes(), len(devices))
     except ValueError:
         sizes = {}  # validate() reports a bad mesh; size against one device meanwhile
-    capacity, sharing = device_memory_bytes(devices[0])
+    try:
+        capacity, sharing = device_memory_bytes(devices[0])
+    except Exception:  # compile-only devices may refuse memory_stats(): size unknown
+        capacity, sharing = None, 1
     platform = devices[0].platform
     where = f"host memory / {sharing} simulated devices" if platform == "cpu" else devices[0].device_kind
     return resolve_remat(
