@@ -16,6 +16,12 @@ slice or GPU cluster on this machine (jaxtrain/compile.py): exit 0 it fits,
 `--mode decode --batch B --max-len L` compiles generation instead (prefill and one
 decode step over a KV cache of B x L positions): KV-cache and total memory per device.
 
+`jaxtrain plan CONFIG.yaml [overrides] --target TARGET [--top N] [--apply OUT.yaml]` searches
+mesh factorisations, remat policies and microbatch counts for the target, prunes them with an
+analytic memory and step-time model and confirms the best N by deviceless compile
+(jaxtrain/planner.py); `--apply` writes the winner as a config. Exit 0 a candidate fits,
+1 none does, 2 config error.
+
 `jaxtrain convert hf-to-ckpt HF_DIR OUT_DIR` / `ckpt-to-hf CKPT_DIR OUT_DIR` convert
 weights tensor by tensor (jaxtrain/convert.py); `train.init_from=OUT_DIR` trains from them.
 
@@ -42,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _compile_parser(sub)
+    _plan_parser(sub)
     _convert_parser(sub)
     _tokenize_parser(sub)
     _generate_parser(sub)
@@ -106,6 +113,34 @@ def _compile_parser(sub) -> None:
     )
 
 
+def _plan_parser(sub) -> None:
+    c = sub.add_parser(
+        "plan",
+        help="search mesh, remat and microbatches for a target: analytic pruning, then deviceless "
+        "compiles of the best; --apply writes the winner as a config",
+    )
+    c.add_argument("config", help="YAML config file (see configs/)")
+    c.add_argument("overrides", nargs="*", help="dotted.key=value overrides (fixed during the search)")
+    c.add_argument("--target", required=True, help="tpu:v5p-64, gpu:h100, ... (one slice / host group)")
+    c.add_argument("--gpus-per-host", type=int, default=None, help="GPU target: GPUs (default 8)")
+    c.add_argument("--top", type=int, default=3, help="candidates confirmed by compile (default 3)")
+    c.add_argument("--apply", metavar="OUT.yaml", default=None, help="write the winning config here")
+    c.add_argument(
+        "--hbm-gib", type=float, default=None, help="device memory to plan for instead of the chip's HBM"
+    )
+    c.add_argument("--headroom", type=float, default=0.9, help="analytic estimate must fit HBM x this")
+    c.add_argument(
+        "--no-compile", dest="compile", action="store_false", help="analytic model only, no compiles"
+    )
+    c.add_argument(
+        "--kernels-uncharged",
+        dest="charge_kernels",
+        action="store_false",
+        help="as `jaxtrain compile --kernels-uncharged` (attention left out of the TPU estimate)",
+    )
+    c.add_argument("--show-rejected", type=int, default=12, help="rejected candidates listed (default 12)")
+
+
 def _convert_parser(sub) -> None:
     v = sub.add_parser(
         "convert", help="convert weights: hf-to-ckpt HF_DIR OUT_DIR | ckpt-to-hf CKPT_DIR OUT_DIR"
@@ -165,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "train": lambda: _train(args, argv),
         "compile": lambda: _compile(args),
+        "plan": lambda: _plan(args),
         "convert": lambda: _convert(args),
         "tokenize": lambda: _tokenize(args),
         "generate": lambda: _generate(args),
@@ -325,6 +361,54 @@ def _compile(args) -> int:
     else:
         print(format_report(report))
     return 0 if report["fits"] else 1
+
+
+def _plan(args) -> int:
+    """`jaxtrain plan`: search, prune, compile the best, print the table (jaxtrain/planner.py)."""
+    import os
+
+    os.environ["JAX_PLATFORMS"] = "cpu"  # compile-only devices, as `jaxtrain compile`
+    from jaxtrain.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from jaxtrain.compile import parse_target
+
+        target = parse_target(args.target, gpus_per_host=args.gpus_per_host)
+        if args.top < 1:
+            raise ConfigError(f"--top={args.top}: expected a positive integer")
+        if not 0 < args.headroom <= 1:
+            raise ConfigError(f"--headroom={args.headroom}: expected a fraction in (0, 1]")
+        if args.hbm_gib is not None and args.hbm_gib <= 0:
+            raise ConfigError(f"--hbm-gib={args.hbm_gib}: expected a positive number")
+    except ConfigError as e:
+        return _fail(str(e))
+    from jaxtrain.planner import format_plan, plan, write_config
+    from jaxtrain.sharding.targets import DevicelessUnavailableError
+
+    try:
+        result = plan(
+            cfg,
+            target,
+            top=args.top,
+            hbm_bytes=None if args.hbm_gib is None else int(args.hbm_gib * 2**30),
+            headroom=args.headroom,
+            compile=args.compile,
+            charge_kernels=args.charge_kernels,
+            log=lambda m: print(f"plan: {m}", file=sys.stderr, flush=True),
+        )
+    except (ConfigError, DevicelessUnavailableError) as e:
+        return _fail(str(e))
+    print(format_plan(result, show_rejected=args.show_rejected))
+    if result.best is None:
+        return 1
+    if args.apply:
+        write_config(cfg, result.best.candidate, args.apply, source=args.config)
+        print(
+            f"wrote {args.apply}: "
+            + " ".join(f"{k}={v}" for k, v in result.best.candidate.overrides().items())
+        )
+    return 0
 
 
 def _compile_decode(args, cfg, target) -> int:

@@ -224,6 +224,20 @@ def config_for_target(cfg: Config, target: Target) -> tuple[Config, dict[str, in
     return cfg, ici, {a: s for a, s in dcn.items() if s > 1}
 
 
+def resolve_remat_for_target(cfg: Config, target: Target, ici: dict, dcn: dict) -> tuple[Config, str | None]:
+    """`model.remat: auto` against the target's HBM (jaxtrain/planner.py), with its note."""
+    from jaxtrain.planner import resolve_remat
+
+    mesh = {a: ici.get(a, 1) * dcn.get(a, 1) for a in ici}
+    return resolve_remat(
+        cfg,
+        mesh,
+        target.hbm_bytes,
+        attention_impl=cfg.model.attention_impl,
+        where=f"{target.generation} HBM",
+    )
+
+
 # --- compiling ----------------------------------------------------------------
 
 
@@ -394,6 +408,7 @@ def compile_report(
 
     requested_fsdp = cfg.mesh.fsdp
     cfg, ici, dcn = config_for_target(cfg, target)
+    cfg, remat_note = resolve_remat_for_target(cfg, target, ici, dcn)
     devices = target_devices(target)
     if len(devices) != target.num_devices:
         raise RuntimeError(
@@ -420,7 +435,7 @@ def compile_report(
         "params": cfg.model.param_count(),
         "hbm_bytes": target.hbm_bytes,
         "kernels_charged": charge_kernels,
-        "notes": [],
+        "notes": [remat_note] if remat_note else [],
     }
     if cfg.mesh.fsdp != requested_fsdp:  # config_for_target filled an all-1 mesh
         where = f"the {cfg.mesh.fsdp} devices of each slice/host" if dcn else f"all {cfg.mesh.fsdp} devices"

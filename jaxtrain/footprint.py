@@ -108,3 +108,119 @@ def check_fits(cfg: Config, mesh_sizes: dict[str, int], device) -> Footprint:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:,.1f} GiB" if n < 2**40 else f"{n / 2**40:,.1f} TiB"
+
+
+# --- an estimate (not a bound), for the planner and `model.remat: auto` --------------
+#
+# Per device, T = tokens of one microbatch on one device = rows x seq_len / context,
+# a = compute-dtype bytes, p = param-dtype bytes, P = parameters, shards = fsdp x tensor x expert:
+#   state        = P x (3p + p) / shards          params + Adam m, v + gradients
+#                  (+ P x 4 / shards for the gradient accumulator when microbatches > 1)
+#   saved        = L x T x (bytes/token the remat policy keeps per layer, SAVED_BYTES)
+#   working set  = T x (bytes/token of one layer with nothing recomputed) + attention scores
+#                  when attention is not a flash kernel: heads/tensor x S x (a + 4) per token
+#   logits       = 2 x 4 x T x V / tensor          f32 logits and their gradient
+# total = state + saved + working set + logits.
+
+#: The remat policies in order of cost (recomputed FLOPs), cheapest first; `auto` walks this.
+REMAT_BY_COST = (
+    "none",
+    "minimal",
+    "save_matmuls",
+    "save_attention",
+    "save_dot_except_mlp",
+    "save_qkv_proj",
+    "save_out_proj",
+    "full",
+)
+
+#: Checkpoint names each policy keeps on the device (models/transformer.py); `layer_input`
+#: is always kept (the scanned layer's carry).
+SAVED_NAMES = {
+    "full": (),
+    "minimal": ("qkv_proj", "out_proj", "mlp_in", "mlp_out"),
+    "save_matmuls": ("qkv_proj", "out_proj", "mlp_in", "mlp_out"),
+    "save_dot_except_mlp": ("qkv_proj", "out_proj"),
+    "save_qkv_proj": ("qkv_proj",),
+    "save_out_proj": ("out_proj",),
+    "save_attention": ("qkv_proj", "context", "out_proj"),
+    "offload_matmuls": (),  # the minimal names go to pinned host memory
+}
+
+
+def name_bytes_per_token(m, tensor: int = 1) -> dict[str, float]:
+    """Bytes per token per layer of each checkpoint name (heads / mlp shard over tensor)."""
+    a, hd, t = _BYTES.get(m.compute_dtype, 4), m.resolved_head_dim, max(1, tensor)
+    mlp = m.mlp_dim
+    if m.moe is not None:  # top-k experts' intermediates per token (plus shared ones)
+        mlp = m.moe.mlp_dim(m) * (m.moe.top_k + m.moe.num_shared_experts)
+    return {
+        "layer_input": m.d_model * a,
+        "qkv_proj": (m.n_heads + 2 * m.n_kv_heads) * hd * a / t,
+        "context": m.n_heads * hd * a / t,
+        "out_proj": m.d_model * a,
+        "mlp_in": 2 * mlp * a / t,
+        "mlp_out": m.d_model * a,
+    }
+
+
+def layer_bytes_per_token(m, tensor: int = 1) -> float:
+    """Everything one layer's backward uses with nothing recomputed (remat none): the named
+    checkpoints plus the norms' f32 inputs and outputs, the roped q/k, the residual and SwiGLU's
+    two elementwise products."""
+    n = name_bytes_per_token(m, tensor)
+    a = _BYTES.get(m.compute_dtype, 4)
+    extra = 2 * m.d_model * (4 + a)  # two RMSNorms: f32 input + normalised output
+    extra += (m.n_heads + m.n_kv_heads) * m.resolved_head_dim * a / max(1, tensor)  # roped q, k
+    extra += m.d_model * a  # residual after attention
+    extra += n["mlp_in"]  # silu(gate) and silu(gate) * up
+    return sum(n.values()) + extra
+
+
+def saved_bytes_per_token(m, remat: str, tensor: int = 1, remat_custom=()) -> float:
+    """Bytes per token per layer a policy keeps on the device between forward and backward."""
+    if remat == "none":
+        return layer_bytes_per_token(m, tensor)
+    n = name_bytes_per_token(m, tensor)
+    names = (
+        tuple(k for k, mode in remat_custom if mode == "device")
+        if remat == "custom"
+        else SAVED_NAMES.get(remat, ())
+    )
+    return n["layer_input"] + sum(n[k] for k in names if k != "layer_input")
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """An estimate in bytes per device (footprint.estimate); `total` is the peak."""
+
+    state: int
+    saved: int
+    working: int
+    logits: int
+
+    @property
+    def total(self) -> int:
+        return self.state + self.saved + self.working + self.logits
+
+
+def estimate(cfg: Config, mesh_sizes: dict[str, int], *, attention_impl: str | None = None) -> Estimate:
+    """The step's peak memory per device, estimated (formulas above); `attention_impl` is the
+    resolved one ("pallas": flash, no seq x seq scores kept; "xla": scores materialised)."""
+    m, t = cfg.model, cfg.train
+    size = lambda *axes: math.prod(max(1, mesh_sizes.get(a, 1)) for a in axes)
+    shards = size("fsdp", "tensor", "expert")
+    p = _BYTES.get(m.param_dtype, 4)
+    state = m.param_count() * (4 * p + (4 if t.microbatches > 1 else 0)) // shards
+    rows = max(1, t.global_batch_size // (size("data", "fsdp", "expert") * t.microbatches))
+    seq = max(1, t.seq_len // size("context"))
+    tokens = rows * seq
+    tp = size("tensor")
+    saved = m.n_layers * tokens * saved_bytes_per_token(m, m.remat, tp, m.remat_custom)
+    working = tokens * layer_bytes_per_token(m, tp)
+    impl = attention_impl or m.attention_impl
+    if impl == "xla":  # [rows, heads, seq, seq] probabilities and f32 scores of one layer
+        a = _BYTES.get(m.compute_dtype, 4)
+        working += rows * max(1, m.n_heads // tp) * seq * t.seq_len * (a + 4)
+    logits = 2 * 4 * tokens * max(1, m.vocab_size // tp)
+    return Estimate(state=int(state), saved=int(saved), working=int(working), logits=int(logits))

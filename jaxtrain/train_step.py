@@ -129,6 +129,10 @@ def split_microbatches(batch: dict, n: int) -> dict:
 
 
 def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainProgram:
+    if cfg.model.remat == "auto":  # callers that did not resolve it (jaxtrain train and compile do)
+        from jaxtrain.planner import resolve_remat_for_devices
+
+        cfg, _ = resolve_remat_for_devices(cfg, list(mesh.devices.flat))
     mcfg = cfg.model
     make_model = lambda: models.Transformer(mcfg, rngs=nnx.Rngs(cfg.seed))
     graphdef, abstract_params = models.abstract_model(make_model)

@@ -168,7 +168,8 @@ def _config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
 
 def train(cfg: Config, *, devices=None) -> TrainResult:
     """Train `cfg` (resuming from its newest checkpoint) on `devices` (default: all)."""
-    with _setup(cfg, devices) as run:
+    cfg, remat_note = resolve_remat(cfg, devices)
+    with _setup(cfg, devices, notes=(remat_note,) if remat_note else ()) as run:
         restored = _resume(run)
         # Accepted (data readable, checkpoints fit the model): only now touch output_dir.
         _record_start(run, restored)
@@ -352,8 +353,33 @@ class _Run:
         return blocked
 
 
+def resolve_remat(cfg: Config, devices=None) -> tuple[Config, str | None]:
+    """`model.remat: auto` -> a policy, and the line saying which and why.
+
+    Resuming a run whose config.yaml recorded the policy auto chose keeps that policy (the
+    resumed steps compute exactly as before, whatever memory this host has); otherwise the
+    cheapest policy that fits these devices (jaxtrain/planner.py). The resolved policy is what
+    config.yaml and the checkpoints record."""
+    if cfg.model.remat != "auto":
+        return cfg, None
+    from jaxtrain.planner import resolve_remat_for_devices
+
+    recorded = storage.as_path(cfg.output_dir) / "config.yaml"
+    if cfg.checkpoint.resume and storage.as_path(cfg.checkpoint_dir).is_dir() and recorded.is_file():
+        try:
+            before = (yaml.safe_load(recorded.read_text()) or {}).get("model", {}).get("remat")
+        except (yaml.YAMLError, OSError, AttributeError):
+            before = None
+        if before and before != "auto":
+            model = dataclasses.replace(cfg.model, remat=before)
+            return dataclasses.replace(cfg, model=model), (
+                f"model.remat=auto -> {before}: as recorded in {recorded} (resume)"
+            )
+    return resolve_remat_for_devices(cfg, list(devices) if devices is not None else jax.devices())
+
+
 @contextlib.contextmanager
-def _setup(cfg: Config, devices) -> Iterator[_Run]:
+def _setup(cfg: Config, devices, notes: tuple[str, ...] = ()) -> Iterator[_Run]:
     """Mesh, output dir (+ config.yaml), data, metrics writer, program, checkpointer.
 
     On exit the checkpointer closes first (waiting for a write still in flight), then
@@ -389,6 +415,8 @@ def _setup(cfg: Config, devices) -> Iterator[_Run]:
             f"rules={cfg.mesh.rules} params={cfg.model.param_count():,} "
             f"peak={rates.peak_total:.3g} FLOP/s ({rates.peak_source})"
         )
+        for note in notes:
+            writer.log(note)
         if jax.process_count() > 1:
             from jaxtrain.distributed import describe_topology
 

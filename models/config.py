@@ -20,6 +20,9 @@ REMAT_POLICIES = (
     "custom",  # model.remat_custom: {name: device | offload | recompute}
     "save_matmuls",  # any matmul without batch dims (jax's dots_with_no_batch_dims_saveable)
 )
+# `model.remat: auto` (the default) is resolved to one of REMAT_POLICIES before the program is
+# built: the cheapest that fits the devices in use (jaxtrain/planner.py `resolve_remat`).
+REMAT_AUTO = "auto"
 CHECKPOINT_NAMES = ("layer_input", "qkv_proj", "context", "out_proj", "mlp_in", "mlp_out")
 REMAT_CUSTOM_MODES = ("device", "offload", "recompute")
 FP8_HISTORY_DEFAULT = 1024
@@ -138,7 +141,7 @@ class ModelConfig:
     init_std: float = 0.02
     param_dtype: str = "float32"  # master weights (and optimizer state)
     compute_dtype: str = "float32"  # matmuls and activations
-    remat: str = "none"  # REMAT_POLICIES
+    remat: str = REMAT_AUTO  # REMAT_POLICIES, or auto: the cheapest that fits (jaxtrain/planner.py)
     # remat=custom: checkpoint name -> device (keep in HBM) | offload (pinned host) | recompute;
     # a YAML mapping, stored as sorted (name, mode) pairs (the config must stay hashable)
     remat_custom: tuple[tuple[str, str], ...] = ()
@@ -189,8 +192,8 @@ class ModelConfig:
         for key in ("param_dtype", "compute_dtype"):
             if getattr(self, key) not in DTYPES:
                 raise ValueError(f"model.{key}={getattr(self, key)!r}: expected one of {DTYPES}")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"model.remat={self.remat!r}: expected one of {REMAT_POLICIES}")
+        if self.remat not in (REMAT_AUTO, *REMAT_POLICIES):
+            raise ValueError(f"model.remat={self.remat!r}: expected auto or one of {REMAT_POLICIES}")
         for name, mode in self.remat_custom:
             if name not in CHECKPOINT_NAMES:
                 raise ValueError(

@@ -28,9 +28,12 @@ OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
 
 
 def remat_policy(cfg: ModelConfig):
-    """The `jax.checkpoint` policy for `cfg.remat` (None for "none": no checkpoint at all)."""
+    """The `jax.checkpoint` policy for `cfg.remat` (None for "none": no checkpoint at all).
+
+    "auto" is resolved before a train program is built (jaxtrain/planner.py); a model built
+    directly with it (generation, which has no backward pass; tests) keeps everything."""
     cp = jax.checkpoint_policies
-    if cfg.remat == "none":
+    if cfg.remat in ("none", "auto"):
         return None
     if cfg.remat == "full":
         return cp.nothing_saveable
@@ -120,7 +123,7 @@ class Transformer(nnx.Module):
                 out = nnx.merge(graphdef, state)(x, positions, segment_ids, meta)
                 return out if isinstance(out, tuple) else (out, None)
 
-            if cfg.remat != "none":
+            if remat_policy(cfg) is not None:
                 # Inside a scan XLA cannot CSE the recompute away, and prevent_cse=True would
                 # only add barriers; unrolled, it is what keeps the remat a remat.
                 layer = jax.checkpoint(layer, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers)

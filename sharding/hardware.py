@@ -41,6 +41,12 @@ class Chip:
     chips_per_host: int  # devices per host (TPU VM / GPU node)
     cores_per_chip: int = 1  # TensorCores per chip (v4/v5p: 2, fused as one megacore device)
     torus_dims: int | None = None  # TPU ICI torus dimensions (3D or 2D); None on GPU
+    # Bytes/s one device moves in a collective over one mesh axis inside a slice / host
+    # (the planner's communication model): TPU, 2 x the one-way ICI link bandwidth (a ring
+    # on one torus axis uses both directions; the scaling book's table); GPU, NVLink one way.
+    ici_bytes_per_s: float = 0.0
+    # Across hosts (GPU: the NIC per GPU, 400 Gb/s on H100 nodes, 200 Gb/s on A100 nodes).
+    dcn_bytes_per_s: float = 0.0
 
     def peak_flops(self, dtype: str = "bfloat16") -> float | None:
         """Dense peak FLOP/s per device for `dtype` ("bfloat16", "float32", "float8"); None if unknown."""
@@ -63,6 +69,7 @@ CHIPS: dict[str, Chip] = {
             chips_per_host=4,
             cores_per_chip=2,
             torus_dims=3,
+            ici_bytes_per_s=9e10,
         ),
         Chip(
             name="v5e",
@@ -73,6 +80,7 @@ CHIPS: dict[str, Chip] = {
             hbm_bytes=16 * GiB,
             chips_per_host=4,  # multi-host slices; a single-host 2x4 VM has 8
             torus_dims=2,
+            ici_bytes_per_s=9e10,
         ),
         Chip(
             name="v5p",
@@ -84,6 +92,7 @@ CHIPS: dict[str, Chip] = {
             chips_per_host=4,
             cores_per_chip=2,
             torus_dims=3,
+            ici_bytes_per_s=1.8e11,
         ),
         Chip(
             name="v6e",
@@ -94,6 +103,7 @@ CHIPS: dict[str, Chip] = {
             hbm_bytes=32 * GiB,
             chips_per_host=4,  # multi-host slices; a single-host 2x4 VM has 8
             torus_dims=2,
+            ici_bytes_per_s=1.8e11,
         ),
         Chip(
             name="a100",
@@ -104,6 +114,8 @@ CHIPS: dict[str, Chip] = {
             fp32_flops=19.5e12,
             hbm_bytes=85100068864,  # XLA's a100_sxm_80.txtpb (see module docstring)
             chips_per_host=8,
+            ici_bytes_per_s=3e11,
+            dcn_bytes_per_s=2.5e10,
         ),
         Chip(
             name="h100",
@@ -115,6 +127,8 @@ CHIPS: dict[str, Chip] = {
             fp8_flops=1979e12,
             hbm_bytes=84942979072,  # XLA's h100_sxm.txtpb
             chips_per_host=8,
+            ici_bytes_per_s=4.5e11,
+            dcn_bytes_per_s=5e10,
         ),
         Chip(
             name="h200",
@@ -126,6 +140,8 @@ CHIPS: dict[str, Chip] = {
             fp8_flops=1979e12,
             hbm_bytes=151397597184,  # XLA's h200.txtpb
             chips_per_host=8,
+            ici_bytes_per_s=4.5e11,
+            dcn_bytes_per_s=5e10,
         ),
     )
 }

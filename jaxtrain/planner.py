@@ -1,0 +1,517 @@
+"""`jaxtrain plan`: search mesh, remat and microbatches for a target; `model.remat: auto`.
+
+Users of every stack spend days choosing the mesh factorisation, the remat policy and
+the gradient-accumulation count by trial and error. The planner does it in three steps:
+
+1. enumerate candidates: every factorisation of a slice's devices over the mesh axes
+   (data, fsdp, tensor; context for long sequences, expert for MoE; `stage` will be one
+   more factor of the same product once pipeline parallelism is accepted by the config),
+   x the remat policies (footprint.REMAT_BY_COST) x microbatch counts (global batch fixed);
+2. prune with the analytic model: invalid shapes (the reason names the numbers), and
+   memory estimates (footprint.estimate) over `headroom` x HBM; rank the rest by the
+   analytic step time (roofline FLOPs + communication, `analytic_step`);
+3. confirm the best `top` by deviceless compile (jaxtrain.compile.compile_report): the
+   compiler's memory verdict, and on TPU its cost-model step time, which then ranks them.
+   GPU compiles carry no cost estimate, so GPU candidates stay ranked by the analytic model.
+
+`resolve_remat` is `model.remat: auto`: the cheapest policy whose estimate fits the
+devices in use, by the same memory model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from pathlib import Path
+from typing import Any
+
+from jaxtrain.config import Config, ConfigError
+from jaxtrain.footprint import REMAT_BY_COST, SAVED_NAMES, estimate
+
+GiB = 2**30
+HEADROOM = 0.9  # the analytic estimate must fit in this fraction of HBM
+SEARCH_REMAT = tuple(p for p in REMAT_BY_COST if p != "save_matmuls")  # same memory as minimal
+MICROBATCHES = (1, 2, 4, 8, 16)
+LONG_SEQUENCE = 8192  # context parallelism is searched from this seq_len on
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One point of the search: mesh degrees per slice, remat policy, microbatch count."""
+
+    mesh: tuple[tuple[str, int], ...]  # (axis, size) for data, fsdp, tensor, context, expert
+    remat: str
+    microbatches: int
+
+    def overrides(self) -> dict[str, Any]:
+        """The dotted overrides that turn the base config into this candidate."""
+        out: dict[str, Any] = {f"mesh.{a}": s for a, s in self.mesh}
+        out["model.remat"] = self.remat
+        out["train.microbatches"] = self.microbatches
+        return out
+
+    def mesh_text(self) -> str:
+        return " ".join(f"{a}={s}" for a, s in self.mesh if s > 1) or "one device"
+
+
+@dataclasses.dataclass
+class Row:
+    """A candidate and what the planner found out about it."""
+
+    candidate: Candidate
+    analytic_bytes: int | None = None
+    analytic_step_s: float | None = None
+    analytic_mfu: float | None = None
+    compiled_bytes: int | None = None
+    compiled_step_s: float | None = None
+    compiled_mfu: float | None = None
+    reason: str | None = None  # why it was rejected; None: accepted
+    comm_s: float = 0.0  # analytic communication seconds (ties on the roofline go to less traffic,
+    compute_s: float = 0.0  # then less recompute, fewer microbatches, less memory)
+
+    @property
+    def step_s(self) -> float | None:
+        return self.compiled_step_s if self.compiled_step_s is not None else self.analytic_step_s
+
+
+@dataclasses.dataclass
+class Plan:
+    target: str
+    platform: str
+    hbm_bytes: int
+    headroom: float
+    ranked_by: str  # "compiled" | "analytic"
+    ranked: list[Row]  # confirmed (or, uncompiled, analytic-feasible) candidates, best first
+    rejected: list[Row]
+    searched: int
+    notes: list[str]
+
+    @property
+    def best(self) -> Row | None:
+        return self.ranked[0] if self.ranked else None
+
+
+# --- the search space -----------------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def factorisations(n: int, axes: tuple[str, ...]) -> list[dict[str, int]]:
+    """Every assignment of sizes to `axes` whose product is `n`."""
+    out = []
+    for sizes in itertools.product(_divisors(n), repeat=len(axes) - 1):
+        rest = math.prod(sizes)
+        if n % rest == 0:
+            out.append(dict(zip(axes, (*sizes, n // rest))))
+    return out
+
+
+def search_axes(cfg: Config) -> tuple[str, ...]:
+    """The mesh axes searched for this config (stage: not yet, see the module docstring)."""
+    axes = ["data", "tensor"]
+    if cfg.train.seq_len >= LONG_SEQUENCE or cfg.mesh.context > 1:
+        axes.append("context")
+    if cfg.model.moe is not None:
+        axes.append("expert")
+    return (*axes, "fsdp")
+
+
+def candidates(cfg: Config, devices_per_slice: int) -> list[Candidate]:
+    axes = search_axes(cfg)
+    out = []
+    for sizes in factorisations(devices_per_slice, axes):
+        mesh = tuple((a, sizes.get(a, 1)) for a in ("data", "fsdp", "tensor", "context", "expert"))
+        for remat in SEARCH_REMAT:
+            for mb in MICROBATCHES:
+                out.append(Candidate(mesh, remat, mb))
+    return out
+
+
+def apply(cfg: Config, cand: Candidate) -> Config:
+    """The base config with the candidate's mesh, remat and microbatches (rules: fsdp_tensor
+    when the candidate uses tensor parallelism and the config's rules do not)."""
+    mesh = dataclasses.replace(cfg.mesh, **dict(cand.mesh))
+    if dict(cand.mesh)["tensor"] > 1 and cfg.mesh.rules != "fsdp_tensor":
+        mesh = dataclasses.replace(mesh, rules="fsdp_tensor")
+    return dataclasses.replace(
+        cfg,
+        mesh=mesh,
+        model=dataclasses.replace(cfg.model, remat=cand.remat, remat_custom=()),
+        train=dataclasses.replace(cfg.train, microbatches=cand.microbatches),
+    )
+
+
+def invalid_reason(cfg: Config, cand: Candidate, num_devices: int) -> str | None:
+    """Why the candidate cannot run at all (shapes), in numbers; None when it can."""
+    m, t, s = cfg.model, cfg.train, dict(cand.mesh)
+    if s["tensor"] > m.n_kv_heads:
+        return f"tensor={s['tensor']} > kv_heads={m.n_kv_heads}"
+    if m.n_kv_heads % s["tensor"] or m.n_heads % s["tensor"]:
+        return f"tensor={s['tensor']} does not divide heads={m.n_heads} / kv_heads={m.n_kv_heads}"
+    dp = s["data"] * s["fsdp"] * s["expert"]
+    if t.global_batch_size % (dp * cand.microbatches):
+        return (
+            f"global batch {t.global_batch_size} is not a multiple of data*fsdp*expert={dp} "
+            f"x microbatches={cand.microbatches}"
+        )
+    if s["context"] > 1 and t.seq_len % (2 * s["context"]):
+        return f"seq_len={t.seq_len} is not a multiple of 2 x context={s['context']}"
+    if s["expert"] > 1 and (m.moe is None or m.moe.num_experts % s["expert"]):
+        return f"expert={s['expert']} does not divide num_experts={m.moe.num_experts if m.moe else 0}"
+    from jaxtrain.config import validate
+
+    try:
+        validate(apply(cfg, cand), num_devices=num_devices)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+# --- the analytic step time -------------------------------------------------------
+
+
+def recompute_flops_per_token(cfg: Config, remat: str | None = None) -> float:
+    """Forward FLOPs per token the backward pass redoes under `remat`.
+
+    Per layer, the forward pieces are qkv (2 D (H + 2K) hd), attention (2 S H hd, causal),
+    out (2 H hd D), mlp_in (2/3 of the MLP's 2 x active MLP params), mlp_out (1/3). A piece is
+    recomputed when its output is not kept (mlp_out's output is only needed by the next layer,
+    whose input is kept); `full` redoes the whole layer, as XLA counts it."""
+    m = cfg.model
+    remat = remat or m.remat
+    if remat in ("none",):
+        return 0.0
+    hd, d, seq = m.resolved_head_dim, m.d_model, cfg.train.seq_len
+    qkv = 2 * d * (m.n_heads + 2 * m.n_kv_heads) * hd
+    out = 2 * m.n_heads * hd * d
+    attn = 2 * seq * m.n_heads * hd
+    head = 0 if m.tie_embeddings else m.vocab_size * d
+    layer_params = (m.active_param_count(include_embedding=False) - head - d) / m.n_layers
+    mlp = 2 * layer_params - qkv - out  # 2 x params = forward FLOPs; the rest is the MLP
+    pieces = {"qkv_proj": qkv, "context": attn, "out_proj": out, "mlp_in": 2 * mlp / 3}
+    if remat == "full":
+        return m.n_layers * (qkv + attn + out + mlp)
+    if remat == "custom":
+        kept = {n for n, mode in m.remat_custom if mode in ("device", "offload")}
+    else:  # offload_matmuls keeps the minimal names, on the host
+        kept = set(SAVED_NAMES["minimal" if remat == "offload_matmuls" else remat])
+    return m.n_layers * sum(f for name, f in pieces.items() if name not in kept)
+
+
+def _axis_bandwidth(chip, mesh: dict[str, int], axis: str, per_host: int) -> float:
+    """Bytes/s for a collective over `axis`: ICI / NVLink, or the host NIC when the axis
+    (with the axes inside it) spans more devices than one host holds (GPU)."""
+    order = ("data", "stage", "fsdp", "context", "expert", "tensor")  # outer -> inner (sharding.MESH_AXES)
+    inner = math.prod(mesh.get(a, 1) for a in order[order.index(axis) :])
+    if chip.platform == "gpu" and inner > per_host and chip.dcn_bytes_per_s:
+        return chip.dcn_bytes_per_s
+    return chip.ici_bytes_per_s
+
+
+def analytic_step(cfg: Config, mesh: dict[str, int], chip, per_host: int) -> dict[str, float]:
+    """Seconds per step by the roofline (scaling-book style), per device:
+
+    compute   = (model FLOPs + recompute FLOPs) x tokens / devices / peak
+    fsdp      = microbatches x 3 x (P / (tensor x expert)) x p x (fsdp-1)/fsdp / W
+                (weights all-gathered forward and backward, gradients reduce-scattered)
+    data      = 2 x (P / (fsdp x tensor x expert)) x 4 x (data-1)/data / W   (gradient all-reduce;
+                context likewise: parameters are replicated over it)
+    tensor    = microbatches x 4 L x 2 x T x D x a x (tensor-1)/tensor / W (2 all-reduces forward,
+                2 backward per layer; T = tokens of one device's microbatch)
+    context   = microbatches x 3 L x (context-1) x T x 2 K hd x a / W  (ring K/V passes, fwd + bwd)
+    expert    = microbatches x 4 L_moe x T x top_k x D x a x (expert-1)/expert / W (all-to-alls)
+    step      = max(compute, fsdp + data + context) + tensor + expert
+    (weight and gradient collectives overlap the matmuls; activation collectives are on the
+    critical path). W: the axis bandwidth, hardware.Chip.ici_bytes_per_s (or the NIC across
+    GPU hosts).
+    """
+    from jaxtrain.flops import flops_per_token
+
+    m, t = cfg.model, cfg.train
+    n = math.prod(mesh.values())
+    p = {"float32": 4, "bfloat16": 2, "float16": 2}[m.param_dtype]
+    a = {"float32": 4, "bfloat16": 2, "float16": 2}[m.compute_dtype]
+    tokens_dev = t.global_batch_size * t.seq_len / n
+    model = flops_per_token(m, t.seq_len) * tokens_dev
+    peak = chip.peak_flops("bfloat16" if m.compute_dtype != "float32" else "float32") or chip.bf16_flops
+    compute = (model + recompute_flops_per_token(cfg) * tokens_dev) / peak
+    g = lambda ax: mesh.get(ax, 1)
+    bw = lambda ax: _axis_bandwidth(chip, mesh, ax, per_host)
+    params = m.param_count()
+    mb = t.microbatches
+    tok_mb = t.global_batch_size * t.seq_len / (g("data") * g("fsdp") * g("expert") * g("context") * mb)
+    comm = {}
+    f = g("fsdp")
+    comm["fsdp"] = (
+        mb * 3 * params / (g("tensor") * g("expert")) * p * (f - 1) / f / bw("fsdp") if f > 1 else 0
+    )
+    grads = params / (f * g("tensor") * g("expert")) * 4
+    comm["data"] = sum(2 * grads * (g(ax) - 1) / g(ax) / bw(ax) for ax in ("data", "context") if g(ax) > 1)
+    tp = g("tensor")
+    comm["tensor"] = (
+        mb * 4 * m.n_layers * 2 * tok_mb * m.d_model * a * (tp - 1) / tp / bw("tensor") if tp > 1 else 0
+    )
+    c = g("context")
+    comm["context"] = (
+        mb * 3 * m.n_layers * (c - 1) * tok_mb * 2 * m.n_kv_heads * m.resolved_head_dim * a / bw("context")
+        if c > 1
+        else 0
+    )
+    e = g("expert")
+    moe_layers = m.moe.num_moe_layers(m) if m.moe else 0
+    comm["expert"] = (
+        mb * 4 * moe_layers * tok_mb * m.moe.top_k * m.d_model * a * (e - 1) / e / bw("expert")
+        if e > 1 and m.moe
+        else 0
+    )
+    step = max(compute, comm["fsdp"] + comm["data"] + comm["context"]) + comm["tensor"] + comm["expert"]
+    return {
+        "compute_s": compute,
+        **{k + "_s": v for k, v in comm.items()},
+        "step_s": step,
+        "mfu": model / (step * peak),
+    }
+
+
+# --- planning ---------------------------------------------------------------------
+
+
+def _gib(x: float | None) -> str:
+    return "-" if x is None else f"{x / GiB:.1f}" if x >= 10 * GiB else f"{x / GiB:.2f}"
+
+
+def plan(
+    cfg: Config,
+    target,
+    *,
+    top: int = 3,
+    hbm_bytes: int | None = None,
+    headroom: float = HEADROOM,
+    compile: bool = True,
+    charge_kernels: bool = True,
+    log=lambda message: None,
+) -> Plan:
+    """Search, prune and confirm (module docstring). `target` is a jaxtrain.compile.Target;
+    `hbm_bytes` overrides its device memory (a smaller device, for what-ifs and tests) both
+    for the analytic check and for the compiled verdict."""
+    from jaxtrain.compile import compile_report, config_for_target
+    from jaxtrain.models.attention import resolve_impl
+    from jaxtrain.sharding import hardware
+
+    if target.groups > 1:
+        raise ConfigError("jaxtrain plan: one slice / host group for now (--slices / --hosts 1)")
+    if hbm_bytes is not None:
+        target = dataclasses.replace(target, hbm_bytes=int(hbm_bytes))
+    chip = hardware.chip(target.generation)
+    impl = resolve_impl(cfg.model.attention_impl, target.platform)
+    n = target.num_devices
+    rows: list[Row] = []
+    for cand in candidates(cfg, n):
+        row = Row(cand)
+        rows.append(row)
+        row.reason = invalid_reason(cfg, cand, n)
+        if row.reason:
+            continue
+        c = apply(cfg, cand)
+        mesh = dict(cand.mesh)
+        est = estimate(c, mesh, attention_impl=impl)
+        row.analytic_bytes = est.total
+        timing = analytic_step(c, mesh, chip, target.chips)
+        row.analytic_step_s, row.analytic_mfu = timing["step_s"], timing["mfu"]
+        row.comm_s = sum(v for k, v in timing.items() if k not in ("compute_s", "step_s", "mfu"))
+        row.compute_s = timing["compute_s"]
+        if est.total > headroom * target.hbm_bytes:
+            row.reason = (
+                f"analytic {_gib(est.total)} GiB > {_gib(target.hbm_bytes)} GiB HBM x {headroom:g} headroom"
+            )
+    feasible = sorted(
+        (r for r in rows if r.reason is None),
+        key=lambda r: (r.analytic_step_s, r.comm_s, r.compute_s, r.candidate.microbatches, r.analytic_bytes),
+    )
+    rejected = [r for r in rows if r.reason is not None]
+    notes = []
+    can_estimate = target.platform == "tpu"
+    ranked: list[Row] = []
+    if compile:
+        budget = 2 * top  # compiles at most: a candidate the compiler refuses is replaced once
+        for row in feasible:
+            if len(ranked) >= top or budget == 0:
+                break
+            budget -= 1
+            c, cand = apply(cfg, row.candidate), row.candidate
+            log(f"compiling {cand.mesh_text()} remat={cand.remat} mb={cand.microbatches}")
+            try:
+                c, _, _ = config_for_target(c, target)
+                r = compile_report(c, target, estimate=can_estimate, charge_kernels=charge_kernels)
+            except ConfigError as e:
+                row.reason = f"compile refused the config: {e}"
+                rejected.append(row)
+                continue
+            total = (r.get("memory") or {}).get("total")
+            row.compiled_bytes = total
+            if not r["fits"]:
+                row.reason = (
+                    f"compiled {_gib(total)} GiB does not fit {_gib(target.hbm_bytes)} GiB HBM"
+                    if total
+                    else f"compiled: does not fit ({r.get('compile_error', '')[:120]})"
+                )
+                rejected.append(row)
+                continue
+            row.compiled_step_s, row.compiled_mfu = r.get("step_seconds_est"), r.get("mfu_est")
+            ranked.append(row)
+        if can_estimate and all(r.compiled_step_s is not None for r in ranked):
+            ranked.sort(key=lambda r: r.compiled_step_s)
+            ranked_by = "compiled"
+        else:
+            ranked_by = "analytic"
+            if target.platform == "gpu":
+                notes.append(
+                    "GPU target: XLA:GPU gives no cost estimate, so the compiled candidates are ranked "
+                    "by the analytic model (roofline FLOPs + communication); the compile confirms memory"
+                )
+    else:
+        ranked = feasible[:top]
+        ranked_by = "analytic"
+        notes.append("no compile (--no-compile): ranked and sized by the analytic model only")
+    if not feasible:
+        notes.append("no candidate fits by the analytic model: a bigger target, a smaller batch or seq_len")
+    return Plan(
+        target=target.describe(),
+        platform=target.platform,
+        hbm_bytes=target.hbm_bytes,
+        headroom=headroom,
+        ranked_by=ranked_by,
+        ranked=ranked,
+        rejected=sorted(rejected, key=lambda r: (r.analytic_step_s is None, r.analytic_step_s or 0)),
+        searched=len(rows),
+        notes=notes,
+    )
+
+
+def format_plan(p: Plan, *, show_rejected: int = 12) -> str:
+    lines = [
+        f"target   {p.target}: {_gib(p.hbm_bytes)} GiB HBM per device, analytic headroom {p.headroom:g}",
+        f"searched {p.searched} candidates (mesh x remat x microbatches); ranked by the "
+        + ("compiler's TPU cost estimate" if p.ranked_by == "compiled" else "analytic model"),
+        "",
+        f"{'rank':<5}{'mesh':<34}{'remat':<21}{'mb':>3}{'analytic GiB':>14}{'compiled GiB':>14}"
+        f"{'est. step s':>13}{'est. MFU':>10}",
+    ]
+    for i, r in enumerate(p.ranked, 1):
+        c = r.candidate
+        step = r.step_s
+        mfu = r.compiled_mfu if r.compiled_mfu is not None else r.analytic_mfu
+        src = "" if r.compiled_step_s is not None else "*"
+        lines.append(
+            f"{i:<5}{c.mesh_text():<34}{c.remat:<21}{c.microbatches:>3}{_gib(r.analytic_bytes):>14}"
+            f"{_gib(r.compiled_bytes):>14}{(f'{step:.3f}' + src) if step else '-':>13}"
+            f"{(f'{100 * mfu:.1f}%' + src) if mfu else '-':>10}"
+        )
+    if any(r.compiled_step_s is None for r in p.ranked):
+        lines.append("(* analytic: roofline FLOPs + communication, not a compiler estimate)")
+    if p.rejected:
+        lines += [
+            "",
+            f"rejected ({len(p.rejected)}; the {min(show_rejected, len(p.rejected))} fastest by the model):",
+        ]
+        for r in p.rejected[:show_rejected]:
+            c = r.candidate
+            lines.append(f"  {c.mesh_text():<32}{c.remat:<21}mb={c.microbatches:<3} {r.reason}")
+        counts: dict[str, int] = {}
+        for r in p.rejected:
+            key = r.reason.split(" ")[0]
+            key = {"analytic": "analytic memory", "compiled": "compiled memory"}.get(key, "invalid shape")
+            counts[key] = counts.get(key, 0) + 1
+        lines.append("  by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    for note in p.notes:
+        lines.append(f"note     {note}")
+    return "\n".join(lines)
+
+
+def write_config(cfg: Config, cand: Candidate, path: str | Path, *, source: str = "") -> Config:
+    """Write the base config with the winning overrides as one loadable YAML; returns it."""
+    import yaml
+
+    from jaxtrain.config import to_dict
+
+    out = apply(cfg, cand)
+    header = (
+        "# Written by `jaxtrain plan`" + (f" from {source}" if source else "") + "; the chosen overrides:\n"
+    )
+    header += "".join(f"#   {k}={v}\n" for k, v in cand.overrides().items())
+    Path(path).write_text(header + yaml.safe_dump(to_dict(out), sort_keys=False))
+    return out
+
+
+# --- model.remat: auto ----------------------------------------------------------------
+
+
+def resolve_remat(
+    cfg: Config,
+    mesh_sizes: dict[str, int],
+    capacity_bytes: int | None,
+    *,
+    headroom: float = HEADROOM,
+    attention_impl: str | None = None,
+    where: str = "",
+) -> tuple[Config, str | None]:
+    """`model.remat: auto` -> the cheapest policy (footprint.REMAT_BY_COST) whose estimated
+    step memory fits `headroom` x `capacity_bytes` per device; (config, one line saying what
+    and why). Unchanged (and None) when the policy is not auto. Nothing fits: `full`, the
+    smallest, and the line says so (the fit check or the compiler then has the last word)."""
+    m = cfg.model
+    if m.remat != "auto":
+        return cfg, None
+    with_policy = lambda p: dataclasses.replace(cfg, model=dataclasses.replace(m, remat=p))
+    if capacity_bytes is None:
+        return with_policy("none"), "model.remat=auto -> none: device memory unknown"
+    budget = headroom * capacity_bytes
+    where = f" ({where})" if where else ""
+    previous = None
+    for policy in REMAT_BY_COST:
+        need = estimate(with_policy(policy), mesh_sizes, attention_impl=attention_impl).total
+        if need <= budget:
+            why = f"; {previous[0]} needs {_gib(previous[1])} GiB" if previous else ""
+            return with_policy(policy), (
+                f"model.remat=auto -> {policy}: the cheapest policy that fits, est. {_gib(need)} GiB per "
+                f"device of {_gib(capacity_bytes)} GiB{where} x {headroom:g}{why}"
+            )
+        previous = previous or (policy, need)
+    return with_policy("full"), (
+        f"model.remat=auto -> full: nothing fits, full needs est. {_gib(need)} GiB per device of "
+        f"{_gib(capacity_bytes)} GiB{where} x {headroom:g}"
+    )
+
+
+def resolve_remat_for_devices(
+    cfg: Config, devices, *, headroom: float = HEADROOM
+) -> tuple[Config, str | None]:
+    """resolve_remat for the devices a run uses (CPU: host memory over the simulated devices,
+    as footprint.check_fits)."""
+    if cfg.model.remat != "auto":
+        return cfg, None
+    from jaxtrain.footprint import device_memory_bytes
+    from jaxtrain.models.attention import resolve_impl
+    from jaxtrain.sharding.mesh import mesh_shape_from_sizes
+
+    try:
+        sizes = mesh_shape_from_sizes(cfg.mesh.sizes(), len(devices))
+    except ValueError:
+        sizes = {}  # validate() reports a bad mesh; size against one device meanwhile
+    try:
+        capacity, sharing = device_memory_bytes(devices[0])
+    except Exception:  # compile-only devices may refuse memory_stats(): size unknown
+        capacity, sharing = None, 1
+    platform = devices[0].platform
+    where = f"host memory / {sharing} simulated devices" if platform == "cpu" else devices[0].device_kind
+    return resolve_remat(
+        cfg,
+        sizes,
+        capacity // sharing if capacity else None,
+        headroom=headroom,
+        attention_impl=resolve_impl(cfg.model.attention_impl, platform),
+        where=where,
+    )
