@@ -12,6 +12,8 @@ boundaries are enough for XLA to pick the collectives we want. See README.
 """
 
 from jaxtrain.sharding.mesh import MESH_AXES, make_mesh, mesh_shape_from_sizes
+from jaxtrain.sharding.pipeline import SCHEDULES as PIPELINE_SCHEDULES
+from jaxtrain.sharding.pipeline import bubble_fraction, run_pipeline
 from jaxtrain.sharding.rules import (
     DATA_PARALLEL,
     DEFAULT_RULES,
@@ -35,6 +37,9 @@ __all__ = [
     "MESH_AXES",
     "make_mesh",
     "mesh_shape_from_sizes",
+    "PIPELINE_SCHEDULES",
+    "bubble_fraction",
+    "run_pipeline",
     "DATA_PARALLEL",
     "DEFAULT_RULES",
     "FSDP",
