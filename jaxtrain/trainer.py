@@ -47,7 +47,7 @@ from jaxtrain.faults import FaultMonitor
 from jaxtrain.flops import flops_per_token, peak_flops_per_device
 from jaxtrain.metrics import MetricsWriter
 from jaxtrain.sharding.context import permute_batch
-from jaxtrain.train_step import TrainProgram, TrainState, batch_to_device, build_program
+from jaxtrain.train_step import TrainProgram, TrainState, batch_to_device, build_program, pipeline_schedule
 
 # Config sections whose change does not affect the numbers of a resumed run.
 _RESUME_NEUTRAL = ("output_dir", "checkpoint.", "logging.", "distributed.", "eval.")
@@ -389,6 +389,12 @@ def _setup(cfg: Config, devices) -> Iterator[_Run]:
             f"rules={cfg.mesh.rules} params={cfg.model.param_count():,} "
             f"peak={rates.peak_total:.3g} FLOP/s ({rates.peak_source})"
         )
+        pp = pipeline_schedule(cfg)
+        if pp is not None:
+            writer.log(
+                f"pipeline: {cfg.pipeline.schedule}, {pp.stages} stages x {pp.microbatches} microbatches"
+                f" x {pp.repeats} repeats; bubble (S-1)/(M*R+S-1) = {pp.bubble:.3f}"
+            )
         if jax.process_count() > 1:
             from jaxtrain.distributed import describe_topology
 
@@ -545,6 +551,9 @@ def _metrics_record(run: _Run, step: int, m: dict, step_time: float, blocked: fl
     }
     if run.cfg.faults.spike_factor is not None:
         record["spikes_total"] = monitor.spikes_total
+    pp = pipeline_schedule(run.cfg)
+    if pp is not None:
+        record["pipeline_bubble"] = pp.bubble
     # Extra scalar metrics of the step (MoE router losses and load).
     record.update({k: float(v) for k, v in m.items() if k.startswith("moe_")})
     if blocked is not None:

@@ -13,6 +13,7 @@ boundaries are enough for XLA to pick the collectives we want. See README.
 
 from jaxtrain.sharding.mesh import MESH_AXES, make_mesh, mesh_shape_from_sizes
 from jaxtrain.sharding.pipeline import SCHEDULES as PIPELINE_SCHEDULES
+from jaxtrain.sharding.pipeline import Schedule as PipelineSchedule
 from jaxtrain.sharding.pipeline import bubble_fraction, run_pipeline
 from jaxtrain.sharding.rules import (
     DATA_PARALLEL,
@@ -38,6 +39,7 @@ __all__ = [
     "make_mesh",
     "mesh_shape_from_sizes",
     "PIPELINE_SCHEDULES",
+    "PipelineSchedule",
     "bubble_fraction",
     "run_pipeline",
     "DATA_PARALLEL",

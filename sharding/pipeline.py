@@ -48,6 +48,7 @@ Imports only jax (like the rest of `jaxtrain.sharding`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +63,35 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     """Idle share of each device: (S - 1) / (M*R + S - 1)."""
     _check_counts(stages, microbatches, repeats)
     return (stages - 1) / (microbatches * repeats + stages - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """What a model needs to run its layer stacks as a pipeline (see `run_pipeline`)."""
+
+    stages: int
+    microbatches: int
+    repeats: int = 1
+    axis: str = "stage"
+
+    def __post_init__(self):
+        _check_counts(self.stages, self.microbatches, self.repeats)
+
+    @property
+    def bubble(self) -> float:
+        return bubble_fraction(self.stages, self.microbatches, self.repeats)
+
+    def __call__(self, layer_fn, params, x, extras=None):
+        return run_pipeline(
+            layer_fn,
+            params,
+            x,
+            extras,
+            stages=self.stages,
+            microbatches=self.microbatches,
+            repeats=self.repeats,
+            axis=self.axis,
+        )
 
 
 def _check_counts(stages: int, microbatches: int, repeats: int) -> None:
