@@ -4,13 +4,21 @@ Oracles: a plain `lax.scan` over the same layers (the transform alone), and the
 single-device run of the same model (training: loss and gradients at the
 tolerances of tests/test_sharded_training.py)."""
 
+import math
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxtrain import sharding
+from jaxtrain.config import ConfigError, load_config, validate
 from jaxtrain.sharding.pipeline import bubble_fraction, run_pipeline
+from jaxtrain.train_step import batch_to_device
+from tests.conftest import REPO, program_on_mesh, replace, tiny_config
 
 # --- the transform alone, on a toy layer -------------------------------------------
 
@@ -92,3 +100,116 @@ def test_bad_arguments_are_named(toy, kwargs, message):
     params, x, ex, *_ = toy
     with pytest.raises(ValueError, match=message):
         run_pipeline(toy_layer, params, x, ex, **kwargs)
+
+
+# --- the model and train step: loss and gradients equal one device ----------------------
+
+# f32, as tests/test_sharded_training.py: sharding changes the summation order only.
+LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-5, 2e-4, 1e-6
+SMALL = ("model.d_model=64", "model.mlp_dim=128", "train.seq_len=32", "model.vocab_size=128")
+
+
+def dense_cfg():
+    return tiny_config(None, *SMALL, "model.n_layers=8")
+
+
+def moe_cfg():
+    return load_config(
+        os.path.join(REPO, "configs", "tiny-moe.yaml"),
+        ["logging.progress=false", "logging.tensorboard=false", *SMALL, "model.moe.expert_mlp_dim=64"],
+    )
+
+
+def loss_and_grads(cfg, hlo=False):
+    """(loss, {param path: gradient}) of one batch, and the compiled step's HLO text if asked."""
+    validate(cfg, math.prod(cfg.mesh.sizes().values()))
+    with program_on_mesh(cfg) as (program, state, data):
+        batch = batch_to_device(next(data), program.batch_sharding)
+        loss, _, grads = program.loss_and_grads(state.params, batch)
+        flat = {jax.tree_util.keystr(p): np.asarray(g) for p, g in jax.tree_util.tree_leaves_with_path(grads)}
+        text = program.loss_and_grads.lower(state.params, batch).compile().as_text() if hlo else None
+        return (float(loss), flat, text) if hlo else (float(loss), flat)
+
+
+def assert_matches(got, ref):
+    np.testing.assert_allclose(got[0], ref[0], rtol=LOSS_RTOL)
+    assert got[1].keys() == ref[1].keys()
+    for path, g in got[1].items():
+        np.testing.assert_allclose(g, ref[1][path], rtol=GRAD_RTOL, atol=GRAD_ATOL, err_msg=path)
+
+
+@pytest.fixture(scope="module")
+def dense_single_device():
+    return loss_and_grads(dense_cfg())
+
+
+def test_gpipe_stage2_with_fsdp_equals_one_device(dense_single_device):
+    """The cheap model-level check: also reads the compiled step for the stage shift."""
+    cfg = replace(dense_cfg(), mesh=dict(stage=2, fsdp=2, data=2), pipeline=dict(microbatches=2))
+    loss, grads, hlo = loss_and_grads(cfg, hlo=True)
+    assert_matches((loss, grads), dense_single_device)
+    assert "collective-permute" in hlo
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mesh, pipeline",
+    [
+        (dict(stage=4, tensor=2), dict(microbatches=4)),
+        (dict(stage=2, data=2, tensor=2), dict(microbatches=2, schedule="circular", repeats=2)),
+        (dict(stage=4, fsdp=2), dict(microbatches=4, schedule="circular", repeats=2)),
+    ],
+    ids=["gpipe-s4-tensor", "circular-s2-r2-tensor", "circular-s4-r2-fsdp"],
+)
+def test_pipelines_equal_one_device(dense_single_device, mesh, pipeline):
+    assert_matches(loss_and_grads(replace(dense_cfg(), mesh=mesh, pipeline=pipeline)), dense_single_device)
+
+
+@pytest.mark.slow
+def test_moe_in_stages_with_expert_parallelism_equals_one_device():
+    """MoE layers inside the stages, experts over `expert`. Router losses are per
+    microbatch, so the oracle splits its batch the same way (train.microbatches)."""
+    ref = loss_and_grads(replace(moe_cfg(), train=dict(microbatches=2)))
+    got = loss_and_grads(replace(moe_cfg(), mesh=dict(stage=2, expert=4), pipeline=dict(microbatches=2)))
+    assert_matches(got, ref)
+
+
+@pytest.mark.slow
+def test_five_axis_meshes_equal_one_device():
+    """data x stage x fsdp x tensor x context (dense) and x expert (MoE): 32 simulated
+    devices, so in a subprocess (tests/pipeline_mesh_check.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tests", "pipeline_mesh_check.py")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "dense" in proc.stdout and "moe" in proc.stdout
+
+
+# --- config ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["mesh.stage=3"], "model.n_layers=8: expected a multiple of mesh.stage x pipeline.repeats = 3"),
+        (["mesh.stage=2", "pipeline.schedule=zigzag"], "pipeline.schedule='zigzag'"),
+        (["mesh.stage=2", "pipeline.repeats=2"], "pipeline.repeats=2: schedule gpipe"),
+        (["mesh.stage=2", "pipeline.schedule=circular"], "pipeline.repeats=1: schedule circular"),
+        (
+            ["mesh.stage=4", "pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.microbatches=2"],
+            "pipeline.microbatches=2: the circular schedule expects >= mesh.stage=4",
+        ),
+        (["mesh.stage=2", "pipeline.microbatches=16"], "x pipeline.microbatches \\(16\\) = 16"),
+        (["mesh.stage=2", "model.fp8=true"], "model.fp8=true with mesh.stage=2"),
+    ],
+)
+def test_config_errors_name_the_key(overrides, message):
+    cfg = tiny_config(None, *SMALL, "model.n_layers=8", *overrides)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, math.prod(cfg.mesh.sizes().values()))
