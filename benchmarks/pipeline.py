@@ -1,16 +1,16 @@
 """Pipeline parallelism: step time and compiled memory against microbatches and schedule.
 
-    python benchmarks/pipeline.py cpu [--stages 4] [--micro 4,8,16] [--steps 5]
-    python benchmarks/pipeline.py deviceless configs/llama2-7b.yaml --target tpu:v5p-64 \\
+    python benchmarks/pipeline.py [--stages 4] [--micro 4,8,16] [--steps 5]
+    python benchmarks/pipeline.py --config configs/llama2-7b.yaml --target tpu:v5p-64 \\
         mesh.stage=4 mesh.fsdp=-1 train.global_batch_size=64 [--micro 4,8,16] [--out rows.json]
 
-`cpu`: the tiny dense model (8 layers, d_model 64) on 8 simulated CPU devices,
+Without --target (CPU): the tiny dense model (8 layers, d_model 64) on 8 simulated CPU devices,
 mesh stage x data; per row the train step's compiled per-device temp memory
 (`memory_analysis`) and its measured step time (mean of --steps after one warm
 step). CPU times on simulated devices share the host's cores: compare rows with
 each other only, and say how loaded the machine was.
 
-`deviceless`: the real train step compiled for a TPU or GPU target
+With --config and --target (deviceless): the real train step compiled for a TPU or GPU target
 (`jaxtrain.compile.compile_report`, no estimate): per row the per-device HBM
 (total and temp), whether it fits, and the collectives over `stage`.
 
@@ -164,22 +164,20 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="mode", required=True)
-    cpu = sub.add_parser("cpu")
-    cpu.add_argument("--stages", type=int, default=4)
-    cpu.add_argument("--batch", type=int, default=32)
-    cpu.add_argument("--steps", type=int, default=5)
-    dev = sub.add_parser("deviceless")
-    dev.add_argument("config")
-    dev.add_argument("overrides", nargs="*")
-    dev.add_argument("--target", required=True)
-    dev.add_argument("--slices", type=int, default=1)
-    dev.add_argument("--hosts", type=int, default=1)
-    dev.add_argument("--out")
-    for p in (cpu, dev):
-        p.add_argument("--micro", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16])
+    ap.add_argument("overrides", nargs="*", help="deviceless: dotted overrides of --config")
+    ap.add_argument("--micro", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16])
+    ap.add_argument("--stages", type=int, default=4, help="cpu: pipeline stages")
+    ap.add_argument("--batch", type=int, default=32, help="cpu: global batch")
+    ap.add_argument("--steps", type=int, default=5, help="cpu: timed steps")
+    ap.add_argument("--config", help="deviceless: the run config (its mesh.stage > 1)")
+    ap.add_argument("--target", help="deviceless: tpu:v5p-64, gpu:h100, ... (none: CPU)")
+    ap.add_argument("--slices", type=int, default=1)
+    ap.add_argument("--hosts", type=int, default=1)
+    ap.add_argument("--out", help="deviceless: write the rows here (JSON) as they compile")
     args = ap.parse_args(argv)
-    rows = run_cpu(args) if args.mode == "cpu" else run_deviceless(args)
+    if bool(args.config) != bool(args.target):
+        ap.error("--config and --target go together (deviceless); neither: the CPU run")
+    rows = run_deviceless(args) if args.target else run_cpu(args)
     print(markdown(rows))
 
 

@@ -11,7 +11,7 @@ from flax import nnx
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.layers import Block, RMSNorm, param
 from jaxtrain.models.moe import MoEBlock
-from jaxtrain.sharding import PipelineSchedule, constrain
+from jaxtrain.sharding import PipelineSchedule, constrain, current_rules, logical_to_spec
 
 # What the backward pass may keep from the forward pass, per `cfg.remat` (models/config.py
 # REMAT_POLICIES says what each keeps). The names are the `checkpoint_name` tags in
@@ -134,7 +134,11 @@ class Transformer(nnx.Module):
                 # Stages over the mesh axis `stage` (sharding/pipeline.py): each layer sees
                 # its microbatch's rows of positions and segment ids.
                 return pipeline(
-                    lambda state, x, ex: layer(state, None, x, *ex), layer_state, x, (positions, segment_ids)
+                    lambda state, x, ex: layer(state, None, x, *ex),
+                    layer_state,
+                    x,
+                    (positions, segment_ids),
+                    x_spec=_rows_spec(x, pipeline.microbatches),
                 )
             step = lambda x, xs: layer(*xs, x, positions, segment_ids)
             return jax.lax.scan(step, x, (layer_state, meta), unroll=1 if cfg.scan_layers else n)
@@ -168,6 +172,16 @@ class Transformer(nnx.Module):
         x = self.final_norm(x)
         head = self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
         return constrain(x @ head.astype(jnp.dtype(self.cfg.compute_dtype)), ("batch", "seq", "act_vocab"))
+
+
+def _rows_spec(x: jax.Array, microbatches: int):
+    """The PartitionSpec of one pipeline microbatch of activations x [batch, seq, embed]
+    under the active rules (None without rules or a mesh)."""
+    rules, mesh = current_rules(), jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty:
+        return None
+    shape = (x.shape[0] // microbatches, *x.shape[1:])
+    return logical_to_spec(("batch", "seq", "act_embed"), rules, mesh, shape)
 
 
 def _stack(cls, n: int, cfg: ModelConfig, rngs: nnx.Rngs):

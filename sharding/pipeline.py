@@ -81,12 +81,13 @@ class Schedule:
     def bubble(self) -> float:
         return bubble_fraction(self.stages, self.microbatches, self.repeats)
 
-    def __call__(self, layer_fn, params, x, extras=None):
+    def __call__(self, layer_fn, params, x, extras=None, x_spec=None):
         return run_pipeline(
             layer_fn,
             params,
             x,
             extras,
+            x_spec=x_spec,
             stages=self.stages,
             microbatches=self.microbatches,
             repeats=self.repeats,
@@ -108,11 +109,13 @@ def _stage_axis_size(axis: str) -> int | None:
     return dict(mesh.shape)[axis]
 
 
-def _on_stage(a: jax.Array, axis: str | None) -> jax.Array:
-    """Constrain dim 0 of `a` to mesh axis `axis`, leaving the others to the partitioner."""
-    if axis is None:
+def _on_stage(a: jax.Array, axis: str | None, rows: P | None = None) -> jax.Array:
+    """Constrain dim 0 of `a` to mesh axis `axis` (None: replicated there if `rows` is
+    given, else left alone) and the rest to `rows` (None: left to the partitioner)."""
+    if axis is None and rows is None:
         return a
-    return jax.lax.with_sharding_constraint(a, P(axis, *[P.UNCONSTRAINED] * (a.ndim - 1)))
+    rest = [P.UNCONSTRAINED] * (a.ndim - 1) if rows is None else [*rows, *[None] * (a.ndim - 1 - len(rows))]
+    return jax.lax.with_sharding_constraint(a, P(axis, *rest))
 
 
 def split_microbatches(a: jax.Array, m: int) -> jax.Array:
@@ -135,6 +138,7 @@ def run_pipeline(
     microbatches: int,
     repeats: int = 1,
     axis: str = "stage",
+    x_spec: P | None = None,
 ) -> tuple[jax.Array, Any]:
     """Run `layer_fn` over every layer of `params` as an S-stage pipeline.
 
@@ -147,6 +151,9 @@ def run_pipeline(
     extras: pytree of `[B, ...]` per-row inputs every layer sees unchanged (or None).
     axis: the mesh axis the stages run on. Without a mesh that has it (one device,
       tests) the same schedule runs unsharded, which is how it is checked.
+    x_spec: the PartitionSpec of one microbatch of `x` (`[rows, ...]`, e.g. rows over the
+      data axes); the stage and microbatch buffers are held to it. None: left to the
+      partitioner, which may pick a layout it then has to undo at every iteration.
 
     Returns (y `[B, ...]`, aux stacked `[L, M, ...]`: layer in model order, microbatch).
     The result equals applying the L layers in order to each microbatch.
@@ -187,7 +194,9 @@ def run_pipeline(
         return _on_stage(p, spmd)
 
     stage_params = jax.tree.map(to_stages, params)
-    xs = split_microbatches(x, M)  # [M, rows, ...]
+    if x_spec is not None and mesh_size is None:
+        x_spec = None  # no mesh: nothing to constrain to
+    xs = _on_stage(split_microbatches(x, M), None, x_spec)  # [M, rows, ...]
     ex = jax.tree.map(lambda e: split_microbatches(e, M), extras)
 
     def stage_fn(p_stage, repeat, h, ex_rows):
@@ -216,14 +225,16 @@ def run_pipeline(
         valid = (k >= 0) & (k < M * R)
         micro, repeat = jnp.mod(k, M), jnp.clip(k // M, 0, R - 1)
         state = state.at[0].set(jax.lax.dynamic_index_in_dim(buf, jnp.mod(t, M), 0, keepdims=False))
+        state = _on_stage(state, spmd, x_spec)
         ex_rows = jax.tree.map(lambda e: _on_stage(jnp.take(e, micro, axis=0), spmd), ex)
-        out, aux = run_stages(stage_params, repeat, _on_stage(state, spmd), ex_rows)
-        out = _on_stage(out, spmd)
+        out, aux = run_stages(stage_params, repeat, state, ex_rows)
+        out = _on_stage(out, spmd, x_spec)
         # The last stage's output is microbatch (t - S + 1) mod M, finished with a repeat:
         # it waits in `buf` for stage 0 (next repeat) or is the result (last repeat).
         done = jnp.mod(t - (S - 1), M)
         old = jax.lax.dynamic_index_in_dim(buf, done, 0, keepdims=False)
         buf = jax.lax.dynamic_update_index_in_dim(buf, jnp.where(t >= S - 1, out[S - 1], old), done, 0)
+        buf = _on_stage(buf, None, x_spec)
 
         def record(acc, a, r, m, ok):  # one stage: acc [R, lps, M, ...], a [lps, ...]
             cur = acc[r, :, m]
@@ -232,9 +243,9 @@ def run_pipeline(
         aux_acc = jax.tree.map(
             lambda acc, a: jax.vmap(record, spmd_axis_name=spmd)(acc, a, repeat, micro, valid), aux_acc, aux
         )
-        return (_on_stage(jnp.roll(out, 1, axis=0), spmd), buf, aux_acc), None
+        return (_on_stage(jnp.roll(out, 1, axis=0), spmd, x_spec), buf, aux_acc), None
 
-    state0 = _on_stage(jnp.zeros((S, *xs.shape[1:]), xs.dtype), spmd)
+    state0 = _on_stage(jnp.zeros((S, *xs.shape[1:]), xs.dtype), spmd, x_spec)
     steps = jnp.arange(M * R + S - 1)
     (_, buf, aux_acc), _ = jax.lax.scan(iteration, (state0, xs, aux0), steps)
     # [S, R, lps, M, ...] -> [R, S, lps, M, ...] -> [L, M, ...] (model order)

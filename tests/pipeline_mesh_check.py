@@ -27,9 +27,9 @@ CASES = {
         dict(mesh=dict(data=4, fsdp=2, tensor=2, context=2)),
     ),
     "moe": (
-        moe_cfg,
+        lambda: replace(moe_cfg(), train=dict(global_batch_size=16)),  # 8-way batch x 2 microbatches
         dict(data=2, stage=2, fsdp=2, tensor=2, expert=2),
-        dict(train=dict(microbatches=2)),
+        dict(train=dict(microbatches=2, global_batch_size=16)),
     ),
 }
 

@@ -210,6 +210,6 @@ def test_five_axis_meshes_equal_one_device():
     ],
 )
 def test_config_errors_name_the_key(overrides, message):
-    cfg = tiny_config(None, *SMALL, "model.n_layers=8", *overrides)
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message):  # load_config validates
+        cfg = tiny_config(None, *SMALL, "model.n_layers=8", *overrides)
         validate(cfg, math.prod(cfg.mesh.sizes().values()))
