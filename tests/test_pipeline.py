@@ -4,6 +4,7 @@ Oracles: a plain `lax.scan` over the same layers (the transform alone), and the
 single-device run of the same model (training: loss and gradients at the
 tolerances of tests/test_sharded_training.py)."""
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -189,6 +190,25 @@ def test_five_axis_meshes_equal_one_device():
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "dense" in proc.stdout and "moe" in proc.stdout
+
+
+@pytest.mark.slow
+def test_train_logs_the_bubble(tmp_path, capfd):
+    """`jaxtrain train` with stages: the bubble is printed at start and in every metrics row."""
+    from jaxtrain.trainer import train
+
+    cfg = replace(
+        dense_cfg(),
+        mesh=dict(stage=4, data=2),
+        pipeline=dict(microbatches=4, schedule="circular", repeats=2),
+        train=dict(steps=2),
+    )
+    cfg = dataclasses.replace(cfg, output_dir=str(tmp_path))
+    records = train(cfg, devices=jax.devices()[:8]).metrics
+    expected = 3 / (4 * 2 + 3)
+    assert [r["pipeline_bubble"] for r in records] == [pytest.approx(expected)] * 2
+    assert all(np.isfinite(r["loss"]) for r in records)
+    assert f"bubble (S-1)/(M*R+S-1) = {expected:.3f}" in capfd.readouterr().out
 
 
 # --- config ----------------------------------------------------------------------------
