@@ -33,10 +33,13 @@ know about pipelines). For GPipe, stage s's device already holds exactly its
 contiguous block, so the view `[S, 1, lps]` is a local reshape. For circular
 schedules the layers a stage needs are strided (`l = r*S*lps + s*lps + j`), so
 the view moves weights between stage devices once per step, before the loop
-(and the gradients back after it): one all-to-all-like exchange of the stage's
-weights, not one per iteration. We accept that rather than store a permuted
-layer order that every checkpoint reader would have to undo; its cost is in
-benchmarks/pipeline.py.
+(and the gradients back after it), not once per iteration. What XLA makes of it
+(CPU, 16 toy layers, stage 4 x data 2, forward + grad with the gradients held to
+the parameters' sharding, as the train step does): GPipe, 5 collective-permutes
+(the shift) and no all-gather / all-to-all; circular R=2, 2 all-to-alls over
+`stage` (the view and its transpose) and 7 collective-permutes. We accept those
+two all-to-alls per step rather than store a permuted layer order that every
+checkpoint reader would have to undo.
 
 Microbatch m takes rows m, m+M, m+2M, ... (as `train.microbatches` splits),
 so a batch sharded over data axes gives every data shard equal work in every
