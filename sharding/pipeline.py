@@ -210,6 +210,14 @@ def run_pipeline(
 
         return jax.lax.scan(body, h, p)  # aux: [lps, ...]
 
+    # The iteration's weight slice depends on the iteration (its repeat), so autodiff would
+    # keep one copy per iteration for the backward pass: (M*R + S - 1) x a stage's weights
+    # (129 GiB of temp per H100 for Llama-2-70B). So the backward pass recomputes each
+    # iteration's stage from its input, the only thing kept: one microbatch per stage per
+    # iteration. The price is one more forward pass of the layers (the per-layer remat
+    # inside still applies within that recompute).
+    stage_fn = jax.checkpoint(stage_fn, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+
     run_stages = jax.vmap(stage_fn, spmd_axis_name=spmd)
     one_aux = jax.eval_shape(
         stage_fn,
