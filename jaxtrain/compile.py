@@ -437,6 +437,12 @@ def compile_report(
         "kernels_charged": charge_kernels,
         "notes": [remat_note] if remat_note else [],
     }
+    if cfg.mesh.stage > 1:
+        from jaxtrain.train_step import pipeline_schedule
+
+        pp = pipeline_schedule(cfg)
+        report["pipeline"] = f"{cfg.pipeline.schedule} S={pp.stages} M={pp.microbatches} R={pp.repeats}"
+        report["pipeline_bubble"] = pp.bubble
     if cfg.mesh.fsdp != requested_fsdp:  # config_for_target filled an all-1 mesh
         where = f"the {cfg.mesh.fsdp} devices of each slice/host" if dcn else f"all {cfg.mesh.fsdp} devices"
         report["notes"].append(
@@ -483,7 +489,13 @@ def compile_report(
     report["xla_cost_scanned"] = {k: raw[k] for k in ("flops", "optimal_seconds") if raw and k in raw}
     report["step_seconds_est"] = None
     report["mfu_est"] = None
-    if estimate and raw:
+    if estimate and raw and cfg.mesh.stage > 1:
+        report["notes"].append(
+            "mesh.stage > 1: no XLA step-time estimate (the pipeline's schedule loop is a while "
+            "loop that cost analysis counts once); its bubble is "
+            f"{report['pipeline_bubble']:.3f} of every device's time"
+        )
+    elif estimate and raw:
         cost = _extrapolated_cost(cfg, mesh, rules, target.platform, charge_kernels=charge_kernels)
         report["xla_cost"] = cost
         if cost and cost.get("flops"):
@@ -826,6 +838,8 @@ def format_report(r: dict) -> str:
         f"remat={r['remat']}, batch {r['global_batch_size']} x {r['seq_len']} "
         f"({r['per_device_batch']:g}/device, {r['microbatches']} microbatch(es))",
     ]
+    if r.get("pipeline"):
+        lines.append(f"pipeline    {r['pipeline']}, bubble (S-1)/(M*R+S-1) = {r['pipeline_bubble']:.3f}")
     if r.get("compile_s") is not None:
         lines.append(f"compile     {r['compile_s']:.1f} s")
     mem = r.get("memory")

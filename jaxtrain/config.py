@@ -32,7 +32,7 @@ class MeshConfig:
     tensor: int = 1
     context: int = 1  # sequence shards: ring / Ulysses attention (model.context_impl)
     expert: int = 1  # expert parallelism (MoE experts split over it; also a batch axis)
-    stage: int = 1  # reserved: pipeline parallelism
+    stage: int = 1  # pipeline stages (layers split over them; see the `pipeline` section)
     rules: str = "fsdp_tensor"  # sharding.PRESETS: data_parallel | fsdp | fsdp_tensor | fsdp_tensor_sp
     # DCN tier (across TPU slices / GPU hosts): these multiply the ICI degrees above,
     # which then count devices per slice. See `jaxtrain compile --slices`.
@@ -53,6 +53,22 @@ class TrainConfig:
     seq_len: int = 64
     microbatches: int = 1  # gradient accumulation: the global batch is split into this many
     init_from: str | None = None  # converted weights (`jaxtrain convert hf-to-ckpt`) to start from
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """Pipeline parallelism, active when mesh.stage > 1 (sharding/pipeline.py): the layers
+    run as mesh.stage stages over `microbatches` slices of each (train.microbatches) batch.
+    gpipe: stage s holds one contiguous block of layers; circular: `repeats` blocks each,
+    the microbatches going round the stages `repeats` times. Idle share of each device
+    (the bubble): (stage - 1) / (microbatches * repeats + stage - 1)."""
+
+    microbatches: int | None = None  # null: mesh.stage
+    schedule: str = "gpipe"  # gpipe | circular
+    repeats: int = 1  # circular: layer blocks per stage (>= 2); gpipe: 1
+
+    def resolved_microbatches(self, stages: int) -> int:
+        return stages if self.microbatches is None else self.microbatches
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -177,6 +193,7 @@ class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
@@ -398,8 +415,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     for axis, size in m.dcn_sizes().items():
         if size < 1:
             raise ConfigError(f"mesh.dcn_{axis}={size}: expected a positive integer")
-    if m.stage != 1:
-        raise ConfigError(f"mesh.stage={m.stage}: reserved; only 1 is supported so far")
+    _validate_pipeline(cfg)
     moe = cfg.model.moe
     if m.expert > 1 and moe is not None and moe.num_experts % m.expert:
         raise ConfigError(
@@ -465,6 +481,13 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                 f"does not equal the device count {num_devices}"
             )
         dp = sizes["data"] * dcn["data"] * sizes["fsdp"] * dcn["fsdp"] * sizes["expert"]
+        pm = cfg.pipeline.resolved_microbatches(sizes["stage"]) if sizes["stage"] > 1 else 1
+        if t.global_batch_size % (dp * t.microbatches * pm):
+            raise ConfigError(
+                f"train.global_batch_size={t.global_batch_size}: expected a multiple of "
+                f"mesh.data*mesh.fsdp*mesh.expert ({dp}) x train.microbatches ({t.microbatches})"
+                f" x pipeline.microbatches ({pm}) = {dp * t.microbatches * pm}"
+            )
         if t.global_batch_size % (dp * t.microbatches):
             raise ConfigError(
                 f"train.global_batch_size={t.global_batch_size}: expected a multiple of "
@@ -539,6 +562,49 @@ def _validate_precision(cfg: Config) -> None:
             f"optimizer.loss_scale.min_scale={ls.min_scale}: expected > 0 and <= "
             f"optimizer.loss_scale.init={ls.init}"
         )
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    p, stages = cfg.pipeline, cfg.mesh.stage
+    if p.schedule not in ("gpipe", "circular"):
+        raise ConfigError(f"pipeline.schedule={p.schedule!r}: expected gpipe or circular")
+    if p.microbatches is not None and p.microbatches < 1:
+        raise ConfigError(f"pipeline.microbatches={p.microbatches}: expected a positive integer or null")
+    if p.schedule == "gpipe" and p.repeats != 1:
+        raise ConfigError(
+            f"pipeline.repeats={p.repeats}: schedule gpipe has 1 block of layers per stage; "
+            "expected 1, or pipeline.schedule=circular"
+        )
+    if p.schedule == "circular" and p.repeats < 2:
+        raise ConfigError(
+            f"pipeline.repeats={p.repeats}: schedule circular expects >= 2 blocks per stage "
+            "(repeats=1 is gpipe)"
+        )
+    if stages == -1:
+        raise ConfigError("mesh.stage=-1: expected an explicit number of pipeline stages")
+    if stages <= 1:
+        return
+    m = p.resolved_microbatches(stages)
+    if p.schedule == "circular" and m < stages:
+        raise ConfigError(f"pipeline.microbatches={m}: the circular schedule expects >= mesh.stage={stages}")
+    model, moe = cfg.model, cfg.model.moe
+    chunks = stages * p.repeats
+    stacks = (
+        {"model.n_layers": model.n_layers}
+        if moe is None
+        else {
+            "model.moe.first_dense_layers": moe.first_dense_layers,
+            "MoE layer groups (model.n_layers - first_dense_layers) / moe.every": moe.num_moe_layers(model),
+        }
+    )
+    for name, n in stacks.items():
+        if n % chunks:
+            raise ConfigError(
+                f"{name}={n}: expected a multiple of mesh.stage x pipeline.repeats = {chunks} "
+                "(each stage holds equal blocks of layers)"
+            )
+    if model.fp8:
+        raise ConfigError(f"model.fp8=true with mesh.stage={stages}: fp8 is not supported with pipelines yet")
 
 
 def _validate_data_tokens(d: DataConfig) -> None:

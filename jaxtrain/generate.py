@@ -345,6 +345,11 @@ def make_mesh(cfg: Config, devices=None):
         sizes[axis] = sizes[axis] * n if sizes[axis] != -1 else -1
     if sizes["context"] != 1:
         raise GenerateError(f"mesh.context={sizes['context']}: generation needs mesh.context=1")
+    if sizes["stage"] != 1:
+        raise GenerateError(
+            f"mesh.stage={sizes['stage']}: generation has no pipeline schedule; "
+            "override mesh.stage=1 (and fold the stages into mesh.fsdp or mesh.tensor)"
+        )
     fixed = math.prod(s for s in sizes.values() if s != -1)
     need = len(devices) if -1 in sizes.values() else fixed
     if need > len(devices) or fixed > len(devices):

@@ -128,6 +128,15 @@ def split_microbatches(batch: dict, n: int) -> dict:
     return jax.tree.map(split, batch)
 
 
+def pipeline_schedule(cfg: Config) -> sharding.PipelineSchedule | None:
+    """The model's pipeline schedule for mesh.stage > 1 (the `pipeline` section); None otherwise."""
+    stages = cfg.mesh.stage
+    if stages <= 1:
+        return None
+    p = cfg.pipeline
+    return sharding.PipelineSchedule(stages, p.resolved_microbatches(stages), p.repeats)
+
+
 def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainProgram:
     if cfg.model.remat == "auto":  # callers that did not resolve it (jaxtrain train and compile do)
         from jaxtrain.planner import resolve_remat_for_devices
@@ -141,6 +150,7 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
     param_shardings = sharding.tree_shardings(param_axes, rules, mesh, shapes=param_shapes)
     tx = make_optimizer(cfg.optimizer, cfg.train.steps, param_axes=param_axes)
     schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
+    schedule_pp = pipeline_schedule(cfg)
 
     replicated = NamedSharding(mesh, PartitionSpec())
     abstract_opt = jax.eval_shape(tx.init, param_shapes)
@@ -219,7 +229,11 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
             model = models.merge(graphdef, abstract_params, p)
             if mcfg.moe is None:
                 logits = model(
-                    micro["inputs"], positions=micro["positions"], segment_ids=micro["segment_ids"], fp8=meta
+                    micro["inputs"],
+                    positions=micro["positions"],
+                    segment_ids=micro["segment_ids"],
+                    fp8=meta,
+                    pipeline=schedule_pp,
                 )
                 total, count = cross_entropy(logits, micro["targets"], micro["loss_mask"])
                 return scaled(total), (total, count, {})
@@ -229,6 +243,7 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
                 segment_ids=micro["segment_ids"],
                 return_aux=True,
                 fp8=meta,
+                pipeline=schedule_pp,
             )
             total, count = cross_entropy(logits, micro["targets"], micro["loss_mask"])
             router = (
@@ -307,7 +322,11 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
 
         def sums(micro):
             logits = model(
-                micro["inputs"], positions=micro["positions"], segment_ids=micro["segment_ids"], fp8=state.fp8
+                micro["inputs"],
+                positions=micro["positions"],
+                segment_ids=micro["segment_ids"],
+                fp8=state.fp8,
+                pipeline=schedule_pp,
             )
             return cross_entropy(logits, micro["targets"], micro["loss_mask"])
 

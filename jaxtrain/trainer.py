@@ -47,7 +47,7 @@ from jaxtrain.faults import FaultMonitor
 from jaxtrain.flops import flops_per_token, peak_flops_per_device
 from jaxtrain.metrics import MetricsWriter
 from jaxtrain.sharding.context import permute_batch
-from jaxtrain.train_step import TrainProgram, TrainState, batch_to_device, build_program
+from jaxtrain.train_step import TrainProgram, TrainState, batch_to_device, build_program, pipeline_schedule
 
 # Config sections whose change does not affect the numbers of a resumed run.
 _RESUME_NEUTRAL = ("output_dir", "checkpoint.", "logging.", "distributed.", "eval.")
@@ -417,6 +417,12 @@ def _setup(cfg: Config, devices, notes: tuple[str, ...] = ()) -> Iterator[_Run]:
         )
         for note in notes:
             writer.log(note)
+        pp = pipeline_schedule(cfg)
+        if pp is not None:
+            writer.log(
+                f"pipeline: {cfg.pipeline.schedule}, {pp.stages} stages x {pp.microbatches} microbatches"
+                f" x {pp.repeats} repeats; bubble (S-1)/(M*R+S-1) = {pp.bubble:.3f}"
+            )
         if jax.process_count() > 1:
             from jaxtrain.distributed import describe_topology
 
@@ -573,6 +579,9 @@ def _metrics_record(run: _Run, step: int, m: dict, step_time: float, blocked: fl
     }
     if run.cfg.faults.spike_factor is not None:
         record["spikes_total"] = monitor.spikes_total
+    pp = pipeline_schedule(run.cfg)
+    if pp is not None:
+        record["pipeline_bubble"] = pp.bubble
     # Extra scalar metrics of the step (MoE router losses and load).
     record.update({k: float(v) for k, v in m.items() if k.startswith("moe_")})
     if blocked is not None:

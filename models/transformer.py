@@ -11,7 +11,7 @@ from flax import nnx
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.layers import REGION_INPUT_AXES, RESIDUAL_AXES, Block, RMSNorm, param
 from jaxtrain.models.moe import MoEBlock
-from jaxtrain.sharding import constrain
+from jaxtrain.sharding import PipelineSchedule, constrain, current_rules, logical_to_spec
 
 # What the backward pass may keep from the forward pass, per `cfg.remat` (models/config.py
 # REMAT_POLICIES says what each keeps). The names are the `checkpoint_name` tags in
@@ -92,6 +92,7 @@ class Transformer(nnx.Module):
         segment_ids: jax.Array | None = None,
         return_aux: bool = False,
         fp8: dict | None = None,
+        pipeline: PipelineSchedule | None = None,
     ):
         """tokens int [batch, seq] -> logits [batch, seq, vocab] (compute dtype).
 
@@ -103,8 +104,12 @@ class Transformer(nnx.Module):
         `moe_expert_load` [moe layers, experts]; {} for dense models.
         `fp8` (model.fp8): the fp8 state (models/fp8.py `model_meta`; in training, the
         train state's); None: every matmul in the compute dtype.
+        `pipeline` (mesh.stage > 1): run each layer stack as that pipeline schedule
+        (sharding/pipeline.py); embedding and head stay outside it. Not with `fp8`.
         """
         cfg = self.cfg
+        if pipeline is not None and fp8 is not None:
+            raise ValueError("pipeline: fp8 state is not supported inside a pipeline")
         if tokens.ndim != 2:
             raise ValueError(f"tokens: expected [batch, seq], got shape {tokens.shape}")
         b, s = tokens.shape
@@ -118,16 +123,28 @@ class Transformer(nnx.Module):
             graphdef, layer_state = nnx.split(stack)
             n = jax.tree.leaves(layer_state)[0].shape[0]
 
-            def layer(x, xs):
-                state, meta = xs
+            def layer(state, meta, x, positions, segment_ids):
                 out = nnx.merge(graphdef, state)(x, positions, segment_ids, meta)
                 return out if isinstance(out, tuple) else (out, None)
 
             if remat_policy(cfg) is not None:
                 # Inside a scan XLA cannot CSE the recompute away, and prevent_cse=True would
                 # only add barriers; unrolled, it is what keeps the remat a remat.
-                layer = jax.checkpoint(layer, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers)
-            return jax.lax.scan(layer, x, (layer_state, meta), unroll=1 if cfg.scan_layers else n)
+                layer = jax.checkpoint(
+                    layer, policy=remat_policy(cfg), prevent_cse=not (cfg.scan_layers or pipeline is not None)
+                )
+            if pipeline is not None:
+                # Stages over the mesh axis `stage` (sharding/pipeline.py): each layer sees
+                # its microbatch's rows of positions and segment ids.
+                return pipeline(
+                    lambda state, x, ex: layer(state, None, x, *ex),
+                    layer_state,
+                    x,
+                    (positions, segment_ids),
+                    x_spec=_rows_spec(x, pipeline.microbatches),
+                )
+            step = lambda x, xs: layer(*xs, x, positions, segment_ids)
+            return jax.lax.scan(step, x, (layer_state, meta), unroll=1 if cfg.scan_layers else n)
 
         meta = fp8 or {}
         aux = {}
@@ -135,12 +152,16 @@ class Transformer(nnx.Module):
             x, _ = run(self.blocks, x, meta.get("blocks"))
         if cfg.moe is not None:
             x, stats = run(self.moe_blocks, x, meta.get("moe_blocks"))
+            if pipeline is None:
+                stats = jax.tree.map(lambda v: v[:, None], stats)  # [layers, 1 microbatch, ...]
+            # Per microbatch: mean over layers (max for max_load); then mean over microbatches,
+            # as train.microbatches averages them.
             aux = {
-                f"moe_{k}": (jnp.max(v) if k == "max_load" else jnp.mean(v, axis=0))
+                f"moe_{k}": jnp.mean(jnp.max(v, axis=0) if k == "max_load" else jnp.mean(v, axis=0))
                 for k, v in stats.items()
                 if k != "expert_load"
             }
-            aux["moe_expert_load"] = stats["expert_load"]
+            aux["moe_expert_load"] = jnp.mean(stats["expert_load"], axis=1)
         logits = self.unembed(x)
         return (logits, aux) if return_aux else logits
 
@@ -157,6 +178,16 @@ class Transformer(nnx.Module):
         x = self.final_norm(x)
         head = self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
         return constrain(x @ head.astype(jnp.dtype(self.cfg.compute_dtype)), ("batch", "seq", "act_vocab"))
+
+
+def _rows_spec(x: jax.Array, microbatches: int):
+    """The PartitionSpec of one pipeline microbatch of activations x [batch, seq, embed]
+    under the active rules (None without rules or a mesh)."""
+    rules, mesh = current_rules(), jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty:
+        return None
+    shape = (x.shape[0] // microbatches, *x.shape[1:])
+    return logical_to_spec(("batch", "seq", "act_embed"), rules, mesh, shape)
 
 
 def _stack(cls, n: int, cfg: ModelConfig, rngs: nnx.Rngs):

@@ -12,6 +12,9 @@ boundaries are enough for XLA to pick the collectives we want. See README.
 """
 
 from jaxtrain.sharding.mesh import MESH_AXES, make_mesh, mesh_shape_from_sizes
+from jaxtrain.sharding.pipeline import SCHEDULES as PIPELINE_SCHEDULES
+from jaxtrain.sharding.pipeline import Schedule as PipelineSchedule
+from jaxtrain.sharding.pipeline import bubble_fraction, run_pipeline
 from jaxtrain.sharding.rules import (
     DATA_PARALLEL,
     DEFAULT_RULES,
@@ -37,6 +40,10 @@ __all__ = [
     "MESH_AXES",
     "make_mesh",
     "mesh_shape_from_sizes",
+    "PIPELINE_SCHEDULES",
+    "PipelineSchedule",
+    "bubble_fraction",
+    "run_pipeline",
     "DATA_PARALLEL",
     "DEFAULT_RULES",
     "FSDP",
