@@ -7,8 +7,7 @@ off the optimized HLO of the tiny model's forward + backward program with
 that silently all-gathers full weights over an axis that does not shard them
 fails here even though training would still be correct.
 
-A new parallelism (pipeline: collective-permute over `stage`) is one more row
-in CASES.
+A new parallelism is one more row in CASES.
 """
 
 import itertools
@@ -41,6 +40,13 @@ CASES = {
     # at each TP region's input (XLA:CPU leaves the reduce-scatter an all-reduce; see
     # tests/test_sequence_parallel.py for the TPU compile)
     "sp": ((), dict(data=4, tensor=2), "fsdp_tensor_sp", {"all-gather": ("tensor",)}),
+    # pipeline: the stage buffer's shift is a collective-permute over stage (sharding/pipeline.py)
+    "pp": (
+        ("pipeline.schedule=gpipe",),
+        dict(data=4, stage=2),
+        "fsdp_tensor",
+        {"collective-permute": ("stage",)},
+    ),
     "cp": (
         ("model.context_impl=ring",),
         dict(data=2, context=4),
