@@ -101,6 +101,21 @@ class Transformer(nnx.Module):
         `fp8` (model.fp8): the fp8 state (models/fp8.py `model_meta`; in training, the
         train state's); None: every matmul in the compute dtype.
         """
+        x, aux = self.hidden(tokens, positions=positions, segment_ids=segment_ids, fp8=fp8)
+        logits = self.project(x)
+        return (logits, aux) if return_aux else logits
+
+    def hidden(
+        self,
+        tokens: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        fp8: dict | None = None,
+    ) -> tuple[jax.Array, dict]:
+        """(final-normed activations [batch, seq, d_model] (compute dtype), aux): the model
+        up to the output projection, for losses that apply the head themselves
+        (jaxtrain/chunked_loss.py); arguments and aux as `__call__`."""
         cfg = self.cfg
         if tokens.ndim != 2:
             raise ValueError(f"tokens: expected [batch, seq], got shape {tokens.shape}")
@@ -138,8 +153,7 @@ class Transformer(nnx.Module):
                 if k != "expert_load"
             }
             aux["moe_expert_load"] = stats["expert_load"]
-        logits = self.unembed(x)
-        return (logits, aux) if return_aux else logits
+        return self.final_norm(x), aux
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens int [batch, seq] -> activations [batch, seq, d_model] (compute dtype)."""
@@ -148,9 +162,17 @@ class Transformer(nnx.Module):
 
     def unembed(self, x: jax.Array) -> jax.Array:
         """Last layer's activations [batch, seq, d_model] -> logits [batch, seq, vocab]."""
-        x = self.final_norm(x)
-        head = self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        return constrain(x @ head.astype(jnp.dtype(self.cfg.compute_dtype)), ("batch", "seq", "act_vocab"))
+        return self.project(self.final_norm(x))
+
+    def project(self, x: jax.Array) -> jax.Array:
+        """Final-normed activations [batch, seq, d_model] -> logits [batch, seq, vocab]."""
+        head = self.head().astype(jnp.dtype(self.cfg.compute_dtype))
+        return constrain(x @ head, ("batch", "seq", "act_vocab"))
+
+    def head(self) -> jax.Array:
+        """The output projection [d_model, vocab] (param dtype): lm_head, or the embedding's
+        transpose when tied."""
+        return self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
 
 def _stack(cls, n: int, cfg: ModelConfig, rngs: nnx.Rngs):
