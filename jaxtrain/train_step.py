@@ -127,7 +127,9 @@ def model_loss(model, micro: dict, fp8: dict | None, chunk: int) -> tuple[jax.Ar
         micro["inputs"], positions=micro["positions"], segment_ids=micro["segment_ids"], fp8=fp8
     )
     if chunk:
-        total, count = chunked_cross_entropy(x, model.head(), micro["targets"], micro["loss_mask"], chunk=chunk)
+        total, count = chunked_cross_entropy(
+            x, model.head(), micro["targets"], micro["loss_mask"], chunk=chunk
+        )
     else:
         total, count = cross_entropy(model.project(x), micro["targets"], micro["loss_mask"])
     return total, count, aux

@@ -80,6 +80,7 @@ def _small(chunk, **overrides):
         "model.mlp_dim=128",
         "train.seq_len=32",
         "model.vocab_size=128",
+        "model.n_layers=1",
         f"train.loss_chunk={chunk}",
     )
     return replace(cfg, **overrides)
@@ -93,7 +94,7 @@ def _program_results(cfg):
         return float(loss), jax.device_get(grads), (float(total), float(count))
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("tied", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["untied", "tied"])
 def test_program_sharded_matches_plain_single_device(tied):
     one = dict(data=1, fsdp=1, tensor=1)
     model = dict(tie_embeddings=tied)
