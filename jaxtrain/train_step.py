@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain import models, sharding
+from jaxtrain.chunked_loss import chunked_cross_entropy
 from jaxtrain.config import Config, ConfigError, LossScaleConfig
 from jaxtrain.faults import FAULT_NONE, FAULT_NONFINITE, FAULT_SPIKE
 from jaxtrain.models.fp8 import combine as fp8_combine
@@ -116,6 +117,29 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tup
     losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
     mask = mask.astype(jnp.float32)
     return jnp.sum(losses * mask), jnp.sum(mask)
+
+
+def model_loss(
+    model, micro: dict, fp8: dict | None, chunk: int, pipeline: sharding.PipelineSchedule | None = None
+) -> tuple[jax.Array, jax.Array, dict]:
+    """(CE sum, counted tokens, aux) of `model` on one (micro)batch. `chunk`
+    (`train.loss_chunk`): > 0, the loss runs over that many positions at a time and the
+    full logits are never formed (jaxtrain/chunked_loss.py); 0, the plain loss over them.
+    `pipeline`: the layer stacks' pipeline schedule (mesh.stage > 1), else None."""
+    x, aux = model.hidden(
+        micro["inputs"],
+        positions=micro["positions"],
+        segment_ids=micro["segment_ids"],
+        fp8=fp8,
+        pipeline=pipeline,
+    )
+    if chunk:
+        total, count = chunked_cross_entropy(
+            x, model.head(), micro["targets"], micro["loss_mask"], chunk=chunk
+        )
+    else:
+        total, count = cross_entropy(model.project(x), micro["targets"], micro["loss_mask"])
+    return total, count, aux
 
 
 def split_microbatches(batch: dict, n: int) -> dict:
@@ -227,25 +251,9 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
 
         def loss_sum(p, meta):
             model = models.merge(graphdef, abstract_params, p)
+            total, count, stats = model_loss(model, micro, meta, cfg.train.loss_chunk, schedule_pp)
             if mcfg.moe is None:
-                logits = model(
-                    micro["inputs"],
-                    positions=micro["positions"],
-                    segment_ids=micro["segment_ids"],
-                    fp8=meta,
-                    pipeline=schedule_pp,
-                )
-                total, count = cross_entropy(logits, micro["targets"], micro["loss_mask"])
                 return scaled(total), (total, count, {})
-            logits, stats = model(
-                micro["inputs"],
-                positions=micro["positions"],
-                segment_ids=micro["segment_ids"],
-                return_aux=True,
-                fp8=meta,
-                pipeline=schedule_pp,
-            )
-            total, count = cross_entropy(logits, micro["targets"], micro["loss_mask"])
             router = (
                 mcfg.moe.aux_loss_weight * stats["moe_aux_loss"]
                 + mcfg.moe.z_loss_weight * stats["moe_z_loss"]
@@ -321,14 +329,7 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
         model = models.merge(graphdef, abstract_params, params)
 
         def sums(micro):
-            logits = model(
-                micro["inputs"],
-                positions=micro["positions"],
-                segment_ids=micro["segment_ids"],
-                fp8=state.fp8,
-                pipeline=schedule_pp,
-            )
-            return cross_entropy(logits, micro["targets"], micro["loss_mask"])
+            return model_loss(model, micro, state.fp8, cfg.train.loss_chunk, schedule_pp)[:2]
 
         n = cfg.train.microbatches
         if n == 1:

@@ -107,6 +107,22 @@ class Transformer(nnx.Module):
         `pipeline` (mesh.stage > 1): run each layer stack as that pipeline schedule
         (sharding/pipeline.py); embedding and head stay outside it. Not with `fp8`.
         """
+        x, aux = self.hidden(tokens, positions=positions, segment_ids=segment_ids, fp8=fp8, pipeline=pipeline)
+        logits = self.project(x)
+        return (logits, aux) if return_aux else logits
+
+    def hidden(
+        self,
+        tokens: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        fp8: dict | None = None,
+        pipeline: PipelineSchedule | None = None,
+    ) -> tuple[jax.Array, dict]:
+        """(final-normed activations [batch, seq, d_model] (compute dtype), aux): the model
+        up to the output projection, for losses that apply the head themselves
+        (jaxtrain/chunked_loss.py); arguments and aux as `__call__`."""
         cfg = self.cfg
         if pipeline is not None and fp8 is not None:
             raise ValueError("pipeline: fp8 state is not supported inside a pipeline")
@@ -162,8 +178,7 @@ class Transformer(nnx.Module):
                 if k != "expert_load"
             }
             aux["moe_expert_load"] = jnp.mean(stats["expert_load"], axis=1)
-        logits = self.unembed(x)
-        return (logits, aux) if return_aux else logits
+        return self.final_norm(x), aux
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens int [batch, seq] -> activations [batch, seq, d_model] (compute dtype)."""
@@ -175,9 +190,17 @@ class Transformer(nnx.Module):
 
     def unembed(self, x: jax.Array) -> jax.Array:
         """Last layer's activations [batch, seq, d_model] -> logits [batch, seq, vocab]."""
-        x = self.final_norm(x)
-        head = self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        return constrain(x @ head.astype(jnp.dtype(self.cfg.compute_dtype)), ("batch", "seq", "act_vocab"))
+        return self.project(self.final_norm(x))
+
+    def project(self, x: jax.Array) -> jax.Array:
+        """Final-normed activations [batch, seq, d_model] -> logits [batch, seq, vocab]."""
+        head = self.head().astype(jnp.dtype(self.cfg.compute_dtype))
+        return constrain(x @ head, ("batch", "seq", "act_vocab"))
+
+    def head(self) -> jax.Array:
+        """The output projection [d_model, vocab] (param dtype): lm_head, or the embedding's
+        transpose when tied."""
+        return self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
 
 def _rows_spec(x: jax.Array, microbatches: int):
