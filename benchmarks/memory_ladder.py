@@ -3,8 +3,8 @@ one config under every `model.remat` policy, optimizer offload and fp8, from dev
 compiles of the real train step (`jaxtrain.compile.compile_report`).
 
     python benchmarks/memory_ladder.py configs/llama2-7b.yaml --target tpu:v5p-64 --out ladder-tpu.json
-    python benchmarks/memory_ladder.py configs/llama2-7b.yaml --target gpu:h100 --hosts 2 \\
-        --out ladder-h100.json train.global_batch_size=64
+    python benchmarks/memory_ladder.py configs/llama2-7b.yaml train.global_batch_size=64 \\
+        --target gpu:h100 --hosts 2 --out ladder-h100.json
 
 Each row is written to --out as soon as it is compiled (a rerun skips the rows already
 there), then the table is printed as Markdown. `--rows a,b` compiles only those rows.
@@ -82,6 +82,7 @@ def markdown(rows: list[dict], target: str) -> str:
         if r["fits"] is None:
             lines.append(f"| {r['row']} | n/a: {r['error']} | | | | |")
             continue
+        name = r["row"] if r.get("fp8_gemms") is None else f"{r['row']} ({r['fp8_gemms']} fp8 GEMMs)"
         fits = "yes" if r["fits"] else "**no**"
         host = (
             f"{r['host_gib']:.2f} ({r['host_args_gib']:.2f}, {r['host_temp_gib']:.2f})"
@@ -89,7 +90,7 @@ def markdown(rows: list[dict], target: str) -> str:
             else "0"
         )
         lines.append(
-            f"| {r['row']} | {fits} | {r['hbm_gib']:.2f} ({r['args_gib']:.2f}, {r['temp_gib']:.2f}) | "
+            f"| {name} | {fits} | {r['hbm_gib']:.2f} ({r['args_gib']:.2f}, {r['temp_gib']:.2f}) | "
             f"{host} | {step} | {mfu} |"
         )
     return "\n".join(lines)
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="JSON file of rows (appended to, resumable)")
     p.add_argument("--rows", default=None, help="comma-separated row names (default: all)")
     p.add_argument("--no-estimate", action="store_true", help="skip the 1-/2-layer cost compiles")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides before or after the options
     target = parse_target(args.target, hosts=args.hosts, slices=args.slices)
     done = json.load(open(args.out)) if os.path.exists(args.out) else []
     names = args.rows.split(",") if args.rows else list(ROWS)

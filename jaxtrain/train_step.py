@@ -206,14 +206,7 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
     # pinned host memory; the step brings them to the device and its output shardings
     # send the new values back, into the donated host buffers.
     opt_shardings = opt_state_shardings(None)
-    if ocfg.offload or ocfg.offload_params:
-        probe = jax.tree.leaves(param_shardings)[0].with_memory_kind(HOST)
-        if probe.memory_kind != HOST:  # JAX drops a memory kind the devices do not have
-            raise ConfigError(
-                f"optimizer.offload: the devices ({mesh.devices.flat[0].device_kind}) have no "
-                f"'{HOST}' memory (JAX memory kinds), so the optimizer state cannot live on the host; "
-                "set optimizer.offload=false and optimizer.offload_params=false"
-            )
+    to_device, to_host = _offload_moves(mesh, ocfg.offload or ocfg.offload_params)
     # float16 compute: dynamic loss scaling (optimizer.loss_scale), its state in the train state.
     scaling = mcfg.compute_dtype == "float16"
     state_shardings = TrainState(
@@ -325,7 +318,7 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
         without gradients or MoE router losses, over `train.microbatches` slices as the step
         takes them (so its peak memory stays below the step's); model.fp8: quantized with the
         state's fp8 scales, which it leaves as they are. Nothing is donated."""
-        params = jax.device_put(state.params, param_shardings) if ocfg.offload_params else state.params
+        params = to_device(state.params, param_shardings) if ocfg.offload_params else state.params
         model = models.merge(graphdef, abstract_params, params)
 
         def sums(micro):
@@ -345,8 +338,8 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
 
     def step(state: TrainState, batch: dict):
         # Offloaded state comes to the device here (a no-op when it lives there already).
-        old_params = jax.device_put(state.params, param_shardings) if ocfg.offload_params else state.params
-        old_opt = jax.device_put(state.opt_state, opt_shardings) if ocfg.offload else state.opt_state
+        old_params = to_device(state.params, param_shardings) if ocfg.offload_params else state.params
+        old_opt = to_device(state.opt_state, opt_shardings) if ocfg.offload else state.opt_state
         scale = state.loss_scale["scale"] if scaling else None
         loss, count, grads, moe_stats, fp8 = loss_grads_and_stats(old_params, batch, scale, state.fp8)
         grad_norm = optax.tree.norm(grads)
@@ -400,8 +393,8 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
             metrics["loss_scale_overflows"] = loss_scale["overflows"]  # running total
         return TrainState(
             step=state.step + 1,
-            params=params,
-            opt_state=opt_state,
+            params=to_host(params) if ocfg.offload_params else params,
+            opt_state=to_host(opt_state) if ocfg.offload else opt_state,
             loss_window=window,
             loss_scale=loss_scale,
             fp8=fp8,
@@ -433,6 +426,39 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
 
 
 HOST = "pinned_host"  # where optimizer.offload keeps state (a JAX memory kind)
+
+
+def _offload_moves(mesh: Mesh, offload: bool) -> tuple[Callable, Callable]:
+    """(to_device(tree, device_shardings), to_host(tree)): how the step moves offloaded state.
+
+    Where the devices have a `pinned_host` memory kind (TPU, GPU, CPU), the state's
+    shardings carry it: the step's input and output shardings place the state, so
+    to_device is a device_put to the device shardings and to_host does nothing.
+    Compile-only GPU devices (`jaxtrain compile`, XLA's GPU topology) describe no
+    memory spaces at all, and jaxlib then drops every memory kind from their shardings
+    (`NamedSharding.with_memory_kind("pinned_host").memory_kind is None`); there the
+    step moves the state itself with `jax.memory.Space` (XLA's host-offload custom
+    calls, as the remat offload policies do), which the compiler honours: the donated
+    state is host memory in the compiled program's memory stats. Devices that list
+    their memories but no `pinned_host` are a config error.
+    """
+    keep = lambda tree, *_: tree
+    if not offload:
+        return keep, keep
+    device = mesh.devices.flat[0]
+    probe = NamedSharding(mesh, PartitionSpec()).with_memory_kind(HOST)
+    if probe.memory_kind == HOST:
+        return jax.device_put, keep
+    if not device.addressable_memories():  # a compile-only device without memory descriptions
+        return (
+            lambda tree, *_: jax.device_put(tree, jax.memory.Space.Device),
+            lambda tree: jax.device_put(tree, jax.memory.Space.Host),
+        )
+    raise ConfigError(
+        f"optimizer.offload: the devices ({device.device_kind}) have no '{HOST}' memory (JAX memory "
+        "kinds), so the optimizer state cannot live on the host; set optimizer.offload=false and "
+        "optimizer.offload_params=false"
+    )
 
 
 def _in_memory(shardings, memory_kind: str | None):

@@ -584,6 +584,10 @@ def _metrics_record(run: _Run, step: int, m: dict, step_time: float, blocked: fl
         record["pipeline_bubble"] = pp.bubble
     # Extra scalar metrics of the step (MoE router losses and load).
     record.update({k: float(v) for k, v in m.items() if k.startswith("moe_")})
+    if "loss_scale" in m:  # float16: the scale the step ran at; overflow skips, apart from `skipped`
+        record["loss_scale"] = float(m["loss_scale"])
+        record["loss_scale_skipped"] = int(m["loss_scale_skipped"])
+        record["loss_scale_overflows"] = int(m["loss_scale_overflows"])
     if blocked is not None:
         record["checkpoint_blocked_s"] = blocked
     return record

@@ -2,8 +2,8 @@
 moments (and master weights) in pinned host memory, and `model.remat=offload_matmuls`
 / `custom` offloads saved activations. On CPU: the same losses as without offload,
 the state really in `pinned_host`, and a checkpoint resume of an offloaded state.
-Deviceless TPU compile: the offloaded bytes show as host memory in the program's
-memory stats."""
+Deviceless TPU and H100 compiles: the offloaded bytes show as host memory in the
+program's memory stats."""
 
 import jax
 import pytest
@@ -54,3 +54,27 @@ def test_offloaded_bytes_are_host_memory_in_the_compiled_program():
     assert mem["opt+params"]["argument"] < 0.01 * mem["base"]["argument"]
     # Offloaded activations: host temp buffers, less HBM temp.
     assert mem["remat"]["host_temp"] > 0 and mem["remat"]["temp"] < mem["base"]["temp"]
+
+
+@pytest.mark.skipif(not targets.cuda_available(), reason="jax-cuda12-plugin not installed")
+def test_offloaded_optimizer_state_is_host_memory_on_a_deviceless_h100():
+    """Compile-only H100 devices list no memories, so JAX drops `pinned_host` from their
+    shardings; the step then moves the offloaded state itself (jax.memory.Space). The
+    oracle is the parameter count: the moments (2 x f32 per parameter) and the master
+    weights (1 x f32) are host arguments, gone from HBM, and donated back."""
+    target = parse_target("gpu:h100", gpus_per_host=2)
+    cfg = lambda *o: tiny_config(None, "mesh.fsdp=2", "model.attention_impl=xla", *o)  # no Triton compile
+    base, off = (compile_report(cfg(*o), target, estimate=False)["memory"] for o in ((), OFFLOAD))
+    n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(lambda: _params(cfg()))))
+    state = 3 * 4 * n_params / 2  # f32 params + 2 moments, every parameter split over fsdp=2
+    assert base["host_total"] == 0 and base["argument"] == pytest.approx(state, rel=0.01)
+    assert off["host_argument"] == pytest.approx(state, rel=0.01) and off["argument"] < 0.01 * state
+    assert off["host_output"] == off["host_alias"] == off["host_argument"]  # donated back
+
+
+def _params(cfg):
+    from flax import nnx
+
+    from jaxtrain import models
+
+    return nnx.state(models.Transformer(cfg.model, rngs=nnx.Rngs(0)), nnx.Param)
