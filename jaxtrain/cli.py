@@ -194,9 +194,25 @@ def _generate_parser(sub) -> None:
     )
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, with dotted overrides before or after the options alike
+    (`jaxtrain compile CFG --target gpu:h100 --hosts 2 train.global_batch_size=64`):
+    argparse ends the `overrides` positional at the first option, so the key=value words
+    left after the options are put back with the others. Anything else left over is
+    refused as argparse would (exit 2, usage)."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     commands = {
         "train": lambda: _train(args, argv),
         "compile": lambda: _compile(args),

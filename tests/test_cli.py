@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jaxtrain.cli import main
+from jaxtrain.cli import main, parse_args
 from tests.conftest import REPO
 
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
@@ -99,6 +99,21 @@ def test_subprocess_config_error_is_one_line_and_fast():
     assert out.stderr.strip().splitlines() == [
         "jaxtrain: error: model.n_kv_heads=3: expected a divisor of model.n_heads=4"
     ]
+
+
+def test_overrides_may_follow_the_options(capsys):
+    """The presets' headers write `compile CFG --target T --hosts 2 key=value`: overrides
+    after the options join those before them, in order; stray words still exit 2."""
+    cfg = "configs/llama2-7b.yaml"
+    before = parse_args(["compile", cfg, "mesh.fsdp=2", "--target", "gpu:h100", "--hosts", "2", "a.b=1"])
+    assert before.overrides == ["mesh.fsdp=2", "a.b=1"] and before.hosts == 2 and before.target == "gpu:h100"
+    after = parse_args(["compile", cfg, "--target", "gpu:h100", "mesh.fsdp=2", "a.b=1"])
+    assert after.overrides == ["mesh.fsdp=2", "a.b=1"]
+    for stray in ("--no-such-flag", "notakeyvalue"):
+        with pytest.raises(SystemExit) as e:
+            parse_args(["compile", cfg, "--target", "gpu:h100", stray])
+        assert e.value.code == 2
+        assert "unrecognized arguments" in capsys.readouterr().err
 
 
 def test_missing_config_file():
