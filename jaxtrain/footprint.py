@@ -43,16 +43,33 @@ class Footprint:
         return self.state + self.activations + self.logits
 
 
+def _mesh_product(mesh_sizes: dict[str, int]):
+    """size(*axes): the product of those mesh axes' sizes (absent or -1 count as 1)."""
+    return lambda *axes: math.prod(max(1, mesh_sizes.get(a, 1)) for a in axes)
+
+
+def _moment_shards(cfg: Config, size) -> int:
+    """How many ways the Adam moments split beyond the parameters' own sharding: ZeRO-1
+    (optimizer.shard_state) adds the data axis."""
+    return size("data") if cfg.optimizer.shard_state else 1
+
+
+def _microbatch_shape(cfg: Config, size) -> tuple[int, int]:
+    """(rows, seq) of one microbatch on one device."""
+    t = cfg.train
+    rows = max(1, t.global_batch_size // (size("data", "fsdp", "expert") * t.microbatches))
+    return rows, max(1, t.seq_len // size("context"))
+
+
 def lower_bound(cfg: Config, mesh_sizes: dict[str, int]) -> Footprint:
     """The step's memory per device, from below, on a mesh of `mesh_sizes` (resolved, no -1)."""
-    m, t = cfg.model, cfg.train
-    size = lambda *axes: math.prod(max(1, mesh_sizes.get(a, 1)) for a in axes)
+    m = cfg.model
+    size = _mesh_product(mesh_sizes)
     param_shards = size("fsdp", "tensor", "expert")
     # parameters and gradients, then the two moments (ZeRO-1, optimizer.shard_state: over data too)
-    moment_shards = size("data") if cfg.optimizer.shard_state else 1
-    state = int(4 * (2 + 2 / moment_shards) * m.param_count()) // param_shards
-    rows = max(1, t.global_batch_size // (size("data", "fsdp", "expert") * t.microbatches))
-    tokens = rows * max(1, t.seq_len // size("context"))
+    state = int(4 * (2 + 2 / _moment_shards(cfg, size)) * m.param_count()) // param_shards
+    rows, seq = _microbatch_shape(cfg, size)
+    tokens = rows * seq
     activations = m.n_layers * tokens * m.d_model * _BYTES.get(m.compute_dtype, 4)
     logits = 4 * tokens * max(1, m.vocab_size // size("tensor"))
     return Footprint(state=state, activations=activations, logits=logits)
@@ -114,7 +131,8 @@ def _gib(n: int) -> str:
 #
 # Per device, T = tokens of one microbatch on one device = rows x seq_len / context,
 # a = compute-dtype bytes, p = param-dtype bytes, P = parameters, shards = fsdp x tensor x expert:
-#   state        = P x (3p + p) / shards          params + Adam m, v + gradients
+#   state        = P x (2p + 2p / data_zero1) / shards   params + gradients + Adam m, v
+#                  (data_zero1: mesh data with optimizer.shard_state (ZeRO-1), else 1)
 #                  (+ P x 4 / shards for the gradient accumulator when microbatches > 1)
 #   saved        = L x T x (bytes/token the remat policy keeps per layer, SAVED_BYTES)
 #   working set  = T x (bytes/token of one layer with nothing recomputed) + attention scores
@@ -208,12 +226,12 @@ def estimate(cfg: Config, mesh_sizes: dict[str, int], *, attention_impl: str | N
     """The step's peak memory per device, estimated (formulas above); `attention_impl` is the
     resolved one ("pallas": flash, no seq x seq scores kept; "xla": scores materialised)."""
     m, t = cfg.model, cfg.train
-    size = lambda *axes: math.prod(max(1, mesh_sizes.get(a, 1)) for a in axes)
+    size = _mesh_product(mesh_sizes)
     shards = size("fsdp", "tensor", "expert")
     p = _BYTES.get(m.param_dtype, 4)
-    state = m.param_count() * (4 * p + (4 if t.microbatches > 1 else 0)) // shards
-    rows = max(1, t.global_batch_size // (size("data", "fsdp", "expert") * t.microbatches))
-    seq = max(1, t.seq_len // size("context"))
+    per_param = 2 * p + 2 * p / _moment_shards(cfg, size) + (4 if t.microbatches > 1 else 0)
+    state = m.param_count() * per_param // shards
+    rows, seq = _microbatch_shape(cfg, size)
     tokens = rows * seq
     tp = size("tensor")
     saved = m.n_layers * tokens * saved_bytes_per_token(m, m.remat, tp, m.remat_custom)

@@ -72,6 +72,21 @@ def test_shard_further_by_hand():
     assert sharding.shard_further(P(), (8,), mesh, "tensor") == P()  # no such axis
 
 
+def test_memory_estimates_split_the_moments_over_data():
+    """footprint's lower bound (the door check) and estimate (planner, remat: auto) both count
+    ZeRO-1's moments split over data: hand-computed from the parameter count (f32 params,
+    grads and the two Adam moments; 1/8 of the moments on data=8)."""
+    from jaxtrain import footprint
+
+    plain, zero1 = tiny_config(), tiny_config(None, "optimizer.shard_state=true")
+    n = plain.model.param_count()
+    sizes = {"data": 8}
+    assert footprint.estimate(plain, sizes).state == 16 * n
+    assert footprint.estimate(zero1, sizes).state == 8 * n + 8 * n // 8
+    assert footprint.lower_bound(plain, sizes).state == 16 * n
+    assert footprint.lower_bound(zero1, sizes).state == int(4 * (2 + 2 / 8) * n)
+
+
 def test_zero1_matches_one_device_and_plain_data_parallelism(runs):
     one, dp, z = runs["one"], runs["dp"], runs["zero1"]
     np.testing.assert_allclose(z["losses"], one["losses"], rtol=LOSS_RTOL)
