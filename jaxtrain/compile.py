@@ -828,12 +828,19 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
-def format_report(r: dict) -> str:
-    lines = [
+def _target_and_mesh_lines(r: dict) -> list[str]:
+    """The first two lines of both reports (training and decode)."""
+    return [
         f"target      {r['target']}  [{r['device_kind']}, {r['num_devices']} devices]",
         f"mesh        {r['mesh'] or 'one device'}"
-        + (f"  dcn {r['mesh_dcn']}" if r['mesh_dcn'] else "")
+        + (f"  dcn {r['mesh_dcn']}" if r["mesh_dcn"] else "")
         + f"  rules={r['rules']}",
+    ]
+
+
+def format_report(r: dict) -> str:
+    lines = [
+        *_target_and_mesh_lines(r),
         f"model       {_count(r['params'])} params, attention={r['attention_impl']}, "
         f"remat={r['remat']}, batch {r['global_batch_size']} x {r['seq_len']} "
         f"({r['per_device_batch']:g}/device, {r['microbatches']} microbatch(es))",
@@ -912,10 +919,7 @@ def format_decode_report(r: dict) -> str:
     """`jaxtrain compile --mode decode` as text."""
     hbm = r["hbm_bytes"]
     lines = [
-        f"target      {r['target']}  [{r['device_kind']}, {r['num_devices']} devices]",
-        f"mesh        {r['mesh'] or 'one device'}"
-        + (f"  dcn {r['mesh_dcn']}" if r["mesh_dcn"] else "")
-        + f"  rules={r['rules']}",
+        *_target_and_mesh_lines(r),
         f"model       {_count(r['params'])} params ({r['param_dtype']}; compute {r['compute_dtype']}), "
         f"attention={r['attention_impl']}",
         f"decode      batch {r['batch']}, cache {r['cache_len']} positions (--max-len {r['max_len']}); "
