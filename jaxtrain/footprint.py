@@ -9,9 +9,11 @@ empty run folder behind).
 It is deliberately a LOWER bound, so it never refuses a config that fits. Per device:
 - state: parameters, gradients and the two AdamW moments, 4 bytes each, sharded
   over the axes that shard parameters (fsdp x tensor x expert), the moments also over
-  data with optimizer.shard_state (ZeRO-1);
+  data with optimizer.shard_state (ZeRO-1), the layers' parameters also over
+  pipeline stages (mesh.stage);
 - activations: what the backward pass must keep, at least one [tokens, d_model]
   tensor per layer (remat full keeps only the layer inputs), in the compute dtype;
+  with pipeline stages, at least one in all (each stage keeps its iterations' inputs);
 - logits: the [tokens, vocab] output projection in f32 (cross-entropy runs in f32),
   vocab sharded over tensor.
 with tokens = per-device batch (global batch / (data x fsdp x expert x microbatches))
@@ -66,11 +68,16 @@ def lower_bound(cfg: Config, mesh_sizes: dict[str, int]) -> Footprint:
     m = cfg.model
     size = _mesh_product(mesh_sizes)
     param_shards = size("fsdp", "tensor", "expert")
-    # parameters and gradients, then the two moments (ZeRO-1, optimizer.shard_state: over data too)
-    state = int(4 * (2 + 2 / _moment_shards(cfg, size)) * m.param_count()) // param_shards
+    # parameters and gradients, then the two moments (ZeRO-1, optimizer.shard_state: over data
+    # too); pipeline stages split the layers' parameters (not the embedding and head)
+    stack = layer_stack_params(m)
+    params = stack // size("stage") + m.param_count() - stack
+    state = int(4 * (2 + 2 / _moment_shards(cfg, size)) * params) // param_shards
     rows, seq = _microbatch_shape(cfg, size)
     tokens = rows * seq
-    activations = m.n_layers * tokens * m.d_model * _BYTES.get(m.compute_dtype, 4)
+    # a stage keeps one [tokens, d_model] input per pipeline iteration, at least `tokens` of them
+    layers = m.n_layers if size("stage") == 1 else 1
+    activations = layers * tokens * m.d_model * _BYTES.get(m.compute_dtype, 4)
     logits = 4 * tokens * max(1, m.vocab_size // size("tensor"))
     return Footprint(state=state, activations=activations, logits=logits)
 
@@ -138,6 +145,13 @@ def _gib(n: int) -> str:
 #   working set  = T x (bytes/token of one layer with nothing recomputed) + attention scores
 #                  when attention is not a flash kernel: heads/tensor x S x (a + 4) per token
 #   logits       = 2 x 4 x T x V / tensor          f32 logits and their gradient
+#                  (train.loss_chunk = c: 2 x 4 x rows x c/context x V / tensor + 4 x T x D)
+# With pipeline stages (mesh.stage = S > 1, pipeline.microbatches M, repeats R, I = M R + S - 1
+# iterations, sharding/pipeline.py): the layers' parameters split over S (embedding and head
+# do not); each iteration keeps only its stage's input and recomputes the stage in the backward:
+#   saved        = I x T/M x D x a + 2 x T x D x a (microbatch buffers)
+#                  + L/(S R) x T/M x (bytes/token the remat policy keeps)
+#   working set  = T/M x (bytes/token of one layer with nothing recomputed)
 # total = state + saved + working set + logits.
 
 #: The remat policies in order of cost (recomputed FLOPs), cheapest first; `auto` walks this.
@@ -222,23 +236,53 @@ class Estimate:
         return self.state + self.saved + self.working + self.logits
 
 
+def layer_stack_params(m) -> int:
+    """Parameters inside the repeated layers (what pipeline stages split; the embedding,
+    the final norm and an untied head stay outside)."""
+    head = 0 if m.tie_embeddings else m.vocab_size * m.d_model
+    return m.param_count(include_embedding=False) - m.d_model - head
+
+
 def estimate(cfg: Config, mesh_sizes: dict[str, int], *, attention_impl: str | None = None) -> Estimate:
     """The step's peak memory per device, estimated (formulas above); `attention_impl` is the
     resolved one ("pallas": flash, no seq x seq scores kept; "xla": scores materialised)."""
     m, t = cfg.model, cfg.train
     size = _mesh_product(mesh_sizes)
     shards = size("fsdp", "tensor", "expert")
+    stages = size("stage")
     p = _BYTES.get(m.param_dtype, 4)
+    a = _BYTES.get(m.compute_dtype, 4)
     per_param = 2 * p + 2 * p / _moment_shards(cfg, size) + (4 if t.microbatches > 1 else 0)
-    state = m.param_count() * per_param // shards
+    stack = layer_stack_params(m)
+    state = (stack / stages + m.param_count() - stack) * per_param / shards
     rows, seq = _microbatch_shape(cfg, size)
     tokens = rows * seq
     tp = size("tensor")
-    saved = m.n_layers * tokens * saved_bytes_per_token(m, m.remat, tp, m.remat_custom)
-    working = tokens * layer_bytes_per_token(m, tp)
+    kept = saved_bytes_per_token(m, m.remat, tp, m.remat_custom)
+    if stages > 1:  # sharding/pipeline.py: each iteration keeps only its stage's input
+        pm = cfg.pipeline.resolved_microbatches(stages)
+        reps = cfg.pipeline.repeats
+        iterations = pm * reps + stages - 1
+        t_pm = tokens / pm  # tokens of one pipeline microbatch
+        saved = iterations * t_pm * m.d_model * a  # stage inputs kept for the backward
+        saved += 2 * tokens * m.d_model * a  # the microbatch buffers in and out (not on stage)
+        saved += m.n_layers / (stages * reps) * t_pm * kept  # one iteration's backward
+        working = t_pm * layer_bytes_per_token(m, tp)
+        # the iteration's block of layers gathered whole (fsdp) in the parameter dtype: the
+        # stage recompute holds its weights (or their unreduced gradients) at once
+        working += stack / (stages * reps) * p / (tp * size("expert"))
+        att_rows = rows / pm
+    else:
+        saved = m.n_layers * tokens * kept
+        working = tokens * layer_bytes_per_token(m, tp)
+        att_rows = rows
     impl = attention_impl or m.attention_impl
     if impl == "xla":  # [rows, heads, seq, seq] probabilities and f32 scores of one layer
-        a = _BYTES.get(m.compute_dtype, 4)
-        working += rows * max(1, m.n_heads // tp) * seq * t.seq_len * (a + 4)
-    logits = 2 * 4 * tokens * max(1, m.vocab_size // tp)
+        working += att_rows * max(1, m.n_heads // tp) * seq * t.seq_len * (a + 4)
+    if t.loss_chunk:  # jaxtrain/chunked_loss.py: one chunk of logits live, plus d loss / d x in f32
+        chunk = max(1, min(seq, t.loss_chunk // size("context")))
+        logits = 2 * 4 * rows * chunk * max(1, m.vocab_size // tp) + 4 * tokens * m.d_model
+    else:
+        logits = 2 * 4 * tokens * max(1, m.vocab_size // tp)
+    logits /= stages  # outside the pipeline the compiler spreads the head over stage too (compiled)
     return Estimate(state=int(state), saved=int(saved), working=int(working), logits=int(logits))

@@ -4,9 +4,10 @@ Users of every stack spend days choosing the mesh factorisation, the remat polic
 the gradient-accumulation count by trial and error. The planner does it in three steps:
 
 1. enumerate candidates: every factorisation of a slice's devices over the mesh axes
-   (data, fsdp, tensor; context for long sequences, expert for MoE; `stage` will be one
-   more factor of the same product once pipeline parallelism is accepted by the config),
-   x the remat policies (footprint.REMAT_BY_COST) x microbatch counts (global batch fixed);
+   (data, fsdp, tensor; context for long sequences, expert for MoE; stage for stacks
+   of 4 or more layers, in degrees that divide the layers), x the remat policies
+   (footprint.REMAT_BY_COST) x microbatch counts (global batch fixed): gradient
+   accumulation without stages, pipeline microbatches and schedules with them;
 2. prune with the analytic model: invalid shapes (the reason names the numbers), and
    memory estimates (footprint.estimate) over `headroom` x HBM; rank the rest by the
    analytic step time (roofline FLOPs + communication, `analytic_step`);
@@ -27,32 +28,49 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.config import Config, ConfigError
-from jaxtrain.footprint import REMAT_BY_COST, SAVED_NAMES, estimate
+from jaxtrain.footprint import REMAT_BY_COST, SAVED_NAMES, estimate, layer_stack_params
 
 GiB = 2**30
 HEADROOM = 0.9  # the analytic estimate must fit in this fraction of HBM
 SEARCH_REMAT = tuple(p for p in REMAT_BY_COST if p != "save_matmuls")  # same memory as minimal
 MICROBATCHES = (1, 2, 4, 8, 16)
+PIPELINE_MICROBATCHES = (1, 2, 4)  # x mesh.stage
+PIPELINE_SCHEDULES = (("gpipe", 1), ("circular", 2))  # (schedule, repeats)
+MESH_ORDER = ("data", "fsdp", "tensor", "context", "expert", "stage")
 LONG_SEQUENCE = 8192  # context parallelism is searched from this seq_len on
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One point of the search: mesh degrees per slice, remat policy, microbatch count."""
+    """One point of the search: mesh degrees per slice, remat policy, microbatch count,
+    and with stage > 1 the pipeline (microbatches, schedule, repeats)."""
 
-    mesh: tuple[tuple[str, int], ...]  # (axis, size) for data, fsdp, tensor, context, expert
+    mesh: tuple[tuple[str, int], ...]  # (axis, size) in MESH_ORDER
     remat: str
     microbatches: int
+    pipeline: tuple[int, str, int] | None = None  # (microbatches, schedule, repeats)
 
     def overrides(self) -> dict[str, Any]:
         """The dotted overrides that turn the base config into this candidate."""
         out: dict[str, Any] = {f"mesh.{a}": s for a, s in self.mesh}
         out["model.remat"] = self.remat
         out["train.microbatches"] = self.microbatches
+        if self.pipeline is not None:
+            m, schedule, repeats = self.pipeline
+            out.update(
+                {"pipeline.microbatches": m, "pipeline.schedule": schedule, "pipeline.repeats": repeats}
+            )
         return out
 
     def mesh_text(self) -> str:
         return " ".join(f"{a}={s}" for a, s in self.mesh if s > 1) or "one device"
+
+    def batching_text(self) -> str:
+        """mb=N, or the pipeline's microbatches and schedule (pp=M gpipe, pp=M circular x R)."""
+        if self.pipeline is None:
+            return f"mb={self.microbatches}"
+        m, schedule, repeats = self.pipeline
+        return f"pp={m} {schedule}" + (f" x{repeats}" if repeats > 1 else "")
 
 
 @dataclasses.dataclass
@@ -110,43 +128,68 @@ def factorisations(n: int, axes: tuple[str, ...]) -> list[dict[str, int]]:
 
 
 def search_axes(cfg: Config) -> tuple[str, ...]:
-    """The mesh axes searched for this config (stage: not yet, see the module docstring)."""
+    """The mesh axes searched for this config: context from LONG_SEQUENCE on, expert for
+    MoE, stage for stacks of 4+ layers without fp8 (which pipelines do not support)."""
     axes = ["data", "tensor"]
     if cfg.train.seq_len >= LONG_SEQUENCE or cfg.mesh.context > 1:
         axes.append("context")
     if cfg.model.moe is not None:
         axes.append("expert")
+    if cfg.model.n_layers >= 4 and not cfg.model.fp8:
+        axes.append("stage")
     return (*axes, "fsdp")
 
 
 def candidates(cfg: Config, devices_per_slice: int) -> list[Candidate]:
+    """Mesh x remat x batching. Stage degrees that do not divide the layers are left out
+    of the space (every stage holds equal blocks); with stages, gradient accumulation is
+    off and the pipeline's microbatches (stage x 1, 2, 4) and schedules are searched."""
     axes = search_axes(cfg)
+    layers = cfg.model.n_layers
     out = []
     for sizes in factorisations(devices_per_slice, axes):
-        mesh = tuple((a, sizes.get(a, 1)) for a in ("data", "fsdp", "tensor", "context", "expert"))
+        stages = sizes.get("stage", 1)
+        if layers % stages:
+            continue
+        mesh = tuple((a, sizes.get(a, 1)) for a in MESH_ORDER)
+        if stages == 1:
+            batching = [(mb, None) for mb in MICROBATCHES]
+        else:
+            batching = [
+                (1, (k * stages, schedule, repeats))
+                for schedule, repeats in PIPELINE_SCHEDULES
+                if layers % (stages * repeats) == 0
+                for k in PIPELINE_MICROBATCHES
+            ]
         for remat in SEARCH_REMAT:
-            for mb in MICROBATCHES:
-                out.append(Candidate(mesh, remat, mb))
+            for mb, pipe in batching:
+                out.append(Candidate(mesh, remat, mb, pipe))
     return out
 
 
 def apply(cfg: Config, cand: Candidate) -> Config:
-    """The base config with the candidate's mesh, remat and microbatches (rules: fsdp_tensor
-    when the candidate uses tensor parallelism and the config's rules do not)."""
-    mesh = dataclasses.replace(cfg.mesh, **dict(cand.mesh))
-    if dict(cand.mesh)["tensor"] > 1 and cfg.mesh.rules != "fsdp_tensor":
+    """The base config with the candidate's mesh, remat, microbatches and pipeline (rules:
+    fsdp_tensor when the candidate uses tensor parallelism and the config's rules do not)."""
+    sizes = {"stage": 1, **dict(cand.mesh)}
+    mesh = dataclasses.replace(cfg.mesh, **sizes)
+    if sizes["tensor"] > 1 and cfg.mesh.rules != "fsdp_tensor":
         mesh = dataclasses.replace(mesh, rules="fsdp_tensor")
+    pipeline = cfg.pipeline
+    if cand.pipeline is not None:
+        m, schedule, repeats = cand.pipeline
+        pipeline = dataclasses.replace(pipeline, microbatches=m, schedule=schedule, repeats=repeats)
     return dataclasses.replace(
         cfg,
         mesh=mesh,
         model=dataclasses.replace(cfg.model, remat=cand.remat, remat_custom=()),
         train=dataclasses.replace(cfg.train, microbatches=cand.microbatches),
+        pipeline=pipeline,
     )
 
 
 def invalid_reason(cfg: Config, cand: Candidate, num_devices: int) -> str | None:
     """Why the candidate cannot run at all (shapes), in numbers; None when it can."""
-    m, t, s = cfg.model, cfg.train, dict(cand.mesh)
+    m, t, s = cfg.model, cfg.train, {"stage": 1, **dict(cand.mesh)}
     if s["tensor"] > m.n_kv_heads:
         return f"tensor={s['tensor']} > kv_heads={m.n_kv_heads}"
     if m.n_kv_heads % s["tensor"] or m.n_heads % s["tensor"]:
@@ -156,6 +199,11 @@ def invalid_reason(cfg: Config, cand: Candidate, num_devices: int) -> str | None
         return (
             f"global batch {t.global_batch_size} is not a multiple of data*fsdp*expert={dp} "
             f"x microbatches={cand.microbatches}"
+        )
+    if cand.pipeline is not None and t.global_batch_size % (dp * cand.pipeline[0]):
+        return (
+            f"global batch {t.global_batch_size} is not a multiple of data*fsdp*expert={dp} "
+            f"x pipeline microbatches={cand.pipeline[0]}"
         )
     if s["context"] > 1 and t.seq_len % (2 * s["context"]):
         return f"seq_len={t.seq_len} is not a multiple of 2 x context={s['context']}"
@@ -223,10 +271,22 @@ def analytic_step(cfg: Config, mesh: dict[str, int], chip, per_host: int) -> dic
                 2 backward per layer; T = tokens of one device's microbatch)
     context   = microbatches x 3 L x (context-1) x T x 2 K hd x a / W  (ring K/V passes, fwd + bwd)
     expert    = microbatches x 4 L_moe x T x top_k x D x a x (expert-1)/expert / W (all-to-alls)
-    step      = max(compute, fsdp + data + context) + tensor + expert
+    step      = max(compute, fsdp + data + context) + tensor + expert + stage
     (weight and gradient collectives overlap the matmuls; activation collectives are on the
     critical path). W: the axis bandwidth, hardware.Chip.ici_bytes_per_s (or the NIC across
     GPU hosts).
+
+    Pipeline stages (S > 1, M pipeline microbatches, R repeats, I = M R + S - 1 iterations,
+    sharding/pipeline.py): every device runs L/S layers for I/(M R) of the time it would
+    without a bubble, and redoes each iteration's stage forward in the backward:
+    compute   = (model FLOPs + full-layer forward + recompute FLOPs) x tokens / devices / peak
+                x I / (M R)
+    L         -> L/S x I/(M R) in tensor, context and expert (per-layer traffic per device)
+    fsdp      = I x 3 x (P_layers / (S R) / (tensor x expert)) x p x (fsdp-1)/fsdp / W
+                + 3 x (P - P_layers) / (tensor x expert) x p x (fsdp-1)/fsdp / W
+                (each iteration gathers its stage's weights; embedding and head once)
+    stage     = 2 x I x T/M x D x a / W       (the shift between stages, forward and backward)
+    data      = as above, with P / S of the layers' parameters per device
     """
     from jaxtrain.flops import flops_per_token
 
@@ -237,37 +297,51 @@ def analytic_step(cfg: Config, mesh: dict[str, int], chip, per_host: int) -> dic
     tokens_dev = t.global_batch_size * t.seq_len / n
     model = flops_per_token(m, t.seq_len) * tokens_dev
     peak = chip.peak_flops("bfloat16" if m.compute_dtype != "float32" else "float32") or chip.bf16_flops
-    compute = (model + recompute_flops_per_token(cfg) * tokens_dev) / peak
     g = lambda ax: mesh.get(ax, 1)
     bw = lambda ax: _axis_bandwidth(chip, mesh, ax, per_host)
+    recompute = recompute_flops_per_token(cfg)
+    stages = g("stage")
+    stack = layer_stack_params(m)
+    if stages > 1:
+        pm, reps = cfg.pipeline.resolved_microbatches(stages), cfg.pipeline.repeats
+        iterations = pm * reps + stages - 1
+        inflate = iterations / (pm * reps)  # 1 / (1 - bubble)
+        recompute += recompute_flops_per_token(cfg, "full")  # the stage's forward, again
+    else:
+        pm = reps = iterations = 1
+        inflate = 1.0
+    compute = (model + recompute * tokens_dev) * inflate / peak
+    layers = m.n_layers / stages * inflate  # layer passes per device, per microbatch
     params = m.param_count()
     mb = t.microbatches
     tok_mb = t.global_batch_size * t.seq_len / (g("data") * g("fsdp") * g("expert") * g("context") * mb)
     comm = {}
     f = g("fsdp")
-    comm["fsdp"] = (
-        mb * 3 * params / (g("tensor") * g("expert")) * p * (f - 1) / f / bw("fsdp") if f > 1 else 0
-    )
-    grads = params / (f * g("tensor") * g("expert")) * 4
+    te = g("tensor") * g("expert")
+    gathered = iterations * stack / (stages * reps) + params - stack if stages > 1 else params
+    comm["fsdp"] = mb * 3 * gathered / te * p * (f - 1) / f / bw("fsdp") if f > 1 else 0
+    grads = (stack / stages + params - stack) / (f * te) * 4
     comm["data"] = sum(2 * grads * (g(ax) - 1) / g(ax) / bw(ax) for ax in ("data", "context") if g(ax) > 1)
     tp = g("tensor")
     comm["tensor"] = (
-        mb * 4 * m.n_layers * 2 * tok_mb * m.d_model * a * (tp - 1) / tp / bw("tensor") if tp > 1 else 0
+        mb * 4 * layers * 2 * tok_mb * m.d_model * a * (tp - 1) / tp / bw("tensor") if tp > 1 else 0
     )
     c = g("context")
     comm["context"] = (
-        mb * 3 * m.n_layers * (c - 1) * tok_mb * 2 * m.n_kv_heads * m.resolved_head_dim * a / bw("context")
+        mb * 3 * layers * (c - 1) * tok_mb * 2 * m.n_kv_heads * m.resolved_head_dim * a / bw("context")
         if c > 1
         else 0
     )
     e = g("expert")
-    moe_layers = m.moe.num_moe_layers(m) if m.moe else 0
+    moe_layers = (m.moe.num_moe_layers(m) if m.moe else 0) * layers / m.n_layers
     comm["expert"] = (
         mb * 4 * moe_layers * tok_mb * m.moe.top_k * m.d_model * a * (e - 1) / e / bw("expert")
         if e > 1 and m.moe
         else 0
     )
-    step = max(compute, comm["fsdp"] + comm["data"] + comm["context"]) + comm["tensor"] + comm["expert"]
+    comm["stage"] = 2 * iterations * tok_mb / pm * m.d_model * a / bw("stage") if stages > 1 else 0
+    step = max(compute, comm["fsdp"] + comm["data"] + comm["context"])
+    step += comm["tensor"] + comm["expert"] + comm["stage"]
     return {
         "compute_s": compute,
         **{k + "_s": v for k, v in comm.items()},
@@ -342,7 +416,7 @@ def plan(
                 break
             budget -= 1
             c, cand = apply(cfg, row.candidate), row.candidate
-            log(f"compiling {cand.mesh_text()} remat={cand.remat} mb={cand.microbatches}")
+            log(f"compiling {cand.mesh_text()} remat={cand.remat} {cand.batching_text()}")
             try:
                 c, _, _ = config_for_target(c, target)
                 r = compile_report(c, target, estimate=can_estimate, charge_kernels=charge_kernels)
@@ -362,7 +436,12 @@ def plan(
                 continue
             row.compiled_step_s, row.compiled_mfu = r.get("step_seconds_est"), r.get("mfu_est")
             ranked.append(row)
-        if can_estimate and all(r.compiled_step_s is not None for r in ranked):
+        if feasible and not ranked:
+            notes.append(
+                f"the compiler refused the {2 * top - budget} fastest analytic candidates: "
+                "raise --top to confirm more, or lower the batch or seq_len"
+            )
+        if can_estimate and ranked and all(r.compiled_step_s is not None for r in ranked):
             ranked.sort(key=lambda r: r.compiled_step_s)
             ranked_by = "compiled"
         else:
@@ -394,10 +473,10 @@ def plan(
 def format_plan(p: Plan, *, show_rejected: int = 12) -> str:
     lines = [
         f"target   {p.target}: {_gib(p.hbm_bytes)} GiB HBM per device, analytic headroom {p.headroom:g}",
-        f"searched {p.searched} candidates (mesh x remat x microbatches); ranked by the "
+        f"searched {p.searched} candidates (mesh x remat x microbatches or pipeline); ranked by the "
         + ("compiler's TPU cost estimate" if p.ranked_by == "compiled" else "analytic model"),
         "",
-        f"{'rank':<5}{'mesh':<34}{'remat':<21}{'mb':>3}{'analytic GiB':>14}{'compiled GiB':>14}"
+        f"{'rank':<5}{'mesh':<34}{'remat':<21}{'batching':<18}{'analytic GiB':>14}{'compiled GiB':>14}"
         f"{'est. step s':>13}{'est. MFU':>10}",
     ]
     for i, r in enumerate(p.ranked, 1):
@@ -406,7 +485,7 @@ def format_plan(p: Plan, *, show_rejected: int = 12) -> str:
         mfu = r.compiled_mfu if r.compiled_mfu is not None else r.analytic_mfu
         src = "" if r.compiled_step_s is not None else "*"
         lines.append(
-            f"{i:<5}{c.mesh_text():<34}{c.remat:<21}{c.microbatches:>3}{_gib(r.analytic_bytes):>14}"
+            f"{i:<5}{c.mesh_text():<34}{c.remat:<21}{c.batching_text():<18}{_gib(r.analytic_bytes):>14}"
             f"{_gib(r.compiled_bytes):>14}{(f'{step:.3f}' + src) if step else '-':>13}"
             f"{(f'{100 * mfu:.1f}%' + src) if mfu else '-':>10}"
         )
@@ -419,7 +498,7 @@ def format_plan(p: Plan, *, show_rejected: int = 12) -> str:
         ]
         for r in p.rejected[:show_rejected]:
             c = r.candidate
-            lines.append(f"  {c.mesh_text():<32}{c.remat:<21}mb={c.microbatches:<3} {r.reason}")
+            lines.append(f"  {c.mesh_text():<32}{c.remat:<21}{c.batching_text():<18}{r.reason}")
         counts: dict[str, int] = {}
         for r in p.rejected:
             key = r.reason.split(" ")[0]
