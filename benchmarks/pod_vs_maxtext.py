@@ -58,6 +58,7 @@ ROWS = {
     "7b": ("llama2-7b", "v5p-64", "llama2-7b", 4, 32),
     "8b": ("llama3-8b", "v5p-64", "llama3-8b", 4, 32),
     "70b": ("llama2-70b", "v5p-512", "llama2-70b", 4, 80),
+    "mixtral": ("mixtral-8x7b", "v5p-128", "mixtral-8x7b", 4, 32),
 }
 
 
@@ -153,13 +154,13 @@ def maxtext_compile(py: Path, mt: str, model: str, topology: str, batch: int, la
     }
 
 
-def ours(preset: str, topology: str, charged: bool) -> dict:
+def ours(preset: str, topology: str, charged: bool, config: Path | None = None) -> dict:
     cmd = [
         sys.executable,
         "-m",
         "jaxtrain",
         "compile",
-        str(REPO / "configs" / f"{preset}.yaml"),
+        str(config or REPO / "configs" / f"{preset}.yaml"),
         "--target",
         f"tpu:{topology}",
         "--json",
@@ -172,9 +173,38 @@ def ours(preset: str, topology: str, charged: bool) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def planned(preset: str, topology: str, tries: int = 3) -> tuple[str, dict | None]:
+    """The planner's pick for the preset at its global batch: the analytic ranking
+    (jaxtrain.planner, no compile), then `jaxtrain compile --kernels-uncharged` on the best
+    until one fits (at most `tries`). (label, report of the first that fits or None)."""
+    from jaxtrain.compile import parse_target
+    from jaxtrain.config import load_config
+    from jaxtrain.planner import plan, write_config
+
+    cfg = load_config(REPO / "configs" / f"{preset}.yaml")
+    p = plan(cfg, parse_target(f"tpu:{topology}"), compile=False, top=tries)
+    tried = []
+    for row in p.ranked:
+        c = row.candidate
+        label = f"{c.mesh_text()}, remat {c.remat}, {c.batching_text()}"
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "plan.yaml"
+            write_config(cfg, c, path)
+            r = ours(preset, topology, False, config=path)
+        if r["fits"]:
+            return label, r
+        tried.append(f"{label}: {r['memory']['total'] / GIB:.1f} GiB does not fit")
+    return "; ".join(tried) or "no candidate", None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="7b", help=f"comma-separated, of {','.join(ROWS)}")
+    ap.add_argument(
+        "--planned",
+        action="store_true",
+        help="add a row for `jaxtrain plan`'s pick (uncharged attention), at the preset's batch",
+    )
     args = ap.parse_args()
     py, mt = ensure_peer_venv()
     print(
@@ -223,6 +253,24 @@ def main():
             mt_layer_s,
             mt_step,
         )
+        if args.planned:
+            label, r = planned(preset, topo)
+            if r is None:
+                notes.append(f"{preset}: planner's candidates did not fit when compiled: {label}")
+            else:
+                c = r["xla_cost"]
+                row(
+                    f"jaxtrain plan: {label}",
+                    "uncharged",
+                    r["memory"]["total"],
+                    c["flops per layer"],
+                    c["optimal_seconds per layer"],
+                    c["optimal_seconds"],
+                )
+                notes.append(
+                    f"{preset}: MaxText step / planner's pick step, both uncharged: "
+                    f"{mt_step / c['optimal_seconds']:.3f}"
+                )
         row(
             "MaxText, derived",
             "charged as ours",
