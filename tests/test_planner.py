@@ -191,7 +191,7 @@ def test_a_compiled_rejection_is_true():
         assert r["fits"] and r["memory"]["total"] <= 12 * MiB
 
 
-def test_stage_is_searched_and_a_pipeline_candidate_compiles_as_estimated():
+def test_stage_is_searched_and_a_pipeline_candidate_compiles_as_estimated(tmp_path):
     """Four layers: stage 2 and 4 are in the space with their pipeline microbatches and
     schedules, stage 3 (not a divisor) is not; a pipeline candidate's overrides validate,
     compile deviceless, and its estimate is within the ratio measured on the pod presets
@@ -208,6 +208,8 @@ def test_stage_is_searched_and_a_pipeline_candidate_compiles_as_estimated():
     c = apply(cfg, best.candidate)
     validate(c, num_devices=4)
     assert c.mesh.stage > 1 and c.pipeline.microbatches == best.candidate.pipeline[0]
+    write_config(cfg, best.candidate, tmp_path / "plan.yaml")  # --apply: the pipeline keys too
+    assert load_config(tmp_path / "plan.yaml") == c
     r = compile_report(c, parse_target("tpu:v5p-8"), estimate=False)
     assert r["fits"]
     ratio = best.analytic_bytes / r["memory"]["total"]
