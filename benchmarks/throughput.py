@@ -1,12 +1,14 @@
 """Training throughput of configs/bench-peer.yaml, optionally side by side with MaxText.
 
-    python benchmarks/throughput.py [--steps 30] [--peer] [--dtypes float32,bfloat16]
+    python benchmarks/throughput.py [--steps 30] [--peer] [--dtypes float32,bfloat16] [--remat auto,full]
 
 Runs the peer model (see the config) on 8 simulated CPU devices (fsdp=8) in each
-compute dtype, one run at a time, and prints the median step time over steps
-3..N-1, tokens/s and MFU (against the matmul peak measured in the same
-process). With --peer it then runs ../shared/bench/maxtext_peer.sh with the
-same model and prints our/peer ratios (>1 means jaxtrain is faster).
+compute dtype and each `--remat` policy (auto: jaxtrain's default, which resolves
+against this host's memory; full: the config's, like MaxText's default), one run at
+a time, and prints the median step time over steps 3..N-1, tokens/s and MFU
+(against the matmul peak measured in the same process). With --peer it runs
+../shared/bench/maxtext_peer.sh (remat full, its default) once per dtype with the
+same model and prints the ratio MaxText time / ours (>1 means jaxtrain is faster).
 Nothing else may run on the machine meanwhile: this is a timing.
 """
 
@@ -74,29 +76,36 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--peer", action="store_true", help="also run MaxText (../shared/bench/maxtext_peer.sh)")
+    ap.add_argument("--remat", default="full", help="comma-separated model.remat values, e.g. auto,full")
     ap.add_argument("overrides", nargs="*", help="extra jaxtrain overrides, e.g. model.remat=none")
     args = ap.parse_args()
     rows = []
     for dtype in args.dtypes.split(","):
-        ours = run_ours(dtype, args.steps, args.overrides)
-        row = {"dtype": dtype, **ours}
-        if args.peer:
-            peer = run_peer(dtype, args.steps)
-            row.update(
-                peer_step_time_s=peer["step_time_s"],
-                peer_tokens_per_second=peer["tokens_per_second"],
-                ratio=peer["step_time_s"] / ours["step_time_s"],
-            )
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        peer = run_peer(dtype, args.steps) if args.peer else None
+        for remat in args.remat.split(","):
+            ours = run_ours(dtype, args.steps, [f"model.remat={remat}", *args.overrides])
+            row = {"dtype": dtype, "remat": remat, **ours}
+            if peer:
+                row.update(
+                    peer_step_time_s=peer["step_time_s"],
+                    peer_tokens_per_second=peer["tokens_per_second"],
+                    ratio=peer["step_time_s"] / ours["step_time_s"],
+                )
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     print(
-        "\n| compute dtype | jaxtrain s/step | jaxtrain tokens/s | MFU (vs measured matmul peak) |"
-        + (" MaxText s/step | MaxText tokens/s | ratio (MaxText time / ours) |" if args.peer else "")
+        "\n| compute dtype | jaxtrain remat | jaxtrain s/step | jaxtrain tokens/s "
+        "| MFU (vs measured matmul peak) |"
+        + (
+            " MaxText s/step (remat full) | MaxText tokens/s | ratio (MaxText time / ours) |"
+            if args.peer
+            else ""
+        )
     )
-    print("|---|---|---|---|" + ("---|---|---|" if args.peer else ""))
+    print("|---|---|---|---|---|" + ("---|---|---|" if args.peer else ""))
     for r in rows:
         line = (
-            f"| {r['dtype']} | {r['step_time_s']:.2f} | {r['tokens_per_second']:.0f} | "
+            f"| {r['dtype']} | {r['remat']} | {r['step_time_s']:.2f} | {r['tokens_per_second']:.0f} | "
             f"{100 * r['mfu']:.1f}% (peak {r['peak']} FLOP/s) |"
         )
         if args.peer:
