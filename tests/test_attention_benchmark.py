@@ -1,0 +1,49 @@
+"""benchmarks/attention.py without Tokamax, and its table cells.
+
+Tokamax is an optional extra (``bench``): without it the benchmark must still
+compile the other kernels and say in Tokamax's columns how to install it. The
+deviceless case compiles one small kernel (jax's upstream Pallas TPU flash at
+seq 1024), so it needs libtpu and takes seconds.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import pytest  # noqa: E402
+
+from benchmarks import attention  # noqa: E402
+from jaxtrain.sharding import targets  # noqa: E402
+
+
+def test_cells_name_skips_and_footnote_failures():
+    notes = attention.Notes()
+    oom = {"error": "JaxRuntimeError: RESOURCE_EXHAUSTED: CompileTimeHbmOom: 120G of 95G", "seconds": 1.0}
+    other = {"error": "NotImplementedError: Only supported for sm80, sm90 and sm100 GPUs.", "seconds": 1.0}
+    assert attention.mem_cell(oom, notes) == "out of memory [1]"
+    assert attention.mem_cell(other, notes) == "fails [2]"
+    assert attention.mem_cell(oom, notes) == "out of memory [1]"  # one note per message
+    assert notes.texts == [oom["error"], other["error"]]
+    assert attention.mem_cell({"memory": {"temp": 3 * 2**30 // 2}}, notes) == "1.50 GiB"
+    assert attention.mem_cell({"memory": {"temp": 225 * 2**20}}, notes) == "225 MiB"
+    gpu_only = attention.KERNELS["tokamax-triton"]
+    assert attention.skip_reason(gpu_only, "tpu") == "n/a (H100 only)"
+    assert attention.skip_reason(gpu_only, "gpu") in (None, f"tokamax not installed: {attention.TOKAMAX_PIP}")
+
+
+@pytest.mark.deviceless
+def test_runs_without_tokamax(monkeypatch, capsys):
+    if not targets.tpu_available():
+        pytest.skip("libtpu not installed")
+    monkeypatch.setattr(attention, "tokamax_available", lambda: False)
+    argv = ["--seqs", "1024", "--targets", "tpu", "--kernels", "tokamax,upstream", "--chunks", "1"]
+    rc = attention.main(argv)
+    assert rc == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| 1024 | "))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == f"tokamax not installed: {attention.TOKAMAX_PIP}"
+    assert cells[2].endswith("MiB"), cells  # upstream still compiled
