@@ -178,7 +178,7 @@ def _flash_bwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, lse, do, delt
     qk, kk, vk, dok = (to_kernel_layout(x, cfg) for x in (q, k, v, do.astype(q.dtype)))
     args = (qk, kk, vk, dok, lse, delta, q_seg, k_seg, cfg)
     if cfg.fused_bwd:  # one kernel, 5 matmuls per block instead of 3 + 4 (BlockSizes.fused_bwd)
-        dq, dk, dv = flash_fused_bwd_call(*args, out_dtype=jnp.float32)
+        dq, dk, dv = flash_fused_bwd_call(*args, out_dtype=jnp.float32, dq_dtype=jnp.float32)
     else:
         dq = flash_dq_call(*args, out_dtype=jnp.float32)
         dk, dv = flash_dkv_call(*args, out_dtype=jnp.float32)

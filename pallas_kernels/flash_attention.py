@@ -30,7 +30,7 @@ and dK/dV), always per query head with dK/dV summed over GQA groups in XLA.
 Per visited block the forward does 2 matmuls (S, PV); the split backward 3 + 4
 (S and dP computed in both kernels), the fused one 5 (S, dP, dV, dK, dQ): 9 vs
 7 in all. The fused kernel tiles like dK/dV and adds each block's dQ into a
-whole-sequence f32 dQ: resident in VMEM along an in-order ("arbitrary") tile
+whole-sequence f32 sum: resident in VMEM along an in-order ("arbitrary") tile
 axis on TPU, float atomics into HBM on Triton. ``BlockSizes.fused_bwd``
 chooses; by default fused on TPU/CPU, split on GPU (see ``flash_config``). No
 ``seq x seq`` array exists in HBM in either direction. Semantics are those of
@@ -469,19 +469,23 @@ def _fused_bwd_kernel(
 
     dK/dV accumulate in registers/VMEM over the query loop, as in ``_dkv_kernel``.
     dQ of every query block gathers contributions from every kv tile, i.e. from
-    other grid steps, so it is a whole-sequence f32 output of the (batch, head):
-    on TPU/CPU the grid runs in order and the tile axis is "arbitrary", so the
-    block stays resident across it (zeroed at the first tile, written back once
-    per head); on Triton the tiles run in parallel and add into an HBM buffer,
-    zero-initialised by the caller, with float atomics.
+    other grid steps, so it is summed in f32 over the whole sequence of the
+    (batch, head). On TPU/CPU the grid runs in order and the tile axis is
+    "arbitrary": the sum stays resident across it, zeroed at the first tile, in
+    the f32 dQ output block itself or, for a narrower dQ dtype, in an f32
+    scratch cast into the output at the last tile (no f32 dQ in HBM). On Triton
+    the tiles run in parallel and add into an f32 HBM buffer, zeroed by the
+    caller, with float atomics.
     """
     atomic = cfg.backend == "gpu"
     if has_segments:
         q_seg_ref, kv_seg_ref, *rest = rest
     if atomic:
         _, dq_ref, dk_ref, dv_ref = rest  # rest[0] is the zeros aliased to dq_ref
+        acc_ref = dq_ref
     else:
-        dq_ref, dk_ref, dv_ref = rest
+        dq_ref, dk_ref, dv_ref, *scratch = rest
+        acc_ref = scratch[0] if scratch else dq_ref
     bq, bk = cfg.blocks.for_kernel("fused")
     tile = pl.program_id(2)
     k0 = tile * bk
@@ -494,7 +498,7 @@ def _fused_bwd_kernel(
 
         @pl.when(tile == 0)
         def _zero_dq():
-            dq_ref[...] = jnp.zeros(dq_ref.shape, dq_ref.dtype)
+            acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
 
     def body(i, carry, masked):
         dk, dv = carry
@@ -514,15 +518,20 @@ def _fused_bwd_kernel(
         if atomic:
             from jax.experimental.pallas import triton as pltriton
 
-            pltriton.atomic_add(dq_ref, (pl.ds(q0, bq), slice(None)), dq)
+            pltriton.atomic_add(acc_ref, (pl.ds(q0, bq), slice(None)), dq)
         else:
-            dq_ref[pl.ds(q0, bq), :] += dq
+            acc_ref[pl.ds(q0, bq), :] += dq
         return dk, dv
 
     zeros = jnp.zeros((bk, k.shape[-1]), jnp.float32)
     dk, dv = _masked_loops(_ranges_for_kv_tile(cfg, k0, bk, bq), body)((zeros, zeros))
     dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
+    if acc_ref is not dq_ref:
+
+        @pl.when(tile == pl.num_programs(2) - 1)
+        def _write_dq():
+            dq_ref[...] = acc_ref[...].astype(dq_ref.dtype)
 
 
 # ----------------------------------------------------------------------------
@@ -756,7 +765,7 @@ def _specs(cfg: FlashConfig, kind: str, *, has_segments: bool):
     kv_out = _tile_spec(cfg, bk, q_head)
     if kind == "dkv":
         return in_specs, [kv_out, kv_out]
-    # Fused: dQ (f32) of the whole sequence of head h; on GPU also its zeros input.
+    # Fused: dQ of the whole sequence of head h; on GPU (f32) also its zeros input.
     dq_whole = _whole_spec(cfg, q_head)
     if cfg.backend == "gpu":
         in_specs.append(dq_whole)
@@ -775,6 +784,7 @@ def _call(
     out_shape,
     extra=(),
     aliases=None,
+    scratch=(),
 ):
     """pallas_call of kernel ``kind`` over the grid (batch, q_head, tile), per-backend params and costs.
 
@@ -798,6 +808,7 @@ def _call(
         out_specs=out_specs,
         compiler_params=_compiler_params(cfg, kind),
         input_output_aliases=aliases or {},
+        scratch_shapes=scratch,
         cost_estimate=_cost(cfg, kind, batch, operands, jax.tree.leaves(out_shape)),
         interpret=cfg.interpret,
         name=f"flash_attention_{kind}",
@@ -839,26 +850,35 @@ def flash_dkv_call(q, k, v, do, lse, delta, q_segment_ids, kv_segment_ids, cfg: 
 
 
 def flash_fused_bwd_call(
-    q, k, v, do, lse, delta, q_segment_ids, kv_segment_ids, cfg: FlashConfig, *, out_dtype
+    q, k, v, do, lse, delta, q_segment_ids, kv_segment_ids, cfg: FlashConfig, *, out_dtype, dq_dtype
 ):
     """dQ, dK, dV from one kernel (``_fused_bwd_kernel``), on the dK/dV kernel's tiles.
 
-    Returns (dQ float32 in q's layout, dK, dV per *query* head in ``out_dtype``
-    as ``flash_dkv_call``). Arguments as for ``flash_dq_call``.
+    Returns (dQ in q's layout and ``dq_dtype``, dK, dV per *query* head in
+    ``out_dtype`` as ``flash_dkv_call``). dQ is summed in f32 either way; on GPU
+    (atomics into HBM) a narrower ``dq_dtype`` is a cast in XLA. Other
+    arguments as for ``flash_dq_call``.
     """
     if cfg.head_major:
         kv_shape = (q.shape[0], cfg.q_heads, cfg.seq_pad, cfg.head_dim)
     else:
         kv_shape = (q.shape[0], cfg.seq_pad, cfg.q_heads * cfg.head_dim)
-    dq_shape = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    atomic = cfg.backend == "gpu"
+    dq_dtype = jnp.dtype(dq_dtype)
+    f32 = jnp.dtype(jnp.float32)
+    dq_shape = jax.ShapeDtypeStruct(q.shape, f32 if atomic else dq_dtype)
     out_shape = [dq_shape, *[jax.ShapeDtypeStruct(kv_shape, out_dtype)] * 2]
     arrays, per_query = [q, k, v, do], [lse, delta]
-    extra, aliases = (), None
-    if cfg.backend == "gpu":  # atomics add into a zeroed buffer
+    extra, aliases, scratch = (), None, ()
+    if atomic:  # atomics add into a zeroed buffer
         extra = (jnp.zeros(q.shape, jnp.float32),)
         n_in = len(arrays) + len(per_query) + (2 if q_segment_ids is not None else 0)
         aliases = {n_in: 0}
-    return _call(
+    elif dq_dtype != f32:
+        from jax.experimental.pallas import tpu as pltpu
+
+        scratch = (pltpu.VMEM((cfg.seq_pad, cfg.head_dim), jnp.float32),)
+    dq, dk, dv = _call(
         cfg,
         "fused",
         _fused_bwd_kernel,
@@ -869,7 +889,9 @@ def flash_fused_bwd_call(
         out_shape=out_shape,
         extra=extra,
         aliases=aliases,
+        scratch=scratch,
     )
+    return dq.astype(dq_dtype), dk, dv
 
 
 # ----------------------------------------------------------------------------
@@ -909,8 +931,7 @@ def _flash_bwd(cfg: FlashConfig, residuals, do):
     # loses nothing); MHA writes the final dtype directly.
     kv_dtype = jnp.float32 if cfg.group > 1 else kk.dtype
     if cfg.fused_bwd:
-        dq, dk, dv = flash_fused_bwd_call(*grads, out_dtype=kv_dtype)
-        dq = dq.astype(qk.dtype)
+        dq, dk, dv = flash_fused_bwd_call(*grads, out_dtype=kv_dtype, dq_dtype=qk.dtype)
     else:
         dq = flash_dq_call(*grads, out_dtype=qk.dtype)
         dk, dv = flash_dkv_call(*grads, out_dtype=kv_dtype)
@@ -974,7 +995,8 @@ def _tpu_vmem_need(cfg: FlashConfig, itemsize: int) -> int:
     d = max(cfg.head_dim, 128)  # lanes pad to 128
     whole = 2 * cfg.seq_pad * d * itemsize  # K+V (fwd, dq) or Q+dO (dkv, fused), single-buffered
     if cfg.fused_bwd:
-        whole += cfg.seq_pad * d * 4  # the fused kernel's whole f32 dQ accumulator
+        # The fused kernel's whole f32 dQ sum, and its narrower output block if any.
+        whole += cfg.seq_pad * d * (4 + (itemsize if itemsize < 4 else 0))
     rows = 3 * 8 * cfg.seq_pad * 4  # LSE/delta/segment rows pad to 8 sublanes
     pairs = [cfg.blocks.for_kernel(kind) for kind in ("fwd", "dq", "dkv")]
     tile = max(max(p) for p in pairs)

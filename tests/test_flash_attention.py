@@ -182,7 +182,8 @@ def _grads(q, k, v, do, **kwargs):
         (200, 4, 1, False, True, 40, jnp.float32, "cpu", (64, 64, 64, 32)),
         (256, 4, 4, True, False, None, jnp.bfloat16, "cpu", (64, 64)),
         # TPU plumbing ([B, H, S, D], 128-multiple tiles), GPU plumbing (atomics, head_dim 96 -> 128).
-        (384, 4, 2, True, True, None, jnp.float32, "tpu", (128, 128)),
+        (384, 4, 2, True, True, None, jnp.float32, "tpu", (128, 128)),  # dQ summed in its f32 output
+        (256, 4, 2, False, True, None, jnp.bfloat16, "tpu", (128, 128)),  # f32 scratch, bf16 dQ out
         (200, 4, 2, True, True, None, jnp.float32, "gpu", (32, 32)),
     ],
     ids=lambda x: getattr(x, "__name__", str(x)),
