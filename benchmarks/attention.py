@@ -60,8 +60,9 @@ Prints markdown:
    ``optimal_seconds``. XLA does not look inside a Pallas custom call: these
    numbers are what each kernel declares in its ``pl.CostEstimate`` plus the
    XLA ops around it. Ours counts the matmuls and HBM traffic of the blocks it
-   visits (9 seq x seq x D matmuls per head for causal fwd+bwd, as S and dP are
-   recomputed in both backward kernels). Tokamax (Splash) declares 2 matmuls
+   visits: 7 seq x seq x D matmuls per head for causal fwd+bwd with the fused
+   backward (the TPU default), 9 with the split one (S and dP recomputed in both
+   backward kernels; BlockSizes.fused_bwd=False). Tokamax (Splash) declares 2 matmuls
    (fwd) + 5 (fused bwd) times the fraction of (q, kv) blocks not fully masked,
    and bytes as each input and output read or written once, not the re-reads
    of K/V per q block. Upstream declares its forward as dense attention and

@@ -9,7 +9,8 @@ arrays are viewed by the BlockSpecs. Three decisions make a single source work:
 * The reduction over the other sequence (KV in the forward and dq kernels, Q in
   the dk/dv kernel) is a loop *inside* the kernel with data-dependent bounds, so
   Triton (whose grid programs run in parallel) and Mosaic (sequential grid)
-  both see an embarrassingly parallel grid over (batch, head, block). Blocks
+  both see an embarrassingly parallel grid over (batch, head, block) (the fused
+  backward's dQ is the one cross-tile sum; see below). Blocks
   that are entirely masked (causal, sliding window, padding) are never visited;
   blocks that are entirely unmasked skip the position mask.
 * The whole K/V (or Q/dO) sequence of one head is a single block. On Triton this
@@ -24,9 +25,16 @@ arrays are viewed by the BlockSpecs. Three decisions make a single source work:
   be padded 128x in TPU HBM.
 
 The forward saves the log-sum-exp (float32, per query); the backward
-recomputes probabilities blockwise in two kernels (dQ, and dK/dV per query
-head, summed over GQA groups in XLA). No ``seq x seq`` array exists in HBM in
-either direction. Semantics are those of ``pallas_kernels.reference.attention``.
+recomputes probabilities blockwise, either in one fused kernel or in two (dQ,
+and dK/dV), always per query head with dK/dV summed over GQA groups in XLA.
+Per visited block the forward does 2 matmuls (S, PV); the split backward 3 + 4
+(S and dP computed in both kernels), the fused one 5 (S, dP, dV, dK, dQ): 9 vs
+7 in all. The fused kernel tiles like dK/dV and adds each block's dQ into a
+whole-sequence f32 sum: resident in VMEM along an in-order ("arbitrary") tile
+axis on TPU, float atomics into HBM on Triton. ``BlockSizes.fused_bwd``
+chooses; by default fused on TPU/CPU, split on GPU (see ``flash_config``). No
+``seq x seq`` array exists in HBM in either direction. Semantics are those of
+``pallas_kernels.reference.attention``.
 
 Array layout seen by the kernels: ``[B, S, H*D]`` (a free reshape of
 ``[B, S, H, D]``) on GPU/CPU; ``[B, H, S, D]`` on TPU, whose HBM tiling covers
@@ -50,14 +58,17 @@ from jax.experimental import pallas as pl
 from jaxtrain.pallas_kernels.mesh_utils import device_kind, resolve_backend
 
 __all__ = [
+    "KERNEL_MATMULS",
     "BlockSizes",
     "FlashConfig",
     "cost_estimates",
+    "declared_costs",
     "default_block_sizes",
     "flash_attention",
     "flash_config",
     "flash_dkv_call",
     "flash_dq_call",
+    "flash_fused_bwd_call",
     "flash_fwd_call",
     "from_kernel_layout",
     "matmul_precision",
@@ -84,6 +95,7 @@ _TPU_VMEM_BYTES = {
     "TPU v6e": 128 << 20,
 }
 _TPU_DEFAULT_VMEM_BYTES = 64 << 20
+_TPU_VMEM_USABLE = 0.85  # fraction of VMEM the kernels may plan for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +117,11 @@ class BlockSizes:
     block_kv_dkv: int | None = None  # key tile of the dK/dV kernel
     block_q_dq: int | None = None  # query tile of the dQ kernel
     block_kv_dq: int | None = None  # key loop step of the dQ kernel
+    # Backward as one fused kernel (5 seq^2 matmuls, on the dK/dV tiles) instead
+    # of the dQ and dK/dV kernels (3 + 4, S and dP computed twice). None: the
+    # backend's default (see ``flash_config``). Not a tile size, but it rides
+    # along with them so every path that takes block sizes can choose it.
+    fused_bwd: bool | None = None
 
     def resolved(self) -> BlockSizes:
         q, kv = self.block_q, self.block_kv
@@ -116,18 +133,23 @@ class BlockSizes:
             pick(self.block_kv_dkv, kv),
             pick(self.block_q_dq, q),
             pick(self.block_kv_dq, kv),
+            self.fused_bwd,
         )
 
     def as_tuple(self) -> tuple[int | None, ...]:
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        """The six tile sizes (not ``fused_bwd``)."""
+        return tuple(getattr(self, name) for name in _BLOCK_FIELDS)
 
     def for_kernel(self, kind: str) -> tuple[int, int]:
-        """(query block, key block) of kernel 'fwd', 'dq' or 'dkv'."""
+        """(query block, key block) of kernel 'fwd', 'dq', 'dkv' or 'fused' (the dK/dV tiles)."""
         if kind == "fwd":
             return self.block_q, self.block_kv
         if kind == "dq":
             return self.block_q_dq, self.block_kv_dq
         return self.block_q_dkv, self.block_kv_dkv
+
+
+_BLOCK_FIELDS = ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq")
 
 
 def default_block_sizes(backend: str, head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
@@ -177,6 +199,7 @@ class FlashConfig:
     blocks: BlockSizes
     head_major: bool  # kernel arrays are [B, H, S, D] (else [B, S, H*D])
     vmem_limit: int | None  # TPU only
+    fused_bwd: bool = False  # resolved blocks.fused_bwd: one backward kernel (see flash_fused_bwd_call)
     # Attach a pl.CostEstimate (read from cost_estimates() when built, so that the
     # jit cache of _flash_padded keys on it).
     charge_cost: bool = dataclasses.field(default_factory=lambda: _CHARGE_COST)
@@ -438,6 +461,79 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, cfg: Fla
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
+def _fused_bwd_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, cfg: FlashConfig, has_segments: bool
+):
+    """dQ, dK, dV in one pass over the dK/dV kernel's [kv, q] tiles: S, P, dP and dS
+    are computed once per visited block and feed all three gradients (5 matmuls).
+
+    dK/dV accumulate in registers/VMEM over the query loop, as in ``_dkv_kernel``.
+    dQ of every query block gathers contributions from every kv tile, i.e. from
+    other grid steps, so it is summed in f32 over the whole sequence of the
+    (batch, head). On TPU/CPU the grid runs in order and the tile axis is
+    "arbitrary": the sum stays resident across it, zeroed at the first tile, in
+    the f32 dQ output block itself or, for a narrower dQ dtype, in an f32
+    scratch cast into the output at the last tile (no f32 dQ in HBM). On Triton
+    the tiles run in parallel and add into an f32 HBM buffer, zeroed by the
+    caller, with float atomics.
+    """
+    atomic = cfg.backend == "gpu"
+    if has_segments:
+        q_seg_ref, kv_seg_ref, *rest = rest
+    if atomic:
+        _, dq_ref, dk_ref, dv_ref = rest  # rest[0] is the zeros aliased to dq_ref
+        acc_ref = dq_ref
+    else:
+        dq_ref, dk_ref, dv_ref, *scratch = rest
+        acc_ref = scratch[0] if scratch else dq_ref
+    bq, bk = cfg.blocks.for_kernel("fused")
+    tile = pl.program_id(2)
+    k0 = tile * bk
+    k = k_ref[...]
+    v = v_ref[...]
+    prec = matmul_precision(k.dtype)
+    kv_seg = jnp.transpose(kv_seg_ref[...]) if has_segments else None  # [bk, 1]
+
+    if not atomic:
+
+        @pl.when(tile == 0)
+        def _zero_dq():
+            acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
+
+    def body(i, carry, masked):
+        dk, dv = carry
+        q0 = pl.multiple_of(i * bq, bq)
+        q = q_ref[pl.ds(q0, bq), :]
+        do = do_ref[pl.ds(q0, bq), :]
+        lse = lse_ref[i]  # [1, bq]
+        delta = delta_ref[i]  # [1, bq]
+        seg = kv_seg == q_seg_ref[i] if has_segments else None  # [bk, 1] == [1, bq]
+        s = _scores(cfg, k, q, prec, q0, k0, q_axis=1, masked=masked, segment_mask=seg)
+        p = jnp.exp(s - lse)
+        dv = dv + _dot_nn(p.astype(do.dtype), do, prec)
+        dp = _dot_nt(v, do, prec)
+        ds = p * (dp - delta)
+        dk = dk + _dot_nn(ds.astype(q.dtype), q, prec)
+        dq = _dot_nn(jnp.transpose(ds).astype(k.dtype), k, prec) * cfg.scale  # [bq, D]
+        if atomic:
+            from jax.experimental.pallas import triton as pltriton
+
+            pltriton.atomic_add(acc_ref, (pl.ds(q0, bq), slice(None)), dq)
+        else:
+            acc_ref[pl.ds(q0, bq), :] += dq
+        return dk, dv
+
+    zeros = jnp.zeros((bk, k.shape[-1]), jnp.float32)
+    dk, dv = _masked_loops(_ranges_for_kv_tile(cfg, k0, bk, bq), body)((zeros, zeros))
+    dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+    if acc_ref is not dq_ref:
+
+        @pl.when(tile == pl.num_programs(2) - 1)
+        def _write_dq():
+            dq_ref[...] = acc_ref[...].astype(dq_ref.dtype)
+
+
 # ----------------------------------------------------------------------------
 # Per-backend plumbing: views, BlockSpecs, compiler params, cost estimates.
 # ----------------------------------------------------------------------------
@@ -515,8 +611,11 @@ def _compiler_params(cfg: FlashConfig, kind: str):
     if cfg.backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 
+        # The fused backward revisits its dQ block along the tile axis: "arbitrary"
+        # keeps that axis in order on one core (megacore splits batch and heads).
+        tiles = "arbitrary" if kind == "fused" else "parallel"
         return pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel"), vmem_limit_bytes=cfg.vmem_limit
+            dimension_semantics=("parallel", "parallel", tiles), vmem_limit_bytes=cfg.vmem_limit
         )
     if cfg.backend == "gpu":
         from jax.experimental.pallas import triton as pltriton
@@ -536,7 +635,7 @@ def _visited_blocks(cfg: FlashConfig, kind: str) -> int:
     """Number of (tile, tile) pairs a kernel visits for one (batch, head): for cost estimates."""
     bq, bk = cfg.blocks.for_kernel(kind)
     total = 0
-    if kind == "dkv":
+    if kind in ("dkv", "fused"):
         for t in range(cfg.seq_pad // bk):
             lo, _, _, hi = _ranges_for_kv_tile(cfg, t * bk, bk, bq, _PY_OPS)
             total += max(hi - lo, 0)
@@ -546,6 +645,11 @@ def _visited_blocks(cfg: FlashConfig, kind: str) -> int:
             total += max(hi - lo, 0)
     return total * bq * bk
 
+
+# [block_q, block_kv] x head_dim matmuls per visited block, as each kernel declares
+# them: forward S, PV; dQ S, dP, dS K; dK/dV S, P^T dO, dP, dS^T Q; fused: all
+# five backward ones once. Split backward 3 + 4 = 7, fused 5 (plus the forward's 2).
+KERNEL_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4, "fused": 5}
 
 # Whether pallas_calls traced from here carry a cost estimate (see cost_estimates).
 _CHARGE_COST = True
@@ -570,11 +674,45 @@ def cost_estimates(enabled: bool):
         _CHARGE_COST = before
 
 
+def declared_costs(closed_jaxpr) -> dict[str, dict[str, int]]:
+    """What the Pallas calls in a traced program declare, summed per kernel name.
+
+    ``closed_jaxpr``: e.g. ``jax.make_jaxpr(jax.grad(loss))(q, k, v)``. Returns
+    {pallas_call name: {"calls", "flops", "transcendentals", "bytes_accessed"}};
+    calls without a CostEstimate count as 0. XLA's TPU cost model charges a
+    Mosaic kernel exactly this, so it shows where cost_analysis totals come from.
+    """
+    from jax.extend import core as jex_core
+
+    totals: dict[str, dict[str, int]] = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                cost = eqn.params.get("cost_estimate")
+                row = totals.setdefault(
+                    eqn.params["name"], dict(calls=0, flops=0, transcendentals=0, bytes_accessed=0)
+                )
+                row["calls"] += 1
+                for key in ("flops", "transcendentals", "bytes_accessed"):
+                    row[key] += int(getattr(cost, key, 0) or 0)
+                continue
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    if isinstance(sub, jex_core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jex_core.Jaxpr):
+                        walk(sub)
+
+    walk(closed_jaxpr.jaxpr)
+    return totals
+
+
 def _cost(cfg: FlashConfig, kind: str, batch: int, operands, outputs) -> pl.CostEstimate | None:
     if not cfg.charge_cost:
         return None
     pairs = _visited_blocks(cfg, kind) * batch * cfg.q_heads
-    matmuls = {"fwd": 2, "dq": 3, "dkv": 4}[kind]
+    matmuls = KERNEL_MATMULS[kind]
     nbytes = sum(
         math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in (*operands, *outputs) if x is not None
     )
@@ -604,7 +742,7 @@ def _specs(cfg: FlashConfig, kind: str, *, has_segments: bool):
     bq, bk = cfg.blocks.for_kernel(kind)
     g = cfg.group
     q_head, kv_head = (lambda h: h), (lambda h: h // g)
-    if kind == "dkv":
+    if kind in ("dkv", "fused"):
         q_spec = _whole_spec(cfg, q_head)
         kv_spec = _tile_spec(cfg, bk, kv_head)
         q_vector = _vector_rows_spec(cfg, bq, per_head=True)
@@ -625,32 +763,52 @@ def _specs(cfg: FlashConfig, kind: str, *, has_segments: bool):
         return in_specs, q_spec
     # dK, dV per *query* head: a key tile of head h.
     kv_out = _tile_spec(cfg, bk, q_head)
-    return in_specs, [kv_out, kv_out]
+    if kind == "dkv":
+        return in_specs, [kv_out, kv_out]
+    # Fused: dQ of the whole sequence of head h; on GPU (f32) also its zeros input.
+    dq_whole = _whole_spec(cfg, q_head)
+    if cfg.backend == "gpu":
+        in_specs.append(dq_whole)
+    return in_specs, [dq_whole, kv_out, kv_out]
 
 
 def _call(
-    cfg: FlashConfig, kind: str, kernel, arrays, per_query, q_segment_ids, kv_segment_ids, *, out_shape
+    cfg: FlashConfig,
+    kind: str,
+    kernel,
+    arrays,
+    per_query,
+    q_segment_ids,
+    kv_segment_ids,
+    *,
+    out_shape,
+    extra=(),
+    aliases=None,
+    scratch=(),
 ):
     """pallas_call of kernel ``kind`` over the grid (batch, q_head, tile), per-backend params and costs.
 
     Operands: ``arrays`` (q, k, v[, dO]), then the ``per_query`` vectors (LSE,
-    delta), then the segment ids, all as ``_specs`` describes them.
+    delta), then the segment ids, then ``extra`` (aliased to outputs by
+    ``aliases``, {operand index: output index}), all as ``_specs`` describes them.
     """
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must both be given or both be None")
     has_segments = q_segment_ids is not None
     bq, bk = cfg.blocks.for_kernel(kind)
     segments = [_vectors(q_segment_ids, bq), _vectors(kv_segment_ids, bk)] if has_segments else []
-    operands = [*arrays, *(_vectors(x, bq) for x in per_query), *segments]
+    operands = [*arrays, *(_vectors(x, bq) for x in per_query), *segments, *extra]
     in_specs, out_specs = _specs(cfg, kind, has_segments=has_segments)
     batch = operands[0].shape[0]
     return pl.pallas_call(
         functools.partial(kernel, cfg=cfg, has_segments=has_segments),
         out_shape=out_shape,
-        grid=(batch, cfg.q_heads, cfg.seq_pad // (bk if kind == "dkv" else bq)),
+        grid=(batch, cfg.q_heads, cfg.seq_pad // (bk if kind in ("dkv", "fused") else bq)),
         in_specs=in_specs,
         out_specs=out_specs,
         compiler_params=_compiler_params(cfg, kind),
+        input_output_aliases=aliases or {},
+        scratch_shapes=scratch,
         cost_estimate=_cost(cfg, kind, batch, operands, jax.tree.leaves(out_shape)),
         interpret=cfg.interpret,
         name=f"flash_attention_{kind}",
@@ -691,6 +849,51 @@ def flash_dkv_call(q, k, v, do, lse, delta, q_segment_ids, kv_segment_ids, cfg: 
     )
 
 
+def flash_fused_bwd_call(
+    q, k, v, do, lse, delta, q_segment_ids, kv_segment_ids, cfg: FlashConfig, *, out_dtype, dq_dtype
+):
+    """dQ, dK, dV from one kernel (``_fused_bwd_kernel``), on the dK/dV kernel's tiles.
+
+    Returns (dQ in q's layout and ``dq_dtype``, dK, dV per *query* head in
+    ``out_dtype`` as ``flash_dkv_call``). dQ is summed in f32 either way; on GPU
+    (atomics into HBM) a narrower ``dq_dtype`` is a cast in XLA. Other
+    arguments as for ``flash_dq_call``.
+    """
+    if cfg.head_major:
+        kv_shape = (q.shape[0], cfg.q_heads, cfg.seq_pad, cfg.head_dim)
+    else:
+        kv_shape = (q.shape[0], cfg.seq_pad, cfg.q_heads * cfg.head_dim)
+    atomic = cfg.backend == "gpu"
+    dq_dtype = jnp.dtype(dq_dtype)
+    f32 = jnp.dtype(jnp.float32)
+    dq_shape = jax.ShapeDtypeStruct(q.shape, f32 if atomic else dq_dtype)
+    out_shape = [dq_shape, *[jax.ShapeDtypeStruct(kv_shape, out_dtype)] * 2]
+    arrays, per_query = [q, k, v, do], [lse, delta]
+    extra, aliases, scratch = (), None, ()
+    if atomic:  # atomics add into a zeroed buffer
+        extra = (jnp.zeros(q.shape, jnp.float32),)
+        n_in = len(arrays) + len(per_query) + (2 if q_segment_ids is not None else 0)
+        aliases = {n_in: 0}
+    elif dq_dtype != f32:
+        from jax.experimental.pallas import tpu as pltpu
+
+        scratch = (pltpu.VMEM((cfg.seq_pad, cfg.head_dim), jnp.float32),)
+    dq, dk, dv = _call(
+        cfg,
+        "fused",
+        _fused_bwd_kernel,
+        arrays,
+        per_query,
+        q_segment_ids,
+        kv_segment_ids,
+        out_shape=out_shape,
+        extra=extra,
+        aliases=aliases,
+        scratch=scratch,
+    )
+    return dq.astype(dq_dtype), dk, dv
+
+
 # ----------------------------------------------------------------------------
 # custom_vjp on [B, S, H, D] arrays (already padded).
 # ----------------------------------------------------------------------------
@@ -724,10 +927,14 @@ def _flash_bwd(cfg: FlashConfig, residuals, do):
         # Padded queries: exp(s - inf) = 0 makes their probabilities exactly 0.
         lse = jnp.where(jnp.arange(seq_pad) < cfg.seq_len, lse, jnp.inf)
     grads = (qk, kk, vk, dok, lse, delta, segment_ids, segment_ids, cfg)
-    dq = flash_dq_call(*grads, out_dtype=qk.dtype)
     # GQA: each query head writes its own partial dK/dV (f32 so the group sum
     # loses nothing); MHA writes the final dtype directly.
-    dk, dv = flash_dkv_call(*grads, out_dtype=jnp.float32 if cfg.group > 1 else kk.dtype)
+    kv_dtype = jnp.float32 if cfg.group > 1 else kk.dtype
+    if cfg.fused_bwd:
+        dq, dk, dv = flash_fused_bwd_call(*grads, out_dtype=kv_dtype, dq_dtype=qk.dtype)
+    else:
+        dq = flash_dq_call(*grads, out_dtype=qk.dtype)
+        dk, dv = flash_dkv_call(*grads, out_dtype=kv_dtype)
     dq = from_kernel_layout(dq, cfg, q_heads)
     dk = from_kernel_layout(dk, cfg, q_heads)
     dv = from_kernel_layout(dv, cfg, q_heads)
@@ -762,8 +969,9 @@ def resolve_block_sizes(block_sizes, backend: str, seq_len: int, head_dim: int, 
     elif not isinstance(block_sizes, BlockSizes):
         raise ValueError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes).__name__}")
     block_sizes = block_sizes.resolved()
-    names = [f.name for f in dataclasses.fields(BlockSizes)]
-    for name, b in zip(names, block_sizes.as_tuple()):
+    if block_sizes.fused_bwd is not None and not isinstance(block_sizes.fused_bwd, bool):
+        raise ValueError(f"block_sizes.fused_bwd must be True, False or None, got {block_sizes.fused_bwd!r}")
+    for name, b in zip(_BLOCK_FIELDS, block_sizes.as_tuple()):
         if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b <= 0:
             raise ValueError(f"block_sizes.{name} must be a positive int, got {b!r}")
         if backend == "tpu" and b % _TPU_BLOCK_UNIT:
@@ -779,13 +987,16 @@ def resolve_block_sizes(block_sizes, backend: str, seq_len: int, head_dim: int, 
         cap = max(pl.next_power_of_2(seq_len), _TRITON_MIN_BLOCK)
     else:
         cap = _round_up(seq_len, 8)
-    return BlockSizes(*(min(int(b), cap) for b in block_sizes.as_tuple()))
+    return BlockSizes(*(min(int(b), cap) for b in block_sizes.as_tuple()), block_sizes.fused_bwd)
 
 
 def _tpu_vmem_need(cfg: FlashConfig, itemsize: int) -> int:
     """Rough VMEM bytes of the largest kernel: whole-sequence operands + tiles + f32 temporaries."""
     d = max(cfg.head_dim, 128)  # lanes pad to 128
-    whole = 2 * cfg.seq_pad * d * itemsize  # K+V (fwd, dq) or Q+dO (dkv), single-buffered
+    whole = 2 * cfg.seq_pad * d * itemsize  # K+V (fwd, dq) or Q+dO (dkv, fused), single-buffered
+    if cfg.fused_bwd:
+        # The fused kernel's whole f32 dQ sum, and its narrower output block if any.
+        whole += cfg.seq_pad * d * (4 + (itemsize if itemsize < 4 else 0))
     rows = 3 * 8 * cfg.seq_pad * 4  # LSE/delta/segment rows pad to 8 sublanes
     pairs = [cfg.blocks.for_kernel(kind) for kind in ("fwd", "dq", "dkv")]
     tile = max(max(p) for p in pairs)
@@ -798,11 +1009,12 @@ def _check_tpu_vmem(cfg: FlashConfig, dtype) -> int:
     """VMEM limit for the TPU kernels; ValueError when one head's sequence cannot fit."""
     need = _tpu_vmem_need(cfg, jnp.dtype(dtype).itemsize)
     capacity = _TPU_VMEM_BYTES.get(device_kind() or "", _TPU_DEFAULT_VMEM_BYTES)
-    if need > capacity * 0.85:
+    if need > capacity * _TPU_VMEM_USABLE:
+        fused = " with the fused backward (block_sizes.fused_bwd=False needs less)" if cfg.fused_bwd else ""
         raise ValueError(
             f"seq={cfg.seq_len}, head_dim={cfg.head_dim}, {jnp.dtype(dtype).name}: the kernels "
             f"keep one head's whole K/V (and Q/dO) sequence in TPU VMEM, about {need >> 20} MiB "
-            f"here, more than fits ({capacity >> 20} MiB); shard the sequence (context "
+            f"here{fused}, more than fits ({capacity >> 20} MiB); shard the sequence (context "
             f"parallelism) or use shorter sequences per device"
         )
     return int(min(capacity * 0.9, max(need * 1.25, 32 << 20)))
@@ -828,6 +1040,12 @@ def flash_config(
     ``seq_pad`` must be a multiple of every block; ``head_dim`` is the kernel's
     (padded to a power of two on GPU). On TPU it carries the VMEM limit, and
     raises ValueError when one head's whole sequence does not fit VMEM.
+
+    ``blocks.fused_bwd`` None picks the backward per backend: fused on TPU (and
+    on CPU, whose interpreter runs the grid in order as Mosaic does) where its
+    whole f32 dQ fits VMEM, else the split kernels; split on GPU, where the
+    fused kernel must add dQ with float atomics (nondeterministic, and no cost
+    model to say it pays). See README "Flash attention".
     """
     # TPU tiles the two minor dims of [B, S, H, D] together, so a per-head tile
     # is not contiguous there: use [B, H, S, D] (XLA can fuse the transpose
@@ -846,8 +1064,14 @@ def flash_config(
         blocks=blocks,
         head_major=backend == "tpu",
         vmem_limit=None,
+        fused_bwd=backend != "gpu" if blocks.fused_bwd is None else blocks.fused_bwd,
     )
     if backend == "tpu":
+        if blocks.fused_bwd is None and cfg.fused_bwd:
+            itemsize = jnp.dtype(dtype).itemsize
+            capacity = _TPU_VMEM_BYTES.get(device_kind() or "", _TPU_DEFAULT_VMEM_BYTES)
+            if _tpu_vmem_need(cfg, itemsize) > capacity * _TPU_VMEM_USABLE:
+                cfg = dataclasses.replace(cfg, fused_bwd=False)  # the split kernels need less VMEM
         cfg = dataclasses.replace(cfg, vmem_limit=_check_tpu_vmem(cfg, dtype))
     return cfg
 
@@ -884,7 +1108,9 @@ def flash_attention(
       segment_ids: optional [batch, seq] integers; attention stays within a segment.
       sliding_window: optional int w >= 1; causal: i - w < j <= i, non-causal: |i - j| < w.
       softmax_scale: defaults to 1 / sqrt(head_dim).
-      block_sizes: optional BlockSizes (TPU: multiples of 128; Triton: powers of two).
+      block_sizes: optional BlockSizes (TPU: multiples of 128; Triton: powers of two);
+        its ``fused_bwd`` picks the one-kernel backward (None: fused on TPU/CPU,
+        split on GPU).
       backend: 'tpu' (Mosaic), 'gpu' (Triton) or 'cpu'; None picks from the
         arrays' devices, the mesh in context, or jax's default backend.
       interpret: run the kernels in the Pallas interpreter. Defaults to True on

@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.pallas_kernels import BlockSizes, flash_attention, reference, sharded_flash_attention  # noqa: E402
+from jaxtrain.pallas_kernels.flash_attention import declared_costs, flash_config, resolve_block_sizes  # noqa: E402
 
 F32_TOL = 1e-5
 BF16_TOL = 2e-2
@@ -164,6 +165,112 @@ def test_non_contiguous_segments_and_jit():
     assert _rel_err(fn(q, k, v, seg), ref) <= F32_TOL
 
 
+# ---------------------------------------------------------------------------
+# Fused backward (one kernel, 5 matmuls) vs the split dQ + dK/dV kernels (3 + 4).
+# ---------------------------------------------------------------------------
+
+
+def _grads(q, k, v, do, **kwargs):
+    return jax.vjp(lambda q, k, v: flash_attention(q, k, v, **kwargs), q, k, v)[1](do)
+
+
+@pytest.mark.parametrize(
+    "seq,q_heads,kv_heads,causal,segments,window,dtype,backend,blocks",
+    [
+        # seq 200: no block divides it; GQA 4/2 and MQA 4/1; causal and not.
+        (200, 4, 2, True, True, None, jnp.float32, "cpu", (64, 32, 32, 64)),
+        (200, 4, 1, False, True, 40, jnp.float32, "cpu", (64, 64, 64, 32)),
+        (256, 4, 4, True, False, None, jnp.bfloat16, "cpu", (64, 64)),
+        # TPU plumbing ([B, H, S, D], 128-multiple tiles), GPU plumbing (atomics, head_dim 96 -> 128).
+        (384, 4, 2, True, True, None, jnp.float32, "tpu", (128, 128)),  # dQ summed in its f32 output
+        (256, 4, 2, False, True, None, jnp.bfloat16, "tpu", (128, 128)),  # f32 scratch, bf16 dQ out
+        (200, 4, 2, True, True, None, jnp.float32, "gpu", (32, 32)),
+    ],
+    ids=lambda x: getattr(x, "__name__", str(x)),
+)
+def test_fused_backward_matches_split_and_reference(
+    seq, q_heads, kv_heads, causal, segments, window, dtype, backend, blocks
+):
+    head_dim = 96 if backend == "gpu" else 64
+    q, k, v, do = _inputs(2, seq, q_heads, kv_heads, head_dim, dtype, seed=4)
+    seg = _packed_segments(2, seq) if segments else None
+    kwargs = dict(causal=causal, segment_ids=seg, sliding_window=window)
+    fused, split = (
+        _grads(
+            q,
+            k,
+            v,
+            do,
+            **kwargs,
+            backend=backend,
+            interpret=True,
+            block_sizes=BlockSizes(*blocks, fused_bwd=f),
+        )
+        for f in (True, False)
+    )
+    ref = jax.vjp(lambda q, k, v: reference.attention(q, k, v, **kwargs), q, k, v)[1](do)
+    tol = _tol(dtype)
+    for name, f, s, r in zip(("dq", "dk", "dv"), fused, split, ref):
+        assert f.dtype == r.dtype and f.shape == r.shape, name
+        assert _rel_err(f, r) <= tol, (name, _rel_err(f, r))
+        assert _rel_err(f, s) <= tol, (name, _rel_err(f, s))
+
+
+def _backward_flops(fused, **kwargs):
+    q, k, v, do = _inputs(1, 256, 4, 2, 64, jnp.float32)
+    blocks = BlockSizes(64, 64, fused_bwd=fused)
+    fn = jax.vjp(lambda q, k, v: flash_attention(q, k, v, block_sizes=blocks, **kwargs), q, k, v)[1]
+    return declared_costs(jax.make_jaxpr(fn)(do))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_backward_declares_five_matmuls(causal):
+    """The backward's declared FLOPs: 3 + 4 matmuls per visited block split, 5 fused."""
+    split, fused = _backward_flops(False, causal=causal), _backward_flops(True, causal=causal)
+    assert set(split) == {"flash_attention_dq", "flash_attention_dkv"}, split
+    assert set(fused) == {"flash_attention_fused"}, fused
+    # Same tiles for every kernel, so all visit the same (q, kv) blocks.
+    unit = split["flash_attention_dq"]["flops"] / 3
+    assert split["flash_attention_dkv"]["flops"] == 4 * unit
+    assert fused["flash_attention_fused"]["flops"] == 5 * unit
+    # One block pair of 64 x 64 is 2 * 64 * 64 * head_dim flops per matmul.
+    pairs = 1 * 4 * (10 if causal else 16)  # batch x heads x visited 64-blocks of 256
+    assert unit == pairs * 2 * 64 * 64 * 64
+    # One pass reads q, k, v, dO, LSE, delta once instead of twice.
+    assert fused["flash_attention_fused"]["bytes_accessed"] < sum(c["bytes_accessed"] for c in split.values())
+
+
+def _config(backend, seq, fused=None):
+    blocks = resolve_block_sizes(BlockSizes(128, 128, fused_bwd=fused), backend, seq, 128, jnp.bfloat16)
+    return flash_config(
+        backend=backend,
+        interpret=False,
+        causal=True,
+        window=None,
+        scale=1.0,
+        seq_len=seq,
+        seq_pad=seq,
+        head_dim=128,
+        q_heads=8,
+        kv_heads=8,
+        blocks=blocks,
+        dtype=jnp.bfloat16,
+    )
+
+
+def test_fused_backward_default_per_backend():
+    """Fused by default on TPU (while its whole f32 dQ fits VMEM) and CPU; split on GPU."""
+    assert _config("gpu", 4096).fused_bwd is False
+    assert _config("gpu", 4096, fused=True).fused_bwd is True
+    assert _config("cpu", 4096).fused_bwd is True
+    assert _config("cpu", 4096, fused=False).fused_bwd is False
+    assert _config("tpu", 32768).fused_bwd is True
+    # 64k: Q, dO and the f32 dQ of one head (~96 MiB) exceed VMEM; the split kernels fit.
+    assert _config("tpu", 65536).fused_bwd is False
+    with pytest.raises(ValueError, match="fused_bwd=False needs less"):
+        _config("tpu", 65536, fused=True)
+
+
 def test_default_backend_on_cpu_is_interpret():
     from jaxtrain.pallas_kernels.mesh_utils import resolve_backend
 
@@ -210,6 +317,7 @@ KV = _sds((2, 128, 2, 64))
         ((Q, KV, KV), {"softmax_scale": float("nan")}, "softmax_scale"),
         ((Q, KV, KV), {"block_sizes": (128, 128)}, "block_sizes must be a BlockSizes"),
         ((Q, KV, KV), {"block_sizes": BlockSizes(0, 128)}, "block_sizes.block_q must be a positive"),
+        ((Q, KV, KV), {"block_sizes": BlockSizes(128, 128, fused_bwd=1)}, "block_sizes.fused_bwd must be"),
         (
             (Q, KV, KV),
             {"backend": "tpu", "block_sizes": BlockSizes(128, 64)},

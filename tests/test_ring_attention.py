@@ -16,7 +16,13 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from jaxtrain.pallas_kernels import chunked_attention, reference, ring_attention, ulysses_attention
+from jaxtrain.pallas_kernels import (
+    BlockSizes,
+    chunked_attention,
+    reference,
+    ring_attention,
+    ulysses_attention,
+)
 from jaxtrain.sharding.context import (
     causal_block_pairs,
     chunk_of_shard,
@@ -143,13 +149,18 @@ def test_ulysses_sliding_window_matches_reference(block_impl):
     )
 
 
-@pytest.mark.parametrize("causal,block_impl", [(True, "xla"), (True, "pallas"), (False, "pallas")])
-def test_chunked_attention_matches_reference(causal, block_impl):
+@pytest.mark.parametrize(
+    "causal,block_impl,fused_bwd",
+    [(True, "xla", None), (True, "pallas", None), (False, "pallas", None), (True, "pallas", False)],
+)
+def test_chunked_attention_matches_reference(causal, block_impl, fused_bwd):
     """One device, the sequence in 4 chunks (what Ulysses and the flash path do on TPU
-    when one head's K/V exceeds VMEM): GQA, packed segments, outputs and gradients."""
+    when one head's K/V exceeds VMEM): GQA, packed segments, outputs and gradients.
+    The flash blocks' backward is fused by default on CPU; fused_bwd=False is the split one."""
     q, k, v, w, seg = _inputs(4, 2, True)
+    blocks = None if fused_bwd is None else BlockSizes(128, 128, fused_bwd=fused_bwd)
     attn = lambda q, k, v: chunked_attention(
-        q, k, v, causal=causal, segment_ids=seg, chunks=4, block_impl=block_impl
+        q, k, v, causal=causal, segment_ids=seg, chunks=4, block_impl=block_impl, block_sizes=blocks
     )
     ref = lambda q, k, v: reference.attention(q, k, v, causal=causal, segment_ids=seg)
     loss = lambda f: lambda *a: jnp.sum(f(*a) * w)
