@@ -157,13 +157,18 @@ def _start_then_kill(tmp_path, victim, *args, heartbeat=10, supervisor_only=Fals
 
 def test_worker_dies_with_its_supervisor(tmp_path):
     """Killing only a supervisor takes its worker down (PR_SET_PDEATHSIG), so no orphan
-    keeps training or holds devices; the survivor then names the lost process."""
+    keeps training or holds devices; the survivor then exits 4 saying a peer died. It
+    names the lost process when its own check sees the death first; on a loaded machine
+    (two xdist workers on 2 cores) JAX's heartbeat abort can come first, and the survivor
+    then says the runtime aborted it because a peer died (seen once in CI-style runs)."""
     code, err, elapsed, workers = _start_then_kill(
         tmp_path, 1, "train.steps=40", "checkpoint.every=4", supervisor_only=True
     )
     assert len(workers) == 1, workers
     assert not os.path.exists(f"/proc/{workers[0]}"), f"worker {workers[0]} outlived its supervisor"
-    assert code == 4 and "jaxtrain: error: lost process 1 of 2" in err, f"exit {code}:\n{err[-3000:]}"
+    named = "jaxtrain: error: lost process 1 of 2" in err
+    aborted = "jaxtrain: error: JAX's distributed runtime aborted the worker: a peer process died" in err
+    assert code == 4 and (named or aborted), f"exit {code}:\n{err[-3000:]}"
 
 
 def test_killed_peer_makes_survivor_exit_in_bounded_time_then_both_resume(tmp_path):
