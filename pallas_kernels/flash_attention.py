@@ -431,34 +431,46 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, cfg: Fla
     if has_segments:
         q_seg_ref, kv_seg_ref, dk_ref, dv_ref = rest
     else:
-        dk_ref, dv_ref = rest
+        (dk_ref, dv_ref), q_seg_ref = rest, None
     bq, bk = cfg.blocks.for_kernel("dkv")
     k0 = pl.program_id(2) * bk
     k = k_ref[...]
     v = v_ref[...]
-    prec = matmul_precision(k.dtype)
     kv_seg = jnp.transpose(kv_seg_ref[...]) if has_segments else None  # [bk, 1]
 
     def body(i, carry, masked):
-        dk, dv = carry
-        q0 = pl.multiple_of(i * bq, bq)
-        q = q_ref[pl.ds(q0, bq), :]
-        do = do_ref[pl.ds(q0, bq), :]
-        lse = lse_ref[i]  # [1, bq]
-        delta = delta_ref[i]  # [1, bq]
-        seg = kv_seg == q_seg_ref[i] if has_segments else None  # [bk, 1] == [1, bq]
-        s = _scores(cfg, k, q, prec, q0, k0, q_axis=1, masked=masked, segment_mask=seg)
-        p = jnp.exp(s - lse)
-        dv = dv + _dot_nn(p.astype(do.dtype), do, prec)
-        dp = _dot_nt(v, do, prec)
-        ds = p * (dp - delta)
-        dk = dk + _dot_nn(ds.astype(q.dtype), q, prec)
-        return dk, dv
+        refs = (q_ref, do_ref, lse_ref, delta_ref, q_seg_ref)
+        return _kv_tile_step(cfg, carry, i, masked, refs, k, v, kv_seg, k0)[:2]
 
     zeros = jnp.zeros((bk, k.shape[-1]), jnp.float32)
     dk, dv = _masked_loops(_ranges_for_kv_tile(cfg, k0, bk, bq), body)((zeros, zeros))
     dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _kv_tile_step(cfg: FlashConfig, carry, i, masked, refs, k, v, kv_seg, k0):
+    """One query block `i` against a kv tile, transposed ([kv, q]): S, P, dP and dS once;
+    returns (dk, dv) accumulated into `carry`, and dS [bk, bq] (the fused kernel's dQ).
+    `refs`: (q, do, lse, delta, q segment ids or None); `k0`: the tile's first key position
+    (read from program_id by the caller: the interpreter has no program_id inside loops).
+    Shared by the split dK/dV kernel and the fused one."""
+    q_ref, do_ref, lse_ref, delta_ref, q_seg_ref = refs
+    dk, dv = carry
+    bq, _ = cfg.blocks.for_kernel("dkv")  # the fused kernel walks the same tiles
+    prec = matmul_precision(k.dtype)
+    q0 = pl.multiple_of(i * bq, bq)
+    q = q_ref[pl.ds(q0, bq), :]
+    do = do_ref[pl.ds(q0, bq), :]
+    lse = lse_ref[i]  # [1, bq]
+    delta = delta_ref[i]  # [1, bq]
+    seg = kv_seg == q_seg_ref[i] if kv_seg is not None else None  # [bk, 1] == [1, bq]
+    s = _scores(cfg, k, q, prec, q0, k0, q_axis=1, masked=masked, segment_mask=seg)
+    p = jnp.exp(s - lse)
+    dv = dv + _dot_nn(p.astype(do.dtype), do, prec)
+    dp = _dot_nt(v, do, prec)
+    ds = p * (dp - delta)
+    dk = dk + _dot_nn(ds.astype(q.dtype), q, prec)
+    return dk, dv, ds
 
 
 def _fused_bwd_kernel(
@@ -478,6 +490,7 @@ def _fused_bwd_kernel(
     caller, with float atomics.
     """
     atomic = cfg.backend == "gpu"
+    q_seg_ref = None
     if has_segments:
         q_seg_ref, kv_seg_ref, *rest = rest
     if atomic:
@@ -501,19 +514,9 @@ def _fused_bwd_kernel(
             acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
 
     def body(i, carry, masked):
-        dk, dv = carry
+        refs = (q_ref, do_ref, lse_ref, delta_ref, q_seg_ref)
+        dk, dv, ds = _kv_tile_step(cfg, carry, i, masked, refs, k, v, kv_seg, k0)
         q0 = pl.multiple_of(i * bq, bq)
-        q = q_ref[pl.ds(q0, bq), :]
-        do = do_ref[pl.ds(q0, bq), :]
-        lse = lse_ref[i]  # [1, bq]
-        delta = delta_ref[i]  # [1, bq]
-        seg = kv_seg == q_seg_ref[i] if has_segments else None  # [bk, 1] == [1, bq]
-        s = _scores(cfg, k, q, prec, q0, k0, q_axis=1, masked=masked, segment_mask=seg)
-        p = jnp.exp(s - lse)
-        dv = dv + _dot_nn(p.astype(do.dtype), do, prec)
-        dp = _dot_nt(v, do, prec)
-        ds = p * (dp - delta)
-        dk = dk + _dot_nn(ds.astype(q.dtype), q, prec)
         dq = _dot_nn(jnp.transpose(ds).astype(k.dtype), k, prec) * cfg.scale  # [bq, D]
         if atomic:
             from jax.experimental.pallas import triton as pltriton
