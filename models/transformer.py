@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.dense import dense
 from jaxtrain.models.layers import REGION_INPUT_AXES, RESIDUAL_AXES, Block, RMSNorm, param
 from jaxtrain.models.moe import MoEBlock
 from jaxtrain.sharding import PipelineSchedule, constrain, current_rules, logical_to_spec
@@ -195,7 +196,7 @@ class Transformer(nnx.Module):
     def project(self, x: jax.Array) -> jax.Array:
         """Final-normed activations [batch, seq, d_model] -> logits [batch, seq, vocab]."""
         head = self.head().astype(jnp.dtype(self.cfg.compute_dtype))
-        return constrain(x @ head, ("batch", "seq", "act_vocab"))
+        return constrain(dense(x, head), ("batch", "seq", "act_vocab"))
 
     def head(self) -> jax.Array:
         """The output projection [d_model, vocab] (param dtype): lm_head, or the embedding's
