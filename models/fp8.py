@@ -97,8 +97,8 @@ def combine(a: dict, b: dict) -> dict:
 
 
 def einsum(eqn: str, x: jax.Array, w: jax.Array, meta: dict | None) -> jax.Array:
-    """`jnp.einsum(eqn, x, w)` in x's dtype (through models/dense.py); with `meta`, through e4m3 operands and an e5m2
-    output gradient (fp8_ops.fp8_scaled_dot_general, delayed per-tensor scales)."""
+    """`jnp.einsum(eqn, x, w)` in x's dtype (through models/dense.py); with `meta`, through
+    e4m3 operands and an e5m2 output gradient (fp8_ops.fp8_scaled_dot_general, delayed per-tensor scales)."""
     if meta is None:
         return dense.einsum(eqn, x, w)
     dot = functools.partial(

@@ -36,7 +36,9 @@ def test_values_and_gradients_equal_autodiff_of_einsum(eqn, xs, ws, dtype, tol):
         y, vjp = jax.vjp(f, x, w)
         return (y, *vjp(ct))
 
-    got = jax.jit(lambda: grads(lambda a, b: dense_mod.einsum(eqn, a, b)))()
+    contract = dense_mod._weight_matmul_contract(eqn)
+    # the CPU VJP itself, in both dtypes (dense() routes only float32 to it)
+    got = jax.jit(lambda: grads(lambda a, b: dense_mod._dense_cpu(a, b, contract)))()
     want = jax.jit(lambda: grads(lambda a, b: jnp.einsum(eqn, a, b)))()
     for name, g, r in zip(("value", "dx", "dw"), got, want):
         assert g.dtype == r.dtype and g.shape == r.shape, name
@@ -54,6 +56,16 @@ def test_cpu_program_moves_the_smaller_operand_behind_a_barrier():
     assert "optimization_barrier" in hlo
     barrier_line = next(line for line in hlo.splitlines() if "optimization_barrier" in line)
     assert "8x16" in barrier_line and "100" not in barrier_line, barrier_line
+
+
+def test_float32_takes_the_cpu_vjp_and_bfloat16_keeps_autodiff():
+    def program(dtype):
+        x, w = jnp.ones((1, 16, 8), dtype), jnp.ones((8, 100), dtype)
+        f = lambda a, b: jnp.sum(dense_mod.einsum("bsd,dv->bsv", a, b).astype(jnp.float32))
+        return jax.jit(jax.grad(f, argnums=(0, 1))).lower(x, w).as_text()
+
+    assert "optimization_barrier" in program(jnp.float32)
+    assert "optimization_barrier" not in program(jnp.bfloat16)
 
 
 @pytest.mark.parametrize(
