@@ -95,7 +95,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     print(
         "\n| compute dtype | jaxtrain remat | jaxtrain s/step | jaxtrain tokens/s "
-        "| MFU (vs measured matmul peak) |"
+        "| MFU (vs measured matmul peak, compute dtype) |"
         + (
             " MaxText s/step (remat full) | MaxText tokens/s | ratio (MaxText time / ours) |"
             if args.peer

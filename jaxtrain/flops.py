@@ -48,11 +48,14 @@ def measure_matmul_flops(n: int = 1024, dtype: str = "float32", repeats: int = 5
     return 2 * n**3 / best
 
 
-def peak_flops_per_device(device, override: float | None = None) -> tuple[float, str]:
-    """(peak FLOP/s, where it came from) for one device."""
+def peak_flops_per_device(device, override: float | None = None, dtype: str = "float32") -> tuple[float, str]:
+    """(peak FLOP/s, where it came from) for one device. Where it is measured (CPU), the
+    matmul runs in `dtype`, the run's compute dtype: on a CPU with native bf16 dot
+    products the bf16 peak is about twice the f32 one, and an MFU against the f32 peak
+    would overstate a bf16 run twofold."""
     if override:
         return override, "config"
     table = peak_flops_for_device_kind(device.device_kind)
     if table:
         return table, f"table ({device.device_kind})"
-    return measure_matmul_flops(), "measured matmul"
+    return measure_matmul_flops(dtype=dtype), f"measured {dtype} matmul"

@@ -274,9 +274,11 @@ class _Rates:
     @classmethod
     def for_run(cls, cfg: Config, mesh: jax.sharding.Mesh) -> _Rates:
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
-        peak, source = peak_flops_per_device(mesh.devices.flat[0], cfg.logging.peak_flops_per_device)
+        peak, source = peak_flops_per_device(
+            mesh.devices.flat[0], cfg.logging.peak_flops_per_device, dtype=cfg.model.compute_dtype
+        )
         # Simulated CPU devices share one host: the measured matmul peak is the whole host's.
-        total = peak if source == "measured matmul" else peak * mesh.size
+        total = peak if source.startswith("measured") else peak * mesh.size
         return cls(tokens, flops_per_token(cfg.model, cfg.train.seq_len) * tokens, total, source)
 
 

@@ -86,3 +86,19 @@ def test_moe_counts_only_active_experts():
     # per MoE layer, a token uses 2 experts' SwiGLU (2x dense mlp) plus the router d*E
     extra_per_layer = 3 * 32 * 16 + 32 * 8
     assert flops_per_token(moe, 8) == flops_per_token(dense, 8) + 6 * 2 * extra_per_layer
+
+
+def test_cpu_peak_is_measured_in_the_compute_dtype(monkeypatch):
+    """MFU on CPU divides by a matmul peak measured in the run's compute dtype, so a bf16
+    run is not scored against the (about half as high) f32 peak."""
+    import jax
+
+    from jaxtrain import flops
+
+    seen = []
+    monkeypatch.setattr(flops, "measure_matmul_flops", lambda dtype="float32", **_: seen.append(dtype) or 1e9)
+    cpu = jax.devices("cpu")[0]
+    assert flops.peak_flops_per_device(cpu, dtype="bfloat16") == (1e9, "measured bfloat16 matmul")
+    assert flops.peak_flops_per_device(cpu) == (1e9, "measured float32 matmul")
+    assert flops.peak_flops_per_device(cpu, 5e12, dtype="bfloat16") == (5e12, "config")
+    assert seen == ["bfloat16", "float32"]
