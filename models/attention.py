@@ -2,7 +2,8 @@
 
 `attend` takes projected q/k/v `[batch, seq, heads, head_dim]` (k/v may have
 fewer heads: GQA/MQA) and dispatches on `impl`:
-- "xla": plain jnp (scores materialised; fine at CPU/test sizes),
+- "xla": plain jnp (scores materialised; fine at CPU/test sizes); on CPU with its
+  own VJP (`cpu_attention`: keeps the log-sum-exp, not the probabilities),
 - "pallas": the Pallas flash kernel, run inside `shard_map` over the batch and
   head mesh axes (Mosaic/Triton kernels cannot be partitioned by XLA).
 When the mesh in context has a `context` axis > 1 (the `seq` activations are
@@ -15,10 +16,13 @@ per-block compute (flash kernel or XLA). Sequences are then in zig-zag order
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from jaxtrain import sharding
+from jaxtrain.models.dense import on_cpu
 
 
 def resolve_impl(impl: str, platform: str | None = None) -> str:
@@ -61,6 +65,74 @@ def xla_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None
     return out.reshape(b, s, h, d)
 
 
+def _scores(qg, k, mask, scale):
+    """Masked f32 scores [b, kv_heads, groups, s, t] of grouped q [b, s, kv_heads, groups, d]."""
+    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale
+    return jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+
+
+def _moved_to_last(x, axis: int):
+    """x with `axis` moved last, as a real copy: the optimization barrier keeps XLA from
+    folding the transpose into the consumer dot (models/dense.py says why on CPU)."""
+    return jax.lax.optimization_barrier(jnp.moveaxis(x, axis, -1))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _cpu_attention(q, k, v, segment_ids, causal, sliding_window, scale):
+    return _cpu_attention_fwd(q, k, v, segment_ids, causal, sliding_window, scale)[0]
+
+
+def _cpu_attention_fwd(q, k, v, segment_ids, causal, sliding_window, scale):
+    b, s, h, d = q.shape
+    qg = q.reshape(b, s, k.shape[2], h // k.shape[2], d)
+    mask = attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
+    scores = _scores(qg, k, mask, scale)
+    lse = jax.nn.logsumexp(scores, axis=-1)  # [b, k, g, s]
+    probs = jnp.exp(scores - lse[..., None]).astype(v.dtype)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(b, s, h, d)
+    return out, (q, k, v, segment_ids, out, lse)
+
+
+def _cpu_attention_bwd(causal, sliding_window, scale, res, dout):
+    q, k, v, segment_ids, out, lse = res
+    b, s, h, d = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, s, kv, h // kv, d)
+    dog = dout.reshape(qg.shape)
+    mask = attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
+    probs = jnp.exp(_scores(qg, k, mask, scale) - lse[..., None])  # recomputed, f32
+    dprobs = jnp.einsum("bskgd,btkd->bkgst", dog, v, preferred_element_type=jnp.float32)
+    # rowsum(dP * P) = rowsum(dO * O) (flash attention's delta)
+    delta = jnp.einsum(
+        "bskgd,bskgd->bkgs", dog.astype(jnp.float32), out.reshape(qg.shape).astype(jnp.float32)
+    )
+    dscores = probs * (dprobs - delta[..., None]) * scale
+    dq = jnp.einsum("bkgst,btkd->bskgd", dscores.astype(q.dtype), k).reshape(q.shape)
+    # dK and dV contract the query positions s, major in dscores / probs: move the small
+    # q and dO ([.., d, s]) instead of the [s, t] matrices.
+    q_t = _moved_to_last(qg.transpose(0, 2, 3, 1, 4), 3)  # [b, k, g, d, s]
+    do_t = _moved_to_last(dog.transpose(0, 2, 3, 1, 4), 3)
+    dk = jnp.einsum("bkgds,bkgst->btkd", q_t, dscores.astype(q.dtype))
+    dv = jnp.einsum("bkgds,bkgst->btkd", do_t, probs.astype(v.dtype))
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_cpu_attention.defvjp(_cpu_attention_fwd, _cpu_attention_bwd)
+
+
+def cpu_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None):
+    """`xla_attention` with its own VJP, for CPU: the forward keeps q, k, v, the output and
+    the log-sum-exp instead of the [b, heads, s, t] probabilities (the scanned layers
+    stacked them for every layer, zero-filled and copied each step), and the backward
+    recomputes them with one extra QK^T. dK and dV take the transposed q / dO rather than
+    transposing the [s, t] matrices. Equal to autodiff of `xla_attention`
+    (tests/test_attention_dispatch.py)."""
+    b, s = q.shape[:2]
+    if segment_ids is None:
+        segment_ids = jnp.ones((b, s), jnp.int32)
+    return _cpu_attention(q, k, v, segment_ids, causal, sliding_window, q.shape[-1] ** -0.5)
+
+
 def attend(q, k, v, *, segment_ids=None, causal=True, impl="xla", sliding_window=None, context_impl="ring"):
     """Dispatch to one attention implementation (see module docstring)."""
     impl = resolve_impl(impl)
@@ -76,6 +148,10 @@ def attend(q, k, v, *, segment_ids=None, causal=True, impl="xla", sliding_window
             context_impl=context_impl,
         )
     if impl == "xla":
+        if on_cpu():
+            return cpu_attention(
+                q, k, v, segment_ids=segment_ids, causal=causal, sliding_window=sliding_window
+            )
         return xla_attention(q, k, v, segment_ids=segment_ids, causal=causal, sliding_window=sliding_window)
     if impl == "pallas":
         return _pallas_attention(
