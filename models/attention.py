@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain import sharding
-from jaxtrain.models.dense import on_cpu
+from jaxtrain.models.dense import materialized_transpose, on_cpu
 
 
 def resolve_impl(impl: str, platform: str | None = None) -> str:
@@ -48,6 +48,12 @@ def attention_mask(
     return mask
 
 
+def _scores(qg, k, mask, scale):
+    """Masked f32 scores [b, kv_heads, groups, s, t] of grouped q [b, s, kv_heads, groups, d]."""
+    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale
+    return jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+
+
 def xla_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, softmax_scale=None):
     """Reference-quality attention in XLA ops: f32 softmax, GQA without repeating K/V."""
     b, s, h, d = q.shape
@@ -55,26 +61,13 @@ def xla_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None
     groups = h // kv_heads
     scale = softmax_scale if softmax_scale is not None else d**-0.5
     qg = q.reshape(b, s, kv_heads, groups, d)
-    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale
     if segment_ids is None:
         segment_ids = jnp.ones((b, s), jnp.int32)
     mask = attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    scores = _scores(qg, k, mask, scale)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
     return out.reshape(b, s, h, d)
-
-
-def _scores(qg, k, mask, scale):
-    """Masked f32 scores [b, kv_heads, groups, s, t] of grouped q [b, s, kv_heads, groups, d]."""
-    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale
-    return jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-
-
-def _moved_to_last(x, axis: int):
-    """x with `axis` moved last, as a real copy: the optimization barrier keeps XLA from
-    folding the transpose into the consumer dot (models/dense.py says why on CPU)."""
-    return jax.lax.optimization_barrier(jnp.moveaxis(x, axis, -1))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -110,8 +103,8 @@ def _cpu_attention_bwd(causal, sliding_window, scale, res, dout):
     dq = jnp.einsum("bkgst,btkd->bskgd", dscores.astype(q.dtype), k).reshape(q.shape)
     # dK and dV contract the query positions s, major in dscores / probs: move the small
     # q and dO ([.., d, s]) instead of the [s, t] matrices.
-    q_t = _moved_to_last(qg.transpose(0, 2, 3, 1, 4), 3)  # [b, k, g, d, s]
-    do_t = _moved_to_last(dog.transpose(0, 2, 3, 1, 4), 3)
+    q_t = materialized_transpose(qg, (0, 2, 3, 4, 1))  # [b, k, g, d, s]
+    do_t = materialized_transpose(dog, (0, 2, 3, 4, 1))
     dk = jnp.einsum("bkgds,bkgst->btkd", q_t, dscores.astype(q.dtype))
     dv = jnp.einsum("bkgds,bkgst->btkd", do_t, probs.astype(v.dtype))
     return dq, dk.astype(k.dtype), dv.astype(v.dtype), None

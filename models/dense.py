@@ -29,7 +29,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["dense", "einsum", "on_cpu"]
+__all__ = ["dense", "einsum", "materialized_transpose", "on_cpu"]
 
 
 def on_cpu() -> bool:
@@ -83,10 +83,9 @@ def _weight_matmul_contract(eqn: str) -> int | None:
 
 
 def _flat(x, w, contract):
-    """(x as [T, K], w as [K, N], the output shape)."""
+    """(x as [T, K], w as [K, N])."""
     k = math.prod(w.shape[:contract])
-    out_shape = (*x.shape[: x.ndim - contract], *w.shape[contract:])
-    return x.reshape(-1, k), w.reshape(k, -1), out_shape
+    return x.reshape(-1, k), w.reshape(k, -1)
 
 
 def _plain(x, w, contract):
@@ -102,22 +101,26 @@ def _dense_cpu_fwd(x, w, contract):
     return _plain(x, w, contract), (x, w)
 
 
-def _moved(a: jax.Array) -> jax.Array:
-    """a [T, C] physically as [C, T]: the barrier keeps the transpose a real copy."""
-    return jax.lax.optimization_barrier(a.T)
+def materialized_transpose(x: jax.Array, axes) -> jax.Array:
+    """`jnp.transpose(x, axes)` as a real copy: the optimization barrier keeps XLA from
+    folding the transpose back into the consumer dot (see the module docstring). Shared
+    with the CPU attention's backward (models/attention.py)."""
+    return jax.lax.optimization_barrier(jnp.transpose(x, axes))
 
 
 def _dense_cpu_bwd(contract, res, g):
     x, w = res
-    x2, w2, _ = _flat(x, w, contract)
+    x2, w2 = _flat(x, w, contract)
     g2 = g.reshape(x2.shape[0], w2.shape[1])
     # dx = dy w^T as [T, N] x [K, N] contracting N (no transpose of w in the program, so the
     # forward's all-gathered weight serves here too)
     dx = jax.lax.dot_general(g2, w2, (((1,), (1,)), ((), ()))).astype(x.dtype).reshape(x.shape)
     if x2.shape[1] <= g2.shape[1]:
-        dw = jnp.dot(_moved(x2), g2)  # [K, T] x [T, N]
+        dw = jnp.dot(materialized_transpose(x2, (1, 0)), g2)  # [K, T] x [T, N]
     else:
-        dw = jnp.dot(_moved(g2), x2).T  # ([N, T] x [T, K])^T: a weight-sized transpose
+        dw = jnp.dot(
+            materialized_transpose(g2, (1, 0)), x2
+        ).T  # ([N, T] x [T, K])^T: a weight-sized transpose
     return dx, dw.astype(w.dtype).reshape(w.shape)
 
 
