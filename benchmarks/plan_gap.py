@@ -46,7 +46,7 @@ def main() -> None:
             cfg = load_config(REPO / path, [f"model.remat={remat}"])
             cfg, ici, dcn = config_for_target(cfg, target)
             mesh = {a: s for a, s in ici.items() if s > 1}
-            est = estimate(cfg, ici, attention_impl=cfg.model.attention_impl).total
+            est = estimate(cfg, ici, attention_impl=cfg.model.attention_impl, platform=target.platform).total
             r = compile_report(dataclasses.replace(cfg), target, estimate=False)
             got = (r.get("memory") or {}).get("total")
             ratio = f"{est / got:.2f}" if got else "-"

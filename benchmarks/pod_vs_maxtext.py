@@ -174,27 +174,25 @@ def ours(preset: str, topology: str, charged: bool, config: Path | None = None) 
 
 
 def planned(preset: str, topology: str, tries: int = 3) -> tuple[str, dict | None]:
-    """The planner's pick for the preset at its global batch: the analytic ranking
-    (jaxtrain.planner, no compile), then `jaxtrain compile --kernels-uncharged` on the best
-    until one fits (at most `tries`). (label, report of the first that fits or None)."""
+    """The planner's pick for the preset at its global batch, as `jaxtrain plan --top tries
+    --kernels-uncharged` makes it: the analytic ranking, the best `tries` confirmed by compile
+    and re-ranked by the compiler's estimate; then the winner's full `jaxtrain compile
+    --kernels-uncharged` report. (label, report, or None when none of them fits)."""
     from jaxtrain.compile import parse_target
     from jaxtrain.config import load_config
     from jaxtrain.planner import plan, write_config
 
     cfg = load_config(REPO / "configs" / f"{preset}.yaml")
-    p = plan(cfg, parse_target(f"tpu:{topology}"), compile=False, top=tries)
-    tried = []
-    for row in p.ranked:
-        c = row.candidate
-        label = f"{c.mesh_text()}, remat {c.remat}, {c.batching_text()}"
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "plan.yaml"
-            write_config(cfg, c, path)
-            r = ours(preset, topology, False, config=path)
-        if r["fits"]:
-            return label, r
-        tried.append(f"{label}: {r['memory']['total'] / GIB:.1f} GiB does not fit")
-    return "; ".join(tried) or "no candidate", None
+    p = plan(cfg, parse_target(f"tpu:{topology}"), top=tries, charge_kernels=False)
+    if p.best is None:
+        return "; ".join(f"{r.candidate.mesh_text()}: {r.reason}" for r in p.rejected[:tries]), None
+    c = p.best.candidate
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "plan.yaml"
+        write_config(cfg, c, path)
+        return f"{c.mesh_text()}, remat {c.remat}, {c.batching_text()}", ours(
+            preset, topology, False, config=path
+        )
 
 
 def main():
@@ -279,6 +277,18 @@ def main():
             mt_layer_s + charge_s,
             mt_step + L * charge_s,
         )
+        if mt_model.startswith("mixtral"):
+            # Whether MaxText's estimate counts its experts: under remat full each routed
+            # assignment's SwiGLU runs forward twice and backward once, 8 x 3 D F FLOPs, over
+            # batch x seq tokens x top_k per device and layer.
+            from jaxtrain.config import load_config
+
+            mc = load_config(REPO / "configs" / f"{preset}.yaml").model
+            experts = 8 * 3 * mc.d_model * mc.moe.mlp_dim(mc) * mc.moe.top_k * batch * 4096
+            notes.append(
+                f"{preset}: routed experts under remat full, analytic: {experts / 1e12:.2f} TFLOP/layer "
+                f"of MaxText's XLA {mt_layer_f / 1e12:.2f}"
+            )
         notes.append(
             f"{preset}: MaxText step / jaxtrain step, both uncharged: "
             f"{mt_step / free['xla_cost']['optimal_seconds']:.3f}; memory MaxText / jaxtrain: "

@@ -234,6 +234,7 @@ def resolve_remat_for_target(cfg: Config, target: Target, ici: dict, dcn: dict) 
         mesh,
         target.hbm_bytes,
         attention_impl=cfg.model.attention_impl,
+        platform=target.platform,
         where=f"{target.generation} HBM",
     )
 
@@ -404,7 +405,7 @@ def compile_report(
     import time
 
     from jaxtrain import sharding
-    from jaxtrain.sharding.targets import compiled_cost, compiled_memory, custom_call_targets
+    from jaxtrain.sharding.targets import compiled_cost, compiled_memory, custom_call_targets, kernel_names
 
     requested_fsdp = cfg.mesh.fsdp
     cfg, ici, dcn = config_for_target(cfg, target)
@@ -482,6 +483,7 @@ def compile_report(
     report["collectives"] = collectives(text)
     report["custom_calls"] = sorted(custom_call_targets(text))
     report["pallas_in_program"] = any("tpu_custom_call" in c or "triton" in c for c in report["custom_calls"])
+    report["kernels"] = sorted(kernel_names(text))
     tokens = t.global_batch_size * t.seq_len
     analytic = model_flops_per_token(cfg) * tokens / len(devices)
     report["model_flops_per_device"] = analytic

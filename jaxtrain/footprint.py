@@ -139,6 +139,7 @@ def _gib(n: int) -> str:
 # Per device, T = tokens of one microbatch on one device = rows x seq_len / context,
 # a = compute-dtype bytes, p = param-dtype bytes, P = parameters, shards = fsdp x tensor x expert:
 #   state        = P x (2p + 2p / data_zero1) / shards   params + gradients + Adam m, v
+#                  (MoE: the routed experts' parameters over shards, the rest over fsdp x tensor)
 #                  (data_zero1: mesh data with optimizer.shard_state (ZeRO-1), else 1)
 #                  (+ P x 4 / shards for the gradient accumulator when microbatches > 1)
 #   saved        = L x T x (bytes/token the remat policy keeps per layer, SAVED_BYTES)
@@ -152,6 +153,18 @@ def _gib(n: int) -> str:
 #   saved        = I x T/M x D x a + 2 x T x D x a (microbatch buffers)
 #                  + L/(S R) x T/M x (bytes/token the remat policy keeps)
 #   working set  = T/M x (bytes/token of one layer with nothing recomputed)
+# MoE layers (models/moe.py), with A = T x top_k assignments per device and R the rows
+# the expert matmuls run over: R = A (dispatch dropless, expert = 1), R = receive_rows(A, ep)
+# (dropless over ep = mesh.expert shards: ep x A, or receive_factor x A), or E x capacity per
+# sequence (dispatch capacity); r = R / A (`moe_rows`):
+#   mlp_in       = 2 x F x top_k x r x a        gate and up over the R rows
+#   extra        = 3 x F x top_k x r x a        silu(gate), its derivative's operand, the product
+#                  + (r + 2) x top_k x D x a    the sorted input over R rows, the output over A
+#                  rows and in token order; with ep > 1 + 2 x r x top_k x D x a, the outputs
+#                  over R rows sorted and in buffer order (+ 2 x ep x top_k x D x a: the padded
+#                  exchange's send and receive buffers)
+#   weights      = 3 x E/ep x D x F / tensor x p  one MoE layer's experts, gathered whole inside
+#                  the shard_map: in the working set, and kept per MoE layer under remat none
 # total = state + saved + working set + logits.
 
 #: The remat policies in order of cost (recomputed FLOPs), cheapest first; `auto` walks this.
@@ -180,12 +193,13 @@ SAVED_NAMES = {
 }
 
 
-def name_bytes_per_token(m, tensor: int = 1) -> dict[str, float]:
-    """Bytes per token per layer of each checkpoint name (heads / mlp shard over tensor)."""
+def name_bytes_per_token(m, tensor: int = 1, moe_rows: float = 1.0) -> dict[str, float]:
+    """Bytes per token per layer of each checkpoint name (heads / mlp shard over tensor);
+    `moe_rows`: rows the expert matmuls run over per assignment (moe_row_factor)."""
     a, hd, t = _BYTES.get(m.compute_dtype, 4), m.resolved_head_dim, max(1, tensor)
     mlp = m.mlp_dim
     if m.moe is not None:  # top-k experts' intermediates per token (plus shared ones)
-        mlp = m.moe.mlp_dim(m) * (m.moe.top_k + m.moe.num_shared_experts)
+        mlp = m.moe.mlp_dim(m) * (m.moe.top_k * moe_rows + m.moe.num_shared_experts)
     return {
         "layer_input": m.d_model * a,
         "qkv_proj": (m.n_heads + 2 * m.n_kv_heads) * hd * a / t,
@@ -196,24 +210,67 @@ def name_bytes_per_token(m, tensor: int = 1) -> dict[str, float]:
     }
 
 
-def layer_bytes_per_token(m, tensor: int = 1) -> float:
+def layer_bytes_per_token(
+    m, tensor: int = 1, moe_rows: float = 1.0, ep: int = 1, padded: bool = False
+) -> float:
     """Everything one layer's backward uses with nothing recomputed (remat none): the named
     checkpoints plus the norms' f32 inputs and outputs, the roped q/k, the residual and SwiGLU's
-    two elementwise products."""
-    n = name_bytes_per_token(m, tensor)
+    elementwise products (two; three in the expert matmuls, as XLA keeps them), and in MoE
+    layers the routed rows (formulas above)."""
+    n = name_bytes_per_token(m, tensor, moe_rows)
     a = _BYTES.get(m.compute_dtype, 4)
     extra = 2 * m.d_model * (4 + a)  # two RMSNorms: f32 input + normalised output
     extra += (m.n_heads + m.n_kv_heads) * m.resolved_head_dim * a / max(1, tensor)  # roped q, k
     extra += m.d_model * a  # residual after attention
-    extra += n["mlp_in"]  # silu(gate) and silu(gate) * up
+    extra += n["mlp_in"] * (1.5 if m.moe is not None else 1)  # silu(gate), silu(gate) * up (, ...)
+    if m.moe is not None:
+        k = m.moe.top_k
+        extra += (moe_rows + 2) * k * m.d_model * a  # sorted input (R rows), outputs (A rows) x 2
+        if ep > 1:  # the receive buffer's outputs, in sorted and in buffer order (R rows each)
+            extra += 2 * moe_rows * k * m.d_model * a
+        if padded and ep > 1:
+            extra += 2 * ep * k * m.d_model * a  # the padded all_to_all's send and receive buffers
     return sum(n.values()) + extra
 
 
-def saved_bytes_per_token(m, remat: str, tensor: int = 1, remat_custom=()) -> float:
-    """Bytes per token per layer a policy keeps on the device between forward and backward."""
+def moe_row_factor(cfg: Config, mesh_sizes: dict[str, int]) -> float:
+    """R / A: rows the expert matmuls run over per routed assignment on one device (1 for
+    dense models and dropless without expert parallelism; formulas above)."""
+    m = cfg.model
+    if m.moe is None:
+        return 1.0
+    if m.moe.dispatch == "capacity":
+        from jaxtrain.models.moe import capacity
+
+        seq = cfg.train.seq_len // max(1, mesh_sizes.get("context", 1))
+        return m.moe.num_experts * capacity(seq, m.moe) / (m.moe.top_k * seq)
+    ep = max(1, mesh_sizes.get("expert", 1))
+    if ep == 1:
+        return 1.0
+    from jaxtrain.models.moe import receive_rows
+
+    rows, seq = _microbatch_shape(cfg, _mesh_product(mesh_sizes))
+    a = rows * seq * m.moe.top_k
+    return receive_rows(a, ep, m.moe) / a
+
+
+def moe_weight_bytes(cfg: Config, mesh_sizes: dict[str, int]) -> float:
+    """One MoE layer's expert weights as its shard_map holds them: the device's E/ep experts
+    gathered whole (mlp split over tensor), in the parameter dtype."""
+    m = cfg.model
+    if m.moe is None:
+        return 0.0
+    size = _mesh_product(mesh_sizes)
+    experts = m.moe.num_experts / size("expert")
+    return 3 * experts * m.d_model * m.moe.mlp_dim(m) / size("tensor") * _BYTES.get(m.param_dtype, 4)
+
+
+def saved_bytes_per_token(m, remat: str, tensor: int = 1, remat_custom=(), **moe) -> float:
+    """Bytes per token per layer a policy keeps on the device between forward and backward
+    (`moe`: layer_bytes_per_token's moe_rows, ep, padded)."""
     if remat == "none":
-        return layer_bytes_per_token(m, tensor)
-    n = name_bytes_per_token(m, tensor)
+        return layer_bytes_per_token(m, tensor, **moe)
+    n = name_bytes_per_token(m, tensor, moe.get("moe_rows", 1.0))
     names = (
         tuple(k for k, mode in remat_custom if mode == "device")
         if remat == "custom"
@@ -236,6 +293,13 @@ class Estimate:
         return self.state + self.saved + self.working + self.logits
 
 
+def expert_params(m) -> int:
+    """Parameters of the routed experts (sharded over mesh.expert; 0 for dense models)."""
+    if m.moe is None:
+        return 0
+    return m.moe.num_moe_layers(m) * m.moe.num_experts * 3 * m.d_model * m.moe.mlp_dim(m)
+
+
 def layer_stack_params(m) -> int:
     """Parameters inside the repeated layers (what pipeline stages split; the embedding,
     the final norm and an untied head stay outside)."""
@@ -243,22 +307,35 @@ def layer_stack_params(m) -> int:
     return m.param_count(include_embedding=False) - m.d_model - head
 
 
-def estimate(cfg: Config, mesh_sizes: dict[str, int], *, attention_impl: str | None = None) -> Estimate:
+def estimate(
+    cfg: Config, mesh_sizes: dict[str, int], *, attention_impl: str | None = None, platform: str | None = None
+) -> Estimate:
     """The step's peak memory per device, estimated (formulas above); `attention_impl` is the
-    resolved one ("pallas": flash, no seq x seq scores kept; "xla": scores materialised)."""
+    resolved one ("pallas": flash, no seq x seq scores kept; "xla": scores materialised);
+    `platform` ("cpu", "tpu", "gpu"; None: not CPU) resolves moe.exchange=auto as the layer
+    does (padded buffers on CPU, ragged elsewhere)."""
     m, t = cfg.model, cfg.train
     size = _mesh_product(mesh_sizes)
-    shards = size("fsdp", "tensor", "expert")
     stages = size("stage")
     p = _BYTES.get(m.param_dtype, 4)
     a = _BYTES.get(m.compute_dtype, 4)
     per_param = 2 * p + 2 * p / _moment_shards(cfg, size) + (4 if t.microbatches > 1 else 0)
-    stack = layer_stack_params(m)
-    state = (stack / stages + m.param_count() - stack) * per_param / shards
+    stack, experts = layer_stack_params(m), expert_params(m)
+    # the routed experts shard over expert too; every other parameter only over fsdp x tensor
+    state = (stack - experts) / stages + m.param_count() - stack
+    state = (state + experts / (stages * size("expert"))) * per_param / size("fsdp", "tensor")
     rows, seq = _microbatch_shape(cfg, size)
     tokens = rows * seq
     tp = size("tensor")
-    kept = saved_bytes_per_token(m, m.remat, tp, m.remat_custom)
+    moe = {}
+    if m.moe is not None:
+        exchange = (
+            m.moe.exchange if m.moe.exchange != "auto" else ("padded" if platform == "cpu" else "ragged")
+        )
+        moe = dict(moe_rows=moe_row_factor(cfg, mesh_sizes), ep=size("expert"), padded=exchange == "padded")
+    kept = saved_bytes_per_token(m, m.remat, tp, m.remat_custom, **moe)
+    expert_weights = moe_weight_bytes(cfg, mesh_sizes)  # one MoE layer's, gathered
+    moe_layers = m.moe.num_moe_layers(m) if m.moe is not None else 0
     if stages > 1:  # sharding/pipeline.py: each iteration keeps only its stage's input
         pm = cfg.pipeline.resolved_microbatches(stages)
         reps = cfg.pipeline.repeats
@@ -267,14 +344,16 @@ def estimate(cfg: Config, mesh_sizes: dict[str, int], *, attention_impl: str | N
         saved = iterations * t_pm * m.d_model * a  # stage inputs kept for the backward
         saved += 2 * tokens * m.d_model * a  # the microbatch buffers in and out (not on stage)
         saved += m.n_layers / (stages * reps) * t_pm * kept  # one iteration's backward
-        working = t_pm * layer_bytes_per_token(m, tp)
+        if m.remat == "none":
+            saved += moe_layers / (stages * reps) * expert_weights
+        working = t_pm * layer_bytes_per_token(m, tp, **moe) + expert_weights
         # the iteration's block of layers gathered whole (fsdp) in the parameter dtype: the
         # stage recompute holds its weights (or their unreduced gradients) at once
         working += stack / (stages * reps) * p / (tp * size("expert"))
         att_rows = rows / pm
     else:
-        saved = m.n_layers * tokens * kept
-        working = tokens * layer_bytes_per_token(m, tp)
+        saved = m.n_layers * tokens * kept + (moe_layers * expert_weights if m.remat == "none" else 0)
+        working = tokens * layer_bytes_per_token(m, tp, **moe) + expert_weights
         att_rows = rows
     impl = attention_impl or m.attention_impl
     if impl == "xla":  # [rows, heads, seq, seq] probabilities and f32 scores of one layer

@@ -28,7 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.config import Config, ConfigError
-from jaxtrain.footprint import REMAT_BY_COST, SAVED_NAMES, estimate, layer_stack_params
+from jaxtrain.footprint import (
+    REMAT_BY_COST,
+    SAVED_NAMES,
+    estimate,
+    expert_params,
+    layer_stack_params,
+    moe_row_factor,
+)
 
 GiB = 2**30
 HEADROOM = 0.9  # the analytic estimate must fit in this fraction of HBM
@@ -264,6 +271,7 @@ def analytic_step(cfg: Config, mesh: dict[str, int], chip, per_host: int) -> dic
 
     compute   = (model FLOPs + recompute FLOPs) x tokens / devices / peak
     fsdp      = microbatches x 3 x (P / (tensor x expert)) x p x (fsdp-1)/fsdp / W
+                (MoE: only the routed experts split over expert, the rest of P over tensor alone)
                 (weights all-gathered forward and backward, gradients reduce-scattered)
     data      = 2 x (P / (fsdp x tensor x expert)) x 4 x (data-1)/data / W   (gradient all-reduce;
                 context likewise: parameters are replicated over it)
@@ -272,6 +280,8 @@ def analytic_step(cfg: Config, mesh: dict[str, int], chip, per_host: int) -> dic
     context   = microbatches x 3 L x (context-1) x T x 2 K hd x a / W  (ring K/V passes, fwd + bwd)
     expert    = microbatches x 4 L_moe x T x top_k x D x a x (expert-1)/expert / W (all-to-alls)
     step      = max(compute, fsdp + data + context) + tensor + expert + stage
+    MoE: compute adds (r - 1) x 18 x top_k x D x F x MoE layers per token, r = rows per routed
+    assignment (footprint.moe_row_factor): XLA costs the expert matmuls over their whole buffer.
     (weight and gradient collectives overlap the matmuls; activation collectives are on the
     critical path). W: the axis bandwidth, hardware.Chip.ici_bytes_per_s (or the NIC across
     GPU hosts).
@@ -310,14 +320,23 @@ def analytic_step(cfg: Config, mesh: dict[str, int], chip, per_host: int) -> dic
     else:
         pm = reps = iterations = 1
         inflate = 1.0
-    compute = (model + recompute * tokens_dev) * inflate / peak
+    # XLA's cost model charges the expert matmuls over every row of their buffer (ragged_dot
+    # over the receive buffer, capacity slots): (r - 1) x the routed experts' FLOPs on top
+    padding = 0.0
+    if m.moe is not None:
+        r = moe_row_factor(cfg, mesh)
+        padding = (r - 1) * 18 * m.moe.top_k * m.d_model * m.moe.mlp_dim(m) * m.moe.num_moe_layers(m)
+    compute = (model + (recompute + padding) * tokens_dev) * inflate / peak
     layers = m.n_layers / stages * inflate  # layer passes per device, per microbatch
     params = m.param_count()
     mb = t.microbatches
     tok_mb = t.global_batch_size * t.seq_len / (g("data") * g("fsdp") * g("expert") * g("context") * mb)
     comm = {}
     f = g("fsdp")
-    te = g("tensor") * g("expert")
+    # the share of a device's parameters it holds over fsdp: the routed experts split over
+    # expert as well, everything else only over tensor
+    share = expert_params(m) / params
+    te = g("tensor") / (1 - share + share / g("expert"))
     gathered = iterations * stack / (stages * reps) + params - stack if stages > 1 else params
     comm["fsdp"] = mb * 3 * gathered / te * p * (f - 1) / f / bw("fsdp") if f > 1 else 0
     grads = (stack / stages + params - stack) / (f * te) * 4
@@ -391,7 +410,7 @@ def plan(
             continue
         c = apply(cfg, cand)
         mesh = dict(cand.mesh)
-        est = estimate(c, mesh, attention_impl=impl)
+        est = estimate(c, mesh, attention_impl=impl, platform=target.platform)
         row.analytic_bytes = est.total
         timing = analytic_step(c, mesh, chip, target.chips)
         row.analytic_step_s, row.analytic_mfu = timing["step_s"], timing["mfu"]
@@ -535,6 +554,7 @@ def resolve_remat(
     *,
     headroom: float = HEADROOM,
     attention_impl: str | None = None,
+    platform: str | None = None,
     where: str = "",
 ) -> tuple[Config, str | None]:
     """`model.remat: auto` -> the cheapest policy (footprint.REMAT_BY_COST) whose estimated
@@ -551,7 +571,9 @@ def resolve_remat(
     where = f" ({where})" if where else ""
     previous = None
     for policy in REMAT_BY_COST:
-        need = estimate(with_policy(policy), mesh_sizes, attention_impl=attention_impl).total
+        need = estimate(
+            with_policy(policy), mesh_sizes, attention_impl=attention_impl, platform=platform
+        ).total
         if need <= budget:
             why = f"; {previous[0]} needs {_gib(previous[1])} GiB" if previous else ""
             return with_policy(policy), (
@@ -592,5 +614,6 @@ def resolve_remat_for_devices(
         capacity // sharing if capacity else None,
         headroom=headroom,
         attention_impl=resolve_impl(cfg.model.attention_impl, platform),
+        platform=platform,
         where=where,
     )

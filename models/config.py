@@ -33,6 +33,7 @@ ROPE_SCALINGS = (None, "linear", "llama3")
 MOE_SCORINGS = ("softmax", "sigmoid")
 MOE_DISPATCHES = ("capacity", "dropless")
 MOE_EXCHANGES = ("auto", "padded", "ragged")
+MOE_GROUPED_MATMULS = ("auto", "ragged_dot", "megablox")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,6 +55,10 @@ class MoEConfig:
     dispatch: str = "dropless"  # capacity (GShard, drops over-capacity tokens) | dropless (ragged_dot)
     capacity_factor: float = 1.25  # capacity: slots per expert per sequence = ceil(k * seq * cf / E)
     exchange: str = "auto"  # dropless expert parallelism: padded all_to_all | ragged_all_to_all
+    # Dropless grouped matmul: auto (megablox on TPU, ragged_dot elsewhere) | ragged_dot (XLA's
+    # jax.lax.ragged_dot) | megablox (JAX's Pallas TPU kernel gmm/tgmm, as MaxText's
+    # megablox=True; interpret mode off TPU, for tests). fp8 experts always use ragged_dot.
+    grouped_matmul: str = "auto"
     # Dropless expert parallelism: rows of each shard's receive buffer, as a multiple of one
     # source's assignments A (1.0 = the balanced load). 0: ep x A, the worst case, never drops;
     # f > 0: ceil(f x A), the grouped matmul shrinks to match and overflow is dropped
@@ -82,6 +87,7 @@ class MoEConfig:
             ("scoring", MOE_SCORINGS),
             ("dispatch", MOE_DISPATCHES),
             ("exchange", MOE_EXCHANGES),
+            ("grouped_matmul", MOE_GROUPED_MATMULS),
         ):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"model.moe.{key}={getattr(self, key)!r}: expected one of {allowed}")

@@ -32,14 +32,21 @@ import jax.numpy as jnp
 __all__ = ["dense", "einsum", "materialized_transpose", "on_cpu"]
 
 
-def on_cpu() -> bool:
-    """Whether the program being traced runs on CPU: the active mesh's devices if a mesh
-    is set (compile-only TPU/GPU meshes count as theirs), else JAX's default backend."""
+def trace_platform() -> str:
+    """The platform the program being traced runs on ("cpu", "tpu", "gpu"): the active
+    mesh's devices if a mesh is set (compile-only TPU/GPU meshes count as theirs), else
+    JAX's default backend."""
     mesh = jax.sharding.get_abstract_mesh()
     platform = None
     if not mesh.empty:
         platform = getattr(getattr(mesh, "abstract_device", None), "platform", None)
-    return (platform or jax.default_backend()).lower() == "cpu"
+    platform = (platform or jax.default_backend()).lower()
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def on_cpu() -> bool:
+    """Whether the program being traced runs on CPU (trace_platform)."""
+    return trace_platform() == "cpu"
 
 
 def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:

@@ -28,12 +28,17 @@ Dispatch:
             choices of all tokens before second choices, in token order; the rest
             are dropped (their output is 0, the residual passes them on);
             dispatch/combine are one-hot einsums.
-  dropless  assignments sorted by expert, `jax.lax.ragged_dot` grouped matmul.
+  dropless  assignments sorted by expert, one grouped matmul per weight:
+            `jax.lax.ragged_dot`, or on TPU JAX's Pallas megablox kernels (gmm
+            forward, gmm + tgmm backward, with their cost estimates), as MaxText
+            (moe.grouped_matmul: auto picks megablox on TPU, ragged_dot elsewhere).
 
 Expert parallelism: with a mesh set (`jax.set_mesh` + `sharding.axis_rules`) the
 layer runs in `jax.shard_map`: tokens stay sharded on their batch axes, experts
 are sharded on the mesh axes the rules give logical "expert" (and "mlp" over
-tensor: Megatron-style, psum after w_down). Tokens travel to their experts'
+tensor: Megatron-style, psum after w_down). They enter the shard_map as stored,
+d_model split over fsdp, and are all-gathered inside it, so that their gradients
+leave as a reduce-scatter (the gather's transpose). Tokens travel to their experts'
 devices with `all_to_all`; dropless uses a padded all_to_all (every source sends a
 [A, D] buffer to every expert shard, A = its local assignments: no drops,
 ep x the memory) or `ragged_all_to_all` (exchange=ragged; TPU/GPU only,
@@ -59,6 +64,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain import sharding
 from jaxtrain.models import fp8 as fp8_ops
 from jaxtrain.models.config import ModelConfig, MoEConfig
+from jaxtrain.models.dense import trace_platform
 from jaxtrain.models.layers import REGION_INPUT_AXES, RESIDUAL_AXES, Attention, RMSNorm, param, swiglu
 
 F32 = jnp.float32
@@ -159,10 +165,49 @@ def _swiglu(x, w_gate, w_up, w_down, eq_in: str, eq_out: str, fp8=None):
     return mm(eq_out, jax.nn.silu(gate) * up, w_down, "w_down")
 
 
-def _ragged_swiglu(x, w_gate, w_up, w_down, group_sizes, fp8=None):
-    """fp8: (this layer's expert sites, the shard_map's mesh axes) or None."""
+def _megablox_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """gmm tiles: rows in the largest power of two up to 512 dividing m (gmm needs m % tm
+    == 0), k and n in blocks of 1024 or whole (MaxText's default tile sizes)."""
+    tm = 512
+    while m % tm:
+        tm //= 2
+    return tm, min(k, 1024), min(n, 1024)
+
+
+def grouped_matmul(a, w, group_sizes, impl: str, *, full: bool = False):
+    """a [m, k] rows sorted by group, w [groups, k, n], group_sizes [groups] int32 -> [m, n]:
+    row i through its group's w; rows past sum(group_sizes) are zero, and so are their
+    gradients. impl: "ragged_dot" | "megablox" (resolve_grouped_matmul). `full`: the caller
+    knows every row is in a group (no padding to mask)."""
+    if impl == "ragged_dot":
+        return jax.lax.ragged_dot(a, w, group_sizes)
+    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
+
+    tiling = _megablox_tiling(a.shape[0], a.shape[1], w.shape[2])
+    interpret = trace_platform() != "tpu"
+    if not full:  # gmm leaves padding rows unwritten (forward and dA): select zeros there
+        valid = (jnp.arange(a.shape[0]) < jnp.sum(group_sizes))[:, None]
+        a = jnp.where(valid, a, 0)
+    # custom_vjp: gmm forward, gmm + tgmm backward; positional (its nondiff args)
+    out = megablox.gmm(a, w, group_sizes.astype(jnp.int32), a.dtype, tiling, None, None, False, interpret)
+    return out if full else jnp.where(valid, out, 0)
+
+
+def resolve_grouped_matmul(m: MoEConfig, fp8=None) -> str:
+    """model.moe.grouped_matmul=auto: megablox on TPU (the program's mesh, deviceless
+    included), ragged_dot elsewhere; fp8 experts always ragged_dot."""
+    if fp8 is not None:
+        return "ragged_dot"
+    if m.grouped_matmul != "auto":
+        return m.grouped_matmul
+    return "megablox" if trace_platform() == "tpu" else "ragged_dot"
+
+
+def _ragged_swiglu(x, w_gate, w_up, w_down, group_sizes, fp8=None, impl="ragged_dot", full=False):
+    """fp8: (this layer's expert sites, the shard_map's mesh axes) or None; impl and full:
+    grouped_matmul's."""
     rd = lambda a, w, name: fp8_ops.expert_matmul(
-        lambda a, w: jax.lax.ragged_dot(a, w, group_sizes), a, w, *_fp8_site(fp8, name)
+        lambda a, w: grouped_matmul(a, w, group_sizes, impl, full=full), a, w, *_fp8_site(fp8, name)
     )
     gate = checkpoint_name(rd(x, w_gate, "w_gate"), "mlp_in")
     up = checkpoint_name(rd(x, w_up, "w_up"), "mlp_in")
@@ -230,13 +275,14 @@ def _local_moe(
         y = jnp.einsum("bsec,ebcd->bsd", combine.astype(x.dtype), out)
         sums["dropped"] = jnp.sum(1.0 - keep.astype(F32))
     else:
+        impl = resolve_grouped_matmul(m, fp8)
         a = b * s * k
         flat_e = idx.reshape(a)
         order = jnp.argsort(flat_e, stable=True)  # assignments by expert
         xs = x.reshape(b * s, d)[order // k]
         group_sizes = counts.astype(jnp.int32)
         if ep == 1:
-            out = _ragged_swiglu(xs, w_gate, w_up, w_down, group_sizes, fp8)
+            out = _ragged_swiglu(xs, w_gate, w_up, w_down, group_sizes, fp8, impl, full=True)
             out = psum(out, tensor_axes)
             dropped = jnp.zeros((), jnp.int32)
         else:
@@ -253,6 +299,7 @@ def _local_moe(
                 exchange=exchange,
                 rows=receive_rows(a, ep, m),
                 fp8=fp8,
+                impl=impl,
             )
         out = out[jnp.argsort(order)].reshape(b, s, k, d)  # back to token order
         y = jnp.einsum("bskd,bsk->bsd", out, weights.astype(x.dtype))
@@ -280,7 +327,20 @@ def receive_rows(a: int, ep: int, m: MoEConfig) -> int:
 
 
 def _dropless_exchange(
-    xs, sorted_e, group_sizes, w_gate, w_up, w_down, *, ep, expert_axes, tensor_axes, exchange, rows, fp8=None
+    xs,
+    sorted_e,
+    group_sizes,
+    w_gate,
+    w_up,
+    w_down,
+    *,
+    ep,
+    expert_axes,
+    tensor_axes,
+    exchange,
+    rows,
+    fp8=None,
+    impl="ragged_dot",
 ):
     """Expert-parallel dropless: xs [A, d] sorted by expert -> (expert outputs [A, d] in the
     same order, zero for rows the receiver had no room for; how many such rows, int32).
@@ -327,7 +387,8 @@ def _dropless_exchange(
     ends = jnp.cumsum(kept, axis=1)[src]  # [rows, e_local]
     local_e = jnp.where(valid, jnp.sum(i[:, None] >= ends, axis=1), e_local)
     order = jnp.argsort(local_e, stable=True)
-    out = _ragged_swiglu(buf[order], w_gate, w_up, w_down, jnp.sum(kept, axis=0).astype(jnp.int32), fp8)
+    sizes = jnp.sum(kept, axis=0).astype(jnp.int32)
+    out = _ragged_swiglu(buf[order], w_gate, w_up, w_down, sizes, fp8, impl)
     if tensor_axes:
         out = jax.lax.psum(out, tensor_axes)
     out = out[jnp.argsort(order)]  # [rows, d] buffer order
@@ -349,9 +410,11 @@ def _dropless_exchange(
 
 
 def resolve_exchange(m: MoEConfig) -> str:
+    """model.moe.exchange=auto: padded on CPU, ragged on TPU/GPU (the program's mesh, so
+    that a deviceless TPU compile on a CPU host gets what the pod will run)."""
     if m.exchange != "auto":
         return m.exchange
-    return "padded" if jax.default_backend() == "cpu" else "ragged"
+    return "padded" if trace_platform() == "cpu" else "ragged"
 
 
 def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig, fp8=None):
@@ -382,11 +445,19 @@ def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig, fp8=None):
             fp8=None if fp8 is None else (fp8, ()),
         )
     x_spec = sharding.logical_to_spec(("batch", None, None), rules, mesh, x.shape)
-    in_spec = sharding.logical_to_spec(("expert", None, "mlp"), rules, mesh, w_gate.shape)
+    in_spec = sharding.logical_to_spec(("expert", "embed", "mlp"), rules, mesh, w_gate.shape)
     in_spec = P(*in_spec, *[None] * (3 - len(in_spec)))
-    out_spec = P(in_spec[0], in_spec[2], None)
     batch_axes = sharding.axes_tuple(x_spec[0] if len(x_spec) else None)
     expert_axes, tensor_axes = sharding.axes_tuple(in_spec[0]), sharding.axes_tuple(in_spec[2])
+    # The experts enter as stored, d_model split over the fsdp axes, and are gathered inside:
+    # the gather's transpose is a reduce-scatter of their gradients. Passed in whole (gathered
+    # at the boundary), their gradients left as a replicated all-reduce of every expert's
+    # weights (5.6 GiB a layer for Mixtral) that XLA did not turn into a reduce-scatter.
+    embed_axes = sharding.axes_tuple(in_spec[1])
+    if set(embed_axes) & set(expert_axes + tensor_axes):
+        embed_axes = ()  # rules that reuse an axis: gather at the boundary instead
+    in_spec = P(in_spec[0], embed_axes or None, in_spec[2])
+    out_spec = P(in_spec[0], in_spec[2], embed_axes or None)
     if not set(expert_axes) <= set(batch_axes):
         raise ValueError(
             f"moe_layer: expert mesh axes {expert_axes} must also shard the batch "
@@ -397,6 +468,9 @@ def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig, fp8=None):
     mesh_axes = tuple(mesh.axis_names)
 
     def fn(x, w_router, bias, w_gate, w_up, w_down, meta):
+        if embed_axes:
+            gather = lambda w, axis: jax.lax.all_gather(w, embed_axes, axis=axis, tiled=True)
+            w_gate, w_up, w_down = gather(w_gate, 1), gather(w_up, 1), gather(w_down, 2)
         return _local_moe(
             *(x, w_router, bias, w_gate, w_up, w_down),
             m=m,
@@ -422,10 +496,15 @@ def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig, fp8=None):
         return fn(x, r, bias, g, u, dn, meta[0] if meta else None)
 
     stats_spec = {k: P() for k in ("aux_loss", "z_loss", "dropped_fraction", "max_load", "expert_load")}
+    # Pallas calls (megablox) do not declare how their outputs vary over the mesh, which the
+    # shard_map's varying-axes check requires; MaxText runs its MoE unchecked too. The
+    # expert-parallel tests check the gradients both ways.
+    megablox = m.dispatch == "dropless" and resolve_grouped_matmul(m, fp8) == "megablox"
     return jax.shard_map(
         body,
         in_specs=(x_spec, P(), *bias_spec, in_spec, in_spec, out_spec, *meta_spec),
         out_specs=(x_spec, stats_spec),
+        check_vma=not megablox,
     )(*args)
 
 

@@ -249,6 +249,21 @@ def custom_call_targets(compiled_text: str) -> set[str]:
     return set(re.findall(r'custom_call_target="([^"]+)"', compiled_text))
 
 
+def kernel_names(compiled_text: str) -> set[str]:
+    """Names of the kernel calls (Mosaic TPU, Triton) in optimized HLO text, without their
+    .N suffixes: "gmm", "splash_mha_fwd...", and XLA's own "ragged-dot-none" (XLA:TPU runs
+    ragged_dot as a Mosaic kernel too, so the target alone does not say whose it is)."""
+    import re
+
+    names = set()
+    for line in compiled_text.splitlines():
+        if ("tpu_custom_call" in line or "triton" in line) and " = " in line:
+            match = re.match(r"\s*(?:ROOT\s+)?%?([A-Za-z_][\w-]*?)(?:\.\d+)*\s*=", line)
+            if match:
+                names.add(match.group(1))
+    return names
+
+
 def has_custom_call(compiled_text: str, name_substring: str) -> bool:
     """Whether the optimized HLO text holds a custom call whose target contains ``name_substring``.
 
