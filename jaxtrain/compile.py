@@ -150,6 +150,17 @@ def parse_target(text: str, *, slices: int = 1, hosts: int = 1, gpus_per_host: i
     raise ConfigError(f"--target={text!r}: expected tpu:GEN-N (e.g. tpu:v5p-64) or gpu:h100")
 
 
+def tpu_wraparound(target: Target) -> tuple[bool, bool, bool]:
+    """Whether the slice's ICI wraps around in each dim (a torus, not a mesh). A v5p slice
+    is a full torus from 4x4x4 on (dims that are multiples of 4), as in MaxText's
+    accelerator table; smaller v5p slices and v4/v5e/v6e are compiled without wraparound.
+    Without it XLA:TPU lowers every all-gather of a v5p-128 as zeros + dynamic-update-slice
+    + all-reduce (about 3x the bytes), and estimated Mixtral one layer 8% slower."""
+    dims = [int(x) for x in target.topology.split(":")[1].split("x")]
+    full = target.generation == "v5p" and len(dims) == 3 and all(d >= 4 and d % 4 == 0 for d in dims)
+    return (full, full, full)
+
+
 def target_devices(target: Target) -> list:
     """Compile-only devices for the target (raises targets.DevicelessUnavailableError)."""
     from jaxtrain.sharding import targets
@@ -159,7 +170,9 @@ def target_devices(target: Target) -> list:
         small = math.prod(int(x) for x in target.topology.split(":")[1].split("x")) < chip.chips_per_host
         per_host = (1, 1, 1) if small else (2, chip.chips_per_host // 2, 1)  # 4 chips per host: 2x2x1
         chip_config = "megacore" if chip.cores_per_chip == 2 else "default"
-        return targets.tpu_topology_devices(target.topology, chip_config, per_host, num_slices=target.groups)
+        return targets.tpu_topology_devices(
+            target.topology, chip_config, per_host, num_slices=target.groups, wrap=tpu_wraparound(target)
+        )
     if target.generation == "a100":
         return targets.a100_devices(target.groups, target.chips)
     return targets.h100_devices(target.groups, target.chips)

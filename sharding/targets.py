@@ -118,6 +118,7 @@ def tpu_topology_devices(
     chip_config_name: str = "megacore",
     chips_per_host_bounds: tuple[int, int, int] = (2, 2, 1),
     num_slices: int = 1,
+    wrap: tuple[bool, ...] | None = None,
 ) -> list[Any]:
     """Compile-only TPU devices for ``topology_name`` (e.g. ``"v5p:2x2x2"`` = 8 chips).
 
@@ -145,6 +146,7 @@ def tpu_topology_devices(
             chip_config_name=chip_config_name,
             chips_per_host_bounds=tuple(chips_per_host_bounds),
             num_slices=num_slices,
+            **({} if wrap is None else {"wrap": tuple(wrap)}),
         )
     except Exception as e:  # libtpu reports bad names as generic errors
         raise DevicelessUnavailableError(

@@ -43,6 +43,48 @@ def test_parse_tpu_targets(text, topology, chips):
     assert (t.topology, t.chips, t.num_devices) == (topology, chips, chips)
 
 
+@pytest.mark.parametrize(
+    "text, wraps",
+    [
+        ("tpu:v5p-8", False),
+        ("tpu:v5p-64", False),
+        ("tpu:v5p-128", True),
+        ("tpu:v5p-512", True),
+        ("tpu:v4-128", False),
+    ],
+)
+def test_v5p_slices_from_4x4x4_are_tori(text, wraps):
+    """MaxText's accelerator table: v5p slices of 4x4x4 and up wrap around in every dim;
+    smaller v5p slices and v4 do not."""
+    from jaxtrain.compile import tpu_wraparound
+
+    assert tpu_wraparound(parse_target(text)) == (wraps,) * 3
+
+
+@needs_tpu
+def test_weights_gather_with_all_gathers_on_a_v5p_128_torus():
+    """An fsdp all-gather over a v5p-128 compiles to an `all-gather`. Compiled without the
+    slice's wraparound (as before), XLA:TPU lowered every one as a zero broadcast +
+    dynamic-update-slice + all-reduce, and estimated a Mixtral layer 8% slower than
+    MaxText's at the same mesh. Oracle: the collectives of the compiled program."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxtrain import sharding
+    from jaxtrain.compile import target_devices
+
+    mesh = sharding.make_mesh({"fsdp": 64}, target_devices(parse_target("tpu:v5p-128")))
+    w = jax.ShapeDtypeStruct((8, 4096, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "fsdp")))
+    gather = jax.jit(lambda w: jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P())) * 2)
+    text = gather.lower(w).compile().as_text()
+    assert len(re.findall(r" all-gather(?:-start)?\(", text)) == 1
+    assert "dynamic-update-slice(" not in text
+
+
 def test_parse_bad_targets():
     for bad in ("tpu:v5p-6x", "tpu:v9-8", "gpu:v100", "h100", "tpu:v5p-24"):
         with pytest.raises(ConfigError, match="--target"):
