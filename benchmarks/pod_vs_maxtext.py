@@ -39,6 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from jaxtrain.flops import peak_flops_for_device_kind  # noqa: E402
+from jaxtrain.sharding.targets import kernel_names  # noqa: E402
 
 PEER_REQS = REPO.parent / "shared" / "bench" / "maxtext-requirements.txt"
 PEER_VENV = Path(
@@ -150,7 +151,7 @@ def maxtext_compile(py: Path, mt: str, model: str, topology: str, batch: int, la
         ),
         "kernels": len(kernels),
         "kernels_with_cost": sum('"cost_estimate"' in line for line in kernels),
-        "kernel_names": sorted({re.match(r"\s*%?([A-Za-z_]+)", k).group(1) for k in kernels}),
+        "kernel_names": sorted(kernel_names(hlo)),
     }
 
 
@@ -203,6 +204,7 @@ def main():
         action="store_true",
         help="add a row for `jaxtrain plan`'s pick (uncharged attention), at the preset's batch",
     )
+    ap.add_argument("--top", type=int, default=3, help="with --planned: candidates the plan compiles")
     args = ap.parse_args()
     py, mt = ensure_peer_venv()
     print(
@@ -252,7 +254,7 @@ def main():
             mt_step,
         )
         if args.planned:
-            label, r = planned(preset, topo)
+            label, r = planned(preset, topo, args.top)
             if r is None:
                 notes.append(f"{preset}: planner's candidates did not fit when compiled: {label}")
             else:

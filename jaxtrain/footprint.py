@@ -158,9 +158,11 @@ def _gib(n: int) -> str:
 # (dropless over ep = mesh.expert shards: ep x A, or receive_factor x A), or E x capacity per
 # sequence (dispatch capacity); r = R / A (`moe_rows`):
 #   mlp_in       = 2 x F x top_k x r x a        gate and up over the R rows
+#   mlp_out      = top_k x D x a                the expert outputs in token order (the router
+#                                               weights' gradient needs them)
 #   extra        = 3 x F x top_k x r x a        silu(gate), its derivative's operand, the product
-#                  + (r + 2) x top_k x D x a    the sorted input over R rows, the output over A
-#                  rows and in token order; with ep > 1 + 2 x r x top_k x D x a, the outputs
+#                  + (r + 1) x top_k x D x a    the sorted input over R rows, the output over A
+#                  rows sorted; + D x a the combined output; with ep > 1 + 2 x r x top_k x D x a, the outputs
 #                  over R rows sorted and in buffer order (+ 2 x ep x top_k x D x a: the padded
 #                  exchange's send and receive buffers)
 #   weights      = 3 x E/ep x D x F / tensor x p  one MoE layer's experts, gathered whole inside
@@ -172,12 +174,20 @@ REMAT_BY_COST = (
     "none",
     "minimal",
     "save_matmuls",
+    "save_except_mlp_in",
     "save_attention",
     "save_dot_except_mlp",
     "save_qkv_proj",
     "save_out_proj",
     "full",
 )
+
+
+def remat_policies(m) -> tuple[str, ...]:
+    """REMAT_BY_COST for model config `m`: save_except_mlp_in only where it differs from
+    save_attention, in MoE layers (a dense MLP's output is never needed by its backward)."""
+    return tuple(p for p in REMAT_BY_COST if m.moe is not None or p != "save_except_mlp_in")
+
 
 #: Checkpoint names each policy keeps on the device (models/transformer.py); `layer_input`
 #: is always kept (the scanned layer's carry).
@@ -189,6 +199,7 @@ SAVED_NAMES = {
     "save_qkv_proj": ("qkv_proj",),
     "save_out_proj": ("out_proj",),
     "save_attention": ("qkv_proj", "context", "out_proj"),
+    "save_except_mlp_in": ("qkv_proj", "context", "out_proj", "mlp_out"),
     "offload_matmuls": (),  # the minimal names go to pinned host memory
 }
 
@@ -197,16 +208,17 @@ def name_bytes_per_token(m, tensor: int = 1, moe_rows: float = 1.0) -> dict[str,
     """Bytes per token per layer of each checkpoint name (heads / mlp shard over tensor);
     `moe_rows`: rows the expert matmuls run over per assignment (moe_row_factor)."""
     a, hd, t = _BYTES.get(m.compute_dtype, 4), m.resolved_head_dim, max(1, tensor)
-    mlp = m.mlp_dim
+    mlp, outputs = m.mlp_dim, 1
     if m.moe is not None:  # top-k experts' intermediates per token (plus shared ones)
         mlp = m.moe.mlp_dim(m) * (m.moe.top_k * moe_rows + m.moe.num_shared_experts)
+        outputs = m.moe.top_k  # mlp_out: the top_k expert outputs per token, before the combine
     return {
         "layer_input": m.d_model * a,
         "qkv_proj": (m.n_heads + 2 * m.n_kv_heads) * hd * a / t,
         "context": m.n_heads * hd * a / t,
         "out_proj": m.d_model * a,
         "mlp_in": 2 * mlp * a / t,
-        "mlp_out": m.d_model * a,
+        "mlp_out": outputs * m.d_model * a,
     }
 
 
@@ -225,7 +237,9 @@ def layer_bytes_per_token(
     extra += n["mlp_in"] * (1.5 if m.moe is not None else 1)  # silu(gate), silu(gate) * up (, ...)
     if m.moe is not None:
         k = m.moe.top_k
-        extra += (moe_rows + 2) * k * m.d_model * a  # sorted input (R rows), outputs (A rows) x 2
+        # the sorted input (R rows), the outputs sorted (A rows; in token order they are mlp_out)
+        # and combined
+        extra += (moe_rows + 1) * k * m.d_model * a + m.d_model * a
         if ep > 1:  # the receive buffer's outputs, in sorted and in buffer order (R rows each)
             extra += 2 * moe_rows * k * m.d_model * a
         if padded and ep > 1:

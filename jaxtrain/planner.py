@@ -35,6 +35,7 @@ from jaxtrain.footprint import (
     expert_params,
     layer_stack_params,
     moe_row_factor,
+    remat_policies,
 )
 
 GiB = 2**30
@@ -168,7 +169,7 @@ def candidates(cfg: Config, devices_per_slice: int) -> list[Candidate]:
                 if layers % (stages * repeats) == 0
                 for k in PIPELINE_MICROBATCHES
             ]
-        for remat in SEARCH_REMAT:
+        for remat in (r for r in SEARCH_REMAT if r in remat_policies(cfg.model)):
             for mb, pipe in batching:
                 out.append(Candidate(mesh, remat, mb, pipe))
     return out
@@ -233,8 +234,10 @@ def recompute_flops_per_token(cfg: Config, remat: str | None = None) -> float:
 
     Per layer, the forward pieces are qkv (2 D (H + 2K) hd), attention (2 S H hd, causal),
     out (2 H hd D), mlp_in (2/3 of the MLP's 2 x active MLP params), mlp_out (1/3). A piece is
-    recomputed when its output is not kept (mlp_out's output is only needed by the next layer,
-    whose input is kept); `full` redoes the whole layer, as XLA counts it."""
+    recomputed when its output is not kept (a dense mlp_out's output is only needed by the next
+    layer, whose input is kept; MoE expert outputs are needed by the router weights' gradient,
+    so their w_down, 2 x D x F x top_k per MoE layer, is redone unless mlp_out is kept);
+    `full` redoes the whole layer, as XLA counts it."""
     m = cfg.model
     remat = remat or m.remat
     if remat in ("none",):
@@ -249,11 +252,18 @@ def recompute_flops_per_token(cfg: Config, remat: str | None = None) -> float:
     pieces = {"qkv_proj": qkv, "context": attn, "out_proj": out, "mlp_in": 2 * mlp / 3}
     if remat == "full":
         return m.n_layers * (qkv + attn + out + mlp)
+    # MoE: the router weights' gradient needs the expert outputs, so the experts' w_down
+    # matmul is redone unless mlp_out is kept (a dense MLP's output is never needed).
+    moe_out = 0.0
+    if m.moe is not None:
+        moe_out = m.moe.num_moe_layers(m) * 2 * d * m.moe.mlp_dim(m) * m.moe.top_k
     if remat == "custom":
         kept = {n for n, mode in m.remat_custom if mode in ("device", "offload")}
     else:  # offload_matmuls keeps the minimal names, on the host
         kept = set(SAVED_NAMES["minimal" if remat == "offload_matmuls" else remat])
-    return m.n_layers * sum(f for name, f in pieces.items() if name not in kept)
+    return m.n_layers * sum(f for name, f in pieces.items() if name not in kept) + (
+        moe_out if "mlp_out" not in kept else 0.0
+    )
 
 
 def _axis_bandwidth(chip, mesh: dict[str, int], axis: str, per_host: int) -> float:
@@ -570,7 +580,7 @@ def resolve_remat(
     budget = headroom * capacity_bytes
     where = f" ({where})" if where else ""
     previous = None
-    for policy in REMAT_BY_COST:
+    for policy in remat_policies(m):
         need = estimate(
             with_policy(policy), mesh_sizes, attention_impl=attention_impl, platform=platform
         ).total

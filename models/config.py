@@ -16,6 +16,8 @@ REMAT_POLICIES = (
     "save_qkv_proj",  # qkv_proj
     "save_out_proj",  # out_proj
     "save_attention",  # the attention sub-layer: qkv_proj, context, out_proj
+    "save_except_mlp_in",  # all but mlp_in: qkv_proj, context, out_proj, mlp_out (MoE: the
+    #   expert outputs, which the router weights' gradient needs; dense: as save_attention)
     "offload_matmuls",  # the "minimal" names, offloaded to pinned host memory
     "custom",  # model.remat_custom: {name: device | offload | recompute}
     "save_matmuls",  # any matmul without batch dims (jax's dots_with_no_batch_dims_saveable)

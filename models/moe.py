@@ -110,7 +110,7 @@ class MoE(nnx.Module):
         if self.moe.num_shared_experts:
             shared = None if fp8 is None else fp8["shared"]
             y = y + swiglu(x, self.shared_gate[...], self.shared_up[...], self.shared_down[...], dt, shared)
-        return checkpoint_name(y, "mlp_out"), stats
+        return y, stats
 
 
 class MoEBlock(nnx.Module):
@@ -272,6 +272,7 @@ def _local_moe(
         out = psum(out, tensor_axes)
         if ep > 1:
             out = jax.lax.all_to_all(out, expert_axes, 1, 0, tiled=True)  # [E, b, cap, d]
+        out = checkpoint_name(out, "mlp_out")  # the combine weights' gradient needs it
         y = jnp.einsum("bsec,ebcd->bsd", combine.astype(x.dtype), out)
         sums["dropped"] = jnp.sum(1.0 - keep.astype(F32))
     else:
@@ -301,7 +302,9 @@ def _local_moe(
                 fp8=fp8,
                 impl=impl,
             )
-        out = out[jnp.argsort(order)].reshape(b, s, k, d)  # back to token order
+        # The expert outputs, in token order: the router weights' gradient needs them, so a
+        # policy that keeps "mlp_out" spares the backward the w_down matmul (and this gather).
+        out = checkpoint_name(out[jnp.argsort(order)].reshape(b, s, k, d), "mlp_out")
         y = jnp.einsum("bskd,bsk->bsd", out, weights.astype(x.dtype))
         sums["dropped"] = dropped.astype(F32)
 

@@ -24,6 +24,7 @@ _SAVED_NAMES = {
     "save_qkv_proj": ("qkv_proj",),
     "save_out_proj": ("out_proj",),
     "save_attention": ("qkv_proj", "context", "out_proj"),
+    "save_except_mlp_in": ("qkv_proj", "context", "out_proj", "mlp_out"),
 }
 OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
 

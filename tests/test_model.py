@@ -111,7 +111,9 @@ def test_every_remat_policy_gives_the_gradients_of_none(variant):
     f32 loss and gradients equal those without remat (1e-6); dense layers for every
     policy, a dense + MoE stack for the name-based ones that keep or offload."""
     bases = [SMALL]
-    if variant["remat"] in ("minimal", "offload_matmuls") or variant.get("remat_custom"):
+    if variant["remat"] in ("minimal", "offload_matmuls", "save_except_mlp_in") or variant.get(
+        "remat_custom"
+    ):
         bases.append(REMAT_MOE)
     for base in bases:
         base_loss, base_grads = _remat_loss_and_grads(base)

@@ -2,19 +2,21 @@
 dispatch paths, the exact tokens capacity drops), hand-computed router losses,
 expert parallelism against the single-device run, and tiny-moe training."""
 
+import dataclasses
 import json
 import math
 import os
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from jaxtrain.config import ConfigError, load_config
-from jaxtrain.models import ModelConfig, MoEConfig, Transformer
+from jaxtrain.models import ModelConfig, MoEConfig, Transformer, merge
 from jaxtrain.models.moe import MoE, _capacity_positions, capacity, moe_layer
 from jaxtrain.train_step import batch_to_device
 from jaxtrain.trainer import train
@@ -211,6 +213,42 @@ def test_router_losses_by_hand():
     np.testing.assert_allclose(float(stats["max_load"]), 2.0, rtol=1e-6)
     np.testing.assert_allclose(float(stats["dropped_fraction"]), 0.5, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(stats["expert_load"]), [1.0, 0.0])
+
+
+def _count_primitive(jaxpr, prefix: str) -> int:
+    """Equations whose primitive starts with `prefix`, sub-jaxprs (remat, jit, scan) included."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name.startswith(prefix)
+        for p in eqn.params.values():
+            for j in p if isinstance(p, (list, tuple)) else [p]:
+                if isinstance(j, jax.extend.core.ClosedJaxpr):
+                    n += _count_primitive(j.jaxpr, prefix)
+                elif isinstance(j, jax.extend.core.Jaxpr):
+                    n += _count_primitive(j, prefix)
+    return n
+
+
+@pytest.mark.parametrize(
+    "remat, redone",
+    [("none", 0), ("full", 3), ("save_attention", 3), ("save_except_mlp_in", 2), ("minimal", 0)],
+)
+def test_keeping_mlp_out_spares_the_backward_the_expert_w_down(remat, redone):
+    """The router weights' gradient needs the expert outputs, so the backward redoes the
+    experts' w_down matmul unless a policy keeps them (mlp_out: save_except_mlp_in, minimal).
+    Oracle, counted by hand: the gradient's program holds 3 forward grouped matmuls, 6 backward
+    ones (dA and dW per weight) and those the remat redoes (before mlp_out named the expert
+    outputs, minimal redid w_down: 10)."""
+    cfg = dataclasses.replace(small_model(dispatch="dropless"), n_layers=1, remat=remat)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tokens = jnp.zeros((2, 8), jnp.int32)
+
+    loss = lambda p: jnp.mean(merge(graphdef, state, p)(tokens) ** 2)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+    assert _count_primitive(jaxpr, "ragged_dot") == 3 + 6 + redone
 
 
 def small_model(**moe):

@@ -308,3 +308,22 @@ def test_analytic_step_charges_the_grouped_matmuls_padding_rows():
     assert compute["ep8-rf1.25"] - compute["fsdp"] == pytest.approx(
         0.25 * per_token * tokens / peak, rel=1e-9
     )
+
+
+def test_moe_recompute_counts_the_expert_w_down_unless_mlp_out_is_kept():
+    """The analytic recompute (planner.recompute_flops_per_token) by hand for Mixtral: the
+    router weights' gradient needs the expert outputs, so policies without mlp_out redo the
+    experts' w_down (2 D F top_k per token per MoE layer); minimal keeps every matmul output
+    and redoes only attention (2 S H hd); dense models never redo w_down."""
+    from jaxtrain.planner import recompute_flops_per_token
+
+    cfg = load_config(os.path.join(REPO, "configs", "mixtral-8x7b.yaml"))
+    m = cfg.model
+    w_down = m.n_layers * 2 * m.d_model * m.moe.expert_mlp_dim * m.moe.top_k
+    attention = m.n_layers * 2 * cfg.train.seq_len * m.n_heads * m.resolved_head_dim
+    r = lambda remat, c=cfg: recompute_flops_per_token(c, remat)
+    assert r("save_attention") - r("save_except_mlp_in") == pytest.approx(w_down)
+    assert r("minimal") == pytest.approx(attention)
+    assert r("save_except_mlp_in") > r("minimal")
+    dense = load_config(os.path.join(REPO, "configs", "llama2-7b.yaml"))
+    assert r("minimal", dense) == pytest.approx(dense.model.n_layers * 2 * dense.train.seq_len * 4096)
