@@ -238,9 +238,11 @@ def _local_moe(
     expert_axes,
     tensor_axes,
     exchange: str,
+    grouped: str,
     fp8=None,
 ):
     """The layer on this device's tokens x [b, s, d] (all of them without a mesh).
+    exchange, grouped: resolve_exchange's and resolve_grouped_matmul's answers.
     fp8: (the expert sites' fp8 state, the mesh axes of the shard_map) or None."""
     b, s, d = x.shape
     E, k = m.num_experts, m.top_k
@@ -276,7 +278,7 @@ def _local_moe(
         y = jnp.einsum("bsec,ebcd->bsd", combine.astype(x.dtype), out)
         sums["dropped"] = jnp.sum(1.0 - keep.astype(F32))
     else:
-        impl = resolve_grouped_matmul(m, fp8)
+        impl = grouped
         a = b * s * k
         flat_e = idx.reshape(a)
         order = jnp.argsort(flat_e, stable=True)  # assignments by expert
@@ -430,7 +432,7 @@ def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig, fp8=None):
     """
     if x.ndim != 3:
         raise ValueError(f"moe_layer: x must be [batch, seq, d_model], got shape {x.shape}")
-    exchange = resolve_exchange(m)
+    exchange, grouped = resolve_exchange(m), resolve_grouped_matmul(m, fp8)
     rules, mesh = sharding.current_rules(), jax.sharding.get_abstract_mesh()
     if rules is None or mesh.empty or mesh.size == 1:
         return _local_moe(
@@ -445,6 +447,7 @@ def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig, fp8=None):
             expert_axes=(),
             tensor_axes=(),
             exchange=exchange,
+            grouped=grouped,
             fp8=None if fp8 is None else (fp8, ()),
         )
     x_spec = sharding.logical_to_spec(("batch", None, None), rules, mesh, x.shape)
@@ -481,6 +484,7 @@ def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig, fp8=None):
             expert_axes=expert_axes,
             tensor_axes=tensor_axes,
             exchange=exchange,
+            grouped=grouped,
             fp8=None if meta is None else (meta, mesh_axes),
         )
 
@@ -502,7 +506,7 @@ def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig, fp8=None):
     # Pallas calls (megablox) do not declare how their outputs vary over the mesh, which the
     # shard_map's varying-axes check requires; MaxText runs its MoE unchecked too. The
     # expert-parallel tests check the gradients both ways.
-    megablox = m.dispatch == "dropless" and resolve_grouped_matmul(m, fp8) == "megablox"
+    megablox = m.dispatch == "dropless" and grouped == "megablox"
     return jax.shard_map(
         body,
         in_specs=(x_spec, P(), *bias_spec, in_spec, in_spec, out_spec, *meta_spec),
