@@ -154,6 +154,7 @@ def candidates(cfg: Config, devices_per_slice: int) -> list[Candidate]:
     off and the pipeline's microbatches (stage x 1, 2, 4) and schedules are searched."""
     axes = search_axes(cfg)
     layers = cfg.model.n_layers
+    policies = [r for r in SEARCH_REMAT if r in remat_policies(cfg.model)]
     out = []
     for sizes in factorisations(devices_per_slice, axes):
         stages = sizes.get("stage", 1)
@@ -169,7 +170,7 @@ def candidates(cfg: Config, devices_per_slice: int) -> list[Candidate]:
                 if layers % (stages * repeats) == 0
                 for k in PIPELINE_MICROBATCHES
             ]
-        for remat in (r for r in SEARCH_REMAT if r in remat_policies(cfg.model)):
+        for remat in policies:
             for mb, pipe in batching:
                 out.append(Candidate(mesh, remat, mb, pipe))
     return out
