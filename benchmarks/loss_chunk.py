@@ -22,7 +22,7 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 
-from jaxtrain import sharding  # noqa: E402
+from jaxtrain import head_sharding, sharding  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.data import make_data_iterator  # noqa: E402
 from jaxtrain.train_step import batch_to_device, build_program  # noqa: E402
@@ -52,7 +52,7 @@ def main() -> None:
             ],
         )
         mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:8])
-        rules = sharding.PRESETS[cfg.mesh.rules]
+        rules = head_sharding.axis_rules(cfg, mesh.shape)
         with jax.set_mesh(mesh), sharding.axis_rules(rules):
             program = build_program(cfg, mesh, rules)
             state = program.init()

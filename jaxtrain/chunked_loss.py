@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jaxtrain.sharding import constrain
 
 _F32 = jnp.float32
-_CHUNK_AXES = ("batch", "seq")
-_HEAD_AXES = ("embed", "vocab")  # the head as [d_model, vocab], as lm_head (embedding.T if tied)
+_CHUNK_AXES = ("head_batch", "seq")  # the head's rows (sharding.vocab_parallel_head)
+_HEAD_AXES = ("head_embed", "head_vocab")  # the head as [d_model, vocab], as lm_head (embedding.T if tied)
 
 
 def chunked_cross_entropy(

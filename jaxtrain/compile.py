@@ -417,7 +417,7 @@ def compile_report(
     """
     import time
 
-    from jaxtrain import sharding
+    from jaxtrain import head_sharding, sharding
     from jaxtrain.sharding.targets import compiled_cost, compiled_memory, custom_call_targets, kernel_names
 
     requested_fsdp = cfg.mesh.fsdp
@@ -429,7 +429,7 @@ def compile_report(
             f"expected {target.num_devices} devices for {target.describe()}, got {len(devices)}"
         )
     mesh = sharding.make_mesh(ici, devices, dcn_axis_sizes=dcn or None)
-    rules = sharding.PRESETS[cfg.mesh.rules]
+    rules = head_sharding.axis_rules(cfg, mesh.shape)
     mesh_shape = {a: s for a, s in mesh.shape.items() if s > 1}
     t = cfg.train
     report: dict[str, Any] = {
@@ -449,7 +449,8 @@ def compile_report(
         "params": cfg.model.param_count(),
         "hbm_bytes": target.hbm_bytes,
         "kernels_charged": charge_kernels,
-        "notes": [remat_note] if remat_note else [],
+        "head_sharding": head_sharding.resolve(cfg, mesh.shape)[0],
+        "notes": [*([remat_note] if remat_note else []), head_sharding.note(cfg, mesh.shape)],
     }
     if cfg.mesh.stage > 1:
         from jaxtrain.train_step import pipeline_schedule
@@ -683,7 +684,7 @@ def compile_decode_report(
     from flax import nnx
     from jax.sharding import NamedSharding
 
-    from jaxtrain import models, sharding
+    from jaxtrain import head_sharding, models, sharding
     from jaxtrain.models.generation import CACHE_AXES, CACHE_POSITION_AXES, KVCache, cache_length
     from jaxtrain.models.generation import decode_step as decode_fn
     from jaxtrain.models.generation import prefill as prefill_fn
@@ -706,7 +707,7 @@ def compile_decode_report(
     cfg, ici, dcn = config_for_target(cfg, target)
     devices = target_devices(target)
     mesh = sharding.make_mesh(ici, devices, dcn_axis_sizes=dcn or None)
-    rules = sharding.PRESETS[cfg.mesh.rules]
+    rules = head_sharding.axis_rules(cfg, mesh.shape)
     m = cfg.model
     cache_len = cache_length(m, max_len)
     report: dict[str, Any] = {

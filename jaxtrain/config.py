@@ -34,6 +34,11 @@ class MeshConfig:
     expert: int = 1  # expert parallelism (MoE experts split over it; also a batch axis)
     stage: int = 1  # pipeline stages (layers split over them; see the `pipeline` section)
     rules: str = "fsdp_tensor"  # sharding.PRESETS: data_parallel | fsdp | fsdp_tensor | fsdp_tensor_sp
+    # the output head and embedding table: `embed` (FSDP on d_model like every weight, gathered
+    # each step), `vocab` (vocab-parallel over fsdp, the activations gathered instead), `auto`
+    # (vocab when a microbatch has fewer rows per device to gather than the head has vocabulary
+    # entries per device; jaxtrain/head_sharding.py)
+    head_sharding: str = "auto"
     # DCN tier (across TPU slices / GPU hosts): these multiply the ICI degrees above,
     # which then count devices per slice. See `jaxtrain compile --slices`.
     dcn_data: int = 1
@@ -447,6 +452,19 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     rules = ("data_parallel", "fsdp", "fsdp_tensor", "fsdp_tensor_sp")
     if m.rules not in rules:
         raise ConfigError(f"mesh.rules={m.rules!r}: expected one of {rules}")
+    heads = ("auto", "embed", "vocab")
+    if m.head_sharding not in heads:
+        raise ConfigError(f"mesh.head_sharding={m.head_sharding!r}: expected one of {heads}")
+    if m.head_sharding == "vocab" and m.rules == "data_parallel":
+        raise ConfigError(
+            "mesh.head_sharding='vocab' shards the head over fsdp, but mesh.rules='data_parallel' "
+            "replicates every parameter; use mesh.rules=fsdp or fsdp_tensor, or mesh.head_sharding=auto"
+        )
+    if m.head_sharding == "vocab" and m.stage > 1:
+        raise ConfigError(
+            f"mesh.head_sharding='vocab' with mesh.stage={m.stage}: the vocab-parallel head is not "
+            "supported with pipeline stages; use mesh.head_sharding=auto or embed"
+        )
     if m.tensor > 0:
         if cfg.model.n_heads % m.tensor:
             raise ConfigError(

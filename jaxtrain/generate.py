@@ -369,10 +369,10 @@ def load_model(src: Source, mesh):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxtrain import models, sharding
+    from jaxtrain import head_sharding, models, sharding
 
     cfg, mcfg = src.cfg, src.cfg.model
-    rules = sharding.PRESETS[cfg.mesh.rules]
+    rules = head_sharding.axis_rules(cfg, mesh.shape)
     make = lambda: models.Transformer(mcfg, rngs=nnx.Rngs(cfg.seed))
     graphdef, abstract = models.abstract_model(make)
     shapes = nnx.to_pure_dict(abstract)
@@ -450,7 +450,7 @@ def run(
     and a newline at the end; `log` a line before and after. Returns what was generated."""
     import jax
 
-    from jaxtrain import sharding
+    from jaxtrain import head_sharding, sharding
     from jaxtrain.models.generation import stream
 
     spec = src.tokenizer
@@ -464,7 +464,7 @@ def run(
     eos = src.eos_id if src.eos_id is not None and src.eos_id < src.cfg.model.vocab_size else tok.eos_id
     _check_sampling(temperature, top_k, top_p, src.cfg.model.vocab_size)
     mesh = make_mesh(src.cfg, devices)
-    rules = sharding.PRESETS[src.cfg.mesh.rules]
+    rules = head_sharding.axis_rules(src.cfg, mesh.shape)
     with jax.set_mesh(mesh), sharding.axis_rules(rules):
         model = load_model(src, mesh)
         shape = {a: s for a, s in mesh.shape.items() if s > 1} or "one device"

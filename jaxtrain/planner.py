@@ -37,6 +37,8 @@ from jaxtrain.footprint import (
     moe_row_factor,
     remat_policies,
 )
+from jaxtrain.head_sharding import head_rows_per_device
+from jaxtrain.head_sharding import resolve as resolve_head
 
 GiB = 2**30
 HEADROOM = 0.9  # the analytic estimate must fit in this fraction of HBM
@@ -290,7 +292,11 @@ def analytic_step(cfg: Config, mesh: dict[str, int], chip, per_host: int) -> dic
                 2 backward per layer; T = tokens of one device's microbatch)
     context   = microbatches x 3 L x (context-1) x T x 2 K hd x a / W  (ring K/V passes, fwd + bwd)
     expert    = microbatches x 4 L_moe x T x top_k x D x a x (expert-1)/expert / W (all-to-alls)
-    step      = max(compute, fsdp + data + context) + tensor + expert + stage
+    head      = microbatches x 2 x R x D x a x (fsdp-1)/fsdp / W, when the head is vocab-parallel
+                (mesh.head_sharding, jaxtrain/head_sharding.py; R = its rows per device): the
+                final activations gathered and their gradient summed; fsdp then leaves out the
+                head's vocab x D, which is no longer gathered
+    step      = max(compute, fsdp + data + context) + tensor + expert + stage + head
     MoE: compute adds (r - 1) x 18 x top_k x D x F x MoE layers per token, r = rows per routed
     assignment (footprint.moe_row_factor): XLA costs the expert matmuls over their whole buffer.
     (weight and gradient collectives overlap the matmuls; activation collectives are on the
@@ -349,6 +355,11 @@ def analytic_step(cfg: Config, mesh: dict[str, int], chip, per_host: int) -> dic
     share = expert_params(m) / params
     te = g("tensor") / (1 - share + share / g("expert"))
     gathered = iterations * stack / (stages * reps) + params - stack if stages > 1 else params
+    comm["head"] = 0.0
+    if f > 1 and resolve_head(cfg, mesh)[0] == "vocab":
+        gathered -= m.vocab_size * m.d_model
+        rows = head_rows_per_device(cfg, mesh)
+        comm["head"] = mb * 2 * rows * m.d_model * a * (f - 1) / f / bw("fsdp")
     comm["fsdp"] = mb * 3 * gathered / te * p * (f - 1) / f / bw("fsdp") if f > 1 else 0
     grads = (stack / stages + params - stack) / (f * te) * 4
     comm["data"] = sum(2 * grads * (g(ax) - 1) / g(ax) / bw(ax) for ax in ("data", "context") if g(ax) > 1)
@@ -371,7 +382,7 @@ def analytic_step(cfg: Config, mesh: dict[str, int], chip, per_host: int) -> dic
     )
     comm["stage"] = 2 * iterations * tok_mb / pm * m.d_model * a / bw("stage") if stages > 1 else 0
     step = max(compute, comm["fsdp"] + comm["data"] + comm["context"])
-    step += comm["tensor"] + comm["expert"] + comm["stage"]
+    step += comm["tensor"] + comm["expert"] + comm["stage"] + comm["head"]
     return {
         "compute_s": compute,
         **{k + "_s": v for k, v in comm.items()},

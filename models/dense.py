@@ -13,8 +13,10 @@ fold the transpose back into the dot, and takes `dw` as a plain row-major matmul
 dy @ w^T` is already in the kernels' layout. The values are the same matmuls as
 autodiff's (tests/test_dense.py: equal gradients, f32 and bf16).
 
-Only in float32: with bfloat16 operands the bench-peer step was slower this way (2.32
-against 2.12 s, 10 steps each, one quiet run), so bf16 keeps autodiff's program.
+Only in float32 by default: with bfloat16 operands the bench-peer step was slower this way
+(2.32 against 2.12 s, 10 steps each, one quiet run), so bf16 keeps autodiff's program. A
+caller can ask for it in any dtype (`any_dtype=True`): the vocab-parallel output head does
+(models/transformer.py), whose bf16 weight gradient autodiff leaves to XLA:CPU's Eigen dot.
 
 On TPU and GPU (the mesh's devices, so a deviceless TPU compile on a CPU host counts as
 TPU) it is `jnp.einsum` unchanged: there the compiler's layouts are free and a barrier
@@ -49,13 +51,13 @@ def on_cpu() -> bool:
     return trace_platform() == "cpu"
 
 
-def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, contract: int = 1, *, any_dtype: bool = False) -> jax.Array:
     """`x @ w` over the last `contract` dims of `x` and the first `contract` dims of `w`,
-    in their common dtype (as `jnp.einsum`). On CPU in float32 with the transpose-free
-    weight gradient described in the module docstring."""
+    in their common dtype (as `jnp.einsum`). On CPU in float32 (in any dtype with
+    `any_dtype`) with the transpose-free weight gradient described in the module docstring."""
     if x.shape[x.ndim - contract :] != w.shape[:contract]:
         raise ValueError(f"dense: x {x.shape} and w {w.shape} do not share their {contract} contracted dims")
-    if not (on_cpu() and x.dtype == jnp.float32):
+    if not (on_cpu() and (any_dtype or x.dtype == jnp.float32)):
         return _plain(x, w, contract)
     return _dense_cpu(x, w, contract)
 

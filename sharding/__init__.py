@@ -28,12 +28,14 @@ from jaxtrain.sharding.rules import (
     constrain,
     current_rules,
     format_parameter_table,
+    is_vocab_parallel,
     logical_to_spec,
     named_sharding,
     parameter_table,
     shard_further,
     tree_shardings,
     tree_specs,
+    vocab_parallel_head,
 )
 
 __all__ = [
@@ -57,7 +59,9 @@ __all__ = [
     "current_rules",
     "logical_to_spec",
     "named_sharding",
+    "is_vocab_parallel",
     "parameter_table",
+    "vocab_parallel_head",
     "format_parameter_table",
     "shard_further",
     "tree_shardings",

@@ -41,6 +41,9 @@ _ACTIVATIONS: AxisRules = (
     ("act_kv_heads", ("tensor",)),
     ("act_mlp", ("tensor",)),
     ("act_vocab", ("tensor",)),
+    # The rows (tokens) of the output head's matmul: the batch's layout, unless the head is
+    # vocab-parallel (`vocab_parallel_head`), which gathers them over fsdp instead.
+    ("head_batch", ("data", "fsdp", "expert")),
 )
 
 #: Pure data parallelism: parameters and optimizer state replicated, batch
@@ -50,11 +53,12 @@ DATA_PARALLEL: AxisRules = _ACTIVATIONS
 #: FSDP / ZeRO-3: parameters and optimizer state sharded over `fsdp` on their
 #: embed dimension (all-gathered in the forward pass, gradients
 #: reduce-scattered), batch over data x fsdp.
-FSDP: AxisRules = _ACTIVATIONS + (("embed", ("fsdp",)),)
+FSDP: AxisRules = _ACTIVATIONS + (("embed", ("fsdp",)), ("head_embed", ("fsdp",)))
 
 #: FSDP + Megatron tensor parallelism: heads / mlp / vocab dims over `tensor`.
 FSDP_TENSOR: AxisRules = FSDP + (
     ("vocab", ("tensor",)),
+    ("head_vocab", ("tensor",)),  # an untied output head's vocab (see vocab_parallel_head)
     ("heads", ("tensor",)),
     ("kv_heads", ("tensor",)),
     ("mlp", ("tensor",)),
@@ -76,6 +80,47 @@ PRESETS: dict[str, AxisRules] = {
     "fsdp_tensor": FSDP_TENSOR,
     "fsdp_tensor_sp": FSDP_TENSOR_SP,
 }
+
+
+#: Logical names of the output head whose layout `vocab_parallel_head` changes: fsdp moves
+#: from the first two (the head's rows and an untied head's d_model) to the last two.
+_HEAD_ROWS = ("head_batch", "head_embed")
+_HEAD_VOCAB = ("head_vocab", "act_vocab")
+
+
+def vocab_parallel_head(rules: AxisRules) -> AxisRules:
+    """`rules` with the output head vocab-parallel over `fsdp` (Megatron's vocab-parallel
+    embedding and cross-entropy, on the FSDP axis).
+
+    Under FSDP the head [d_model, vocab] is sharded on d_model like every weight, so each step
+    all-gathers it whole and reduce-scatters its gradient: 2 x d_model x vocab values per
+    microbatch, whatever the batch. Here an untied head (`head_embed`, `head_vocab`) is stored
+    sharded on vocab over fsdp instead (after any tensor sharding), and what moves is the final
+    activations: all-gathered over fsdp into the head's rows, and their gradient summed back,
+    about 2 x tokens x d_model values per fsdp group. That is cheaper when a microbatch has
+    far fewer tokens per fsdp group than the vocabulary has entries (small batches, long
+    vocabularies; `jaxtrain.head_sharding` decides for a run). The log-sum-exp of the
+    cross-entropy is then reduced over fsdp (a few floats per token). The embedding table
+    (`vocab`, `embed`) keeps its layout: a tied head is its transpose, resharded to the
+    vocab-parallel layout where it is used (an all-to-all, not a gather).
+    """
+    _validate_rules(rules)
+    names = {name for name, _ in rules}
+    out: list[tuple[str, MeshAxes]] = []
+    for name, axes in rules:
+        if name in _HEAD_ROWS:
+            axes = tuple(a for a in axes_tuple(axes) if a != "fsdp")
+            if not axes:
+                continue  # no rule: replicated, not the next rule's axes
+        elif name in _HEAD_VOCAB and "fsdp" not in axes_tuple(axes):
+            axes = (*axes_tuple(axes), "fsdp")
+        out.append((name, axes))
+    return tuple(out) + tuple((name, ("fsdp",)) for name in _HEAD_VOCAB if name not in names)
+
+
+def is_vocab_parallel(rules: AxisRules) -> bool:
+    """Whether `rules` shard the vocabulary over fsdp (`vocab_parallel_head`)."""
+    return any(name == "head_vocab" and "fsdp" in axes_tuple(axes) for name, axes in rules)
 
 
 def axes_tuple(axes: MeshAxes) -> tuple[str, ...]:

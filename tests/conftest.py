@@ -49,13 +49,13 @@ def program_on_mesh(cfg):
 
     import jax
 
-    from jaxtrain import sharding
+    from jaxtrain import head_sharding, sharding
     from jaxtrain.data import make_data_iterator
     from jaxtrain.train_step import build_program
 
     n = math.prod(cfg.mesh.sizes().values())
     mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:n])
-    rules = sharding.PRESETS[cfg.mesh.rules]
+    rules = head_sharding.axis_rules(cfg, mesh.shape)  # as jaxtrain train resolves them
     data = make_data_iterator(
         cfg.data,
         vocab_size=cfg.model.vocab_size,

@@ -19,7 +19,7 @@ import jax
 import pytest
 from flax import nnx
 
-from jaxtrain import sharding
+from jaxtrain import head_sharding, sharding
 from jaxtrain.config import load_config
 from jaxtrain.sharding import targets
 from jaxtrain.sharding.collectives import COLLECTIVES, collectives_by_axes, parse_groups, spanned_axes
@@ -68,7 +68,7 @@ def small_config(overrides, mesh, rules):
 def compiled_hlo(cfg, devices):
     """Optimized HLO of the forward + backward program (loss_and_grads) on `devices`."""
     mesh = sharding.make_mesh(cfg.mesh.sizes(), devices)
-    rules = sharding.PRESETS[cfg.mesh.rules]
+    rules = head_sharding.axis_rules(cfg, mesh.shape)
     # build_program runs a few eager ops, which compile-only devices cannot (jaxtrain/compile.py)
     with sharding.axis_rules(rules):
         program = build_program(cfg, mesh, rules)
@@ -128,7 +128,8 @@ def case(request):
     n = math.prod(cfg.mesh.sizes().values())
     program, m, lowered = compiled_hlo(cfg, jax.devices()[:n])
     hlo = lowered.compile().as_text()
-    return request.param, program, m, sharding.PRESETS[rules], expected, collectives_by_axes(hlo, m)
+    rules = head_sharding.axis_rules(cfg, m.shape)
+    return request.param, program, m, rules, expected, collectives_by_axes(hlo, m)
 
 
 def test_parallelism_emits_its_collectives_over_its_axis(case):
