@@ -29,8 +29,16 @@ ROWS = [
     ("llama2-70b", ["--target", "gpu:h100", "--hosts", "8"], ["train.global_batch_size=64"]),
     ("llama2-70b", ["--target", "tpu:v5p-512"], []),
     ("mixtral-8x7b", ["--target", "tpu:v5p-128"], []),
-    ("mixtral-8x7b", ["--target", "tpu:v5p-128"], ["model.moe.receive_factor=1.25"]),
-    ("mixtral-8x7b", ["--target", "gpu:h100", "--hosts", "4"], ["train.global_batch_size=128"]),
+    (
+        "mixtral-8x7b",
+        ["--target", "tpu:v5p-128"],
+        ["mesh.data=1", "mesh.expert=8", "model.remat=full", "model.moe.receive_factor=1.25"],
+    ),
+    (
+        "mixtral-8x7b",
+        ["--target", "gpu:h100", "--hosts", "4"],
+        ["train.global_batch_size=128", "mesh.data=1", "model.remat=full"],
+    ),
 ]
 
 

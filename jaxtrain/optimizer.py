@@ -12,7 +12,9 @@ import optax
 from jaxtrain.config import OptimizerConfig
 
 #: Logical axes of matmul weights and embeddings (models/layers.py, models/moe.py).
-WEIGHT_AXES = frozenset({"embed", "head_embed", "vocab", "head_vocab", "heads", "kv_heads", "head_dim", "mlp", "expert"})
+WEIGHT_AXES = frozenset(
+    {"embed", "head_embed", "vocab", "head_vocab", "heads", "kv_heads", "head_dim", "mlp", "expert"}
+)
 #: Logical axes that only norm scales ("norm") and biases ("bias") carry.
 NO_DECAY_AXES = frozenset({"norm", "bias"})
 
