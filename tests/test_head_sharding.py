@@ -14,9 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain import head_sharding, sharding
 from jaxtrain.config import ConfigError, load_config, validate
-from jaxtrain.train_step import batch_to_device
-from tests.conftest import REPO, program_on_mesh, replace, tiny_config
+from tests.conftest import REPO, replace, tiny_config
 from tests.test_collectives import compiled_hlo
+from tests.test_sharded_training import loss_and_grads
 
 # f32: the sharded program changes only the summation order (tests/test_sharded_training.py)
 LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-5, 2e-4, 1e-6
@@ -95,14 +95,6 @@ def _small(head, *overrides, **mesh):
     return replace(cfg, mesh=dict(mesh, head_sharding=head))
 
 
-def _loss_and_grads(cfg):
-    with program_on_mesh(cfg) as (program, state, data):
-        batch = batch_to_device(next(data), program.batch_sharding)
-        loss, _, grads = program.loss_and_grads(state.params, batch)
-        specs = jax.tree.map(lambda g: g.sharding.spec, grads)
-        return float(loss), jax.device_get(grads), specs
-
-
 CASES = {
     "plain": ((), dict(fsdp=4, tensor=2)),
     "chunked": (("train.loss_chunk=8",), dict(fsdp=4, tensor=2)),
@@ -114,8 +106,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_vocab_parallel_matches_single_device(case):
     overrides, mesh = CASES[case]
-    ref_loss, ref_grads, _ = _loss_and_grads(_small("embed", *overrides, data=1, fsdp=1, tensor=1))
-    loss, grads, specs = _loss_and_grads(_small("vocab", *overrides, **mesh))
+    ref_loss, ref_grads, _ = loss_and_grads(_small("embed", *overrides, data=1, fsdp=1, tensor=1))
+    loss, grads, specs = loss_and_grads(_small("vocab", *overrides, **mesh))
     np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL), grads, ref_grads
