@@ -162,9 +162,10 @@ def _gib(n: int) -> str:
 #                                               weights' gradient needs them)
 #   extra        = 3 x F x top_k x r x a        silu(gate), its derivative's operand, the product
 #                  + (r + 1) x top_k x D x a    the sorted input over R rows, the output over A
-#                  rows sorted; + D x a the combined output; with ep > 1 + 2 x r x top_k x D x a, the outputs
-#                  over R rows sorted and in buffer order (+ 2 x ep x top_k x D x a: the padded
-#                  exchange's send and receive buffers)
+#                  rows sorted; + D x a the combined output; with ep > 1
+#                  + 2 x r x top_k x D x a, the outputs over R rows sorted and in buffer
+#                  order (+ 2 x ep x top_k x D x a: the padded exchange's send and receive
+#                  buffers)
 #   weights      = 3 x E/ep x D x F / tensor x p  one MoE layer's experts, gathered whole inside
 #                  the shard_map: in the working set, and kept per MoE layer under remat none
 # total = state + saved + working set + logits.

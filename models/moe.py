@@ -278,14 +278,13 @@ def _local_moe(
         y = jnp.einsum("bsec,ebcd->bsd", combine.astype(x.dtype), out)
         sums["dropped"] = jnp.sum(1.0 - keep.astype(F32))
     else:
-        impl = grouped
         a = b * s * k
         flat_e = idx.reshape(a)
         order = jnp.argsort(flat_e, stable=True)  # assignments by expert
         xs = x.reshape(b * s, d)[order // k]
         group_sizes = counts.astype(jnp.int32)
         if ep == 1:
-            out = _ragged_swiglu(xs, w_gate, w_up, w_down, group_sizes, fp8, impl, full=True)
+            out = _ragged_swiglu(xs, w_gate, w_up, w_down, group_sizes, fp8, grouped, full=True)
             out = psum(out, tensor_axes)
             dropped = jnp.zeros((), jnp.int32)
         else:
@@ -302,7 +301,7 @@ def _local_moe(
                 exchange=exchange,
                 rows=receive_rows(a, ep, m),
                 fp8=fp8,
-                impl=impl,
+                impl=grouped,
             )
         # The expert outputs, in token order: the router weights' gradient needs them, so a
         # policy that keeps "mlp_out" spares the backward the w_down matmul (and this gather).
