@@ -34,7 +34,7 @@ class MeshConfig:
     expert: int = 1  # expert parallelism (MoE experts split over it; also a batch axis)
     stage: int = 1  # pipeline stages (layers split over them; see the `pipeline` section)
     rules: str = "fsdp_tensor"  # sharding.PRESETS: data_parallel | fsdp | fsdp_tensor | fsdp_tensor_sp
-    # the output head and embedding table: `embed` (FSDP on d_model like every weight, gathered
+    # the untied output head: `embed` (FSDP on d_model like every weight, gathered
     # each step), `vocab` (vocab-parallel over fsdp, the activations gathered instead), `auto`
     # (vocab when a microbatch has fewer rows per device to gather than the head has vocabulary
     # entries per device; jaxtrain/head_sharding.py)

@@ -1,5 +1,5 @@
-"""`mesh.head_sharding`: how the output head (and the embedding table) is laid out, and
-the axis rules a run uses.
+"""`mesh.head_sharding`: how the untied output head is laid out, and the axis rules a run
+uses.
 
 Under FSDP every weight is sharded on d_model and all-gathered where it is used. For the
 head [d_model, vocab] that costs about 2 x d_model x vocab / tensor values per device per
@@ -10,8 +10,8 @@ rows = the microbatch's tokens / (data x expert x context), the rows one device 
 `auto` picks `vocab` when rows < vocab / tensor, the point where that moves fewer bytes:
 small batches and long vocabularies (the 4096-token bench-peer step against a 32000-entry
 vocabulary), never a pod's million-token batch. The log-sum-exp of the cross-entropy is then
-summed over fsdp (a few floats per token), and the embedding lookup reads a vocab-sharded
-table (each device its own rows, summed over fsdp).
+summed over fsdp (a few floats per token). The embedding table keeps its FSDP layout: sharded
+on vocab, its lookup became a [tokens, d_model] all-reduce, slower on TPU (README).
 """
 
 from __future__ import annotations

@@ -197,14 +197,15 @@ class Transformer(nnx.Module):
     def project(self, x: jax.Array) -> jax.Array:
         """Final-normed activations [batch, seq, d_model] -> logits [batch, seq, vocab]."""
         # an untied head is stored in this layout; a tied one (the table's transpose) is resharded
-        # to it, which under a vocab-parallel head is an all-to-all rather than a gather
+        # to it (a no-op unless the head is vocab-parallel)
         head = constrain(self.head(), ("head_embed", "head_vocab")).astype(jnp.dtype(self.cfg.compute_dtype))
         # head_batch: the batch's layout, or gathered over fsdp when the head is vocab-parallel
         # (sharding.vocab_parallel_head)
         x = constrain(x, ("head_batch", "seq", "act_embed"))
         # A vocab-parallel head's weight gradient contracts every gathered row; under autodiff's
         # layout XLA:CPU ran it in bf16 as an Eigen dot, not YNNPACK (bench-peer bf16 step 3.89 s
-        # against 2.09 s with dense's CPU VJP), so it takes that VJP in any dtype.
+        # against 2.09 s with dense's CPU VJP, both with the first, table-too version of the
+        # vocab-parallel layout), so it takes that VJP in any dtype.
         rules = current_rules()
         vocab_parallel = rules is not None and is_vocab_parallel(rules)
         return constrain(dense(x, head, any_dtype=vocab_parallel), ("head_batch", "seq", "act_vocab"))

@@ -90,7 +90,7 @@ _HEAD_VOCAB = ("head_vocab", "act_vocab")
 
 def vocab_parallel_head(rules: AxisRules) -> AxisRules:
     """`rules` with the output head vocab-parallel over `fsdp` (Megatron's vocab-parallel
-    embedding and cross-entropy, on the FSDP axis).
+    cross-entropy, on the FSDP axis).
 
     Under FSDP the head [d_model, vocab] is sharded on d_model like every weight, so each step
     all-gathers it whole and reduce-scatters its gradient: 2 x d_model x vocab values per
@@ -102,7 +102,7 @@ def vocab_parallel_head(rules: AxisRules) -> AxisRules:
     vocabularies; `jaxtrain.head_sharding` decides for a run). The log-sum-exp of the
     cross-entropy is then reduced over fsdp (a few floats per token). The embedding table
     (`vocab`, `embed`) keeps its layout: a tied head is its transpose, resharded to the
-    vocab-parallel layout where it is used (an all-to-all, not a gather).
+    vocab-parallel layout where it is used.
     """
     _validate_rules(rules)
     names = {name for name, _ in rules}
