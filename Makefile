@@ -14,8 +14,10 @@ ARGS ?=
 train: $(STAMP)
 	$(VPY) -m jaxtrain train $(CONFIG) $(ARGS)
 
+# --max-worker-restart=0: xdist 3.8 can hang replacing a crashed worker under loadfile
+# (pytest-dev/pytest-xdist#784, #1313); a crash ends the run as a failure instead.
 test: $(STAMP)
-	$(VPY) -m ruff check . && $(VPY) -m ruff format --check . && $(VPY) -m pytest -n auto --dist loadfile $(ARGS)
+	$(VPY) -m ruff check . && $(VPY) -m ruff format --check . && $(VPY) -m pytest -n auto --dist loadfile --max-worker-restart=0 $(ARGS)
 
 bench: $(STAMP)
 	$(VPY) benchmarks/throughput.py $(ARGS)

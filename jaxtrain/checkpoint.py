@@ -80,34 +80,60 @@ def _first_sentence(error: Exception, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _is_abandoned_read(unraisable) -> bool:
+    """True for what a failed restore's other shard reads leave behind.
+
+    Orbax runs a restore's shard reads as coroutines on a private event loop; the first
+    failed read ends the loop and closes it. The other reads are abandoned:
+    - each coroutine ends with the read's own error (or GeneratorExit) when it is garbage
+      collected ("Exception ignored in: <coroutine _read_array_index_and_device_put>");
+    - TensorStore completes the reads still in flight on its own threads, after the
+      restore has returned, and their callbacks find the loop closed (RuntimeError "Event
+      loop is closed" from call_soon_threadsafe, reported with no object)."""
+    exc, obj = unraisable.exc_value, unraisable.object
+    if inspect.iscoroutine(obj):
+        return "orbax" in obj.cr_code.co_filename or isinstance(exc, GeneratorExit)
+    return obj is None and isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
+def _drop_abandoned_reads() -> None:
+    """Install, once per process, an unraisable hook that drops `_is_abandoned_read` reports
+    and passes everything else to the hook it wraps.
+
+    It stays installed because the late reports come after the restore has returned, from
+    TensorStore's threads, several at once. Formatting them (Python's default hook prints
+    a traceback block each; pytest's formats them in the reporting thread) was noise at
+    best, and CPython 3.12.1 once crashed formatting two concurrently (a segfault in
+    linecache/tokenize under pytest's hook, in CI)."""
+    if getattr(sys.unraisablehook, "jaxtrain_drops_abandoned_reads", False):
+        return
+    wrapped = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _is_abandoned_read(unraisable):
+            wrapped(unraisable)
+
+    hook.jaxtrain_drops_abandoned_reads = True
+    sys.unraisablehook = hook
+
+
 @contextlib.contextmanager
 def _quiet_failed_reads():
     """Keep a failed restore to the one warning line the caller prints.
 
-    Orbax logs its own warnings about the item it could not read, and a failed read
-    abandons its other shard-read coroutines: they end with GeneratorExit / "Event loop is
-    closed" when garbage collected, which Python prints as "Exception ignored in
-    coroutine" blocks. Both are silenced here, at their source, and the coroutines are
-    collected before leaving so nothing surfaces later."""
+    Orbax logs its own warnings about the item it could not read (silenced here while the
+    restore runs), and the reads a failure abandons report errors when they end, during
+    and after the restore (dropped by `_drop_abandoned_reads`). The abandoned coroutines
+    are collected before leaving, so their reports surface here and not in later code."""
     loggers = [logging.getLogger(name) for name in ("absl", "orbax", "asyncio")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)
-    previous_hook = sys.unraisablehook
-
-    def hook(unraisable):
-        abandoned = isinstance(unraisable.exc_value, GeneratorExit | RuntimeError) and (
-            inspect.iscoroutine(unraisable.object) or "Event loop is closed" in str(unraisable.exc_value)
-        )
-        if not abandoned:
-            previous_hook(unraisable)
-
-    sys.unraisablehook = hook
+    _drop_abandoned_reads()
     try:
         yield
     finally:
         gc.collect()
-        sys.unraisablehook = previous_hook
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
 

@@ -13,6 +13,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -27,6 +29,24 @@ def tiny_config(tmp_path=None, *overrides: str):
     if tmp_path is not None:
         base.append(f"output_dir={tmp_path}")
     return load_config(os.path.join(REPO, "configs", "tiny.yaml"), [*base, *overrides])
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """Run pytest's unraisable-exception hook one report at a time.
+
+    pytest formats each report's traceback in the thread that raised it, and XLA's and
+    TensorStore's threads can raise several at once. CPython 3.12.1 crashed (segfault in
+    linecache/tokenize) with two threads formatting together in CI, and xdist then hung
+    replacing the worker. Reentrant: formatting can itself collect an object that
+    reports."""
+    hook, lock = sys.unraisablehook, threading.RLock()
+
+    def one_at_a_time(unraisable):
+        with lock:
+            hook(unraisable)
+
+    sys.unraisablehook = one_at_a_time
 
 
 @pytest.fixture

@@ -155,6 +155,22 @@ def _start_then_kill(tmp_path, victim, *args, heartbeat=10, supervisor_only=Fals
     return code, err, time.monotonic() - killed_at, workers
 
 
+def _running(pid, within):
+    """Whether process `pid` is still running after up to `within` seconds. A dead orphan
+    whose new parent (the container's PID 1) does not reap it stays in /proc as a zombie
+    (state Z), which is dead for this purpose."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        if state in ("Z", "X") or time.monotonic() > deadline:
+            return state not in ("Z", "X")
+        time.sleep(0.1)
+
+
 def test_worker_dies_with_its_supervisor(tmp_path):
     """Killing only a supervisor takes its worker down (PR_SET_PDEATHSIG), so no orphan
     keeps training or holds devices; the survivor then exits 4 saying a peer died. It
@@ -165,7 +181,7 @@ def test_worker_dies_with_its_supervisor(tmp_path):
         tmp_path, 1, "train.steps=40", "checkpoint.every=4", supervisor_only=True
     )
     assert len(workers) == 1, workers
-    assert not os.path.exists(f"/proc/{workers[0]}"), f"worker {workers[0]} outlived its supervisor"
+    assert not _running(workers[0], within=10), f"worker {workers[0]} outlived its supervisor"
     named = "jaxtrain: error: lost process 1 of 2" in err
     aborted = "jaxtrain: error: JAX's distributed runtime aborted the worker: a peer process died" in err
     assert code == 4 and (named or aborted), f"exit {code}:\n{err[-3000:]}"
