@@ -20,7 +20,7 @@ import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless: the TPU / CUDA compilers run on the host
 
-from jaxtrain import sharding  # noqa: E402
+from jaxtrain import head_sharding, sharding  # noqa: E402
 from jaxtrain.compile import _compile_step, config_for_target, parse_target, target_devices  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.models.fp8 import count_fp8_matmuls  # noqa: E402
@@ -34,7 +34,7 @@ def inspect(config: str, overrides: list[str], target_text: str, fp8: bool) -> d
     cfg = load_config(config, [*overrides, "model.compute_dtype=bfloat16", f"model.fp8={str(fp8).lower()}"])
     cfg, ici, dcn = config_for_target(cfg, target)
     mesh = sharding.make_mesh(ici, target_devices(target), dcn_axis_sizes=dcn or None)
-    compiled = _compile_step(cfg, mesh, sharding.PRESETS[cfg.mesh.rules])
+    compiled = _compile_step(cfg, mesh, head_sharding.axis_rules(cfg, mesh.shape))
     text = compiled.as_text()
     cost = compiled_cost(compiled) or {}
     return {

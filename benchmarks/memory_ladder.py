@@ -131,12 +131,12 @@ def main(argv=None) -> int:
 
 def _fp8_gemms(cfg, target) -> int:
     """Compile once more to read the optimized HLO (compile_report keeps only a summary)."""
-    from jaxtrain import sharding
+    from jaxtrain import head_sharding, sharding
     from jaxtrain.compile import _compile_step, config_for_target, target_devices
 
     cfg, ici, dcn = config_for_target(cfg, target)
     mesh = sharding.make_mesh(ici, target_devices(target), dcn_axis_sizes=dcn or None)
-    return count_fp8_matmuls(_compile_step(cfg, mesh, sharding.PRESETS[cfg.mesh.rules]).as_text())
+    return count_fp8_matmuls(_compile_step(cfg, mesh, head_sharding.axis_rules(cfg, mesh.shape)).as_text())
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def run_cpu(args) -> list[dict]:
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax
 
-    from jaxtrain import sharding
+    from jaxtrain import head_sharding, sharding
     from jaxtrain.data import make_data_iterator
     from jaxtrain.sharding.targets import compiled_memory
     from jaxtrain.train_step import batch_to_device, build_program
@@ -75,7 +75,7 @@ def run_cpu(args) -> list[dict]:
         else:
             cfg = replace(base, mesh=dict(stage=S, data=8 // S), pipeline=p)
         mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:8])
-        rules = sharding.PRESETS[cfg.mesh.rules]
+        rules = head_sharding.axis_rules(cfg, mesh.shape)
         data = make_data_iterator(
             cfg.data,
             vocab_size=cfg.model.vocab_size,

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import sharding
+from jaxtrain import head_sharding, sharding
 from jaxtrain.checkpoint import Checkpointer, CheckpointError, CheckpointMismatchError, abstract_state
 from jaxtrain.cli import main
 from jaxtrain.train_step import build_program
@@ -103,7 +103,7 @@ def test_corrupted_latest_checkpoints_are_skipped_not_crash_looped(tmp_path, cap
 
 def _program(cfg, devices):
     mesh = sharding.make_mesh(cfg.mesh.sizes(), devices)
-    rules = sharding.PRESETS[cfg.mesh.rules]
+    rules = head_sharding.axis_rules(cfg, mesh.shape)
     with jax.set_mesh(mesh), sharding.axis_rules(rules):
         return build_program(cfg, mesh, rules), mesh
 

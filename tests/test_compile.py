@@ -161,14 +161,14 @@ def test_uncharged_kernels_drop_exactly_the_attention_flops():
     """XLA charges a Mosaic kernel what its pl.CostEstimate says and nothing without one
     (MaxText's splash attention carries none). Leaving ours uncharged must remove exactly
     the attention kernels' FLOPs from a layer, counted by hand."""
-    from jaxtrain import sharding
+    from jaxtrain import head_sharding, sharding
     from jaxtrain.compile import _extrapolated_cost, config_for_target, target_devices
     from jaxtrain.config import load_config
 
     t = parse_target("tpu:v5p-8")
     cfg, ici, _ = config_for_target(load_config(TINY, ["mesh.fsdp=-1", "model.attention_impl=pallas"]), t)
     mesh = sharding.make_mesh(ici, target_devices(t))
-    rules = sharding.PRESETS[cfg.mesh.rules]
+    rules = head_sharding.axis_rules(cfg, mesh.shape)
     charged = _extrapolated_cost(cfg, mesh, rules, "tpu")
     free = _extrapolated_cost(cfg, mesh, rules, "tpu", charge_kernels=False)
     # Per device: batch 8 / 4 chips = 2, 4 query heads, seq 128 = one causal block, all of it

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jaxtrain import sharding
+from jaxtrain import head_sharding, sharding
 from jaxtrain.convert import ckpt_to_hf, hf_to_ckpt, load_params, read_model_config
 from jaxtrain.models.hf import HFConversionError, from_hf
 from jaxtrain.train_step import build_program
@@ -144,7 +144,7 @@ def trained(tmp_path_factory):
 def _logits_of(result, cfg, params, tokens):
     from jaxtrain import models
 
-    with jax.set_mesh(result.mesh), sharding.axis_rules(sharding.PRESETS[cfg.mesh.rules]):
+    with jax.set_mesh(result.mesh), sharding.axis_rules(head_sharding.axis_rules(cfg, result.mesh.shape)):
         model = models.merge(result.program.graphdef, result.program.abstract_params, params)
         return np.asarray(jax.jit(lambda t: model(t))(tokens))
 
@@ -193,7 +193,7 @@ def test_init_from_a_training_checkpoint_restores_its_params(trained):
     from jaxtrain.checkpoint import abstract_state
 
     cfg, result = trained
-    with jax.set_mesh(result.mesh), sharding.axis_rules(sharding.PRESETS[cfg.mesh.rules]):
+    with jax.set_mesh(result.mesh), sharding.axis_rules(head_sharding.axis_rules(cfg, result.mesh.shape)):
         params = load_params(cfg.output_dir, cfg.model, abstract_state(result.program).params)
     for (path, got), want in zip(
         jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(result.state.params)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import sharding
+from jaxtrain import head_sharding, sharding
 from jaxtrain.checkpoint import Checkpointer, abstract_state
 from jaxtrain.cli import main
 from jaxtrain.config import ConfigError, FaultsConfig, load_config
@@ -70,7 +70,7 @@ def test_nan_streak_is_skipped_counted_then_rolled_back(tmp_path):
     assert after[-1]["skipped_total"] == 3
     # oracle for the first step after the rollback: checkpoint 8's params on batch 12
     mesh = result.mesh
-    with jax.set_mesh(mesh), sharding.axis_rules(sharding.PRESETS[cfg.mesh.rules]):
+    with jax.set_mesh(mesh), sharding.axis_rules(head_sharding.axis_rules(cfg, mesh.shape)):
         ckpt = Checkpointer(tmp_path / "checkpoints")
         assert ckpt.steps() == [4, 8, 12]  # 12 is the new timeline's, saved after the rollback
         params8 = ckpt.restore(8, abstract_state(result.program)).state.params

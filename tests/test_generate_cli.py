@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import cli, models, sharding
+from jaxtrain import cli, head_sharding, models, sharding
 from jaxtrain import generate as g
 from tests.conftest import REPO, tiny_config
 
@@ -62,7 +62,7 @@ def expected_text(source, prompt, *, max_new_tokens, **sampling):
         ids = tok.encode(prompt)
         eos = src.eos_id if src.eos_id is not None else tok.eos_id
         mesh = g.make_mesh(src.cfg, jax.devices()[:1])
-        with jax.set_mesh(mesh), sharding.axis_rules(sharding.PRESETS[src.cfg.mesh.rules]):
+        with jax.set_mesh(mesh), sharding.axis_rules(head_sharding.axis_rules(src.cfg, mesh.shape)):
             model = g.load_model(src, mesh)
             out = np.asarray(
                 models.generate(model, [ids], max_new_tokens=max_new_tokens, eos_id=eos, **sampling)

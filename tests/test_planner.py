@@ -62,14 +62,14 @@ def test_auto_picks_a_saving_policy_when_memory_is_short_and_it_really_saves():
     # Ample memory: none.
     assert resolve_remat(base, mesh, 100 * capacity)[0].model.remat == "none"
 
-    from jaxtrain import sharding
+    from jaxtrain import head_sharding, sharding
     from jaxtrain.sharding.targets import compiled_memory
     from jaxtrain.train_step import abstract_batch, build_program
 
     def temp(c):
         c = dataclasses.replace(c, mesh=dataclasses.replace(c.mesh, fsdp=8))
         mesh_ = sharding.make_mesh({"fsdp": 8})
-        rules = sharding.PRESETS[c.mesh.rules]
+        rules = head_sharding.axis_rules(c, mesh_.shape)
         with jax.set_mesh(mesh_), sharding.axis_rules(rules):
             program = build_program(c, mesh_, rules)
             shapes = jax.eval_shape(program.init)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import sharding
+from jaxtrain import head_sharding, sharding
 from jaxtrain.checkpoint import CheckpointMismatchError
 from jaxtrain.compile import _compile_step, config_for_target, parse_target, target_devices
 from jaxtrain.config import LossScaleConfig, load_config
@@ -169,7 +169,7 @@ def test_fp8_deviceless_h100_compile_has_fp8_gemms():
         target,
     )
     mesh = sharding.make_mesh(ici, target_devices(target))
-    text = _compile_step(cfg, mesh, sharding.PRESETS[cfg.mesh.rules]).as_text()
+    text = _compile_step(cfg, mesh, head_sharding.axis_rules(cfg, mesh.shape)).as_text()
     assert count_fp8_matmuls(text) == 21
     assert count_fp8_matmuls(text.replace("f8e4m3fn", "bf16").replace("f8e5m2", "bf16")) == 0
 
