@@ -417,7 +417,7 @@ def compile_report(
     """
     import time
 
-    from jaxtrain import head_sharding, sharding
+    from jaxtrain import head_sharding, loss_chunk, sharding
     from jaxtrain.sharding.targets import compiled_cost, compiled_memory, custom_call_targets, kernel_names
 
     requested_fsdp = cfg.mesh.fsdp
@@ -450,7 +450,12 @@ def compile_report(
         "hbm_bytes": target.hbm_bytes,
         "kernels_charged": charge_kernels,
         "head_sharding": head_sharding.resolve(cfg, mesh.shape)[0],
-        "notes": [*([remat_note] if remat_note else []), head_sharding.note(cfg, mesh.shape)],
+        "loss_chunk": loss_chunk.resolve(cfg, mesh.shape)[0],
+        "notes": [
+            *([remat_note] if remat_note else []),
+            head_sharding.note(cfg, mesh.shape),
+            loss_chunk.note(cfg, mesh.shape),
+        ],
     }
     if cfg.mesh.stage > 1:
         from jaxtrain.train_step import pipeline_schedule

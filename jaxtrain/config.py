@@ -59,8 +59,9 @@ class TrainConfig:
     microbatches: int = 1  # gradient accumulation: the global batch is split into this many
     init_from: str | None = None  # converted weights (`jaxtrain convert hf-to-ckpt`) to start from
     # cross-entropy over this many sequence positions at a time (jaxtrain/chunked_loss.py), so the
-    # [tokens, vocab] logits are never formed at once; 0: the plain loss over all of them
-    loss_chunk: int = 0
+    # [tokens, vocab] logits are never formed at once; 0: the plain loss over all of them;
+    # auto: 4 chunks when the logits reach 16 MiB per device (jaxtrain/loss_chunk.py)
+    loss_chunk: int | str = "auto"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -478,9 +479,11 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"train.seq_len={t.seq_len}: expected a positive integer")
     if t.steps < 1:
         raise ConfigError(f"train.steps={t.steps}: expected a positive integer")
-    if t.loss_chunk < 0 or (t.loss_chunk and t.seq_len % t.loss_chunk):
+    if t.loss_chunk != "auto" and (
+        isinstance(t.loss_chunk, str) or t.loss_chunk < 0 or (t.loss_chunk and t.seq_len % t.loss_chunk)
+    ):
         raise ConfigError(
-            f"train.loss_chunk={t.loss_chunk}: expected 0 (off) or a positive divisor of "
+            f"train.loss_chunk={t.loss_chunk}: expected auto, 0 (off) or a positive divisor of "
             f"train.seq_len={t.seq_len}"
         )
     if t.microbatches < 1:

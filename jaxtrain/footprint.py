@@ -28,6 +28,7 @@ import math
 import os
 
 from jaxtrain.config import Config, ConfigError
+from jaxtrain.loss_chunk import resolve as resolve_loss_chunk
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -373,8 +374,9 @@ def estimate(
     impl = attention_impl or m.attention_impl
     if impl == "xla":  # [rows, heads, seq, seq] probabilities and f32 scores of one layer
         working += att_rows * max(1, m.n_heads // tp) * seq * t.seq_len * (a + 4)
-    if t.loss_chunk:  # jaxtrain/chunked_loss.py: one chunk of logits live, plus d loss / d x in f32
-        chunk = max(1, min(seq, t.loss_chunk // size("context")))
+    loss_chunk = resolve_loss_chunk(cfg, mesh_sizes)[0]  # `auto` resolved as the run will
+    if loss_chunk:  # jaxtrain/chunked_loss.py: one chunk of logits live, plus d loss / d x in f32
+        chunk = max(1, min(seq, loss_chunk // size("context")))
         logits = 2 * 4 * rows * chunk * max(1, m.vocab_size // tp) + 4 * tokens * m.d_model
     else:
         logits = 2 * 4 * tokens * max(1, m.vocab_size // tp)

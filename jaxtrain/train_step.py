@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtrain import models, sharding
+from jaxtrain import loss_chunk, models, sharding
 from jaxtrain.chunked_loss import chunked_cross_entropy
 from jaxtrain.config import Config, ConfigError, LossScaleConfig
 from jaxtrain.faults import FAULT_NONE, FAULT_NONFINITE, FAULT_SPIKE
@@ -166,6 +166,7 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules) -> TrainPr
         from jaxtrain.planner import resolve_remat_for_devices
 
         cfg, _ = resolve_remat_for_devices(cfg, list(mesh.devices.flat))
+    cfg = loss_chunk.resolved(cfg, mesh.shape)  # `auto`: by the logits' size per device
     mcfg = cfg.model
     make_model = lambda: models.Transformer(mcfg, rngs=nnx.Rngs(cfg.seed))
     graphdef, abstract_params = models.abstract_model(make_model)

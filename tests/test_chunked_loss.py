@@ -112,3 +112,44 @@ def test_loss_chunk_must_divide_seq_len():
 
     with pytest.raises(ConfigError, match=r"train.loss_chunk=5.*train.seq_len=32"):
         _small(5)
+
+
+def test_loss_chunk_rejects_other_words():
+    from jaxtrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.loss_chunk=fast: expected auto, 0"):
+        tiny_config(None, "train.loss_chunk=fast")
+
+
+def test_auto_chunks_large_logits_in_four_and_leaves_small_ones_plain():
+    """`auto` by hand: f32 logits per device = 4 x tokens x vocab / (data x fsdp x expert x
+    context x tensor) bytes; from 16 MiB, 4 chunks of seq_len / 4 positions."""
+    from jaxtrain import footprint, loss_chunk
+    from jaxtrain.config import load_config
+    from tests.conftest import REPO
+
+    peer = load_config(f"{REPO}/configs/bench-peer.yaml")  # 8 x 512 tokens, vocab 32000
+    assert peer.train.loss_chunk == "auto"
+    assert loss_chunk.logits_mib_per_device(peer, {"fsdp": 8}) == 4 * 4096 * 32000 / 8 / 2**20 == 62.5
+    assert loss_chunk.resolve(peer, {"fsdp": 8})[0] == 128
+    # 64 devices: 7.8 MiB each
+    assert loss_chunk.resolve(peer, {"data": 2, "fsdp": 8, "tensor": 4}) == (
+        0,
+        "the plain loss: 7.8 MiB of f32 logits per device, under 16 MiB",
+    )
+    # microbatches split the tokens: 4 of them leave 15.6 MiB
+    micro = replace(peer, train=dict(microbatches=4))
+    assert loss_chunk.resolve(micro, {"fsdp": 8})[0] == 0
+    # a sequence that does not split in four keeps the plain loss
+    odd = replace(peer, train=dict(seq_len=510))
+    assert loss_chunk.resolve(odd, {"fsdp": 8})[1].endswith("train.seq_len=510 does not split into 4 chunks")
+    # a number is kept as configured
+    assert loss_chunk.resolve(replace(peer, train=dict(loss_chunk=0)), {"fsdp": 8}) == (0, "as configured")
+    # the tiny config: 8 x 128 tokens x 512 entries, 2 MiB on one device
+    assert loss_chunk.resolve(tiny_config(), {})[0] == 0
+    # the planner's memory model resolves it the same way
+    as_128 = replace(peer, train=dict(loss_chunk=128))
+    assert footprint.estimate(peer, {"fsdp": 8}) == footprint.estimate(as_128, {"fsdp": 8})
+    assert footprint.estimate(peer, {"fsdp": 8}) != footprint.estimate(
+        replace(peer, train=dict(loss_chunk=0)), {"fsdp": 8}
+    )
