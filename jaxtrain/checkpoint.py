@@ -85,14 +85,16 @@ def _is_abandoned_read(unraisable) -> bool:
 
     Orbax runs a restore's shard reads as coroutines on a private event loop; the first
     failed read ends the loop and closes it. The other reads are abandoned:
-    - each coroutine ends with the read's own error (or GeneratorExit) when it is garbage
-      collected ("Exception ignored in: <coroutine _read_array_index_and_device_put>");
+    - each of Orbax's read coroutines ends with the read's own error (or GeneratorExit)
+      when it is garbage collected ("Exception ignored in: <coroutine
+      _read_array_index_and_device_put>"); coroutines of other code are not matched, since
+      the hook stays installed for the process;
     - TensorStore completes the reads still in flight on its own threads, after the
       restore has returned, and their callbacks find the loop closed (RuntimeError "Event
       loop is closed" from call_soon_threadsafe, reported with no object)."""
     exc, obj = unraisable.exc_value, unraisable.object
     if inspect.iscoroutine(obj):
-        return "orbax" in obj.cr_code.co_filename or isinstance(exc, GeneratorExit)
+        return "orbax" in obj.cr_code.co_filename
     return obj is None and isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
 
 

@@ -90,7 +90,15 @@ def test_corrupted_latest_checkpoints_are_skipped_not_crash_looped(tmp_path, cap
     assert reported == [], [f"{type(u.exc_value).__name__}: {u.exc_value} in {u.object!r}" for u in reported]
     user_error = types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed"), object=main)
     sys.unraisablehook(user_error)
-    assert reported == [user_error]
+
+    async def users_coroutine():
+        pass
+
+    coroutine = users_coroutine()
+    users_exit = types.SimpleNamespace(exc_value=GeneratorExit(), object=coroutine)
+    sys.unraisablehook(users_exit)
+    coroutine.close()
+    assert reported == [user_error, users_exit]
     err = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
     for step in (6, 4):
         assert f"checkpoints/{step} is unreadable" in err and f"moved it to {step}.unreadable" in err, err
