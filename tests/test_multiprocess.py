@@ -188,13 +188,21 @@ def test_worker_dies_with_its_supervisor(tmp_path):
 
 
 def test_killed_peer_makes_survivor_exit_in_bounded_time_then_both_resume(tmp_path):
+    """The survivor exits 4 within the heartbeat timeout and both processes resume.
+    Usually our watchdog sees the silence first and names process 1. When the kill lands
+    mid-collective, gloo (the CPU collectives) reads the dead peer's torn message, throws
+    EnforceNotMet and aborts the worker at once; the supervisor then says the runtime
+    aborted it because a peer died (seen once in ~10 full-suite runs). Both are correct
+    exits; the naming itself is pinned by the watchdog test below."""
     heartbeat = 10  # seconds; short for the test (default 60), long enough for a loaded CI box
     args = ("train.steps=16", "checkpoint.every=4")
     code, err, elapsed, _ = _start_then_kill(tmp_path, 1, *args, heartbeat=heartbeat)
     # bounded: the timeout plus a few heartbeat periods (and slack for a loaded CI machine)
     detail = f"exit {code} after {elapsed:.1f} s:\n{err[-3000:]}"
     assert code == 4 and elapsed < heartbeat + 20, detail
-    assert "jaxtrain: error: lost process 1 of 2: no heartbeat for" in err, detail
+    named = "jaxtrain: error: lost process 1 of 2: no heartbeat for" in err
+    aborted = "jaxtrain: error: JAX's distributed runtime aborted the worker: a peer process died" in err
+    assert named or aborted, detail
 
     results = wait_all(launch(tmp_path, *args, heartbeat=heartbeat))
     assert_ok(results)
