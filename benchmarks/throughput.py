@@ -1,6 +1,7 @@
 """Training throughput of configs/bench-peer.yaml, optionally side by side with MaxText.
 
-    python benchmarks/throughput.py [--steps 30] [--peer] [--dtypes float32,bfloat16] [--remat auto,full]
+    python benchmarks/throughput.py [--steps 30] [--peer] [--peer-host-malloc]
+                                    [--dtypes float32,bfloat16] [--remat auto,full]
 
 Runs the peer model (see the config) on 8 simulated CPU devices (fsdp=8) in each
 compute dtype and each `--remat` policy (auto: jaxtrain's default, which resolves
@@ -9,6 +10,9 @@ a time, and prints the median step time over steps 3..N-1, tokens/s and MFU
 (against the matmul peak measured in the same process). With --peer it runs
 ../shared/bench/maxtext_peer.sh (remat full, its default) once per dtype with the
 same model and prints the ratio MaxText time / ours (>1 means jaxtrain is faster).
+With --peer-host-malloc it runs MaxText once more with the glibc malloc settings that
+jaxtrain applies to its own CPU runs (jaxtrain/host_malloc.py), as environment
+variables, and prints that ratio too.
 Nothing else may run on the machine meanwhile: this is a timing.
 """
 
@@ -23,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from jaxtrain import host_malloc
 
 REPO = Path(__file__).resolve().parent.parent
 PEER = REPO.parent / "shared" / "bench" / "maxtext_peer.sh"
@@ -59,8 +65,13 @@ def run_ours(dtype: str, steps: int, extra: list[str]) -> dict:
     }
 
 
-def run_peer(dtype: str, steps: int) -> dict:
-    proc = subprocess.run(["bash", str(PEER), "8", dtype, str(steps)], capture_output=True, text=True)
+def run_peer(dtype: str, steps: int, env: dict[str, str] | None = None) -> dict:
+    proc = subprocess.run(
+        ["bash", str(PEER), "8", dtype, str(steps)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     if proc.returncode:
         sys.exit(f"peer run failed:\n{proc.stderr[-3000:]}")
     last = proc.stdout.strip().splitlines()[-1]
@@ -76,12 +87,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--peer", action="store_true", help="also run MaxText (../shared/bench/maxtext_peer.sh)")
+    ap.add_argument(
+        "--peer-host-malloc",
+        action="store_true",
+        help="also run MaxText with the glibc malloc settings jaxtrain applies to CPU runs "
+        "(jaxtrain/host_malloc.py), for a like-for-like ratio",
+    )
     ap.add_argument("--remat", default="full", help="comma-separated model.remat values, e.g. auto,full")
     ap.add_argument("overrides", nargs="*", help="extra jaxtrain overrides, e.g. model.remat=none")
     args = ap.parse_args()
     rows = []
     for dtype in args.dtypes.split(","):
         peer = run_peer(dtype, args.steps) if args.peer else None
+        peer_malloc = run_peer(dtype, args.steps, host_malloc.ENVIRONMENT) if args.peer_host_malloc else None
         for remat in args.remat.split(","):
             ours = run_ours(dtype, args.steps, [f"model.remat={remat}", *args.overrides])
             row = {"dtype": dtype, "remat": remat, **ours}
@@ -90,6 +108,11 @@ def main() -> None:
                     peer_step_time_s=peer["step_time_s"],
                     peer_tokens_per_second=peer["tokens_per_second"],
                     ratio=peer["step_time_s"] / ours["step_time_s"],
+                )
+            if peer_malloc:
+                row.update(
+                    peer_malloc_step_time_s=peer_malloc["step_time_s"],
+                    ratio_malloc=peer_malloc["step_time_s"] / ours["step_time_s"],
                 )
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -101,8 +124,13 @@ def main() -> None:
             if args.peer
             else ""
         )
+        + (" MaxText s/step, same malloc | ratio, same malloc |" if args.peer_host_malloc else "")
     )
-    print("|---|---|---|---|---|" + ("---|---|---|" if args.peer else ""))
+    print(
+        "|---|---|---|---|---|"
+        + ("---|---|---|" if args.peer else "")
+        + ("---|---|" if args.peer_host_malloc else "")
+    )
     for r in rows:
         line = (
             f"| {r['dtype']} | {r['remat']} | {r['step_time_s']:.2f} | {r['tokens_per_second']:.0f} | "
@@ -110,6 +138,8 @@ def main() -> None:
         )
         if args.peer:
             line += f" {r['peer_step_time_s']:.2f} | {r['peer_tokens_per_second']:.0f} | {r['ratio']:.2f} |"
+        if args.peer_host_malloc:
+            line += f" {r['peer_malloc_step_time_s']:.2f} | {r['ratio_malloc']:.2f} |"
         print(line)
 
 

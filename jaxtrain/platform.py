@@ -2,7 +2,8 @@
 
 On a machine with no accelerator we pin JAX to the CPU (otherwise the CUDA
 plugin and libtpu, installed for deviceless compiles, print errors at start)
-and create as many simulated CPU devices as the mesh needs.
+and create as many simulated CPU devices as the mesh needs. A CPU run also gets
+glibc malloc settings that reuse XLA's buffers across steps (jaxtrain/host_malloc.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import sys
+
+from jaxtrain import host_malloc
 
 
 def has_accelerator() -> bool:
@@ -17,6 +21,14 @@ def has_accelerator() -> bool:
     if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
         return True
     return bool(glob.glob("/dev/nvidia[0-9]*")) or shutil.which("nvidia-smi") is not None
+
+
+def _backend_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
 
 
 def configure_host(num_cpu_devices: int | None = None) -> None:
@@ -27,6 +39,8 @@ def configure_host(num_cpu_devices: int | None = None) -> None:
     """
     if "JAX_PLATFORMS" not in os.environ and not has_accelerator():
         os.environ["JAX_PLATFORMS"] = "cpu"
+    if os.environ.get("JAX_PLATFORMS") == "cpu" and not _backend_started():
+        host_malloc.keep_freed_memory()  # before XLA's threads take their malloc arenas
     import jax
     from jax._src import xla_bridge
 

@@ -39,7 +39,7 @@ import jax
 import numpy as np
 import yaml
 
-from jaxtrain import head_sharding, loss_chunk, sharding
+from jaxtrain import head_sharding, host_malloc, loss_chunk, sharding
 from jaxtrain.checkpoint import Checkpointer, CheckpointError, abstract_state
 from jaxtrain.config import Config, to_dict
 from jaxtrain.data import make_data_iterator, make_eval_iterator, storage
@@ -389,6 +389,7 @@ def _setup(cfg: Config, devices, notes: tuple[str, ...] = ()) -> Iterator[_Run]:
     mesh = make_mesh(cfg, devices)
     rules = head_sharding.axis_rules(cfg, mesh.shape)
     notes = (*notes, head_sharding.note(cfg, mesh.shape), loss_chunk.note(cfg, mesh.shape))
+    notes += (host_malloc.note(),) if host_malloc.note() else ()
     primary = jax.process_index() == 0
     rates = _Rates.for_run(cfg, mesh)
     data_args = dict(

@@ -47,6 +47,7 @@ def test_train_end_to_end_on_a_sharded_mesh(tmp_path):
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tensorboard").iterdir())
     assert (tmp_path / "config.yaml").is_file()
     assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in out.stderr
+    assert "host malloc: one glibc arena that keeps freed memory" in out.stderr  # a CPU run
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,91 @@
+"""Keep freed host memory inside the process when XLA runs on the CPU (glibc malloc).
+
+XLA:CPU takes each execution's temporary and output buffers from malloc. glibc serves a
+block over its mmap threshold (32 MiB at most), and any block a thread's own arena (64 MiB
+heaps) cannot hold, with a fresh `mmap`, and gives it back with `munmap` when it is freed.
+So every train step the kernel maps, zero-fills and faults in the same hundreds of MiB
+again: on the bench-peer step (8 simulated devices) that was about 200,000 page faults
+and 0.4 s of system time per step. Three settings keep the memory in one heap that is
+reused from step to step, as tcmalloc or jemalloc would:
+
+- `M_ARENA_MAX=1`: every thread allocates from the main (brk) arena, which can grow
+  without limit, instead of per-thread arenas that fall back to mmap for big blocks;
+- `M_MMAP_MAX=0`: no block is served by its own mmap;
+- `M_TRIM_THRESHOLD` at its maximum: free memory at the top of the heap is not returned.
+
+The cost is that the process's resident memory stays at its high-water mark (about 15%
+above the default's on bench-peer). Measured in README.md, *Benchmarks*.
+
+Applied by `jaxtrain.platform.configure_host` when the run is pinned to the CPU and the
+backend has not started yet (XLA's threads take their arena on their first malloc). Not on
+TPU and GPU hosts, where device memory is not malloc's. Left alone where the user chose
+malloc settings already (`MALLOC_*`, `glibc.malloc` in `GLIBC_TUNABLES`, or an allocator
+in `LD_PRELOAD`), outside glibc, or with `JAXTRAIN_HOST_MALLOC=system`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+
+OPT_OUT = "JAXTRAIN_HOST_MALLOC"
+# mallopt(3) parameter numbers (glibc malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -2, -4, -8
+SETTINGS = (
+    (_M_ARENA_MAX, 1),
+    (_M_MMAP_MAX, 0),
+    (_M_TRIM_THRESHOLD, 2**31 - 1),
+    (_M_TOP_PAD, 64 << 20),
+)
+
+# The same settings as glibc's environment variables, read at process start: for a
+# process we do not control (benchmarks/throughput.py gives them to the peer trainer).
+ENVIRONMENT = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1),
+    "MALLOC_TOP_PAD_": str(64 << 20),
+}
+
+_applied: str | None = None
+
+
+def _user_chose() -> str | None:
+    """Why the user's own settings win, or None."""
+    if os.environ.get(OPT_OUT, "").lower() in ("system", "off", "0"):
+        return f"{OPT_OUT}={os.environ[OPT_OUT]}"
+    chosen = sorted(k for k in os.environ if k.startswith("MALLOC_"))
+    if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        chosen.append("GLIBC_TUNABLES")
+    if "malloc" in os.environ.get("LD_PRELOAD", ""):  # tcmalloc, jemalloc, mimalloc
+        chosen.append("LD_PRELOAD")
+    return ", ".join(chosen) or None
+
+
+def keep_freed_memory() -> str | None:
+    """Apply SETTINGS once per process; returns the log line saying so, or None when
+    they do not apply (not glibc, or the user's own malloc settings)."""
+    global _applied
+    if _applied is not None:
+        return _applied
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc" or _user_chose():
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok = all(libc.mallopt(param, value) == 1 for param, value in SETTINGS)
+    except (OSError, AttributeError):
+        return None
+    if not ok:
+        return None
+    _applied = (
+        "host malloc: one glibc arena that keeps freed memory (no mmap, no trim), so XLA:CPU's "
+        f"buffers are reused across steps instead of faulted in again; {OPT_OUT}=system to opt out"
+    )
+    return _applied
+
+
+def note() -> str | None:
+    """The log line if SETTINGS were applied in this process, else None."""
+    return _applied
