@@ -19,8 +19,10 @@ above the default's on bench-peer). Measured in README.md, *Benchmarks*.
 Applied by `jaxtrain.platform.configure_host` when the run is pinned to the CPU and the
 backend has not started yet (XLA's threads take their arena on their first malloc). Not on
 TPU and GPU hosts, where device memory is not malloc's. Left alone where the user chose
-malloc settings already (`MALLOC_*`, `glibc.malloc` in `GLIBC_TUNABLES`, or an allocator
-in `LD_PRELOAD`), outside glibc, or with `JAXTRAIN_HOST_MALLOC=system`.
+malloc settings already (`MALLOC_*`, these knobs in `GLIBC_TUNABLES`, or an allocator in
+`LD_PRELOAD`), outside glibc, or with `JAXTRAIN_HOST_MALLOC=system`.
+`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (transparent huge pages for the heap; glibc
+reads it only at process start) combines with them.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ SETTINGS = (
     (_M_TOP_PAD, 64 << 20),
 )
 
+_KNOBS = ("arena_max", "arena_test", "mmap_max", "mmap_threshold", "trim_threshold", "top_pad")
 # The same settings as glibc's environment variables, read at process start: for a
 # process we do not control (benchmarks/throughput.py gives them to the peer trainer).
 ENVIRONMENT = {
@@ -57,7 +60,8 @@ def _user_chose() -> str | None:
     if os.environ.get(OPT_OUT, "").lower() in ("system", "off", "0"):
         return f"{OPT_OUT}={os.environ[OPT_OUT]}"
     chosen = sorted(k for k in os.environ if k.startswith("MALLOC_"))
-    if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if any(f"glibc.malloc.{knob}" in tunables for knob in _KNOBS):  # hugetlb=1 alone combines
         chosen.append("GLIBC_TUNABLES")
     if "malloc" in os.environ.get("LD_PRELOAD", ""):  # tcmalloc, jemalloc, mimalloc
         chosen.append("LD_PRELOAD")

@@ -79,3 +79,10 @@ def test_the_users_own_malloc_settings_win(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     # named, so keep_freed_memory() returns None before calling mallopt
     assert var in host_malloc._user_chose()
+
+
+def test_huge_pages_alone_combine_with_the_settings(monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    for k in [k for k in os.environ if k.startswith("MALLOC_")] + ["LD_PRELOAD", host_malloc.OPT_OUT]:
+        monkeypatch.delenv(k, raising=False)
+    assert host_malloc._user_chose() is None
