@@ -63,17 +63,25 @@ def test_packed_rows_really_hold_several_documents(tmp_path):
 
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+@pytest.mark.parametrize("block_rows,blocks", [(128, 1), (8, 2), (4, 4)])
 @pytest.mark.parametrize(
     "heads,kv_heads,window,packed", [(4, 4, None, False), (4, 2, None, True), (4, 1, 3, True)]
 )
-def test_cpu_attention_equals_autodiff_of_xla_attention(dtype, tol, heads, kv_heads, window, packed):
+def test_cpu_attention_equals_autodiff_of_xla_attention(
+    monkeypatch, dtype, tol, heads, kv_heads, window, packed, block_rows, blocks
+):
     """cpu_attention (own VJP: recomputes the probabilities from the log-sum-exp, moves q
-    and dO for dK/dV) against jax.vjp of xla_attention: output and all three gradients,
-    MHA / GQA / MQA, packed segments, a sliding window. Tolerance relative to the largest
-    entry."""
+    and dO for dK/dV; causal query blocks that skip the keys after their last row) against
+    jax.vjp of xla_attention: output and all three gradients, MHA / GQA / MQA, packed
+    segments (a boundary inside a block), a sliding window, in 1, 2 and 4 query blocks.
+    Tolerance relative to the largest entry."""
     import jax.numpy as jnp
 
+    from jaxtrain.models import attention
     from jaxtrain.models.attention import attend, cpu_attention, xla_attention
+
+    monkeypatch.setattr(attention, "QUERY_BLOCK_ROWS", block_rows)
+    assert attention.causal_query_blocks(16, 16, True) == blocks
 
     dt = jnp.dtype(dtype)
     ks = jax.random.split(jax.random.key(1), 4)
@@ -98,4 +106,24 @@ def test_cpu_attention_equals_autodiff_of_xla_attention(dtype, tol, heads, kv_he
         assert np.max(np.abs(g32 - r32)) <= tol * np.max(np.abs(r32)), name
     # on this CPU backend the model's "xla" attention is this one
     routed = jax.jit(lambda: attend(q, k, v, segment_ids=seg, impl="xla", sliding_window=window))()
-    np.testing.assert_array_equal(np.asarray(routed, np.float32), np.asarray(got[0], np.float32))
+    direct = jax.jit(lambda: cpu_attention(q, k, v, segment_ids=seg, causal=True, sliding_window=window))()
+    np.testing.assert_array_equal(np.asarray(routed, np.float32), np.asarray(direct, np.float32))
+
+
+def test_causal_query_blocks():
+    """About 128 rows a block, at most 8, a divisor of the length; one block when not
+    causal or not self-attention. Work left: (n + 1) / 2n of the square."""
+    from jaxtrain.models.attention import causal_query_blocks
+
+    assert [causal_query_blocks(s, s, True) for s in (64, 128, 256, 384, 512, 1000, 1024, 8192)] == [
+        1,
+        1,
+        2,
+        3,
+        4,
+        5,
+        8,
+        8,
+    ]
+    assert causal_query_blocks(512, 512, False) == 1
+    assert causal_query_blocks(512, 1024, True) == 1
