@@ -37,12 +37,14 @@ _PAGES_64MIB = 64 * 2**20 // 4096
 _USER_VARS = ("GLIBC_TUNABLES", "LD_PRELOAD", host_malloc.OPT_OUT)
 
 
+def _users_malloc_vars() -> list[str]:
+    """The environment variables through which a user chooses malloc settings."""
+    return [k for k in os.environ if k.startswith("MALLOC_") or k in _USER_VARS]
+
+
 def _probe(**env_extra):
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("XLA_FLAGS", "MALLOC_")) and k not in _USER_VARS
-    }
+    drop = {"XLA_FLAGS", *_users_malloc_vars()}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(env_extra)
     out = subprocess.run(
         [sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, cwd=REPO, timeout=300
@@ -73,8 +75,8 @@ def test_cpu_run_reuses_xla_buffers_instead_of_faulting_them_in_each_call():
     ],
 )
 def test_the_users_own_malloc_settings_win(monkeypatch, var, value):
-    for k in [k for k in os.environ if k.startswith("MALLOC_")] + list(_USER_VARS):
-        monkeypatch.delenv(k, raising=False)
+    for k in _users_malloc_vars():
+        monkeypatch.delenv(k)
     assert host_malloc._user_chose() is None
     monkeypatch.setenv(var, value)
     # named, so keep_freed_memory() returns None before calling mallopt
@@ -82,7 +84,7 @@ def test_the_users_own_malloc_settings_win(monkeypatch, var, value):
 
 
 def test_huge_pages_alone_combine_with_the_settings(monkeypatch):
+    for k in _users_malloc_vars():
+        monkeypatch.delenv(k)
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
-    for k in [k for k in os.environ if k.startswith("MALLOC_")] + ["LD_PRELOAD", host_malloc.OPT_OUT]:
-        monkeypatch.delenv(k, raising=False)
     assert host_malloc._user_chose() is None
