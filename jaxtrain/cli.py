@@ -221,8 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         "tokenize": lambda: _tokenize(args),
         "generate": lambda: _generate(args),
     }
+    from jaxtrain.host_malloc import UnknownSettingError
+
     try:
         return commands[args.command]()
+    except UnknownSettingError as e:  # from configure_host, before any work
+        return _fail(str(e))
     except Exception:
         # Expected failures (bad config, data, paths, checkpoints) were mapped to one line and
         # exit 2 where they entered; anything reaching here is a bug in jaxtrain.

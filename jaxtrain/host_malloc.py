@@ -21,7 +21,8 @@ Applied by `jaxtrain.platform.configure_host` when the run is pinned to the CPU 
 backend has not started yet (XLA's threads take their arena on their first malloc). Not on
 TPU and GPU hosts, where device memory is not malloc's. Left alone where the user chose
 malloc settings already (`MALLOC_*`, these knobs in `GLIBC_TUNABLES`, or an allocator in
-`LD_PRELOAD`), outside glibc, or with `JAXTRAIN_HOST_MALLOC=system`.
+`LD_PRELOAD`), outside glibc, or with `JAXTRAIN_HOST_MALLOC=system` (any other value than
+those in SYSTEM_VALUES and TUNED_VALUES is refused).
 `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (transparent huge pages for the heap; glibc
 reads it only at process start) combines with them.
 """
@@ -34,6 +35,9 @@ import os
 import platform
 
 OPT_OUT = "JAXTRAIN_HOST_MALLOC"
+# OPT_OUT's values: keep glibc's defaults, or apply the settings (unset means apply)
+SYSTEM_VALUES = ("system", "off", "0")
+TUNED_VALUES = ("tuned", "on", "1")
 # (mallopt(3) parameter number from glibc's malloc.h, the same knob's environment variable,
 # value): one table for both ways of setting them
 _TABLE = (
@@ -52,10 +56,21 @@ _KNOBS = ("arena_max", "arena_test", "mmap_max", "mmap_threshold", "trim_thresho
 _applied: str | None = None
 
 
+class UnknownSettingError(ValueError):
+    """OPT_OUT holds a value that is neither an opt-out nor an opt-in (a typo, say)."""
+
+
 def _user_chose() -> str | None:
-    """Why the user's own settings win, or None."""
-    if os.environ.get(OPT_OUT, "").lower() in ("system", "off", "0"):
-        return f"{OPT_OUT}={os.environ[OPT_OUT]}"
+    """Why the user's own settings win, or None. A misspelt OPT_OUT is an error, not a
+    silent default: `sytem` must not quietly keep the tuned heap."""
+    choice = os.environ.get(OPT_OUT, "")
+    if choice.lower() in SYSTEM_VALUES:
+        return f"{OPT_OUT}={choice}"
+    if choice and choice.lower() not in TUNED_VALUES:
+        raise UnknownSettingError(
+            f"{OPT_OUT}={choice!r}: expected one of {', '.join(SYSTEM_VALUES)} (keep glibc's malloc "
+            f"defaults) or {', '.join(TUNED_VALUES)} (the tuned heap, also the default when unset)"
+        )
     chosen = sorted(k for k in os.environ if k.startswith("MALLOC_"))
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     if any(f"glibc.malloc.{knob}" in tunables for knob in _KNOBS):  # hugetlb=1 alone combines
@@ -67,11 +82,12 @@ def _user_chose() -> str | None:
 
 def keep_freed_memory() -> str | None:
     """Apply SETTINGS once per process; returns the log line saying so, or None when
-    they do not apply (not glibc, or the user's own malloc settings)."""
+    they do not apply (not glibc, or the user's own malloc settings). Raises
+    UnknownSettingError for an OPT_OUT value it does not know."""
     global _applied
     if _applied is not None:
         return _applied
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc" or _user_chose():
+    if _user_chose() or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -102,6 +102,13 @@ def test_subprocess_config_error_is_one_line_and_fast():
     ]
 
 
+def test_a_misspelt_host_malloc_setting_is_one_line_before_any_work():
+    out = run_cli("train", TINY, env_extra={"JAX_PLATFORMS": "cpu", "JAXTRAIN_HOST_MALLOC": "sytem"})
+    assert out.returncode == 2
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("jaxtrain: error: JAXTRAIN_HOST_MALLOC='sytem': expected one of system, off, 0")
+
+
 def test_overrides_may_follow_the_options(capsys):
     """The presets' headers write `compile CFG --target T --hosts 2 key=value`: overrides
     after the options join those before them, in order; stray words still exit 2."""

@@ -88,3 +88,20 @@ def test_huge_pages_alone_combine_with_the_settings(monkeypatch):
         monkeypatch.delenv(k)
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
     assert host_malloc._user_chose() is None
+
+
+@pytest.mark.parametrize("value", ["tuned", "ON", "1"])
+def test_opting_in_by_name_applies_the_settings(monkeypatch, value):
+    for k in _users_malloc_vars():
+        monkeypatch.delenv(k)
+    monkeypatch.setenv(host_malloc.OPT_OUT, value)
+    assert host_malloc._user_chose() is None
+
+
+def test_a_misspelt_opt_out_is_refused_not_ignored(monkeypatch):
+    """`sytem` must not silently keep the tuned heap: the error names the variable, the
+    value and the values it takes."""
+    monkeypatch.setenv(host_malloc.OPT_OUT, "sytem")
+    with pytest.raises(host_malloc.UnknownSettingError) as e:
+        host_malloc.keep_freed_memory()
+    assert str(e.value).startswith(f"{host_malloc.OPT_OUT}='sytem': expected one of system, off, 0")
