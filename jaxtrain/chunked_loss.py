@@ -69,14 +69,19 @@ def _chunk_logits(x_c, head_c):
 
 
 def _chunk_loss(logits, t_c, m_c):
-    """(masked loss sum, shifted logits, log-sum-exp, one-hot of the targets) of one chunk.
-    The target logit is picked by comparison with an iota, which partitions over a sharded
-    vocab without gathering the logits."""
-    shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    lse = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
-    onehot = jax.lax.broadcasted_iota(jnp.int32, shifted.shape, 2) == t_c[..., None]
-    label = jnp.sum(jnp.where(onehot, shifted, 0.0), axis=-1)
-    return jnp.sum((lse - label) * m_c), shifted, lse, onehot
+    """(masked loss sum, row max, log-sum-exp relative to it) of one chunk's f32 logits.
+
+    Every [batch, chunk, vocab] pass reads all the logits (and on CPU a reduction makes
+    XLA write its input out first), so there are as few as the maths allows: the row max,
+    the sum of exp(logits - max), and in the backward the gradient. Nothing reads a
+    shifted copy of the logits (it would be written out for its readers), and the
+    target's logit is gathered, not picked out by a [tokens, vocab] select and summed;
+    both partition over a sharded vocabulary (a masked local gather and a sum over the
+    shards, as in optax's softmax_cross_entropy_with_integer_labels)."""
+    peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+    logsum = jnp.log(jnp.sum(jnp.exp(logits - peak[..., None]), axis=-1))
+    label = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
+    return jnp.sum((logsum - (label - peak)) * m_c), peak, logsum
 
 
 def _inputs(x, head, targets, mask, n):
@@ -106,8 +111,13 @@ def _ce_sum_fwd(x, head, targets, mask, n):
     def body(carry, c):
         total, dhead = carry
         x_c, t_c, m_c = c
-        loss, shifted, lse, onehot = _chunk_loss(_chunk_logits(x_c, head_c), t_c, m_c)
-        dlogits = (jnp.exp(shifted - lse[..., None]) - onehot) * m_c[..., None]
+        logits = _chunk_logits(x_c, head_c)
+        loss, peak, logsum = _chunk_loss(logits, t_c, m_c)
+        # softmax - one-hot in one pass over the logits. Not exp((logits - peak) - logsum):
+        # XLA would share `logits - peak` with the sum above and write it out for both.
+        # (The iota compare partitions over a sharded vocabulary.)
+        onehot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == t_c[..., None]
+        dlogits = (jnp.exp((logits - logsum[..., None]) - peak[..., None]) - onehot) * m_c[..., None]
         dlogits = dlogits.astype(grad_dtype)
         dx_c = jnp.einsum("bsv,dv->bsd", dlogits, head_g, preferred_element_type=_F32)
         dhead_c = jnp.einsum("bsd,bsv->dv", x_c.astype(grad_dtype), dlogits, preferred_element_type=_F32)
