@@ -169,6 +169,9 @@ def _gib(n: int) -> str:
 #                  buffers)
 #   weights      = 3 x E/ep x D x F / tensor x p  one MoE layer's experts, gathered whole inside
 #                  the shard_map: in the working set, and kept per MoE layer under remat none
+# On CPU under remat none, each layer's matmul weights gathered over fsdp (models/layers.py
+# matmul_weight) are kept for the backward too: (P_layers - P_experts) x a / tensor in all
+# (not with pipeline stages, whose backward recomputes each stage).
 # total = state + saved + working set + logits.
 
 #: The remat policies in order of cost (recomputed FLOPs), cheapest first; `auto` walks this.
@@ -369,6 +372,8 @@ def estimate(
         att_rows = rows / pm
     else:
         saved = m.n_layers * tokens * kept + (moe_layers * expert_weights if m.remat == "none" else 0)
+        if platform == "cpu" and m.remat == "none":  # gathered matmul weights (models/layers.py)
+            saved += (stack - experts) * a / tp
         working = tokens * layer_bytes_per_token(m, tp, **moe) + expert_weights
         att_rows = rows
     impl = attention_impl or m.attention_impl

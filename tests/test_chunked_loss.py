@@ -13,6 +13,7 @@ import pytest
 from jaxtrain.chunked_loss import chunked_cross_entropy
 from jaxtrain.train_step import batch_to_device, cross_entropy
 from tests.conftest import program_on_mesh, replace, tiny_config
+from tests.test_collectives import while_bodies
 
 B, S, D, V = 2, 16, 32, 96
 
@@ -157,13 +158,6 @@ def test_auto_chunks_large_logits_in_four_and_leaves_small_ones_plain():
     )
 
 
-def _while_bodies(hlo: str) -> dict[str, str]:
-    """{while body computation name: its text} of optimized HLO."""
-    bodies = set(re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", hlo))
-    comps = re.split(r"\n(?=\S)", hlo)
-    return {c.split()[0].lstrip("%"): c for c in comps if c.split() and c.split()[0].lstrip("%") in bodies}
-
-
 def test_vocab_parallel_loss_takes_one_collective_per_chunk():
     """With the head's vocabulary split over fsdp=8, each chunk of the loss gathers its row
     statistics once (left to XLA's partitioner it took two or more a chunk, nine on bench-peer),
@@ -189,5 +183,5 @@ def test_vocab_parallel_loss_takes_one_collective_per_chunk():
     np.testing.assert_allclose(dx, ref_dx, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(dhead, ref_dhead, rtol=1e-5, atol=1e-6)
     collective = r"= \S+ (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\("
-    per_body = [re.findall(collective, body) for body in _while_bodies(hlo).values()]
+    per_body = [re.findall(collective, body) for body in while_bodies(hlo).values()]
     assert [[op for op, _ in ops] for ops in per_body if ops] == [["all-gather"]], per_body

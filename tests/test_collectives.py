@@ -83,6 +83,13 @@ def compiled_hlo(cfg, devices):
         )
 
 
+def while_bodies(hlo: str) -> dict[str, str]:
+    """{while loop body computation name: its text} of optimized HLO text."""
+    bodies = set(re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", hlo))
+    comps = re.split(r"\n(?=\S)", hlo)
+    return {c.split()[0].lstrip("%"): c for c in comps if c.split() and c.split()[0].lstrip("%") in bodies}
+
+
 def param_shapes_and_axes(program, mesh, rules):
     """{shape a parameter can have in the program: mesh axes sharding that parameter}.
 
@@ -161,6 +168,26 @@ def test_no_parameter_is_gathered_over_an_axis_that_does_not_shard_it(case):
         assert not params, f"sp gathers parameter-shaped arrays: {[(op.name, op.shape) for op in params]}"
     if name == "tp":  # `data` shards no parameter: no all-gather over it at all
         assert not [op for op in ops if op.kind == "all-gather" and "data" in op.axes]
+
+
+@pytest.mark.parametrize("remat, passes", [("none", 1), ("full", 2)])
+def test_cpu_gathers_layer_weights_once_under_remat_none(remat, passes):
+    """On CPU under remat none the backward pass reuses the forward's fsdp-gathered layer
+    weights (models/layers.py matmul_weight): the layer scans' weight all-gathers sit in one
+    loop body (the forward's), and in two (forward and recompute) under remat full. Either
+    way they gather over fsdp only: the tensor-sharded dims stay sharded."""
+    cfg = small_config(("model.n_layers=2", f"model.remat={remat}"), dict(fsdp=4, tensor=2), "fsdp_tensor")
+    program, mesh, lowered = compiled_hlo(cfg, jax.devices()[:8])
+    hlo = lowered.compile().as_text()
+    by_shape = param_shapes_and_axes(program, mesh, head_sharding.axis_rules(cfg, mesh.shape))
+    gathering = []
+    for name, body in while_bodies(hlo).items():
+        ops = [op for op in collectives_by_axes(body, mesh) if op.kind == "all-gather"]
+        weights = [op for op in ops if _dims(op.shape) in by_shape]
+        assert all(op.axes == ("fsdp",) for op in weights), [(op.shape, op.axes) for op in weights]
+        if len(ops) >= 7:  # q, k, v, o and the three MLP weights of a layer (their layouts vary)
+            gathering.append(name)
+    assert len(gathering) == passes, gathering
 
 
 def test_spanned_axes_by_hand():
