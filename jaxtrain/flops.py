@@ -29,12 +29,18 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> f
 
 
 @functools.cache
-def measure_matmul_flops(n: int = 1024, dtype: str = "float32", repeats: int = 20) -> float:
-    """FLOP/s of one jitted n x n matmul on the default device (best of `repeats`).
+def measure_matmul_flops(
+    n: int = 1024, dtype: str = "float32", repeats: int = 20, min_seconds: float = 0.5
+) -> float:
+    """FLOP/s of one jitted n x n matmul on the default device: the best of at least
+    `repeats` runs and of all the runs that fit in `min_seconds`.
 
-    CPU has no spec-sheet peak; this measured figure is what "MFU" means there. Best of
-    20 (about 0.2 s in f32): with 5, one start-up read 1.06e11 FLOP/s where the runs
-    around it read 1.9e11 on the same quiet machine.
+    CPU has no spec-sheet peak; this measured figure is what "MFU" means there, so a low
+    reading inflates every MFU of the run. Best of 5 once read 1.06e11 FLOP/s in f32 where
+    the runs around it read 1.9e11. Best of 20 (0.1 s in bf16 at 1024) still read bf16
+    3.74-3.90e11 at the start of some runs on a quiet AVX-512 BF16 machine whose best of
+    200 reads 4.18e11 every time (best of 20 there: 4.05-4.10e11); half a second of runs
+    (about 100) read 4.11-4.15e11 in three fresh processes.
     """
     import jax
     import jax.numpy as jnp
@@ -42,11 +48,12 @@ def measure_matmul_flops(n: int = 1024, dtype: str = "float32", repeats: int = 2
     a = jnp.ones((n, n), dtype)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
+    best, runs, start = float("inf"), 0, time.perf_counter()
+    while runs < repeats or time.perf_counter() - start < min_seconds:
         t0 = time.perf_counter()
         f(a).block_until_ready()
         best = min(best, time.perf_counter() - t0)
+        runs += 1
     return 2 * n**3 / best
 
 
