@@ -103,6 +103,24 @@ def _chunk_loss(logits, t_c, m_c):
     return jnp.sum((logsum - (label - peak)) * m_c), peak, logsum
 
 
+def _grad_dtype(x):
+    """The dtype the backward matmuls run in: x's, float16 excepted (see chunked_cross_entropy)."""
+    return _F32 if x.dtype == jnp.float16 else x.dtype
+
+
+def _head_grads(x_c, dlogits, head_g):
+    """(d loss / d x_c in f32, d loss / d head of this chunk in f32) from the chunk's logit
+    gradient, both in `head_g`'s dtype."""
+    dx_c = jnp.einsum("bsv,dv->bsd", dlogits, head_g, preferred_element_type=_F32)
+    dhead_c = jnp.einsum("bsd,bsv->dv", x_c.astype(head_g.dtype), dlogits, preferred_element_type=_F32)
+    return dx_c, dhead_c
+
+
+def _dtype_residuals(x, head):
+    """Zero-size arrays that carry the primal dtypes to the backward pass (residuals are arrays)."""
+    return jnp.zeros((0,), x.dtype), jnp.zeros((0,), head.dtype)
+
+
 def _inputs(x, head, targets, mask, n):
     head_c = constrain(head.astype(x.dtype), (None, "act_vocab"))  # gathered once, outside the scan
     x_chunks = constrain(_split(x, n), (None, *_CHUNK_AXES, None))
@@ -124,8 +142,7 @@ def _ce_sum(x, head, targets, mask, n):
 
 def _ce_sum_fwd(x, head, targets, mask, n):
     head_c, chunks = _inputs(x, head, targets, mask, n)
-    grad_dtype = _F32 if x.dtype == jnp.float16 else x.dtype
-    head_g = head_c.astype(grad_dtype)
+    head_g = head_c.astype(_grad_dtype(x))
 
     def body(carry, c):
         total, dhead = carry
@@ -137,17 +154,13 @@ def _ce_sum_fwd(x, head, targets, mask, n):
         # (The iota compare partitions over a sharded vocabulary.)
         onehot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == t_c[..., None]
         dlogits = (jnp.exp((logits - logsum[..., None]) - peak[..., None]) - onehot) * m_c[..., None]
-        dlogits = dlogits.astype(grad_dtype)
-        dx_c = jnp.einsum("bsv,dv->bsd", dlogits, head_g, preferred_element_type=_F32)
-        dhead_c = jnp.einsum("bsd,bsv->dv", x_c.astype(grad_dtype), dlogits, preferred_element_type=_F32)
+        dx_c, dhead_c = _head_grads(x_c, dlogits.astype(head_g.dtype), head_g)
         dhead = constrain(dhead + dhead_c, _HEAD_AXES)
         return (total + loss, dhead), constrain(dx_c, (*_CHUNK_AXES, None))
 
     zero_dhead = constrain(jnp.zeros(head.shape, _F32), _HEAD_AXES)
     (total, dhead), dx = jax.lax.scan(body, (jnp.zeros((), _F32), zero_dhead), chunks)
-    # zero-size arrays carry the primal dtypes to the backward pass (residuals are arrays)
-    dtypes = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), head.dtype))
-    return total, (_unsplit(dx), dhead, dtypes)
+    return total, (_unsplit(dx), dhead, _dtype_residuals(x, head))
 
 
 def _ce_sum_bwd(n, res, g):
@@ -181,8 +194,7 @@ def _vp_local(x, head, targets, mask, n, vocab_axes, row_axes, grads, scatter):
     (this shard's columns only, f32) and `d loss / d head` for this shard's columns."""
     cols = head.shape[1]
     head_c = head.astype(x.dtype)
-    grad_dtype = _F32 if x.dtype == jnp.float16 else x.dtype
-    head_g = head_c.astype(grad_dtype)
+    head_g = head_c.astype(_grad_dtype(x))
     n = math.gcd(n, x.shape[1])  # this device's positions (context splits seq) in n chunks
     local_targets = targets - jax.lax.axis_index(vocab_axes) * cols  # outside [0, cols): elsewhere
     chunks = (_split(x, n), _split(local_targets, n), _split(mask, n))
@@ -202,12 +214,9 @@ def _vp_local(x, head, targets, mask, n, vocab_axes, row_axes, grads, scatter):
         if not grads:
             return (total, dhead), None
         onehot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == t_c[..., None]
-        dlogits = ((jnp.exp(logits - lse[..., None]) - onehot) * m_c[..., None]).astype(grad_dtype)
-        dx_c = jnp.einsum("bsv,dv->bsd", dlogits, head_g, preferred_element_type=_F32)
-        dhead = dhead + jnp.einsum(
-            "bsd,bsv->dv", x_c.astype(grad_dtype), dlogits, preferred_element_type=_F32
-        )
-        return (total, dhead), dx_c
+        dlogits = (jnp.exp(logits - lse[..., None]) - onehot) * m_c[..., None]
+        dx_c, dhead_c = _head_grads(x_c, dlogits.astype(head_g.dtype), head_g)
+        return (total, dhead + dhead_c), dx_c
 
     zero_dhead = jnp.zeros(head.shape if grads else (0, 0), _F32)
     (total, dhead), dx = jax.lax.scan(body, (jnp.zeros((), _F32), zero_dhead), chunks)
@@ -255,8 +264,7 @@ def _vp_ce_sum(x, head, targets, mask, n, layout):
 
 def _vp_ce_sum_fwd(x, head, targets, mask, n, layout):
     total, dx, dhead = _vp_call(x, head, targets, mask, n, layout, grads=True)
-    dtypes = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), head.dtype))
-    return total, (dx, constrain(dhead, _HEAD_AXES), dtypes)
+    return total, (dx, constrain(dhead, _HEAD_AXES), _dtype_residuals(x, head))
 
 
 def _vp_ce_sum_bwd(n, layout, res, g):
