@@ -10,9 +10,9 @@ a time, and prints the median step time over steps 3..N-1, tokens/s and MFU
 (against the matmul peak measured in the same process). With --peer it runs
 ../shared/bench/maxtext_peer.sh (remat full, its default) once per dtype with the
 same model and prints the ratio MaxText time / ours (>1 means jaxtrain is faster).
-With --peer-host-malloc it runs MaxText once more with the glibc malloc settings that
-jaxtrain applies to its own CPU runs (jaxtrain/host_malloc.py), as environment
-variables, and prints that ratio too.
+With --peer-host-malloc it runs MaxText once more with the host allocator that jaxtrain's
+CLI gives its own CPU runs (jaxtrain/host_malloc.py: tcmalloc preloaded where it is
+found, else the glibc malloc settings as environment variables), and prints that ratio too.
 The run's MFU is against the peak its process measured at start-up, which read 3.75-3.90e11
 FLOP/s in bf16 in some runs where fresh processes read 4.11-4.18e11 minutes apart; so the
 peak is measured again in a fresh process right after each run, and the table also gives
@@ -104,16 +104,17 @@ def main() -> None:
     ap.add_argument(
         "--peer-host-malloc",
         action="store_true",
-        help="also run MaxText with the glibc malloc settings jaxtrain applies to CPU runs "
-        "(jaxtrain/host_malloc.py), for a like-for-like ratio",
+        help="also run MaxText with the host allocator jaxtrain's CLI gives CPU runs "
+        "(jaxtrain/host_malloc.py: tcmalloc, else glibc settings), for a like-for-like ratio",
     )
     ap.add_argument("--remat", default="full", help="comma-separated model.remat values, e.g. auto,full")
     ap.add_argument("overrides", nargs="*", help="extra jaxtrain overrides, e.g. model.remat=none")
     args = ap.parse_args()
     rows = []
+    same_malloc = host_malloc.environment()
     for dtype in args.dtypes.split(","):
         peer = run_peer(dtype, args.steps) if args.peer else None
-        peer_malloc = run_peer(dtype, args.steps, host_malloc.ENVIRONMENT) if args.peer_host_malloc else None
+        peer_malloc = run_peer(dtype, args.steps, same_malloc) if args.peer_host_malloc else None
         for remat in args.remat.split(","):
             ours = run_ours(dtype, args.steps, [f"model.remat={remat}", *args.overrides])
             after = peak_after(dtype)

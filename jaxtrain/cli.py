@@ -211,6 +211,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    process_start = argv is None  # the process's own command line, not a call from Python
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     commands = {
@@ -221,11 +222,15 @@ def main(argv: list[str] | None = None) -> int:
         "tokenize": lambda: _tokenize(args),
         "generate": lambda: _generate(args),
     }
+    from jaxtrain import host_malloc
     from jaxtrain.host_malloc import UnknownSettingError
+    from jaxtrain.platform import runs_on_cpu
 
     try:
+        if process_start:  # a CPU run starts again with tcmalloc preloaded, where it is found
+            host_malloc.preload_tcmalloc(cpu=runs_on_cpu())
         return commands[args.command]()
-    except UnknownSettingError as e:  # from configure_host, before any work
+    except UnknownSettingError as e:  # from the preload or configure_host, before any work
         return _fail(str(e))
     except Exception:
         # Expected failures (bad config, data, paths, checkpoints) were mapped to one line and

@@ -3,7 +3,8 @@
 On a machine with no accelerator we pin JAX to the CPU (otherwise the CUDA
 plugin and libtpu, installed for deviceless compiles, print errors at start)
 and create as many simulated CPU devices as the mesh needs. A CPU run also gets
-glibc malloc settings that reuse XLA's buffers across steps (jaxtrain/host_malloc.py).
+a host allocator that reuses XLA's buffers across steps (jaxtrain/host_malloc.py:
+tcmalloc preloaded by the CLI, else glibc malloc settings).
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ def has_accelerator() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*")) or shutil.which("nvidia-smi") is not None
 
 
+def runs_on_cpu() -> bool:
+    """Whether this process will run XLA on the CPU (as configure_host will pin it)."""
+    chosen = os.environ.get("JAX_PLATFORMS")
+    return chosen == "cpu" if chosen else not has_accelerator()
+
+
 def _backend_started() -> bool:
     if "jax" not in sys.modules:
         return False
@@ -37,7 +44,7 @@ def configure_host(num_cpu_devices: int | None = None) -> None:
     Safe to call more than once; once a backend is running it changes nothing
     (the caller then checks the device count against the mesh instead).
     """
-    if "JAX_PLATFORMS" not in os.environ and not has_accelerator():
+    if "JAX_PLATFORMS" not in os.environ and runs_on_cpu():
         os.environ["JAX_PLATFORMS"] = "cpu"
     if os.environ.get("JAX_PLATFORMS") == "cpu" and not _backend_started():
         host_malloc.keep_freed_memory()  # before XLA's threads take their malloc arenas

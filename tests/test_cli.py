@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from jaxtrain import host_malloc
 from jaxtrain.cli import main, parse_args
 from tests.conftest import REPO
 
@@ -47,7 +48,10 @@ def test_train_end_to_end_on_a_sharded_mesh(tmp_path):
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tensorboard").iterdir())
     assert (tmp_path / "config.yaml").is_file()
     assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in out.stderr
-    assert "host malloc: one glibc arena that keeps freed memory" in out.stderr  # a CPU run
+    # a CPU run: the CLI preloads tcmalloc where it finds it (make venv fetches it), else glibc's
+    tcmalloc = host_malloc.find_tcmalloc()
+    expected = f"host malloc: tcmalloc ({tcmalloc})" if tcmalloc else "host malloc: one glibc arena"
+    assert expected in out.stderr
 
 
 @pytest.mark.parametrize(
