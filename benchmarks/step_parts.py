@@ -5,7 +5,7 @@ measured matmul peak.
     python benchmarks/step_parts.py [--dtype bfloat16] [--steps 14] [overrides...]
 
 Runs configs/bench-peer.yaml on 8 simulated CPU devices (fsdp=8), in this process, with
-the host malloc settings a CPU run of the CLI gets (jaxtrain/host_malloc.py), one program
+the host allocator a CPU run of the CLI gets (jaxtrain/host_malloc.py), one program
 at a time, and prints medians of steps 3..N:
 - the step as configured, and with twice the layers (the difference / layers = one layer);
 - the step with attention replaced by an identity on v (the difference = attention);
@@ -23,7 +23,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from jaxtrain import host_malloc  # noqa: E402
 
-host_malloc.keep_freed_memory()  # before the backend starts, as the CLI does
+host_malloc.preload_tcmalloc(cpu=True)  # runs again under tcmalloc where found, as the CLI does
+host_malloc.keep_freed_memory()  # the glibc settings without it; before the backend starts
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
