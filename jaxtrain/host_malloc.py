@@ -125,6 +125,12 @@ def _user_chose() -> str | None:
     return ", ".join(chosen) or None
 
 
+def _linux_glibc() -> bool:
+    """Whether this process runs on Linux with glibc, where both the mallopt settings and
+    the tcmalloc preload apply."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
 def keep_freed_memory() -> str | None:
     """Apply SETTINGS once per process; returns the log line saying so, or None when
     they do not apply (not glibc, or the user's own malloc settings). Raises
@@ -138,7 +144,7 @@ def keep_freed_memory() -> str | None:
             f"freed buffers by size for the next step; {OPT_OUT}=glibc or =system to opt out"
         )
         return _applied
-    if _user_chose() or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if _user_chose() or not _linux_glibc():
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -193,9 +199,7 @@ def preload_tcmalloc(cpu: bool) -> None:
     UnknownSettingError for an OPT_OUT value it does not know, or `tcmalloc` asked for and
     not found."""
     choice = _choice()
-    if os.environ.get(PRELOADED) or not cpu or choice in GLIBC_VALUES or _user_chose():
-        return
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if os.environ.get(PRELOADED) or not cpu or choice in GLIBC_VALUES or _user_chose() or not _linux_glibc():
         return
     library = find_tcmalloc()
     if library is None:
