@@ -24,14 +24,12 @@ bench: $(STAMP)
 
 venv: $(STAMP)
 
-# .ci/fetch_tcmalloc.sh: best effort, the allocator the CLI preloads on CPU runs
-# (jaxtrain/host_malloc.py); without it CPU runs keep glibc's tuned heap.
-$(STAMP): pyproject.toml .ci/fetch_tcmalloc.sh
+# Everything comes from pip: the project and its dev extras (nothing else is fetched).
+$(STAMP): pyproject.toml
 	@py="$$(bash .ci/find_python.sh)" || exit 1; \
 	if [ ! -x $(VPY) ]; then echo "creating $(VENV) with $$py"; "$$py" -m venv $(VENV) || exit 1; fi; \
 	$(VPY) -m pip install -q --upgrade pip && \
-	$(VPY) -m pip install -q -e '.[dev]' && \
-	bash .ci/fetch_tcmalloc.sh $(VENV)/lib/jaxtrain-host && touch $(STAMP)
+	$(VPY) -m pip install -q -e '.[dev]' && touch $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

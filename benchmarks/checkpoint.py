@@ -37,7 +37,7 @@ def main() -> None:
     args = p.parse_args()
 
     from jaxtrain.config import load_config
-    from jaxtrain.platform import configure_host
+    from jaxtrain.host import configure_host
 
     base = [
         "logging.progress=false",
@@ -66,7 +66,7 @@ def main() -> None:
             for f in fs
         )
         # One save in isolation (nothing else running in this process): snapshot vs whole write.
-        from jaxtrain.checkpoint import Checkpointer
+        from jaxtrain.recovery.checkpoint import Checkpointer
 
         isolated = []
         ckpt = Checkpointer(f"{tmp}/isolated", keep=1)

@@ -212,7 +212,7 @@ def h100_host_estimate(config: str, mfu: float) -> float:
     """Tokens/s `config`'s step would take on one 8 x H100 host (one JAX process per host)
     at `mfu` of the bf16 peak: 8 * peak * mfu / training FLOPs per token."""
     from jaxtrain.config import load_config
-    from jaxtrain.flops import flops_per_token
+    from jaxtrain.planning.flops import flops_per_token
     from jaxtrain.sharding.hardware import chip
 
     cfg = load_config(os.path.join(REPO, "configs", config))

@@ -20,10 +20,11 @@ import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless: the TPU / CUDA compilers run on the host
 
-from jaxtrain import head_sharding, sharding  # noqa: E402
-from jaxtrain.compile import _compile_step, config_for_target, parse_target, target_devices  # noqa: E402
+from jaxtrain import sharding  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.models.fp8 import count_fp8_matmuls  # noqa: E402
+from jaxtrain.planning.compile import _compile_step, config_for_target, parse_target, target_devices  # noqa: E402
+from jaxtrain.planning.resolve import resolve_for_mesh  # noqa: E402
 from jaxtrain.sharding.targets import compiled_cost, compiled_memory  # noqa: E402
 
 MATMUL = re.compile(r"= (\w+)\[[^=]*\b(?:dot|convolution)\(")
@@ -34,7 +35,7 @@ def inspect(config: str, overrides: list[str], target_text: str, fp8: bool) -> d
     cfg = load_config(config, [*overrides, "model.compute_dtype=bfloat16", f"model.fp8={str(fp8).lower()}"])
     cfg, ici, dcn = config_for_target(cfg, target)
     mesh = sharding.make_mesh(ici, target_devices(target), dcn_axis_sizes=dcn or None)
-    compiled = _compile_step(cfg, mesh, head_sharding.axis_rules(cfg, mesh.shape))
+    compiled = _compile_step(resolve_for_mesh(cfg, mesh), mesh)
     text = compiled.as_text()
     cost = compiled_cost(compiled) or {}
     return {

@@ -22,10 +22,12 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 
-from jaxtrain import head_sharding, sharding  # noqa: E402
+from jaxtrain import sharding  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.data import make_data_iterator  # noqa: E402
-from jaxtrain.train_step import batch_to_device, build_program  # noqa: E402
+from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh  # noqa: E402
+from jaxtrain.trainer.batches import batch_to_device  # noqa: E402
+from jaxtrain.trainer.program import build_program  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "bench-peer.yaml"
 
@@ -52,7 +54,8 @@ def main() -> None:
             ],
         )
         mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:8])
-        rules = head_sharding.axis_rules(cfg, mesh.shape)
+        cfg = resolve_for_mesh(cfg, mesh)
+        rules = axis_rules(cfg)
         with jax.set_mesh(mesh), sharding.axis_rules(rules):
             program = build_program(cfg, mesh, rules)
             state = program.init()

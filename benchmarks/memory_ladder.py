@@ -20,9 +20,9 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless: the TPU / CUDA compilers run on the host
 
-from jaxtrain.compile import compile_report, parse_target  # noqa: E402
 from jaxtrain.config import ConfigError, load_config  # noqa: E402
 from jaxtrain.models.fp8 import count_fp8_matmuls  # noqa: E402
+from jaxtrain.planning.compile import compile_report, parse_target  # noqa: E402
 
 CUSTOM = (
     "model.remat=custom",
@@ -131,12 +131,13 @@ def main(argv=None) -> int:
 
 def _fp8_gemms(cfg, target) -> int:
     """Compile once more to read the optimized HLO (compile_report keeps only a summary)."""
-    from jaxtrain import head_sharding, sharding
-    from jaxtrain.compile import _compile_step, config_for_target, target_devices
+    from jaxtrain import sharding
+    from jaxtrain.planning.compile import _compile_step, config_for_target, target_devices
+    from jaxtrain.planning.resolve import resolve_for_mesh
 
     cfg, ici, dcn = config_for_target(cfg, target)
     mesh = sharding.make_mesh(ici, target_devices(target), dcn_axis_sizes=dcn or None)
-    return count_fp8_matmuls(_compile_step(cfg, mesh, head_sharding.axis_rules(cfg, mesh.shape)).as_text())
+    return count_fp8_matmuls(_compile_step(resolve_for_mesh(cfg, mesh), mesh).as_text())
 
 
 if __name__ == "__main__":

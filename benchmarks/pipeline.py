@@ -52,10 +52,12 @@ def run_cpu(args) -> list[dict]:
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax
 
-    from jaxtrain import head_sharding, sharding
+    from jaxtrain import sharding
     from jaxtrain.data import make_data_iterator
+    from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh
     from jaxtrain.sharding.targets import compiled_memory
-    from jaxtrain.train_step import batch_to_device, build_program
+    from jaxtrain.trainer.batches import batch_to_device
+    from jaxtrain.trainer.program import build_program
     from tests.conftest import replace, tiny_config
 
     S = args.stages
@@ -75,7 +77,8 @@ def run_cpu(args) -> list[dict]:
         else:
             cfg = replace(base, mesh=dict(stage=S, data=8 // S), pipeline=p)
         mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:8])
-        rules = head_sharding.axis_rules(cfg, mesh.shape)
+        cfg = resolve_for_mesh(cfg, mesh)
+        rules = axis_rules(cfg)
         data = make_data_iterator(
             cfg.data,
             vocab_size=cfg.model.vocab_size,
@@ -115,8 +118,8 @@ def run_cpu(args) -> list[dict]:
 def run_deviceless(args) -> list[dict]:
     import dataclasses
 
-    from jaxtrain.compile import compile_report, parse_target
     from jaxtrain.config import load_config
+    from jaxtrain.planning.compile import compile_report, parse_target
 
     target = parse_target(args.target, slices=args.slices, hosts=args.hosts)
     base = load_config(args.config, args.overrides)

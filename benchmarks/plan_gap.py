@@ -29,9 +29,9 @@ PRESETS = {
 
 
 def main() -> None:
-    from jaxtrain.compile import compile_report, config_for_target, parse_target
     from jaxtrain.config import load_config
-    from jaxtrain.footprint import estimate
+    from jaxtrain.planning.compile import compile_report, config_for_target, parse_target
+    from jaxtrain.planning.footprint import estimate
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="7b,8b,moe,mixtral,70b")

@@ -7,10 +7,10 @@ Per row, on the same TPU target, batch, sequence and remat (full):
 - jaxtrain: `jaxtrain compile --json`, once as usual (the Pallas attention
   kernels charged through their pl.CostEstimate) and once with
   `--kernels-uncharged`;
-- MaxText 0.2.5 (PyPI, the peer venv of ../shared/bench/maxtext_peer.sh, plus
+- MaxText 0.2.5 (PyPI, the peer venv of benchmarks/peers/maxtext_peer.sh, plus
   the same libtpu as ours): its `train_compile` for the memory (scanned
   program, default flags) and for 1- and 2-layer unscanned variants with the
-  windowed-einsum flags our cost variants use (jaxtrain/compile.py), so both
+  windowed-einsum flags our cost variants use (jaxtrain/planning/compile.py), so both
   step times are extrapolated by the same rule: c1 + (L - 1) * (c2 - c1).
 
 XLA's TPU cost model charges a Mosaic kernel only what its cost estimate says.
@@ -38,10 +38,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from jaxtrain.flops import peak_flops_for_device_kind  # noqa: E402
+from jaxtrain.planning.flops import peak_flops_for_device_kind  # noqa: E402
 from jaxtrain.sharding.targets import kernel_names  # noqa: E402
 
-PEER_REQS = REPO.parent / "shared" / "bench" / "maxtext-requirements.txt"
+PEER_REQS = REPO / "benchmarks" / "peers" / "maxtext-requirements.txt"
 PEER_VENV = Path(
     os.environ.get(
         "PEER_VENV",
@@ -179,9 +179,9 @@ def planned(preset: str, topology: str, tries: int = 3) -> tuple[str, dict | Non
     --kernels-uncharged` makes it: the analytic ranking, the best `tries` confirmed by compile
     and re-ranked by the compiler's estimate; then the winner's full `jaxtrain compile
     --kernels-uncharged` report. (label, report, or None when none of them fits)."""
-    from jaxtrain.compile import parse_target
     from jaxtrain.config import load_config
-    from jaxtrain.planner import plan, write_config
+    from jaxtrain.planning.compile import parse_target
+    from jaxtrain.planning.planner import plan, write_config
 
     cfg = load_config(REPO / "configs" / f"{preset}.yaml")
     p = plan(cfg, parse_target(f"tpu:{topology}"), top=tries, charge_kernels=False)

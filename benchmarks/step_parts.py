@@ -5,13 +5,15 @@ measured matmul peak.
     python benchmarks/step_parts.py [--dtype bfloat16] [--steps 14] [overrides...]
 
 Runs configs/bench-peer.yaml on 8 simulated CPU devices (fsdp=8), in this process, with
-the host allocator a CPU run of the CLI gets (jaxtrain/host_malloc.py), one program
-at a time, and prints medians of steps 3..N:
+the heap settings a CPU run of the CLI gets (jaxtrain/host.py), one program at a time, and
+prints medians of steps 3..N:
 - the step as configured, and with twice the layers (the difference / layers = one layer);
-- the step with attention replaced by an identity on v (the difference = attention);
+- the step with attention replaced by an identity on v (the difference = attention; the
+  CPU-tuned attention of models/cpu_tuning.py and the portable one alike);
 - the chunked cross-entropy alone, forward and backward, on the mesh the step uses;
 beside the matmul time of each at the peak measured in the same process (the
-`flops.measure_matmul_flops` figure MFU uses). Nothing else may run meanwhile: a timing.
+`planning/flops.py measure_matmul_flops` figure MFU uses). Nothing else may run meanwhile:
+a timing.
 """
 
 from __future__ import annotations
@@ -21,10 +23,9 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxtrain import host_malloc  # noqa: E402
+from jaxtrain import host  # noqa: E402
 
-host_malloc.preload_tcmalloc(cpu=True)  # runs again under tcmalloc where found, as the CLI does
-host_malloc.keep_freed_memory()  # the glibc settings without it; before the backend starts
+host.keep_freed_memory()  # as configure_host does for the CLI: before the backend starts
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
@@ -35,14 +36,15 @@ from unittest import mock  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxtrain import head_sharding, sharding  # noqa: E402
-from jaxtrain.chunked_loss import chunked_cross_entropy  # noqa: E402
+from jaxtrain import sharding  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.data import make_data_iterator  # noqa: E402
-from jaxtrain.flops import measure_matmul_flops  # noqa: E402
-from jaxtrain.loss_chunk import resolve as resolve_chunk  # noqa: E402
-from jaxtrain.models import attention  # noqa: E402
-from jaxtrain.train_step import batch_to_device, build_program  # noqa: E402
+from jaxtrain.models import attention, cpu_tuning  # noqa: E402
+from jaxtrain.planning.flops import measure_matmul_flops  # noqa: E402
+from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh  # noqa: E402
+from jaxtrain.trainer.batches import batch_to_device  # noqa: E402
+from jaxtrain.trainer.loss import chunked_cross_entropy  # noqa: E402
+from jaxtrain.trainer.program import build_program  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "bench-peer.yaml"
 
@@ -58,7 +60,8 @@ def _median(fn, steps: int) -> float:
 
 def step_time(cfg, steps: int) -> float:
     mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[: cfg.mesh_size])
-    rules = head_sharding.axis_rules(cfg, mesh.shape)
+    cfg = resolve_for_mesh(cfg, mesh)
+    rules = axis_rules(cfg)
     data = make_data_iterator(
         cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
         global_batch_size=cfg.train.global_batch_size, seed=cfg.seed,
@@ -78,8 +81,9 @@ def loss_time(cfg, steps: int) -> float:
     """The chunked loss (forward and backward) on the step's final activations' shapes."""
     m, t = cfg.model, cfg.train
     mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[: cfg.mesh_size])
-    rules = head_sharding.axis_rules(cfg, mesh.shape)
-    chunk = resolve_chunk(cfg, mesh.shape)[0] or t.seq_len
+    cfg = resolve_for_mesh(cfg, mesh)
+    rules = axis_rules(cfg)
+    chunk = cfg.train.loss_chunk or t.seq_len
     b, s, d, v = t.global_batch_size, t.seq_len, m.d_model, m.vocab_size
     keys = jax.random.split(jax.random.key(0), 3)
     with jax.set_mesh(mesh), sharding.axis_rules(rules):
@@ -113,7 +117,11 @@ def main() -> None:
     head_flops = 6 * m.d_model * m.vocab_size * tokens
     step = step_time(cfg, args.steps)
     double = step_time(load_config(CONFIG, [*over, f"model.n_layers={2 * m.n_layers}"]), args.steps)
-    with mock.patch.object(attention, "cpu_attention", lambda q, k, v, **kw: v + 0 * q + 0 * k):
+    identity = lambda q, k, v, **kw: v + 0 * q + 0 * k
+    with (
+        mock.patch.object(cpu_tuning, "attention", identity),
+        mock.patch.object(attention, "xla_attention", identity),
+    ):
         no_attn = step_time(cfg, args.steps)
     loss = loss_time(cfg, args.steps)
     layer = (double - step) / m.n_layers

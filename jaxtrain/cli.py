@@ -6,12 +6,12 @@ expectation, before any backend starts or anything compiles.
 Exit codes: 0 done, or preempted (SIGTERM/SIGINT) after saving a checkpoint;
 2 bad config or data, or checkpoints that do not fit the run (model shape); 3 the
 numerical-fault policy stopped the run; 4 a peer process was lost
-(multi-process runs; see jaxtrain/distributed.py); 70 a bug in jaxtrain (a traceback
+(multi-process runs; see jaxtrain/recovery/distributed.py); 70 a bug in jaxtrain (a traceback
 and a line asking for a report; every expected failure is one line and exit 2).
 
 `jaxtrain compile CONFIG.yaml [overrides] --target TARGET [--slices N]
 [--hosts N --gpus-per-host 8] [--json]` AOT-compiles the train step for a TPU
-slice or GPU cluster on this machine (jaxtrain/compile.py): exit 0 it fits,
+slice or GPU cluster on this machine (jaxtrain/planning/compile.py): exit 0 it fits,
 1 it does not fit (by how much, and which knob would help), 2 config error.
 `--mode decode --batch B --max-len L` compiles generation instead (prefill and one
 decode step over a KV cache of B x L positions): KV-cache and total memory per device.
@@ -19,26 +19,36 @@ decode step over a KV cache of B x L positions): KV-cache and total memory per d
 `jaxtrain plan CONFIG.yaml [overrides] --target TARGET [--top N] [--apply OUT.yaml]` searches
 mesh factorisations, remat policies and microbatch counts for the target, prunes them with an
 analytic memory and step-time model and confirms the best N by deviceless compile
-(jaxtrain/planner.py); `--apply` writes the winner as a config. Exit 0 a candidate fits,
+(jaxtrain/planning/planner.py); `--apply` writes the winner as a config. Exit 0 a candidate fits,
 1 none does, 2 config error.
 
 `jaxtrain convert hf-to-ckpt HF_DIR OUT_DIR` / `ckpt-to-hf CKPT_DIR OUT_DIR` convert
-weights tensor by tensor (jaxtrain/convert.py); `train.init_from=OUT_DIR` trains from them.
+weights tensor by tensor (jaxtrain/interchange/convert.py); `train.init_from=OUT_DIR` trains from them.
 
 `jaxtrain tokenize INPUT... --out DIR --tokenizer byte|tokenizer.json` streams a corpus into
 token shards for `data.source: tokens` (jaxtrain/data/tokenize.py).
 
 `jaxtrain generate SOURCE --prompt TEXT [overrides]` samples from a run config, a training
 or converted checkpoint or an HF directory on the configured mesh and streams the text
-(jaxtrain/generate.py); exit 2 on a bad source, prompt, tokenizer or option.
+(jaxtrain/interchange/generate.py); exit 2 on a bad source, prompt, tokenizer or option.
+
+Each command imports its room when it runs (the function-local imports below), so that
+`--help`, config errors and `tokenize` never pay for JAX, Flax or Orbax.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import sys
 import traceback
+from pathlib import Path
+
+from jaxtrain import host
+from jaxtrain.config import ConfigError, load_config, validate, validate_paths
+from jaxtrain.data.tokenize import add_tokenize_parser, run_tokenize
 
 EXIT_BUG = 70  # sysexits' EX_SOFTWARE: an internal error, never a bad input
 
@@ -50,15 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     _compile_parser(sub)
     _plan_parser(sub)
     _convert_parser(sub)
-    _tokenize_parser(sub)
+    add_tokenize_parser(sub)
     _generate_parser(sub)
     return p
-
-
-def _tokenize_parser(sub) -> None:
-    from jaxtrain.data.tokenize import add_tokenize_parser
-
-    add_tokenize_parser(sub)
 
 
 def _train_parser(sub) -> None:
@@ -211,7 +215,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    process_start = argv is None  # the process's own command line, not a call from Python
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     commands = {
@@ -219,18 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         "compile": lambda: _compile(args),
         "plan": lambda: _plan(args),
         "convert": lambda: _convert(args),
-        "tokenize": lambda: _tokenize(args),
+        "tokenize": lambda: run_tokenize(args),
         "generate": lambda: _generate(args),
     }
-    from jaxtrain import host_malloc
-    from jaxtrain.host_malloc import UnknownSettingError
-    from jaxtrain.platform import runs_on_cpu
-
     try:
-        if process_start:  # a CPU run starts again with tcmalloc preloaded, where it is found
-            host_malloc.preload_tcmalloc(cpu=runs_on_cpu())
         return commands[args.command]()
-    except UnknownSettingError as e:  # from the preload or configure_host, before any work
+    except host.UnknownSettingError as e:  # from configure_host, before any work
         return _fail(str(e))
     except Exception:
         # Expected failures (bad config, data, paths, checkpoints) were mapped to one line and
@@ -244,28 +241,18 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BUG
 
 
-def _tokenize(args) -> int:
-    """`jaxtrain tokenize`: corpus files -> token shards (jaxtrain/data/tokenize.py); exit 2 on bad input."""
-    from jaxtrain.data.tokenize import run_tokenize
-
-    return run_tokenize(args)
-
-
 def _train(args, argv: list[str]) -> int:
     """`jaxtrain train`: config, then the job (multi-process: supervisor + worker), then the loop."""
-    from jaxtrain.config import ConfigError, load_config, validate, validate_paths
-
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         return _fail(str(e))
-    from jaxtrain.platform import configure_host
-
-    configure_host()  # platform first (before jax is imported), device count below
-    from jaxtrain import distributed
+    host.configure_host()  # platform first (before the backend starts), device count below
+    # the run's rooms (jax, flax, orbax): imported once the config is known to be good
+    from jaxtrain.recovery import distributed
 
     # Multi-process: this process becomes a supervisor around the worker that trains,
-    # so that a lost coordinator is reported by name (jaxtrain/distributed.py).
+    # so that a lost coordinator is reported by name (jaxtrain/recovery/distributed.py).
     code = distributed.supervise(cfg.distributed, argv)
     if code is not None:
         return code
@@ -276,27 +263,43 @@ def _train(args, argv: list[str]) -> int:
     except (RuntimeError, ValueError) as e:
         return _fail(f"distributed: could not join the job ({e})")
     processes = membership.num_processes if membership else 1
-    configure_host((cfg.mesh_size // processes) if cfg.mesh_size else None)
-    import jax
-
-    from jaxtrain.checkpoint import CheckpointError
-    from jaxtrain.data import DataError
-    from jaxtrain.faults import TrainingFault
-    from jaxtrain.footprint import check_fits
-    from jaxtrain.sharding.mesh import mesh_shape_from_sizes
-
+    host.configure_host((cfg.mesh_size // processes) if cfg.mesh_size else None)
     try:
-        validate(cfg, num_devices=jax.device_count())
-        validate_paths(cfg)
-        if cfg.train.init_from:
-            _check_init_from(cfg.train.init_from)
-        # Sizes that cannot fit are refused here, in a second, not after compiling.
-        # The whole mesh: per-slice (ICI) degrees times the DCN ones (mesh.dcn_*).
-        dcn = cfg.mesh.dcn_sizes()
-        ici = mesh_shape_from_sizes(cfg.mesh.sizes(), jax.device_count() // math.prod(dcn.values()))
-        check_fits(cfg, {a: n * dcn.get(a, 1) for a, n in ici.items()}, jax.devices()[0])
+        _check_train_config(cfg)
     except ConfigError as e:
         return _fail(str(e))
+    return _run_training(cfg, distributed)
+
+
+def _check_train_config(cfg) -> None:
+    """Everything `jaxtrain train` can refuse before it builds anything: the config against the
+    devices, its paths, `train.init_from`, and sizes that cannot fit (refused in a second,
+    not after compiling). Raises ConfigError."""
+    import jax
+
+    from jaxtrain.interchange.convert import resolve_checkpoint
+    from jaxtrain.models.hf import HFConversionError
+    from jaxtrain.planning.footprint import check_fits
+    from jaxtrain.sharding.mesh import mesh_shape_from_sizes
+
+    validate(cfg, num_devices=jax.device_count())
+    validate_paths(cfg)
+    if cfg.train.init_from:
+        try:
+            resolve_checkpoint(cfg.train.init_from)
+        except (HFConversionError, FileNotFoundError) as e:
+            raise ConfigError(f"train.init_from={cfg.train.init_from!r}: {e}") from None
+    # The whole mesh: per-slice (ICI) degrees times the DCN ones (mesh.dcn_*).
+    dcn = cfg.mesh.dcn_sizes()
+    ici = mesh_shape_from_sizes(cfg.mesh.sizes(), jax.device_count() // math.prod(dcn.values()))
+    check_fits(cfg, {a: n * dcn.get(a, 1) for a, n in ici.items()}, jax.devices()[0])
+
+
+def _run_training(cfg, distributed) -> int:
+    """The loop, with its failures mapped to exit codes (module docstring)."""
+    from jaxtrain.data import DataError
+    from jaxtrain.recovery.checkpoint import CheckpointError
+    from jaxtrain.recovery.faults import TrainingFault
     from jaxtrain.trainer import train
 
     try:
@@ -313,18 +316,6 @@ def _train(args, argv: list[str]) -> int:
         raise
     distributed.finish()
     return _report_training(cfg, result)
-
-
-def _check_init_from(path: str) -> None:
-    """`train.init_from` names weights we can read: a ConfigError now, not a traceback later."""
-    from jaxtrain.config import ConfigError
-    from jaxtrain.convert import resolve_checkpoint
-    from jaxtrain.models.hf import HFConversionError
-
-    try:
-        resolve_checkpoint(path)
-    except (HFConversionError, FileNotFoundError) as e:
-        raise ConfigError(f"train.init_from={path!r}: {e}") from None
 
 
 def _report_training(cfg, result) -> int:
@@ -353,66 +344,54 @@ def _report_training(cfg, result) -> int:
 
 
 def _compile(args) -> int:
-    """`jaxtrain compile`: deviceless AOT compile of the train step (jaxtrain/compile.py)."""
-    import json
-    import os
-
+    """`jaxtrain compile`: deviceless AOT compile of the train step or of generation."""
     # Compile-only devices need no backend but CPU; the CUDA plugin drops out without this.
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from jaxtrain.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(args.config, args.overrides)
-        from jaxtrain.compile import config_for_target, parse_target
-
-        target = parse_target(
-            args.target, slices=args.slices, hosts=args.hosts, gpus_per_host=args.gpus_per_host
-        )
-        if args.mode == "train":  # mesh and batch checks before any backend starts
-            config_for_target(cfg, target)
-    except ConfigError as e:
-        return _fail(str(e))
-    if args.mode == "decode":
-        return _compile_decode(args, cfg, target)
-    from jaxtrain.compile import compile_report, format_report
+    # the planning room (jax, the deviceless targets): imported for this command only
+    from jaxtrain.planning import compile as deviceless
+    from jaxtrain.planning import report
+    from jaxtrain.planning.decode import compile_decode_report
     from jaxtrain.sharding.targets import DevicelessUnavailableError
 
     try:
-        report = compile_report(cfg, target, estimate=args.estimate, charge_kernels=args.charge_kernels)
+        cfg = load_config(args.config, args.overrides)
+        target = deviceless.parse_target(
+            args.target, slices=args.slices, hosts=args.hosts, gpus_per_host=args.gpus_per_host
+        )
+        if args.mode == "train":  # mesh and batch checks before anything compiles
+            deviceless.config_for_target(cfg, target)
+        if args.mode == "decode" and (args.batch is None or args.max_len is None):
+            raise ConfigError("--mode decode: expected --batch B and --max-len L")
+        if args.mode == "decode":
+            result = compile_decode_report(
+                cfg, target, batch=args.batch, max_len=args.max_len, prompt_len=args.prompt_len
+            )
+        else:
+            result = deviceless.compile_report(
+                cfg, target, estimate=args.estimate, charge_kernels=args.charge_kernels
+            )
     except (ConfigError, DevicelessUnavailableError) as e:
         return _fail(str(e))
     if args.json:
-        print(json.dumps(report, default=float))
+        print(json.dumps(result, default=float))
     else:
-        print(format_report(report))
-    return 0 if report["fits"] else 1
+        print(report.format_decode_report(result) if args.mode == "decode" else report.format_report(result))
+    return 0 if result["fits"] else 1
 
 
 def _plan(args) -> int:
-    """`jaxtrain plan`: search, prune, compile the best, print the table (jaxtrain/planner.py)."""
-    import os
-
+    """`jaxtrain plan`: search, prune, compile the best, print the table (planning/planner.py)."""
     os.environ["JAX_PLATFORMS"] = "cpu"  # compile-only devices, as `jaxtrain compile`
-    from jaxtrain.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(args.config, args.overrides)
-        from jaxtrain.compile import parse_target
-
-        target = parse_target(args.target, gpus_per_host=args.gpus_per_host)
-        if args.top < 1:
-            raise ConfigError(f"--top={args.top}: expected a positive integer")
-        if not 0 < args.headroom <= 1:
-            raise ConfigError(f"--headroom={args.headroom}: expected a fraction in (0, 1]")
-        if args.hbm_gib is not None and args.hbm_gib <= 0:
-            raise ConfigError(f"--hbm-gib={args.hbm_gib}: expected a positive number")
-    except ConfigError as e:
-        return _fail(str(e))
-    from jaxtrain.planner import format_plan, plan, write_config
+    # the planning room (jax, the deviceless targets): imported for this command only
+    from jaxtrain.planning import planner
+    from jaxtrain.planning.compile import parse_target
     from jaxtrain.sharding.targets import DevicelessUnavailableError
 
     try:
-        result = plan(
+        cfg = load_config(args.config, args.overrides)
+        target = parse_target(args.target, gpus_per_host=args.gpus_per_host)
+        _check_plan_options(args)
+        result = planner.plan(
             cfg,
             target,
             top=args.top,
@@ -424,11 +403,11 @@ def _plan(args) -> int:
         )
     except (ConfigError, DevicelessUnavailableError) as e:
         return _fail(str(e))
-    print(format_plan(result, show_rejected=args.show_rejected))
+    print(planner.format_plan(result, show_rejected=args.show_rejected))
     if result.best is None:
         return 1
     if args.apply:
-        write_config(cfg, result.best.candidate, args.apply, source=args.config)
+        planner.write_config(cfg, result.best.candidate, args.apply, source=args.config)
         print(
             f"wrote {args.apply}: "
             + " ".join(f"{k}={v}" for k, v in result.best.candidate.overrides().items())
@@ -436,32 +415,20 @@ def _plan(args) -> int:
     return 0
 
 
-def _compile_decode(args, cfg, target) -> int:
-    """`jaxtrain compile --mode decode`: prefill + one decode step, deviceless (jaxtrain/compile.py)."""
-    import json
-
-    from jaxtrain.compile import compile_decode_report, format_decode_report
-    from jaxtrain.config import ConfigError
-    from jaxtrain.sharding.targets import DevicelessUnavailableError
-
-    if args.batch is None or args.max_len is None:
-        return _fail("--mode decode: expected --batch B and --max-len L")
-    try:
-        report = compile_decode_report(
-            cfg, target, batch=args.batch, max_len=args.max_len, prompt_len=args.prompt_len
-        )
-    except (ConfigError, DevicelessUnavailableError) as e:
-        return _fail(str(e))
-    print(json.dumps(report, default=float) if args.json else format_decode_report(report))
-    return 0 if report["fits"] else 1
+def _check_plan_options(args) -> None:
+    if args.top < 1:
+        raise ConfigError(f"--top={args.top}: expected a positive integer")
+    if not 0 < args.headroom <= 1:
+        raise ConfigError(f"--headroom={args.headroom}: expected a fraction in (0, 1]")
+    if args.hbm_gib is not None and args.hbm_gib <= 0:
+        raise ConfigError(f"--hbm-gib={args.hbm_gib}: expected a positive number")
 
 
 def _convert(args) -> int:
-    """`jaxtrain convert`: streaming weight conversion (jaxtrain/convert.py); exit 2 on a bad input."""
-    from jaxtrain.platform import configure_host
-
-    configure_host()
-    from jaxtrain import convert
+    """`jaxtrain convert`: streaming weight conversion (interchange/convert.py); exit 2 on a bad input."""
+    host.configure_host()
+    # the interchange room (jax, safetensors, orbax): imported for this command only
+    from jaxtrain.interchange import convert
     from jaxtrain.models.hf import HFConversionError
 
     try:
@@ -481,26 +448,22 @@ def _convert(args) -> int:
 
 def _generate(args) -> int:
     """`jaxtrain generate`: the source, its mesh (simulated on a CPU host), then the text,
-    streamed to stdout (jaxtrain/generate.py); exit 2 on a bad input."""
-    from pathlib import Path
-
-    from jaxtrain import generate
-    from jaxtrain.platform import configure_host
+    streamed to stdout (interchange/generate.py); exit 2 on a bad input."""
+    # the interchange room; generate.py imports jax only inside, after configure_host
+    from jaxtrain.data import DataError
+    from jaxtrain.interchange import generate
+    from jaxtrain.models.hf import HFConversionError
+    from jaxtrain.recovery.checkpoint import CheckpointError
 
     if args.prompt_file is not None:
         try:
             args.prompt = Path(args.prompt_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             return _fail(f"--prompt-file={args.prompt_file}: {e}")
-    configure_host(generate.plan_devices(args.source, args.overrides))  # before the backend starts
-    from jaxtrain.checkpoint import CheckpointError
-    from jaxtrain.config import ConfigError
-    from jaxtrain.data import DataError
-    from jaxtrain.models.hf import HFConversionError
-
     write = lambda text: (sys.stdout.write(text), sys.stdout.flush())
     src = None
     try:
+        host.configure_host(generate.plan_devices(args.source, args.overrides))  # before the backend starts
         src = generate.open_source(
             args.source, args.overrides, tokenizer=args.tokenizer, random_init=args.random_init
         )

@@ -27,9 +27,9 @@ class ConfigError(ValueError):
 class MeshConfig:
     """Parallelism degrees per mesh axis (sharding.MESH_AXES); -1 fills the rest."""
 
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
+    data: int = 1  # data parallelism: the batch split, parameters replicated
+    fsdp: int = 1  # FSDP / ZeRO-3: the batch split, parameters and optimizer state sharded
+    tensor: int = 1  # Megatron tensor parallelism: heads and MLP split
     context: int = 1  # sequence shards: ring / Ulysses attention (model.context_impl)
     expert: int = 1  # expert parallelism (MoE experts split over it; also a batch axis)
     stage: int = 1  # pipeline stages (layers split over them; see the `pipeline` section)
@@ -37,7 +37,7 @@ class MeshConfig:
     # the untied output head: `embed` (FSDP on d_model like every weight, gathered
     # each step), `vocab` (vocab-parallel over fsdp, the activations gathered instead), `auto`
     # (vocab when a microbatch has fewer rows per device to gather than the head has vocabulary
-    # entries per device; jaxtrain/head_sharding.py)
+    # entries per device; jaxtrain/planning/resolve.py)
     head_sharding: str = "auto"
     # DCN tier (across TPU slices / GPU hosts): these multiply the ICI degrees above,
     # which then count devices per slice. See `jaxtrain compile --slices`.
@@ -53,14 +53,14 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    steps: int = 20
-    global_batch_size: int = 8
-    seq_len: int = 64
+    steps: int = 20  # optimizer steps in the run (a resumed run continues up to it)
+    global_batch_size: int = 8  # sequences per step over all devices
+    seq_len: int = 64  # tokens per sequence
     microbatches: int = 1  # gradient accumulation: the global batch is split into this many
     init_from: str | None = None  # converted weights (`jaxtrain convert hf-to-ckpt`) to start from
-    # cross-entropy over this many sequence positions at a time (jaxtrain/chunked_loss.py), so the
+    # cross-entropy over this many sequence positions at a time (jaxtrain/trainer/loss.py), so the
     # [tokens, vocab] logits are never formed at once; 0: the plain loss over all of them;
-    # auto: 4 chunks when the logits reach 16 MiB per device (jaxtrain/loss_chunk.py)
+    # auto: 4 chunks when the logits reach 16 MiB per device (jaxtrain/planning/resolve.py)
     loss_chunk: int | str = "auto"
 
 
@@ -82,16 +82,16 @@ class PipelineConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LossScaleConfig:
-    """Dynamic loss scaling, on when model.compute_dtype is float16 (train_step.py): the
+    """Dynamic loss scaling, on when model.compute_dtype is float16 (trainer/precision.py): the
     objective is multiplied by `scale` before the backward pass and the gradients divided
     by it; a step whose gradients overflow is skipped and the scale multiplied by
     `backoff_factor` (not below `min_scale`); after `growth_interval` clean steps in a row it
     is multiplied by `growth_factor`. The scale is part of the train state (checkpointed)."""
 
-    init: float = 2.0**15
-    growth_interval: int = 2000
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
+    init: float = 2.0**15  # the first step's scale
+    growth_interval: int = 2000  # clean steps in a row before the scale grows
+    growth_factor: float = 2.0  # the scale's growth, then
+    backoff_factor: float = 0.5  # the scale's cut after an overflow
     min_scale: float = 1.0  # an overflow at this scale is a numerical fault (faults.*)
 
 
@@ -99,13 +99,13 @@ class LossScaleConfig:
 class OptimizerConfig:
     """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`."""
 
-    lr: float = 3e-3
-    warmup_steps: int = 5
+    lr: float = 3e-3  # peak learning rate
+    warmup_steps: int = 5  # linear warmup from 0 to lr
     decay_steps: int | None = None  # None: train.steps
-    min_lr_ratio: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
+    min_lr_ratio: float = 0.1  # the cosine ends at min_lr_ratio x lr
+    b1: float = 0.9  # Adam's first-moment decay
+    b2: float = 0.95  # Adam's second-moment decay
+    eps: float = 1e-8  # Adam's epsilon
     weight_decay: float = 0.1  # matmul weights and embeddings only (optimizer.decays)
     clip_norm: float | None = 1.0  # global-norm clipping; null disables
     # Keep the Adam moments in pinned host memory (memory kinds), moved to the device for the
@@ -123,7 +123,7 @@ class DataConfig:
     source: str = "synthetic"  # synthetic | text | tokens
     paths: tuple[str, ...] = ()  # text: files or globs; tokens: `jaxtrain tokenize` output dirs
     tokenizer: str = "byte"  # text: byte | path to a Hugging Face tokenizers JSON (tokens: in the dirs)
-    shuffle: bool = True
+    shuffle: bool = True  # text and tokens: a seeded permutation of the windows (resumable)
     # tokens: mixture weight per path (any positive scale); empty: each dir's token count
     weights: tuple[float, ...] = ()
 
@@ -131,7 +131,7 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Orbax checkpoints of the whole run state (params, optimizer, step, data
-    position, fault-monitor state, resolved config); see jaxtrain/checkpoint.py."""
+    position, fault-monitor state, resolved config); see jaxtrain/recovery/checkpoint.py."""
 
     dir: str | None = None  # default {output_dir}/checkpoints
     every: int = 0  # save every N steps and at the last step; 0: never save
@@ -150,8 +150,8 @@ class DistributedConfig:
     """
 
     coordinator_address: str | None = None  # host:port of process 0, e.g. 10.0.0.1:1234
-    num_processes: int | None = None
-    process_id: int | None = None
+    num_processes: int | None = None  # processes in the job (with coordinator_address)
+    process_id: int | None = None  # this process's index, 0 .. num_processes - 1
     auto_detect: bool = True  # TPU pod / SLURM / Open MPI environments
     initialization_timeout: int = 300  # seconds to wait for every process to connect
     heartbeat_timeout: int = 60  # a process silent this long is lost: the others exit non-zero
@@ -175,7 +175,7 @@ class FaultsConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig:
-    """Held-out loss during training (jaxtrain/trainer.py): `eval_loss` and `eval_perplexity`
+    """Held-out loss during training (jaxtrain/trainer/evaluate.py): `eval_loss` and `eval_perplexity`
     every `every` steps and after the last step, over the same `batches` batches each time.
     Eval data: `paths` (tokens: `jaxtrain tokenize` directories, their eval split if they have
     one, else their train split; text: held-out files); empty: the `eval` split of
@@ -184,21 +184,22 @@ class EvalConfig:
     every: int = 0  # evaluate every N steps and after the last one; 0: never
     batches: int = 8  # eval batches per evaluation (the same ones every time)
     batch_size: int | None = None  # rows per eval batch; null: train.global_batch_size
-    paths: tuple[str, ...] = ()
+    paths: tuple[str, ...] = ()  # held-out data (see above); empty: the data's own eval split
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     every: int = 1  # log metrics every N steps (the only host sync in the loop)
-    tensorboard: bool = True
+    tensorboard: bool = True  # TensorBoard event files under output_dir/tensorboard
     progress: bool = True  # rich progress bar on the console
     peak_flops_per_device: float | None = None  # override the table / CPU measurement (for MFU)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
+    # metrics.jsonl, config.yaml, tensorboard/ and checkpoints/ go here (a path or a gs:// URL)
     output_dir: str = "runs/default"
-    seed: int = 0
+    seed: int = 0  # parameters and synthetic / shuffled data follow from it
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -415,7 +416,31 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             "for fp16 training set model.compute_dtype=float16 (dynamic loss scaling)"
         )
     _validate_precision(cfg)
-    m, t = cfg.mesh, cfg.train
+    _validate_mesh(cfg)
+    _validate_pipeline(cfg)
+    _validate_context(cfg)
+    _validate_train(cfg)
+    if num_devices is not None:
+        _validate_devices(cfg, num_devices)
+    elif cfg.train.global_batch_size % cfg.train.microbatches:
+        raise ConfigError(
+            f"train.global_batch_size={cfg.train.global_batch_size}: expected a multiple of "
+            f"train.microbatches={cfg.train.microbatches}"
+        )
+    if cfg.data.source not in ("synthetic", "text", "tokens"):
+        raise ConfigError(f"data.source={cfg.data.source!r}: expected synthetic, text or tokens")
+    _validate_data_tokens(cfg.data)
+    if cfg.data.source == "text" and not cfg.data.paths:
+        raise ConfigError("data.paths=[]: data.source=text needs at least one file or glob")
+    _validate_optimizer(cfg.optimizer)
+    if cfg.logging.every < 1:
+        raise ConfigError(f"logging.every={cfg.logging.every}: expected a positive integer")
+    _validate_fault_tolerance(cfg)
+    _validate_eval(cfg)
+
+
+def _validate_mesh(cfg: Config) -> None:
+    m, model = cfg.mesh, cfg.model
     for axis, size in m.sizes().items():
         if size == 0 or size < -1:
             raise ConfigError(f"mesh.{axis}={size}: expected a positive size or -1 (fill the rest)")
@@ -424,32 +449,11 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     for axis, size in m.dcn_sizes().items():
         if size < 1:
             raise ConfigError(f"mesh.dcn_{axis}={size}: expected a positive integer")
-    _validate_pipeline(cfg)
-    moe = cfg.model.moe
-    if m.expert > 1 and moe is not None and moe.num_experts % m.expert:
+    if m.expert > 1 and model.moe is not None and model.moe.num_experts % m.expert:
         raise ConfigError(
-            f"model.moe.num_experts={moe.num_experts}: expected a multiple of "
+            f"model.moe.num_experts={model.moe.num_experts}: expected a multiple of "
             f"mesh.expert={m.expert} (experts are split evenly over the expert axis)"
         )
-    if m.context > 1:
-        # Context parallelism keeps batches in zig-zag order: 2 chunks per shard.
-        if t.seq_len % (2 * m.context):
-            raise ConfigError(
-                f"train.seq_len={t.seq_len}: expected a multiple of 2 * mesh.context="
-                f"{2 * m.context} (load-balanced context parallelism)"
-            )
-        if cfg.model.sliding_window is not None and cfg.model.context_impl != "ulysses":
-            raise ConfigError(
-                f"model.sliding_window={cfg.model.sliding_window} with mesh.context="
-                f"{m.context}: expected model.context_impl=ulysses (ring attention "
-                f"has no sliding-window schedule)"
-            )
-        if cfg.model.context_impl == "ulysses" and cfg.model.n_heads % (m.context * max(m.tensor, 1)):
-            raise ConfigError(
-                f"model.context_impl='ulysses' needs model.n_heads={cfg.model.n_heads} "
-                f"divisible by mesh.context={m.context} x mesh.tensor={m.tensor}; "
-                f"use model.context_impl=ring"
-            )
     rules = ("data_parallel", "fsdp", "fsdp_tensor", "fsdp_tensor_sp")
     if m.rules not in rules:
         raise ConfigError(f"mesh.rules={m.rules!r}: expected one of {rules}")
@@ -467,14 +471,39 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             "supported with pipeline stages; use mesh.head_sharding=auto or embed"
         )
     if m.tensor > 0:
-        if cfg.model.n_heads % m.tensor:
-            raise ConfigError(
-                f"model.n_heads={cfg.model.n_heads}: expected a multiple of mesh.tensor={m.tensor}"
-            )
-        if cfg.model.n_kv_heads % m.tensor:
-            raise ConfigError(
-                f"model.n_kv_heads={cfg.model.n_kv_heads}: expected a multiple of mesh.tensor={m.tensor}"
-            )
+        for key in ("n_heads", "n_kv_heads"):
+            if getattr(model, key) % m.tensor:
+                raise ConfigError(
+                    f"model.{key}={getattr(model, key)}: expected a multiple of mesh.tensor={m.tensor}"
+                )
+
+
+def _validate_context(cfg: Config) -> None:
+    """Context parallelism keeps batches in zig-zag order: 2 chunks per shard."""
+    m, t, model = cfg.mesh, cfg.train, cfg.model
+    if m.context <= 1:
+        return
+    if t.seq_len % (2 * m.context):
+        raise ConfigError(
+            f"train.seq_len={t.seq_len}: expected a multiple of 2 * mesh.context="
+            f"{2 * m.context} (load-balanced context parallelism)"
+        )
+    if model.sliding_window is not None and model.context_impl != "ulysses":
+        raise ConfigError(
+            f"model.sliding_window={model.sliding_window} with mesh.context="
+            f"{m.context}: expected model.context_impl=ulysses (ring attention "
+            f"has no sliding-window schedule)"
+        )
+    if model.context_impl == "ulysses" and model.n_heads % (m.context * max(m.tensor, 1)):
+        raise ConfigError(
+            f"model.context_impl='ulysses' needs model.n_heads={model.n_heads} "
+            f"divisible by mesh.context={m.context} x mesh.tensor={m.tensor}; "
+            f"use model.context_impl=ring"
+        )
+
+
+def _validate_train(cfg: Config) -> None:
+    t = cfg.train
     if t.seq_len < 1:
         raise ConfigError(f"train.seq_len={t.seq_len}: expected a positive integer")
     if t.steps < 1:
@@ -490,55 +519,45 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"train.microbatches={t.microbatches}: expected a positive integer")
     if t.global_batch_size < 1:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size}: expected a positive integer")
-    if num_devices is not None:
-        sizes = m.sizes()
-        dcn = m.dcn_sizes()  # slices / hosts: the per-slice axes see num_devices / their product
-        if num_devices % math.prod(dcn.values()) == 0:
-            num_devices //= math.prod(dcn.values())
-        known = math.prod(s for s in sizes.values() if s != -1)
-        if -1 in sizes.values():
-            if num_devices % known:
-                raise ConfigError(
-                    f"mesh: the fixed axes multiply to {known}, which does not divide "
-                    f"the device count {num_devices}"
-                )
-            sizes = {a: (num_devices // known if s == -1 else s) for a, s in sizes.items()}
-        elif known != num_devices:
+
+
+def _validate_devices(cfg: Config, num_devices: int) -> None:
+    """The mesh against the device count, and the batches against the mesh."""
+    m, t = cfg.mesh, cfg.train
+    sizes = m.sizes()
+    dcn = m.dcn_sizes()  # slices / hosts: the per-slice axes see num_devices / their product
+    if num_devices % math.prod(dcn.values()) == 0:
+        num_devices //= math.prod(dcn.values())
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if -1 in sizes.values():
+        if num_devices % known:
             raise ConfigError(
-                f"mesh: product {known} "
-                f"({' x '.join(f'{a}={s}' for a, s in sizes.items() if s > 1) or 'all 1'}) "
-                f"does not equal the device count {num_devices}"
+                f"mesh: the fixed axes multiply to {known}, which does not divide "
+                f"the device count {num_devices}"
             )
-        dp = sizes["data"] * dcn["data"] * sizes["fsdp"] * dcn["fsdp"] * sizes["expert"]
-        pm = cfg.pipeline.resolved_microbatches(sizes["stage"]) if sizes["stage"] > 1 else 1
-        if t.global_batch_size % (dp * t.microbatches * pm):
-            raise ConfigError(
-                f"train.global_batch_size={t.global_batch_size}: expected a multiple of "
-                f"mesh.data*mesh.fsdp*mesh.expert ({dp}) x train.microbatches ({t.microbatches})"
-                f" x pipeline.microbatches ({pm}) = {dp * t.microbatches * pm}"
-            )
-        if t.global_batch_size % (dp * t.microbatches):
-            raise ConfigError(
-                f"train.global_batch_size={t.global_batch_size}: expected a multiple of "
-                f"mesh.data*mesh.fsdp*mesh.expert ({dp}) x train.microbatches ({t.microbatches})"
-                f" = {dp * t.microbatches}"
-            )
-        if cfg.eval.batch_size is not None and cfg.eval.batch_size % (dp * t.microbatches):
-            raise ConfigError(
-                f"eval.batch_size={cfg.eval.batch_size}: expected a multiple of "
-                f"mesh.data*mesh.fsdp*mesh.expert ({dp}) x train.microbatches ({t.microbatches})"
-            )
-    elif t.global_batch_size % t.microbatches:
+        sizes = {a: (num_devices // known if s == -1 else s) for a, s in sizes.items()}
+    elif known != num_devices:
+        raise ConfigError(
+            f"mesh: product {known} "
+            f"({' x '.join(f'{a}={s}' for a, s in sizes.items() if s > 1) or 'all 1'}) "
+            f"does not equal the device count {num_devices}"
+        )
+    dp = sizes["data"] * dcn["data"] * sizes["fsdp"] * dcn["fsdp"] * sizes["expert"]
+    pm = cfg.pipeline.resolved_microbatches(sizes["stage"]) if sizes["stage"] > 1 else 1
+    if t.global_batch_size % (dp * t.microbatches * pm):
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size}: expected a multiple of "
-            f"train.microbatches={t.microbatches}"
+            f"mesh.data*mesh.fsdp*mesh.expert ({dp}) x train.microbatches ({t.microbatches})"
+            f" x pipeline.microbatches ({pm}) = {dp * t.microbatches * pm}"
         )
-    if cfg.data.source not in ("synthetic", "text", "tokens"):
-        raise ConfigError(f"data.source={cfg.data.source!r}: expected synthetic, text or tokens")
-    _validate_data_tokens(cfg.data)
-    if cfg.data.source == "text" and not cfg.data.paths:
-        raise ConfigError("data.paths=[]: data.source=text needs at least one file or glob")
-    o = cfg.optimizer
+    if cfg.eval.batch_size is not None and cfg.eval.batch_size % (dp * t.microbatches):
+        raise ConfigError(
+            f"eval.batch_size={cfg.eval.batch_size}: expected a multiple of "
+            f"mesh.data*mesh.fsdp*mesh.expert ({dp}) x train.microbatches ({t.microbatches})"
+        )
+
+
+def _validate_optimizer(o: OptimizerConfig) -> None:
     if o.lr <= 0:
         raise ConfigError(f"optimizer.lr={o.lr}: expected a positive number")
     if o.warmup_steps < 0:
@@ -547,10 +566,6 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"optimizer.clip_norm={o.clip_norm}: expected a positive number or null")
     if not 0 <= o.min_lr_ratio <= 1:
         raise ConfigError(f"optimizer.min_lr_ratio={o.min_lr_ratio}: expected a value in [0, 1]")
-    if cfg.logging.every < 1:
-        raise ConfigError(f"logging.every={cfg.logging.every}: expected a positive integer")
-    _validate_fault_tolerance(cfg)
-    _validate_eval(cfg)
 
 
 def _validate_eval(cfg: Config) -> None:

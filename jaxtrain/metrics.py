@@ -12,7 +12,7 @@ cannot append, so there `metrics.jsonl` and the event file are kept in memory an
 rewritten whole (an upload replaces an object atomically: a reader sees the old object or
 the new one): at most every `sync_every_s` seconds, whenever `sync()` is called (the trainer
 does at every checkpoint and evaluation) and on close. Locally, lines are appended as they
-come. Only process 0 of a run writes these (jaxtrain/trainer.py).
+come. Only process 0 of a run writes these (jaxtrain/trainer/loop.py).
 """
 
 from __future__ import annotations

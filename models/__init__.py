@@ -1,23 +1,29 @@
 """Flax NNX language models. Parameters carry logical axis names; `sharding`
-maps them to a mesh. Never imports `jaxtrain`."""
+maps them to a mesh. Never imports `jaxtrain`'s trainer.
 
-from jaxtrain.models.attention import attend, resolve_impl
-from jaxtrain.models.config import ModelConfig, MoEConfig
-from jaxtrain.models.generation import generate
-from jaxtrain.models.hf import from_hf, to_hf
-from jaxtrain.models.params import abstract_model, logical_axes, merge
-from jaxtrain.models.transformer import Transformer
+The names below are looked up on first use (module `__getattr__`), so that
+`jaxtrain.models.config` (a plain dataclass, read by the CLI before any backend
+starts) does not import JAX and Flax.
+"""
 
-__all__ = [
-    "ModelConfig",
-    "MoEConfig",
-    "Transformer",
-    "attend",
-    "resolve_impl",
-    "abstract_model",
-    "logical_axes",
-    "merge",
-    "generate",
-    "from_hf",
-    "to_hf",
-]
+import importlib
+
+_PUBLIC = {
+    "ModelConfig": "config",
+    "MoEConfig": "config",
+    "Transformer": "transformer",
+    "attend": "attention",
+    "abstract_model": "params",
+    "logical_axes": "params",
+    "merge": "params",
+    "generate": "generation",
+    "from_hf": "hf",
+    "to_hf": "hf",
+}
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(f"jaxtrain.models.{_PUBLIC[name]}"), name)
+    raise AttributeError(f"module 'jaxtrain.models' has no attribute {name!r}")

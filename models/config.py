@@ -23,7 +23,7 @@ REMAT_POLICIES = (
     "save_matmuls",  # any matmul without batch dims (jax's dots_with_no_batch_dims_saveable)
 )
 # `model.remat: auto` (the default) is resolved to one of REMAT_POLICIES before the program is
-# built: the cheapest that fits the devices in use (jaxtrain/planner.py `resolve_remat`).
+# built: the cheapest that fits the devices in use (jaxtrain/planning/resolve.py).
 REMAT_AUTO = "auto"
 CHECKPOINT_NAMES = ("layer_input", "qkv_proj", "context", "out_proj", "mlp_in", "mlp_out")
 REMAT_CUSTOM_MODES = ("device", "offload", "recompute")
@@ -46,8 +46,8 @@ class MoEConfig:
     `every` layers whose last one is MoE (every=1: all MoE; every=2: every other).
     """
 
-    num_experts: int = 8
-    top_k: int = 2
+    num_experts: int = 8  # routed experts per MoE layer
+    top_k: int = 2  # routed experts each token goes to
     expert_mlp_dim: int | None = None  # per expert; None: model.mlp_dim
     num_shared_experts: int = 0  # always-on experts (DeepSeek-MoE), one fused SwiGLU of width n * F
     scoring: str = "softmax"  # softmax (Mixtral, GShard, Switch) | sigmoid (DeepSeek-V3)
@@ -56,8 +56,12 @@ class MoEConfig:
     score_bias_rate: float = 1e-3  # per step: bias += rate * sign(mean load - expert load)
     dispatch: str = "dropless"  # capacity (GShard, drops over-capacity tokens) | dropless (ragged_dot)
     capacity_factor: float = 1.25  # capacity: slots per expert per sequence = ceil(k * seq * cf / E)
-    exchange: str = "auto"  # dropless expert parallelism: padded all_to_all | ragged_all_to_all
-    # Dropless grouped matmul: auto (megablox on TPU, ragged_dot elsewhere) | ragged_dot (XLA's
+    # Dropless expert parallelism: padded all_to_all | ragged (ragged_all_to_all) | auto (ragged
+    # on TPU/GPU, padded on CPU, where ragged_all_to_all is unimplemented; a model built
+    # directly with auto runs padded)
+    exchange: str = "auto"
+    # Dropless grouped matmul: auto (megablox on TPU, ragged_dot elsewhere; a model built
+    # directly with auto runs ragged_dot) | ragged_dot (XLA's
     # jax.lax.ragged_dot) | megablox (JAX's Pallas TPU kernel gmm/tgmm, as MaxText's
     # megablox=True; interpret mode off TPU, for tests). fp8 experts always use ragged_dot.
     grouped_matmul: str = "auto"
@@ -68,8 +72,8 @@ class MoEConfig:
     receive_factor: float = 0.0
     aux_loss_weight: float = 0.01  # Switch load-balancing loss (1.0 when perfectly balanced)
     z_loss_weight: float = 1e-3  # router z-loss: mean logsumexp(router logits)^2
-    first_dense_layers: int = 0
-    every: int = 1
+    first_dense_layers: int = 0  # leading layers with a dense MLP (DeepSeek-MoE: 1)
+    every: int = 1  # one MoE layer in every `every` layers after those (1: all; 2: every other)
 
     def validate(self, cfg: ModelConfig) -> None:
         for key in ("num_experts", "top_k", "every"):
@@ -130,26 +134,26 @@ class MoEConfig:
 class ModelConfig:
     """A decoder-only Llama-style transformer (RMSNorm, RoPE, GQA, SwiGLU)."""
 
-    vocab_size: int = 512
-    d_model: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 4
+    vocab_size: int = 512  # token ids are 0 .. vocab_size - 1
+    d_model: int = 128  # the residual stream's width
+    n_layers: int = 2  # decoder blocks
+    n_heads: int = 4  # query heads
+    n_kv_heads: int = 4  # key/value heads: n_heads (MHA), fewer (GQA), 1 (MQA); divides n_heads
     head_dim: int | None = None  # None: d_model // n_heads
-    mlp_dim: int = 512
-    rope_theta: float = 10000.0
+    mlp_dim: int = 512  # SwiGLU hidden width (dense layers; MoE experts: moe.expert_mlp_dim)
+    rope_theta: float = 10000.0  # RoPE base
     rope_scaling: str | None = None  # None | linear | llama3 (Llama 3.1+ long-context frequencies)
-    rope_scaling_factor: float = 1.0
+    rope_scaling_factor: float = 1.0  # linear / llama3: how much longer the context gets
     rope_low_freq_factor: float = 1.0  # llama3 only
     rope_high_freq_factor: float = 4.0  # llama3 only
     rope_original_max_position: int = 8192  # llama3 only
     sliding_window: int | None = None  # Mistral-style: a query sees at most the last N keys
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
+    norm_eps: float = 1e-5  # RMSNorm's epsilon
+    tie_embeddings: bool = False  # the output head is the embedding table's transpose
+    init_std: float = 0.02  # normal init of weights (output projections: / sqrt(2 x n_layers))
     param_dtype: str = "float32"  # master weights (and optimizer state)
     compute_dtype: str = "float32"  # matmuls and activations
-    remat: str = REMAT_AUTO  # REMAT_POLICIES, or auto: the cheapest that fits (jaxtrain/planner.py)
+    remat: str = REMAT_AUTO  # REMAT_POLICIES, or auto: the cheapest that fits (planning/resolve.py)
     # remat=custom: checkpoint name -> device (keep in HBM) | offload (pinned host) | recompute;
     # a YAML mapping, stored as sorted (name, mode) pairs (the config must stay hashable)
     remat_custom: tuple[tuple[str, str], ...] = ()
@@ -158,7 +162,12 @@ class ModelConfig:
     fp8: bool = False
     fp8_amax_history: int = FP8_HISTORY_DEFAULT
     scan_layers: bool = True  # False unrolls the layer loop (same parameters)
-    attention_impl: str = "auto"  # auto | xla | pallas (auto: pallas on GPU/TPU, xla on CPU)
+    # auto | xla | pallas (auto: pallas on GPU/TPU, xla on CPU, resolved by jaxtrain when the
+    # program is built; a model built directly with auto runs xla)
+    attention_impl: str = "auto"
+    # XLA:CPU's program changes (models/cpu_tuning.py): auto (on when the program runs on CPU)
+    # | true | false. Same values as the portable program; TPU/GPU programs never have them.
+    cpu_tuning: bool | str = "auto"
     context_impl: str = "ring"  # ring | ulysses: attention when the mesh has context > 1
     moe: MoEConfig | None = None  # mixture of experts (models/moe.py); None: dense
 
@@ -173,6 +182,12 @@ class ModelConfig:
                 "recompute}"
             )
         object.__setattr__(self, "remat_custom", tuple(sorted(pairs)))
+
+    @property
+    def gathers_weights_once(self) -> bool:
+        """models/cpu_tuning.py `gathered_weight` applies: CPU tuning in bfloat16 (on the
+        bench-peer step under remat none it was faster in bfloat16 and slower in float32)."""
+        return self.cpu_tuning is True and self.compute_dtype == "bfloat16"
 
     @property
     def resolved_head_dim(self) -> int:
@@ -219,6 +234,8 @@ class ModelConfig:
             raise ValueError(
                 f"model.attention_impl={self.attention_impl!r}: expected one of {ATTENTION_IMPLS}"
             )
+        if self.cpu_tuning not in (True, False, "auto"):
+            raise ValueError(f"model.cpu_tuning={self.cpu_tuning!r}: expected auto, true or false")
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ValueError(f"model.rope_scaling={self.rope_scaling!r}: expected one of {ROPE_SCALINGS}")
         if self.rope_scaling_factor <= 0:

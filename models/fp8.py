@@ -36,8 +36,6 @@ import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
 
-from jaxtrain.models import dense
-
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 F32 = jnp.float32
 SITE_KEYS = (
@@ -96,11 +94,9 @@ def combine(a: dict, b: dict) -> dict:
 # --- dense matmuls: Flax's fp8 dot_general ----------------------------------------------
 
 
-def einsum(eqn: str, x: jax.Array, w: jax.Array, meta: dict | None) -> jax.Array:
-    """`jnp.einsum(eqn, x, w)` in x's dtype (through models/dense.py); with `meta`, through
-    e4m3 operands and an e5m2 output gradient (fp8_ops.fp8_scaled_dot_general, delayed per-tensor scales)."""
-    if meta is None:
-        return dense.einsum(eqn, x, w)
+def einsum(eqn: str, x: jax.Array, w: jax.Array, meta: dict) -> jax.Array:
+    """`jnp.einsum(eqn, x, w)` in x's dtype through e4m3 operands and an e5m2 output
+    gradient (fp8_ops.fp8_scaled_dot_general, delayed per-tensor scales from `meta`)."""
     dot = functools.partial(
         fp8_ops.fp8_scaled_dot_general,
         lhs_scale=meta["input_scale"],

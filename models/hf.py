@@ -23,9 +23,14 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.config import ModelConfig, MoEConfig
+from jaxtrain.models.params import abstract_model, merge
+from jaxtrain.models.transformer import Transformer
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
 
@@ -94,8 +99,6 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     if arch in ("MistralForCausalLM", "MixtralForCausalLM") and hf.get("sliding_window"):
         fields["sliding_window"] = int(hf["sliding_window"])
     if arch == "MixtralForCausalLM":
-        from jaxtrain.models.config import MoEConfig
-
         k = hf["num_experts_per_tok"]
         fields["moe"] = MoEConfig(
             num_experts=hf["num_local_experts"],
@@ -337,13 +340,6 @@ def from_hf(path: str | Path, **config_overrides):
     `config_overrides` set non-architectural ModelConfig fields (e.g.
     compute_dtype="bfloat16", attention_impl="xla").
     """
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxtrain.models.params import abstract_model, merge
-    from jaxtrain.models.transformer import Transformer
-
     cfg = config_from_hf(read_hf_config(path), **config_overrides)
     params = load_hf_params(path, cfg)
     graphdef, abstract = abstract_model(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -412,8 +408,6 @@ def to_hf(
     model, path: str | Path, *, architecture: str | None = None, max_shard_bytes: int = 2 * 2**30
 ) -> Path:
     """Write `model` as an HF checkpoint directory (config.json + f32 safetensors shards)."""
-    from flax import nnx
-
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     return write_hf_dir(
         params_to_hf_tensors(params, model.cfg),

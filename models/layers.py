@@ -3,7 +3,7 @@ logical axes (stored as `out_sharding` metadata, resolved by `sharding.rules`);
 activations are hinted with `sharding.constrain` at layer boundaries. No mesh
 axis name appears here. The names also give a parameter its role: "norm" (norm
 scales) and "bias" (biases) are never sharded and never weight-decayed
-(`jaxtrain.optimizer.decays`)."""
+(`jaxtrain.trainer.optimizer.decays`)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxtrain.models import cpu_tuning
 from jaxtrain.models import fp8 as fp8_ops
 from jaxtrain.models.attention import attend
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.models.dense import on_cpu
 from jaxtrain.sharding import constrain
 
 # The residual stream between blocks and sublayers (and the norms on it). Its sequence dim
@@ -47,23 +47,20 @@ class RMSNorm(nnx.Module):
         return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def matmul_weight(w: jax.Array, logical_axes, dtype) -> jax.Array:
-    """A weight as its matmul uses it: cast to the compute dtype and, on CPU, constrained
-    to its layout gathered over fsdp (`embed` whole, the tensor-sharded dims kept).
+def matmul_weight(w: jax.Array, logical_axes, cfg: ModelConfig) -> jax.Array:
+    """A weight as its matmul uses it: cast to the compute dtype (with `model.cpu_tuning` in
+    bfloat16, also constrained to its fsdp-gathered layout: models/cpu_tuning.py)."""
+    w = w.astype(jnp.dtype(cfg.compute_dtype))
+    return cpu_tuning.gathered_weight(w, logical_axes) if cfg.gathers_weights_once else w
 
-    Under `model.remat: none` the backward pass then finds the gathered copy among the
-    forward's residuals and does not all-gather the weight again: seven collectives fewer
-    per layer, each a rendezvous of every simulated device's thread on a CPU host
-    (bench-peer bf16 step, three alternating in-process pairs: 1.267-1.293 s against
-    1.309-1.330 s). The copies cost the layers' weights in the compute dtype per device,
-    which `footprint.estimate` counts for CPU, so `remat: auto` weighs them. Under any other
-    policy the gather is recomputed in the backward as before. On TPU and GPU the
-    partitioner keeps its choice (gather in both passes, as MaxText does): every layer's
-    gathered copy would cost HBM that the planner spends on activations."""
-    w = w.astype(dtype)
-    if not on_cpu():
-        return w
-    return constrain(w, tuple(None if name == "embed" else name for name in logical_axes))
+
+def weight_matmul(eqn: str, x: jax.Array, w: jax.Array, cfg: ModelConfig, fp8_site: dict | None) -> jax.Array:
+    """`jnp.einsum(eqn, x, w)` for a weight `w`: through fp8 when the layer has fp8 state
+    (`fp8_site`, models/fp8.py), with XLA:CPU's transpose-free gradient under
+    `model.cpu_tuning` (models/cpu_tuning.py)."""
+    if fp8_site is not None:
+        return fp8_ops.einsum(eqn, x, w, fp8_site)
+    return cpu_tuning.einsum(eqn, x, w) if cfg.cpu_tuning is True else jnp.einsum(eqn, x, w)
 
 
 def rope_frequencies(cfg: ModelConfig) -> jax.Array:
@@ -123,6 +120,7 @@ class Attention(nnx.Module):
             impl=cfg.attention_impl,
             sliding_window=cfg.sliding_window,
             context_impl=cfg.context_impl,
+            cpu_tuned=cfg.cpu_tuning is True,
         )
         return self.output(out, fp8)
 
@@ -130,14 +128,13 @@ class Attention(nnx.Module):
         """x [b, s, d] -> q [b, s, heads, hd], k and v [b, s, kv_heads, hd], RoPE applied
         (shared with the KV-cache decode in models/generation.py). `fp8`: this layer's
         fp8 state (models/fp8.py); None: matmuls in the compute dtype."""
-        dt = jnp.dtype(self.cfg.compute_dtype)
-        site = lambda name: None if fp8 is None else fp8[name]
-        wq = matmul_weight(self.wq[...], ("embed", "heads", "head_dim"), dt)
-        wk = matmul_weight(self.wk[...], ("embed", "kv_heads", "head_dim"), dt)
-        wv = matmul_weight(self.wv[...], ("embed", "kv_heads", "head_dim"), dt)
-        q = fp8_ops.einsum("bsd,dhk->bshk", x, wq, site("wq"))
-        k = fp8_ops.einsum("bsd,dhk->bshk", x, wk, site("wk"))
-        v = fp8_ops.einsum("bsd,dhk->bshk", x, wv, site("wv"))
+        cfg = self.cfg
+        proj = lambda w, axes, name: weight_matmul(
+            "bsd,dhk->bshk", x, matmul_weight(w[...], axes, cfg), cfg, None if fp8 is None else fp8[name]
+        )
+        q = proj(self.wq, ("embed", "heads", "head_dim"), "wq")
+        k = proj(self.wk, ("embed", "kv_heads", "head_dim"), "wk")
+        v = proj(self.wv, ("embed", "kv_heads", "head_dim"), "wv")
         inv_freq = rope_frequencies(self.cfg)
         q = constrain(rope(q, positions, inv_freq), ("batch", "seq", "act_heads", None))
         k = constrain(rope(k, positions, inv_freq), ("batch", "seq", "act_kv_heads", None))
@@ -148,8 +145,8 @@ class Attention(nnx.Module):
     def output(self, out, fp8=None):
         """Attention output [b, s, heads, hd] -> [b, s, d]."""
         out = checkpoint_name(constrain(out, ("batch", "seq", "act_heads", None)), "context")
-        wo = matmul_weight(self.wo[...], ("heads", "head_dim", "embed"), jnp.dtype(self.cfg.compute_dtype))
-        out = fp8_ops.einsum("bshk,hkd->bsd", out, wo, None if fp8 is None else fp8["wo"])
+        wo = matmul_weight(self.wo[...], ("heads", "head_dim", "embed"), self.cfg)
+        out = weight_matmul("bshk,hkd->bsd", out, wo, self.cfg, None if fp8 is None else fp8["wo"])
         return checkpoint_name(out, "out_proj")
 
 
@@ -162,16 +159,16 @@ class MLP(nnx.Module):
         self.w_gate = p((d, f), ("embed", "mlp"), cfg.init_std)
         self.w_up = p((d, f), ("embed", "mlp"), cfg.init_std)
         self.w_down = p((f, d), ("mlp", "embed"), cfg.init_std / (2 * cfg.n_layers) ** 0.5)
-        self.dtype = jnp.dtype(cfg.compute_dtype)
+        self.cfg = cfg
 
     def __call__(self, x, fp8=None):
-        return swiglu(x, self.w_gate[...], self.w_up[...], self.w_down[...], self.dtype, fp8)
+        return swiglu(x, self.w_gate[...], self.w_up[...], self.w_down[...], self.cfg, fp8)
 
 
-def swiglu(x, w_gate, w_up, w_down, dt, fp8=None):
-    """silu(x @ w_gate) * (x @ w_up) @ w_down in dtype `dt` (fp8: its sites, or None)."""
-    mm = lambda a, w, axes, name: fp8_ops.einsum(
-        "...d,df->...f", a, matmul_weight(w, axes, dt), None if fp8 is None else fp8[name]
+def swiglu(x, w_gate, w_up, w_down, cfg: ModelConfig, fp8=None):
+    """silu(x @ w_gate) * (x @ w_up) @ w_down in the compute dtype (fp8: its sites, or None)."""
+    mm = lambda a, w, axes, name: weight_matmul(
+        "...d,df->...f", a, matmul_weight(w, axes, cfg), cfg, None if fp8 is None else fp8[name]
     )
     gate = checkpoint_name(mm(x, w_gate, ("embed", "mlp"), "w_gate"), "mlp_in")
     up = checkpoint_name(mm(x, w_up, ("embed", "mlp"), "w_up"), "mlp_in")

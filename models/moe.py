@@ -31,7 +31,8 @@ Dispatch:
   dropless  assignments sorted by expert, one grouped matmul per weight:
             `jax.lax.ragged_dot`, or on TPU JAX's Pallas megablox kernels (gmm
             forward, gmm + tgmm backward, with their cost estimates), as MaxText
-            (moe.grouped_matmul: auto picks megablox on TPU, ragged_dot elsewhere).
+            (moe.grouped_matmul, resolved by jaxtrain: auto picks megablox on TPU,
+            ragged_dot elsewhere).
 
 Expert parallelism: with a mesh set (`jax.set_mesh` + `sharding.axis_rules`) the
 layer runs in `jax.shard_map`: tokens stay sharded on their batch axes, experts
@@ -42,7 +43,8 @@ leave as a reduce-scatter (the gather's transpose). Tokens travel to their exper
 devices with `all_to_all`; dropless uses a padded all_to_all (every source sends a
 [A, D] buffer to every expert shard, A = its local assignments: no drops,
 ep x the memory) or `ragged_all_to_all` (exchange=ragged; TPU/GPU only,
-unimplemented on XLA:CPU). exchange=auto: ragged on TPU/GPU, padded on CPU.
+unimplemented on XLA:CPU). exchange=auto (resolved by jaxtrain): ragged on TPU/GPU,
+padded on CPU.
 Each shard receives into a buffer of R rows (`receive_rows`): ep x A by default,
 which cannot overflow, and over which the grouped matmul is sized (XLA costs
 ragged_dot over the whole buffer); with moe.receive_factor f, R = ceil(f x A).
@@ -64,8 +66,8 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain import sharding
 from jaxtrain.models import fp8 as fp8_ops
 from jaxtrain.models.config import ModelConfig, MoEConfig
-from jaxtrain.models.dense import trace_platform
 from jaxtrain.models.layers import REGION_INPUT_AXES, RESIDUAL_AXES, Attention, RMSNorm, param, swiglu
+from jaxtrain.pallas_kernels.grouped_matmul import megablox_grouped_matmul
 
 F32 = jnp.float32
 
@@ -90,6 +92,7 @@ class MoE(nnx.Module):
             self.shared_up = p((d, fs), ("embed", "mlp"), cfg.init_std)
             self.shared_down = p((fs, d), ("mlp", "embed"), out_std)
         self.moe = m
+        self.cfg = cfg
         self.dtype = jnp.dtype(cfg.compute_dtype)
 
     def __call__(self, x: jax.Array, fp8=None) -> tuple[jax.Array, dict]:
@@ -109,7 +112,9 @@ class MoE(nnx.Module):
         )
         if self.moe.num_shared_experts:
             shared = None if fp8 is None else fp8["shared"]
-            y = y + swiglu(x, self.shared_gate[...], self.shared_up[...], self.shared_down[...], dt, shared)
+            y = y + swiglu(
+                x, self.shared_gate[...], self.shared_up[...], self.shared_down[...], self.cfg, shared
+            )
         return y, stats
 
 
@@ -165,42 +170,22 @@ def _swiglu(x, w_gate, w_up, w_down, eq_in: str, eq_out: str, fp8=None):
     return mm(eq_out, jax.nn.silu(gate) * up, w_down, "w_down")
 
 
-def _megablox_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
-    """gmm tiles: rows in the largest power of two up to 512 dividing m (gmm needs m % tm
-    == 0), k and n in blocks of 1024 or whole (MaxText's default tile sizes)."""
-    tm = 512
-    while m % tm:
-        tm //= 2
-    return tm, min(k, 1024), min(n, 1024)
-
-
 def grouped_matmul(a, w, group_sizes, impl: str, *, full: bool = False):
     """a [m, k] rows sorted by group, w [groups, k, n], group_sizes [groups] int32 -> [m, n]:
     row i through its group's w; rows past sum(group_sizes) are zero, and so are their
-    gradients. impl: "ragged_dot" | "megablox" (resolve_grouped_matmul). `full`: the caller
-    knows every row is in a group (no padding to mask)."""
-    if impl == "ragged_dot":
-        return jax.lax.ragged_dot(a, w, group_sizes)
-    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
-
-    tiling = _megablox_tiling(a.shape[0], a.shape[1], w.shape[2])
-    interpret = trace_platform() != "tpu"
-    if not full:  # gmm leaves padding rows unwritten (forward and dA): select zeros there
-        valid = (jnp.arange(a.shape[0]) < jnp.sum(group_sizes))[:, None]
-        a = jnp.where(valid, a, 0)
-    # custom_vjp: gmm forward, gmm + tgmm backward; positional (its nondiff args)
-    out = megablox.gmm(a, w, group_sizes.astype(jnp.int32), a.dtype, tiling, None, None, False, interpret)
-    return out if full else jnp.where(valid, out, 0)
+    gradients. impl: "ragged_dot" (XLA's) | "megablox" (JAX's Pallas TPU kernels,
+    pallas_kernels/grouped_matmul.py). `full`: the caller knows every row is in a group (no
+    padding to mask)."""
+    if impl == "megablox":
+        return megablox_grouped_matmul(a, w, group_sizes, full=full)
+    return jax.lax.ragged_dot(a, w, group_sizes)
 
 
-def resolve_grouped_matmul(m: MoEConfig, fp8=None) -> str:
-    """model.moe.grouped_matmul=auto: megablox on TPU (the program's mesh, deviceless
-    included), ragged_dot elsewhere; fp8 experts always ragged_dot."""
-    if fp8 is not None:
-        return "ragged_dot"
-    if m.grouped_matmul != "auto":
-        return m.grouped_matmul
-    return "megablox" if trace_platform() == "tpu" else "ragged_dot"
+def grouped_matmul_impl(m: MoEConfig, fp8=None) -> str:
+    """The grouped matmul a layer runs: model.moe.grouped_matmul as resolved (jaxtrain
+    resolves `auto` per platform in planning/resolve.py; a model built with `auto` runs
+    ragged_dot); fp8 experts always ragged_dot (quantize-dequantize around it)."""
+    return "megablox" if fp8 is None and m.grouped_matmul == "megablox" else "ragged_dot"
 
 
 def _ragged_swiglu(x, w_gate, w_up, w_down, group_sizes, fp8=None, impl="ragged_dot", full=False):
@@ -242,7 +227,7 @@ def _local_moe(
     fp8=None,
 ):
     """The layer on this device's tokens x [b, s, d] (all of them without a mesh).
-    exchange, grouped: resolve_exchange's and resolve_grouped_matmul's answers.
+    exchange, grouped: exchange_impl's and grouped_matmul_impl's answers.
     fp8: (the expert sites' fp8 state, the mesh axes of the shard_map) or None."""
     b, s, d = x.shape
     E, k = m.num_experts, m.top_k
@@ -413,12 +398,11 @@ def _dropless_exchange(
     return a2a(back)[dest, pos], dropped  # unsent rows stay zero
 
 
-def resolve_exchange(m: MoEConfig) -> str:
-    """model.moe.exchange=auto: padded on CPU, ragged on TPU/GPU (the program's mesh, so
-    that a deviceless TPU compile on a CPU host gets what the pod will run)."""
-    if m.exchange != "auto":
-        return m.exchange
-    return "padded" if trace_platform() == "cpu" else "ragged"
+def exchange_impl(m: MoEConfig) -> str:
+    """The dropless expert-parallel exchange a layer runs: model.moe.exchange as resolved
+    (jaxtrain resolves `auto` per platform; a model built with `auto` runs padded, which
+    every backend implements)."""
+    return "ragged" if m.exchange == "ragged" else "padded"
 
 
 def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig, fp8=None):
@@ -431,7 +415,7 @@ def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig, fp8=None):
     """
     if x.ndim != 3:
         raise ValueError(f"moe_layer: x must be [batch, seq, d_model], got shape {x.shape}")
-    exchange, grouped = resolve_exchange(m), resolve_grouped_matmul(m, fp8)
+    exchange, grouped = exchange_impl(m), grouped_matmul_impl(m, fp8)
     rules, mesh = sharding.current_rules(), jax.sharding.get_abstract_mesh()
     if rules is None or mesh.empty or mesh.size == 1:
         return _local_moe(

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtrain.models import cpu_tuning
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.models.dense import dense
 from jaxtrain.models.layers import REGION_INPUT_AXES, RESIDUAL_AXES, Block, RMSNorm, param
 from jaxtrain.models.moe import MoEBlock
 from jaxtrain.sharding import PipelineSchedule, constrain, current_rules, is_vocab_parallel, logical_to_spec
@@ -32,8 +32,8 @@ OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
 def remat_policy(cfg: ModelConfig):
     """The `jax.checkpoint` policy for `cfg.remat` (None for "none": no checkpoint at all).
 
-    "auto" is resolved before a train program is built (jaxtrain/planner.py); a model built
-    directly with it (generation, which has no backward pass; tests) keeps everything."""
+    "auto" is resolved before a train program is built (jaxtrain/planning/resolve.py); a model
+    built directly with it (generation, which has no backward pass; tests) keeps everything."""
     cp = jax.checkpoint_policies
     if cfg.remat in ("none", "auto"):
         return None
@@ -124,7 +124,7 @@ class Transformer(nnx.Module):
     ) -> tuple[jax.Array, dict]:
         """(final-normed activations [batch, seq, d_model] (compute dtype), aux): the model
         up to the output projection, for losses that apply the head themselves
-        (jaxtrain/chunked_loss.py); arguments and aux as `__call__`."""
+        (jaxtrain/trainer/loss.py); arguments and aux as `__call__`."""
         cfg = self.cfg
         if pipeline is not None and fp8 is not None:
             raise ValueError("pipeline: fp8 state is not supported inside a pipeline")
@@ -202,13 +202,16 @@ class Transformer(nnx.Module):
         # head_batch: the batch's layout, or gathered over fsdp when the head is vocab-parallel
         # (sharding.vocab_parallel_head)
         x = constrain(x, ("head_batch", "seq", "act_embed"))
-        # A vocab-parallel head's weight gradient contracts every gathered row; under autodiff's
-        # layout XLA:CPU ran it in bf16 as an Eigen dot, not YNNPACK (bench-peer bf16 step 3.89 s
-        # against 2.09 s with dense's CPU VJP, both with the first, table-too version of the
-        # vocab-parallel layout), so it takes that VJP in any dtype.
-        rules = current_rules()
-        vocab_parallel = rules is not None and is_vocab_parallel(rules)
-        return constrain(dense(x, head, any_dtype=vocab_parallel), ("head_batch", "seq", "act_vocab"))
+        if self.cfg.cpu_tuning is True:
+            # A vocab-parallel head's weight gradient contracts every gathered row; under
+            # autodiff's layout XLA:CPU ran it in bf16 as a slow Eigen dot, so it takes the
+            # transpose-free gradient in any dtype (models/cpu_tuning.py).
+            rules = current_rules()
+            vocab_parallel = rules is not None and is_vocab_parallel(rules)
+            logits = cpu_tuning.einsum("...d,dv->...v", x, head, any_dtype=vocab_parallel)
+        else:
+            logits = jnp.einsum("...d,dv->...v", x, head)
+        return constrain(logits, ("head_batch", "seq", "act_vocab"))
 
     def head(self) -> jax.Array:
         """The output projection [d_model, vocab] (param dtype): lm_head, or the embedding's

@@ -1048,7 +1048,7 @@ def flash_config(
     on CPU, whose interpreter runs the grid in order as Mosaic does) where its
     whole f32 dQ fits VMEM, else the split kernels; split on GPU, where the
     fused kernel must add dQ with float atomics (nondeterministic, and no cost
-    model to say it pays). See README "Flash attention".
+    model to say it pays). See docs/kernels.md.
     """
     # TPU tiles the two minor dims of [B, S, H, D] together, so a per-head tile
     # is not contiguous there: use [B, H, S, D] (XLA can fuse the transpose

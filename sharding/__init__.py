@@ -8,7 +8,8 @@ activation hints carry shardings and XLA partitions the rest. We chose Auto over
 Explicit ("sharding in types") on purpose: model code stays free of
 `out_sharding=` arguments on every contraction, Pallas kernels run under
 `shard_map` either way, and `with_sharding_constraint` hints at layer
-boundaries are enough for XLA to pick the collectives we want. See README.
+boundaries are enough for XLA to pick the collectives we want. See the docs' Parallelism
+page (docs/parallelism.md).
 """
 
 from jaxtrain.sharding.mesh import MESH_AXES, make_mesh, mesh_shape_from_sizes

@@ -1,6 +1,6 @@
 """One table of accelerator figures: peak FLOP/s per dtype, HBM bytes, chips per host.
 
-Read by MFU (`jaxtrain.flops`), `jaxtrain compile`'s targets (`jaxtrain.compile`)
+Read by MFU (`jaxtrain.planning.flops`), `jaxtrain compile`'s targets (`jaxtrain.planning.compile`)
 and the compile-only GPU target configs (`sharding.targets`), so that the three
 can never disagree. Imports only the standard library.
 

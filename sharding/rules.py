@@ -99,7 +99,7 @@ def vocab_parallel_head(rules: AxisRules) -> AxisRules:
     activations: all-gathered over fsdp into the head's rows, and their gradient summed back,
     about 2 x tokens x d_model values per fsdp group. That is cheaper when a microbatch has
     far fewer tokens per fsdp group than the vocabulary has entries (small batches, long
-    vocabularies; `jaxtrain.head_sharding` decides for a run). The log-sum-exp of the
+    vocabularies; jaxtrain's planning/resolve.py decides for a run). The log-sum-exp of the
     cross-entropy is then reduced over fsdp (a few floats per token). The embedding table
     (`vocab`, `embed`) keeps its layout: a tied head is its transpose, resharded to the
     vocab-parallel layout where it is used.

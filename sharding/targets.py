@@ -16,9 +16,12 @@ This module imports only jax and numpy (and the stdlib-only hardware table).
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 from typing import Any
 
 import numpy as np
+from jax.experimental import topologies
 
 from jaxtrain.sharding import hardware
 
@@ -134,10 +137,8 @@ def tpu_topology_devices(
         )
     # libtpu takes a machine-wide lock file unless told otherwise; compile-only use
     # never touches a chip, so let several processes (tests, benchmarks) load it.
-    import os
 
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    from jax.experimental import topologies
 
     try:
         topo = topologies.get_topology_desc(
@@ -181,7 +182,6 @@ def h100_devices(
             "deviceless GPU compiles need the CUDA PJRT plugin: pip install "
             "jax-cuda12-plugin jax-cuda12-pjrt (the 'gpu-aot' extra of this project)"
         )
-    from jax.experimental import topologies
 
     try:
         topo = topologies.get_topology_desc(
@@ -246,8 +246,6 @@ def compiled_cost(compiled: Any) -> dict[str, float] | None:
 
 def custom_call_targets(compiled_text: str) -> set[str]:
     """The custom-call target names appearing in optimized HLO text."""
-    import re
-
     return set(re.findall(r'custom_call_target="([^"]+)"', compiled_text))
 
 
@@ -255,8 +253,6 @@ def kernel_names(compiled_text: str) -> set[str]:
     """Names of the kernel calls (Mosaic TPU, Triton) in optimized HLO text, without their
     .N suffixes: "gmm", "splash_mha_fwd...", and XLA's own "ragged-dot-none" (XLA:TPU runs
     ragged_dot as a Mosaic kernel too, so the target alone does not say whose it is)."""
-    import re
-
     names = set()
     for line in compiled_text.splitlines():
         if ("tpu_custom_call" in line or "triton" in line) and " = " in line:

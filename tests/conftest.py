@@ -2,7 +2,7 @@
 
 import os
 
-from jaxtrain.platform import has_accelerator
+from jaxtrain.host import has_accelerator
 
 if "JAX_PLATFORMS" not in os.environ and not has_accelerator():
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -69,13 +69,15 @@ def program_on_mesh(cfg):
 
     import jax
 
-    from jaxtrain import head_sharding, sharding
+    from jaxtrain import sharding
     from jaxtrain.data import make_data_iterator
-    from jaxtrain.train_step import build_program
+    from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh
+    from jaxtrain.trainer.program import build_program
 
     n = math.prod(cfg.mesh.sizes().values())
     mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:n])
-    rules = head_sharding.axis_rules(cfg, mesh.shape)  # as jaxtrain train resolves them
+    cfg = resolve_for_mesh(cfg, mesh)  # every auto, as jaxtrain train resolves them
+    rules = axis_rules(cfg)
     data = make_data_iterator(
         cfg.data,
         vocab_size=cfg.model.vocab_size,

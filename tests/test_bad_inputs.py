@@ -99,7 +99,7 @@ def test_config_family(case, tmp_path, capsys):
 
 
 def test_a_section_override_merges_into_the_section():
-    """`model={...}` merges into the YAML's model section (README: config reference)."""
+    """`model={...}` merges into the YAML's model section (docs: configuration)."""
     from jaxtrain.config import load_config
 
     base = load_config(TINY)

@@ -16,11 +16,17 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import head_sharding, sharding
-from jaxtrain.checkpoint import Checkpointer, CheckpointError, CheckpointMismatchError, abstract_state
+from jaxtrain import sharding
 from jaxtrain.cli import main
-from jaxtrain.train_step import build_program
+from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh
+from jaxtrain.recovery.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointMismatchError,
+    abstract_state,
+)
 from jaxtrain.trainer import train
+from jaxtrain.trainer.program import build_program
 from tests.conftest import REPO, tiny_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -111,7 +117,8 @@ def test_corrupted_latest_checkpoints_are_skipped_not_crash_looped(tmp_path, cap
 
 def _program(cfg, devices):
     mesh = sharding.make_mesh(cfg.mesh.sizes(), devices)
-    rules = head_sharding.axis_rules(cfg, mesh.shape)
+    cfg = resolve_for_mesh(cfg, mesh)
+    rules = axis_rules(cfg)
     with jax.set_mesh(mesh), sharding.axis_rules(rules):
         return build_program(cfg, mesh, rules), mesh
 

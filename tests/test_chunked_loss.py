@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain.chunked_loss import chunked_cross_entropy
-from jaxtrain.train_step import batch_to_device, cross_entropy
+from jaxtrain.trainer.batches import batch_to_device
+from jaxtrain.trainer.loss import chunked_cross_entropy, cross_entropy
 from tests.conftest import program_on_mesh, replace, tiny_config
 from tests.test_collectives import while_bodies
 
@@ -127,35 +127,35 @@ def test_loss_chunk_rejects_other_words():
 def test_auto_chunks_large_logits_in_four_and_leaves_small_ones_plain():
     """`auto` by hand: f32 logits per device = 4 x tokens x vocab / (data x fsdp x expert x
     context x tensor) bytes; from 16 MiB, 4 chunks of seq_len / 4 positions."""
-    from jaxtrain import footprint, loss_chunk
     from jaxtrain.config import load_config
+    from jaxtrain.planning.resolve import Placement, logits_mib_per_device, resolve
     from tests.conftest import REPO
+
+    def chunk(cfg, mesh):
+        """(resolved train.loss_chunk, the log line saying why, or None when not auto)."""
+        resolution = resolve(cfg, Placement("cpu", mesh))
+        why = [n for n in resolution.notes if n.startswith("train.loss_chunk")]
+        return resolution.config.train.loss_chunk, why[0] if why else None
 
     peer = load_config(f"{REPO}/configs/bench-peer.yaml")  # 8 x 512 tokens, vocab 32000
     assert peer.train.loss_chunk == "auto"
-    assert loss_chunk.logits_mib_per_device(peer, {"fsdp": 8}) == 4 * 4096 * 32000 / 8 / 2**20 == 62.5
-    assert loss_chunk.resolve(peer, {"fsdp": 8})[0] == 128
+    assert logits_mib_per_device(peer, {"fsdp": 8}) == 4 * 4096 * 32000 / 8 / 2**20 == 62.5
+    assert chunk(peer, {"fsdp": 8})[0] == 128
     # 64 devices: 7.8 MiB each
-    assert loss_chunk.resolve(peer, {"data": 2, "fsdp": 8, "tensor": 4}) == (
+    assert chunk(peer, {"data": 2, "fsdp": 8, "tensor": 4}) == (
         0,
-        "the plain loss: 7.8 MiB of f32 logits per device, under 16 MiB",
+        "train.loss_chunk=auto -> 0: the plain loss: 7.8 MiB of f32 logits per device, under 16 MiB",
     )
     # microbatches split the tokens: 4 of them leave 15.6 MiB
     micro = replace(peer, train=dict(microbatches=4))
-    assert loss_chunk.resolve(micro, {"fsdp": 8})[0] == 0
+    assert chunk(micro, {"fsdp": 8})[0] == 0
     # a sequence that does not split in four keeps the plain loss
     odd = replace(peer, train=dict(seq_len=510))
-    assert loss_chunk.resolve(odd, {"fsdp": 8})[1].endswith("train.seq_len=510 does not split into 4 chunks")
-    # a number is kept as configured
-    assert loss_chunk.resolve(replace(peer, train=dict(loss_chunk=0)), {"fsdp": 8}) == (0, "as configured")
+    assert chunk(odd, {"fsdp": 8})[1].endswith("train.seq_len=510 does not split into 4 chunks")
+    # a number is kept as configured, without a line
+    assert chunk(replace(peer, train=dict(loss_chunk=0)), {"fsdp": 8}) == (0, None)
     # the tiny config: 8 x 128 tokens x 512 entries, 2 MiB on one device
-    assert loss_chunk.resolve(tiny_config(), {})[0] == 0
-    # the planner's memory model resolves it the same way
-    as_128 = replace(peer, train=dict(loss_chunk=128))
-    assert footprint.estimate(peer, {"fsdp": 8}) == footprint.estimate(as_128, {"fsdp": 8})
-    assert footprint.estimate(peer, {"fsdp": 8}) != footprint.estimate(
-        replace(peer, train=dict(loss_chunk=0)), {"fsdp": 8}
-    )
+    assert chunk(tiny_config(), {})[0] == 0
 
 
 def test_vocab_parallel_loss_takes_one_collective_per_chunk():

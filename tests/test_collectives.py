@@ -19,14 +19,24 @@ import jax
 import pytest
 from flax import nnx
 
-from jaxtrain import head_sharding, sharding
+from jaxtrain import sharding
 from jaxtrain.config import load_config
+from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh
 from jaxtrain.sharding import targets
 from jaxtrain.sharding.collectives import COLLECTIVES, collectives_by_axes, parse_groups, spanned_axes
-from jaxtrain.train_step import abstract_batch, build_program
+from jaxtrain.trainer.batches import abstract_batch
+from jaxtrain.trainer.program import build_program
 from tests.conftest import REPO, replace, tiny_config
 
-SMALL = ("model.d_model=64", "model.mlp_dim=128", "model.vocab_size=128", "train.seq_len=32")
+# attention_impl=xla: the flash kernel's TPU blocks need longer sequences, and these tests are
+# about the collectives the partitioner emits, the same around either attention
+SMALL = (
+    "model.d_model=64",
+    "model.mlp_dim=128",
+    "model.vocab_size=128",
+    "train.seq_len=32",
+    "model.attention_impl=xla",
+)
 MOE = ("model.moe.expert_mlp_dim=64",)
 
 # name: (config overrides, mesh, rules, {kind: axes it must appear over})
@@ -68,8 +78,9 @@ def small_config(overrides, mesh, rules):
 def compiled_hlo(cfg, devices):
     """Optimized HLO of the forward + backward program (loss_and_grads) on `devices`."""
     mesh = sharding.make_mesh(cfg.mesh.sizes(), devices)
-    rules = head_sharding.axis_rules(cfg, mesh.shape)
-    # build_program runs a few eager ops, which compile-only devices cannot (jaxtrain/compile.py)
+    cfg = resolve_for_mesh(cfg, mesh)
+    rules = axis_rules(cfg)
+    # build_program runs a few eager ops, which compile-only devices cannot (jaxtrain/planning/compile.py)
     with sharding.axis_rules(rules):
         program = build_program(cfg, mesh, rules)
     with jax.set_mesh(mesh), sharding.axis_rules(rules):
@@ -135,7 +146,8 @@ def case(request):
     n = math.prod(cfg.mesh.sizes().values())
     program, m, lowered = compiled_hlo(cfg, jax.devices()[:n])
     hlo = lowered.compile().as_text()
-    rules = head_sharding.axis_rules(cfg, m.shape)
+    cfg = resolve_for_mesh(cfg, m)
+    rules = axis_rules(cfg)
     return request.param, program, m, rules, expected, collectives_by_axes(hlo, m)
 
 
@@ -170,16 +182,20 @@ def test_no_parameter_is_gathered_over_an_axis_that_does_not_shard_it(case):
         assert not [op for op in ops if op.kind == "all-gather" and "data" in op.axes]
 
 
-@pytest.mark.parametrize("remat, passes", [("none", 1), ("full", 2)])
-def test_cpu_gathers_layer_weights_once_under_remat_none(remat, passes):
-    """On CPU under remat none the backward pass reuses the forward's fsdp-gathered layer
-    weights (models/layers.py matmul_weight): the layer scans' weight all-gathers sit in one
-    loop body (the forward's), and in two (forward and recompute) under remat full. Either
+@pytest.mark.parametrize(
+    "remat, dtype, passes", [("none", "bfloat16", 1), ("full", "bfloat16", 2), ("none", "float32", 2)]
+)
+def test_cpu_gathers_layer_weights_once_under_remat_none(remat, dtype, passes):
+    """With model.cpu_tuning in bfloat16 under remat none the backward pass reuses the
+    forward's fsdp-gathered layer weights (models/cpu_tuning.py gathered_weight): the layer
+    scans' weight all-gathers sit in one loop body (the forward's), and in two (forward and
+    recompute) under remat full, as in float32, which keeps the partitioner's layout. Either
     way they gather over fsdp only: the tensor-sharded dims stay sharded."""
-    cfg = small_config(("model.n_layers=2", f"model.remat={remat}"), dict(fsdp=4, tensor=2), "fsdp_tensor")
+    overrides = ("model.n_layers=2", f"model.remat={remat}", f"model.compute_dtype={dtype}")
+    cfg = small_config(overrides, dict(fsdp=4, tensor=2), "fsdp_tensor")
     program, mesh, lowered = compiled_hlo(cfg, jax.devices()[:8])
     hlo = lowered.compile().as_text()
-    by_shape = param_shapes_and_axes(program, mesh, head_sharding.axis_rules(cfg, mesh.shape))
+    by_shape = param_shapes_and_axes(program, mesh, axis_rules(resolve_for_mesh(cfg, mesh)))
     gathering = []
     for name, body in while_bodies(hlo).items():
         ops = [op for op in collectives_by_axes(body, mesh) if op.kind == "all-gather"]

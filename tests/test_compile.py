@@ -7,8 +7,8 @@ import os
 import pytest
 
 from jaxtrain import cli
-from jaxtrain.compile import parse_target
 from jaxtrain.config import ConfigError
+from jaxtrain.planning.compile import parse_target
 from jaxtrain.sharding import targets
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,7 +56,7 @@ def test_parse_tpu_targets(text, topology, chips):
 def test_v5p_slices_from_4x4x4_are_tori(text, wraps):
     """MaxText's accelerator table: v5p slices of 4x4x4 and up wrap around in every dim;
     smaller v5p slices and v4 do not."""
-    from jaxtrain.compile import tpu_wraparound
+    from jaxtrain.planning.compile import tpu_wraparound
 
     assert tpu_wraparound(parse_target(text)) == (wraps,) * 3
 
@@ -75,7 +75,7 @@ def test_weights_gather_with_all_gathers_on_a_v5p_128_torus():
     from jax.sharding import PartitionSpec as P
 
     from jaxtrain import sharding
-    from jaxtrain.compile import target_devices
+    from jaxtrain.planning.compile import target_devices
 
     mesh = sharding.make_mesh({"fsdp": 64}, target_devices(parse_target("tpu:v5p-128")))
     w = jax.ShapeDtypeStruct((8, 4096, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "fsdp")))
@@ -104,8 +104,8 @@ def test_all_one_mesh_fills_fsdp_on_a_multi_device_target():
     """A mesh left at 1 everywhere (tiny.yaml, written for one device) gets mesh.fsdp filled
     to the devices per slice/host instead of failing on the device count; a mesh the user
     set is left alone."""
-    from jaxtrain.compile import config_for_target
     from jaxtrain.config import load_config
+    from jaxtrain.planning.compile import config_for_target
 
     cfg, ici, dcn = config_for_target(load_config(TINY), parse_target("tpu:v5p-8"))
     assert cfg.mesh.fsdp == ici["fsdp"] == 4 and dcn == {}
@@ -161,14 +161,16 @@ def test_uncharged_kernels_drop_exactly_the_attention_flops():
     """XLA charges a Mosaic kernel what its pl.CostEstimate says and nothing without one
     (MaxText's splash attention carries none). Leaving ours uncharged must remove exactly
     the attention kernels' FLOPs from a layer, counted by hand."""
-    from jaxtrain import head_sharding, sharding
-    from jaxtrain.compile import _extrapolated_cost, config_for_target, target_devices
+    from jaxtrain import sharding
     from jaxtrain.config import load_config
+    from jaxtrain.planning.compile import _extrapolated_cost, config_for_target, target_devices
+    from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh
 
     t = parse_target("tpu:v5p-8")
     cfg, ici, _ = config_for_target(load_config(TINY, ["mesh.fsdp=-1", "model.attention_impl=pallas"]), t)
     mesh = sharding.make_mesh(ici, target_devices(t))
-    rules = head_sharding.axis_rules(cfg, mesh.shape)
+    cfg = resolve_for_mesh(cfg, mesh)
+    rules = axis_rules(cfg)
     charged = _extrapolated_cost(cfg, mesh, rules, "tpu")
     free = _extrapolated_cost(cfg, mesh, rules, "tpu", charge_kernels=False)
     # Per device: batch 8 / 4 chips = 2, 4 query heads, seq 128 = one causal block, all of it
@@ -187,8 +189,8 @@ def test_uncharged_kernels_drop_exactly_the_attention_flops():
 @needs_tpu
 def test_two_slice_mesh_puts_slices_on_the_data_axis():
     from jaxtrain import sharding
-    from jaxtrain.compile import config_for_target, target_devices
     from jaxtrain.config import load_config
+    from jaxtrain.planning.compile import config_for_target, target_devices
 
     t = parse_target("tpu:v5p-8", slices=2)
     _, ici, dcn = config_for_target(load_config(TINY, ["mesh.fsdp=-1"]), t)

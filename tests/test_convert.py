@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jaxtrain import head_sharding, sharding
-from jaxtrain.convert import ckpt_to_hf, hf_to_ckpt, load_params, read_model_config
+from jaxtrain import sharding
+from jaxtrain.interchange.convert import ckpt_to_hf, hf_to_ckpt, load_params, read_model_config
 from jaxtrain.models.hf import HFConversionError, from_hf
-from jaxtrain.train_step import build_program
+from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh
+from jaxtrain.trainer.program import build_program
 from tests.conftest import tiny_config
 
 ASSET = Path(__file__).parent / "assets" / "hf" / "llama_gqa_rope_llama3"
@@ -48,6 +49,7 @@ def test_init_from_loads_sharded_weights_with_transformers_logits(tmp_path):
         f"train.init_from={tmp_path / 'ckpt'}",
     )
     mesh = sharding.make_mesh(cfg.mesh.sizes())
+    cfg = resolve_for_mesh(cfg, mesh)
     with jax.set_mesh(mesh), sharding.axis_rules(sharding.DEFAULT_RULES):
         program = build_program(cfg, mesh, sharding.DEFAULT_RULES)
         abstract = jax.tree.map(
@@ -144,7 +146,7 @@ def trained(tmp_path_factory):
 def _logits_of(result, cfg, params, tokens):
     from jaxtrain import models
 
-    with jax.set_mesh(result.mesh), sharding.axis_rules(head_sharding.axis_rules(cfg, result.mesh.shape)):
+    with jax.set_mesh(result.mesh), sharding.axis_rules(axis_rules(resolve_for_mesh(cfg, result.mesh))):
         model = models.merge(result.program.graphdef, result.program.abstract_params, params)
         return np.asarray(jax.jit(lambda t: model(t))(tokens))
 
@@ -190,10 +192,10 @@ def test_ckpt_to_hf_from_a_training_step_dir_and_output_dir(trained, tmp_path):
 
 def test_init_from_a_training_checkpoint_restores_its_params(trained):
     """train.init_from accepts a run's output_dir: the newest step's parameters, exactly."""
-    from jaxtrain.checkpoint import abstract_state
+    from jaxtrain.recovery.checkpoint import abstract_state
 
     cfg, result = trained
-    with jax.set_mesh(result.mesh), sharding.axis_rules(head_sharding.axis_rules(cfg, result.mesh.shape)):
+    with jax.set_mesh(result.mesh), sharding.axis_rules(axis_rules(resolve_for_mesh(cfg, result.mesh))):
         params = load_params(cfg.output_dir, cfg.model, abstract_state(result.program).params)
     for (path, got), want in zip(
         jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(result.state.params)

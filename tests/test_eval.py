@@ -18,8 +18,9 @@ from jaxtrain.config import ConfigError, load_config
 from jaxtrain.data import DataError, make_data_iterator, make_eval_iterator
 from jaxtrain.data.tokenize import tokenize
 from jaxtrain.metrics import read_metrics
-from jaxtrain.train_step import batch_to_device
-from jaxtrain.trainer import _BatchFeeder, _Evaluator, train
+from jaxtrain.trainer import train
+from jaxtrain.trainer.batches import BatchFeeder, batch_to_device
+from jaxtrain.trainer.evaluate import Evaluator
 from tests import corpora
 from tests.conftest import REPO, program_on_mesh, tiny_config
 
@@ -107,8 +108,8 @@ def eval_on_mesh(cfg):
         seed=cfg.seed,
     )
     with program_on_mesh(cfg) as (program, state, _):
-        feeder = _BatchFeeder(cfg, None, jax.sharding.get_abstract_mesh(), program.batch_sharding)
-        evaluator = _Evaluator(cfg, data, feeder, program, log=lambda _: None)
+        feeder = BatchFeeder(cfg, None, jax.sharding.get_abstract_mesh(), program.batch_sharding)
+        evaluator = Evaluator(cfg, data, feeder, program, log=lambda _: None)
         record = evaluator(state, 0)
         again = evaluator(state, 0)  # the same batches every time
         assert again["eval_loss"] == record["eval_loss"]

@@ -13,14 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import head_sharding, sharding
-from jaxtrain.checkpoint import Checkpointer, abstract_state
+from jaxtrain import sharding
 from jaxtrain.cli import main
 from jaxtrain.config import ConfigError, FaultsConfig, load_config
 from jaxtrain.data import make_data_iterator
-from jaxtrain.faults import FaultMonitor, TrainingFault
-from jaxtrain.train_step import FAULT_NONE, FAULT_NONFINITE, FAULT_SPIKE, batch_to_device, judge_step
+from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh
+from jaxtrain.recovery.checkpoint import Checkpointer, abstract_state
+from jaxtrain.recovery.faults import FAULT_NONE, FAULT_NONFINITE, FAULT_SPIKE, FaultMonitor, TrainingFault
 from jaxtrain.trainer import train
+from jaxtrain.trainer.batches import batch_to_device
+from jaxtrain.trainer.step import judge_step
 from tests.conftest import REPO, program_on_mesh, tiny_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -70,7 +72,7 @@ def test_nan_streak_is_skipped_counted_then_rolled_back(tmp_path):
     assert after[-1]["skipped_total"] == 3
     # oracle for the first step after the rollback: checkpoint 8's params on batch 12
     mesh = result.mesh
-    with jax.set_mesh(mesh), sharding.axis_rules(head_sharding.axis_rules(cfg, mesh.shape)):
+    with jax.set_mesh(mesh), sharding.axis_rules(axis_rules(resolve_for_mesh(cfg, mesh))):
         ckpt = Checkpointer(tmp_path / "checkpoints")
         assert ckpt.steps() == [4, 8, 12]  # 12 is the new timeline's, saved after the rollback
         params8 = ckpt.restore(8, abstract_state(result.program)).state.params

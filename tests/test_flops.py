@@ -2,8 +2,8 @@
 
 import pytest
 
-from jaxtrain.flops import flops_per_token, peak_flops_for_device_kind
 from jaxtrain.models import ModelConfig
+from jaxtrain.planning.flops import flops_per_token, peak_flops_for_device_kind
 
 
 def test_flops_per_token_by_hand():
@@ -41,11 +41,11 @@ def test_peak_table(kind, peak):
 
 
 def test_one_hardware_table_feeds_mfu_compile_and_the_gpu_target_configs():
-    """flops, compile and sharding.targets read sharding.hardware; the figures the README's
+    """flops, compile and sharding.targets read sharding.hardware; the figures the docs'
     tables rest on stay put (v5p and H100 peaks and HBM)."""
     import re
 
-    from jaxtrain.compile import parse_target
+    from jaxtrain.planning.compile import parse_target
     from jaxtrain.sharding import hardware, targets
 
     v5p, h100 = parse_target("tpu:v5p-8"), parse_target("gpu:h100")
@@ -93,7 +93,7 @@ def test_cpu_peak_is_measured_in_the_compute_dtype(monkeypatch):
     run is not scored against the (about half as high) f32 peak."""
     import jax
 
-    from jaxtrain import flops
+    from jaxtrain.planning import flops
 
     seen = []
     monkeypatch.setattr(flops, "measure_matmul_flops", lambda dtype="float32", **_: seen.append(dtype) or 1e9)
@@ -110,7 +110,7 @@ def test_matmul_peak_runs_for_at_least_min_seconds():
     the wall clock."""
     import time
 
-    from jaxtrain.flops import measure_matmul_flops
+    from jaxtrain.planning.flops import measure_matmul_flops
 
     t0 = time.perf_counter()
     peak = measure_matmul_flops(n=64, repeats=1, min_seconds=0.3)

@@ -1,4 +1,4 @@
-"""`jaxtrain generate` (jaxtrain/generate.py): every kind of SOURCE, the streamed text
+"""`jaxtrain generate` (jaxtrain/interchange/generate.py): every kind of SOURCE, the streamed text
 against `models.generate` for the same seed, meshes, and the error contract (exit 2,
 one line). The decode compile (`jaxtrain compile --mode decode`) is in tests/test_compile.py."""
 
@@ -11,8 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import cli, head_sharding, models, sharding
-from jaxtrain import generate as g
+from jaxtrain import cli, models, sharding
+from jaxtrain.interchange import generate as g
+from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh
 from tests.conftest import REPO, tiny_config
 
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
@@ -62,7 +63,7 @@ def expected_text(source, prompt, *, max_new_tokens, **sampling):
         ids = tok.encode(prompt)
         eos = src.eos_id if src.eos_id is not None else tok.eos_id
         mesh = g.make_mesh(src.cfg, jax.devices()[:1])
-        with jax.set_mesh(mesh), sharding.axis_rules(head_sharding.axis_rules(src.cfg, mesh.shape)):
+        with jax.set_mesh(mesh), sharding.axis_rules(axis_rules(resolve_for_mesh(src.cfg, mesh))):
             model = g.load_model(src, mesh)
             out = np.asarray(
                 models.generate(model, [ids], max_new_tokens=max_new_tokens, eos_id=eos, **sampling)

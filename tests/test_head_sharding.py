@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import head_sharding, sharding
+from jaxtrain import sharding
 from jaxtrain.config import ConfigError, load_config, validate
+from jaxtrain.planning.resolve import Placement, axis_rules, resolve
 from tests.conftest import REPO, replace, tiny_config
 from tests.test_collectives import compiled_hlo
 from tests.test_sharded_training import loss_and_grads
@@ -71,10 +72,10 @@ def _bench_peer(*overrides):
     ],
 )
 def test_auto_picks_vocab_when_fewer_rows_than_columns(overrides, mesh, expected):
-    cfg = _bench_peer(*overrides)
-    mode, why = head_sharding.resolve(cfg, mesh)
+    resolution = resolve(_bench_peer(*overrides), Placement("cpu", mesh))
+    mode, why = resolution.config.mesh.head_sharding, resolution.notes
     assert mode == expected, why
-    rules = head_sharding.axis_rules(cfg, mesh)
+    rules = axis_rules(resolution.config)
     head = tuple(sharding.logical_to_spec(("head_embed", "head_vocab"), rules, _mesh(**mesh))) + (None, None)
     assert ("fsdp" in sharding.axes_tuple(head[1])) == (expected == "vocab" and mesh.get("fsdp", 1) > 1)
 
@@ -100,7 +101,7 @@ CASES = {
     "chunked": (("train.loss_chunk=8",), dict(fsdp=4, tensor=2)),
     "tied-chunked": (("model.tie_embeddings=true", "train.loss_chunk=8"), dict(fsdp=8)),
     "tied-microbatches": (("model.tie_embeddings=true", "train.microbatches=2"), dict(data=2, fsdp=4)),
-    # the chunked loss's shard_map (jaxtrain/chunked_loss.py): rows split over data (the loss
+    # the chunked loss's shard_map (jaxtrain/trainer/loss.py): rows split over data (the loss
     # and the head's gradient summed over it), over context (each device chunks its own
     # positions), and a batch that the vocabulary shards do not divide (d loss / d x summed
     # whole instead of reduce-scattered)

@@ -18,8 +18,8 @@ from flax import nnx
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.models import ModelConfig, MoEConfig, Transformer, merge
 from jaxtrain.models.moe import MoE, _capacity_positions, capacity, moe_layer
-from jaxtrain.train_step import batch_to_device
 from jaxtrain.trainer import train
+from jaxtrain.trainer.batches import batch_to_device
 from tests.conftest import REPO, program_on_mesh
 
 # f32 throughout; the oracle runs in float64 numpy, so differences are f32 rounding.
@@ -129,7 +129,7 @@ def test_tpu_programs_use_megablox_by_default(grouped, kernels):
     own cost estimate, as MaxText's megablox=True does; ragged_dot keeps XLA's op, which
     XLA:TPU runs as its own kernels. Attention is XLA here, so no other kernel is in the
     program. Oracle: the kernel calls in the compiled program."""
-    from jaxtrain.compile import compile_report, config_for_target, parse_target
+    from jaxtrain.planning.compile import compile_report, config_for_target, parse_target
 
     cfg = load_config(
         os.path.join(REPO, "configs", "tiny-moe.yaml"),

@@ -225,8 +225,8 @@ def test_killed_coordinator_is_named_by_the_survivor(tmp_path):
 
 
 def test_cluster_auto_detection(monkeypatch):
-    from jaxtrain import distributed
     from jaxtrain.config import DistributedConfig
+    from jaxtrain.recovery import distributed
 
     for var in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"):
         monkeypatch.delenv(var, raising=False)
@@ -256,7 +256,7 @@ class _FakeKV:
 
 
 def test_watchdog_names_the_silent_peer_and_ignores_finished_ones(capsys):
-    from jaxtrain.distributed import EXIT_PEER_LOST, PeerWatchdog
+    from jaxtrain.recovery.distributed import EXIT_PEER_LOST, PeerWatchdog
 
     store, exits = {}, []
     # process 0 of 3 watches: process 1 finished cleanly, process 2 never heartbeats

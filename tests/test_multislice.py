@@ -2,7 +2,7 @@
 slices: the DCN axis is the process boundary. Oracles: the single-process 8-device run of
 the same (flattened) mesh, and the mesh's device layout computed by hand.
 
-Also what the README promises for preemption in multi-process jobs: SIGTERM to one
+Also what the docs promise for preemption in multi-process jobs: SIGTERM to one
 process makes both stop at the same step and save it."""
 
 import os

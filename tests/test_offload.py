@@ -8,7 +8,7 @@ program's memory stats."""
 import jax
 import pytest
 
-from jaxtrain.compile import compile_report, parse_target
+from jaxtrain.planning.compile import compile_report, parse_target
 from jaxtrain.sharding import targets
 from jaxtrain.trainer import train
 from tests.conftest import tiny_config

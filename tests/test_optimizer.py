@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxtrain import models
 from jaxtrain.config import OptimizerConfig, load_config
-from jaxtrain.optimizer import decay_mask, decays, learning_rate_schedule, make_optimizer
+from jaxtrain.trainer.optimizer import decay_mask, decays, learning_rate_schedule, make_optimizer
 from tests.conftest import REPO
 
 

@@ -119,3 +119,81 @@ def test_models_never_import_the_trainer(tmp_path):
     rooms = ("jaxtrain.models", "jaxtrain.sharding", "jaxtrain.pallas_kernels")
     strays = sorted(m for m in ours if not m.startswith(rooms))
     assert not strays, f"jaxtrain.models imports trainer modules {strays}"
+
+
+def test_config_is_read_without_jax(tmp_path):
+    """The CLI reads and validates a config before any backend starts, and a bad one is
+    refused without paying for JAX: `jaxtrain.config` (and the model's config within it)
+    imports no jax, flax or optax."""
+    loaded = _modules_after("import jaxtrain.config, jaxtrain.models.config", tmp_path)
+    heavy = sorted(m for m in loaded if m.split(".")[0] in ("jax", "flax", "optax", "orbax"))
+    assert not heavy, f"jaxtrain.config imports {heavy[:5]}"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """{module: the jaxtrain modules it imports}, from the source of every module of the four
+    import packages, function-local imports included (a cycle hidden inside a function is a
+    cycle). `from pkg import name` counts as importing pkg.name when that is a module."""
+    import ast
+    from pathlib import Path
+
+    roots = {"jaxtrain": "jaxtrain", "jaxtrain.models": "models", "jaxtrain.sharding": "sharding"}
+    roots["jaxtrain.pallas_kernels"] = "pallas_kernels"
+    files = {}
+    for package, folder in roots.items():
+        for path in (Path(REPO) / folder).rglob("*.py"):
+            parts = [
+                p for p in path.relative_to(Path(REPO) / folder).with_suffix("").parts if p != "__init__"
+            ]
+            files[".".join([package, *parts])] = path
+    graph = {}
+    for name, path in files.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jaxtrain"):
+                edges |= {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
+                    for a in node.names
+                }
+            elif isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name.startswith("jaxtrain")}
+        graph[name] = {e for e in edges if e in files and e != name}
+    return graph
+
+
+def test_no_import_cycles_among_jaxtrain_modules():
+    graph = _import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module, path):
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycle = path[path.index(target) :] + [target]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_model_files_hold_no_platform_branch():
+    """Backend choices reach the model as resolved config values (planning/resolve.py); no
+    file in models/ asks which platform it runs on."""
+    import ast
+    from pathlib import Path
+
+    asks = {"default_backend", "platform", "device_kind", "devices", "local_devices", "backends"}
+    names = {"cpu", "tpu", "gpu", "cuda", "rocm"}
+    found = []
+    for path in sorted((Path(REPO) / "models").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in asks:
+                found.append(f"{path.name}:{node.lineno} .{node.attr}")
+            if isinstance(node, ast.Compare):
+                consts = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant)]
+                found += [f"{path.name}:{node.lineno} == {v!r}" for v in consts if v in names]
+    assert not found, found

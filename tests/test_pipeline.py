@@ -18,7 +18,7 @@ import pytest
 from jaxtrain import sharding
 from jaxtrain.config import ConfigError, load_config, validate
 from jaxtrain.sharding.pipeline import bubble_fraction, run_pipeline
-from jaxtrain.train_step import batch_to_device
+from jaxtrain.trainer.batches import batch_to_device
 from tests.conftest import REPO, program_on_mesh, replace, tiny_config
 
 # --- the transform alone, on a toy layer -------------------------------------------

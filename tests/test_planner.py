@@ -1,4 +1,5 @@
-"""`jaxtrain plan` and `model.remat: auto` (jaxtrain/planner.py, footprint.estimate).
+"""`jaxtrain plan` and `model.remat: auto` (planning/planner.py, planning/resolve.py,
+footprint.estimate).
 
 Oracles: config validation and the compiler (CPU devices here, a deviceless H100 target in
 the slow test), never the planner's own figures alone."""
@@ -11,18 +12,11 @@ import pytest
 import yaml
 from conftest import REPO, tiny_config
 
-from jaxtrain.compile import compile_report, config_for_target, parse_target
 from jaxtrain.config import ConfigError, load_config, validate
-from jaxtrain.footprint import REMAT_BY_COST, estimate
-from jaxtrain.planner import (
-    MESH_ORDER,
-    Candidate,
-    apply,
-    plan,
-    resolve_remat,
-    resolve_remat_for_devices,
-    write_config,
-)
+from jaxtrain.planning.compile import compile_report, config_for_target, parse_target
+from jaxtrain.planning.footprint import REMAT_BY_COST, estimate
+from jaxtrain.planning.planner import MESH_ORDER, Candidate, apply, plan, write_config
+from jaxtrain.planning.resolve import Placement, placement_of_devices, resolve
 from jaxtrain.sharding import targets
 
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
@@ -37,12 +31,19 @@ def _auto(cfg, **train):
     )
 
 
+def resolve_remat(cfg, mesh, capacity):
+    """(the config with model.remat resolved for a CPU device of `capacity` bytes, its line)."""
+    resolution = resolve(cfg, Placement("cpu", mesh, capacity))
+    return resolution.config, next(n for n in resolution.notes if n.startswith("model.remat"))
+
+
 def test_auto_is_the_default_and_picks_none_on_cpu_for_tiny_models():
     from jaxtrain.models.config import ModelConfig
 
     assert ModelConfig().remat == "auto"
-    cfg, line = resolve_remat_for_devices(_auto(tiny_config()), jax.devices())
-    assert cfg.model.remat == "none"
+    resolution = resolve(_auto(tiny_config()), placement_of_devices(tiny_config(), jax.devices()))
+    line = next(n for n in resolution.notes if n.startswith("model.remat"))
+    assert resolution.config.model.remat == "none"
     assert line.startswith("model.remat=auto -> none") and "host memory / 8 simulated devices" in line
 
 
@@ -50,26 +51,29 @@ def test_auto_picks_a_saving_policy_when_memory_is_short_and_it_really_saves():
     """A device of 1.5 MiB (the planner's capacity parameter): `none` does not fit by the
     estimate, so auto walks REMAT_BY_COST to the first that does. Oracle: the CPU compiler's
     temp memory for the chosen policy is below that of `none`."""
-    base = _auto(tiny_config())
+    base = _auto(tiny_config(None, "mesh.fsdp=8"))
     mesh = {"fsdp": 8}
-    none_need = estimate(dataclasses.replace(base, model=dataclasses.replace(base.model, remat="none")), mesh)
-    capacity = int(none_need.total / 0.9) - 1  # none misses by a byte
-    cfg, line = resolve_remat(base, mesh, capacity, attention_impl="xla")
+    none = resolve(
+        dataclasses.replace(base, model=dataclasses.replace(base.model, remat="none")), Placement("cpu", mesh)
+    )
+    capacity = int(estimate(none.config, mesh).total / 0.9) - 1  # none misses by a byte
+    cfg, line = resolve_remat(base, mesh, capacity)
     chosen = cfg.model.remat
     assert chosen != "none" and chosen in REMAT_BY_COST, line
-    assert estimate(cfg, mesh, attention_impl="xla").total <= 0.9 * capacity
+    assert estimate(cfg, mesh).total <= 0.9 * capacity
     assert f"-> {chosen}" in line and "none needs" in line
     # Ample memory: none.
     assert resolve_remat(base, mesh, 100 * capacity)[0].model.remat == "none"
 
-    from jaxtrain import head_sharding, sharding
+    from jaxtrain import sharding
+    from jaxtrain.planning.resolve import axis_rules
     from jaxtrain.sharding.targets import compiled_memory
-    from jaxtrain.train_step import abstract_batch, build_program
+    from jaxtrain.trainer.batches import abstract_batch
+    from jaxtrain.trainer.program import build_program
 
     def temp(c):
-        c = dataclasses.replace(c, mesh=dataclasses.replace(c.mesh, fsdp=8))
         mesh_ = sharding.make_mesh({"fsdp": 8})
-        rules = head_sharding.axis_rules(c, mesh_.shape)
+        rules = axis_rules(c)
         with jax.set_mesh(mesh_), sharding.axis_rules(rules):
             program = build_program(c, mesh_, rules)
             shapes = jax.eval_shape(program.init)
@@ -195,7 +199,7 @@ def test_stage_is_searched_and_a_pipeline_candidate_compiles_as_estimated(tmp_pa
     """Four layers: stage 2 and 4 are in the space with their pipeline microbatches and
     schedules, stage 3 (not a divisor) is not; a pipeline candidate's overrides validate,
     compile deviceless, and its estimate is within the ratio measured on the pod presets
-    (0.5x to 1.3x, README) of the compiler's figure."""
+    (0.5x to 1.3x, docs/planning.md) of the compiler's figure."""
     cfg = tiny_config(None, "model.n_layers=4", "train.seq_len=512")
     p = plan(cfg, parse_target("tpu:v5p-8"), compile=False, top=10_000)
     rows = p.ranked + p.rejected
@@ -219,7 +223,7 @@ def test_stage_is_searched_and_a_pipeline_candidate_compiles_as_estimated(tmp_pa
 @pytest.mark.parametrize(
     "preset, overrides, mesh, compiled_gib",
     [
-        # compiled (args + temp) by `jaxtrain compile` deviceless, README "Pipeline parallelism"
+        # compiled (args + temp) by `jaxtrain compile` deviceless, docs/parallelism.md
         ("llama3-405b", [], {"stage": 2, "fsdp": 8, "tensor": 8}, 77.8),
         (
             "llama2-70b",
@@ -235,7 +239,7 @@ def test_the_door_check_splits_layers_over_stages(preset, overrides, mesh, compi
     every layer's parameters and activations on each stage, the bound was 158 GiB and the
     door refused it; 70B on 8 x 8 H100: 226 GiB against 36.8 compiled)."""
 
-    from jaxtrain.footprint import lower_bound
+    from jaxtrain.planning.footprint import lower_bound
 
     cfg = load_config(os.path.join(REPO, "configs", f"{preset}.yaml"), overrides)
     bound = lower_bound(cfg, mesh).total / 2**30
@@ -259,7 +263,7 @@ def test_moe_estimate_is_near_the_compiled_memory(overrides):
     deviceless TPU compiler. Dimensions are multiples of 128 so that TPU tile padding does
     not blur the comparison. Before these terms the estimate left out everything MoE-specific
     (the Mixtral preset read 0.33x of its compiled figure); 0.8x to 1.2x is the band the
-    Mixtral plan's compiled candidates hold (README)."""
+    Mixtral plan's compiled candidates hold (docs/planning.md)."""
     cfg = load_config(
         os.path.join(REPO, "configs", "tiny-moe.yaml"),
         [
@@ -274,27 +278,49 @@ def test_moe_estimate_is_near_the_compiled_memory(overrides):
             *overrides,
         ],
     )
+    from jaxtrain.planning.compile import resolved_for_target
+
     target = parse_target("tpu:v5p-8")
-    cfg, ici, _ = config_for_target(cfg, target)
-    est = estimate(cfg, ici, attention_impl=cfg.model.attention_impl, platform="tpu").total
+    cfg, ici, dcn = config_for_target(cfg, target)
+    est = estimate(resolved_for_target(cfg, target, ici, dcn)[0], ici).total
     got = compile_report(cfg, target, estimate=False)["memory"]["total"]
     assert 0.8 <= est / got <= 1.2, (overrides, est / MiB, got / MiB)
 
 
 def test_analytic_step_charges_the_grouped_matmuls_padding_rows():
-    """XLA costs the dropless grouped matmul over its whole receive buffer (ragged_dot and
-    megablox's cost estimate alike: 2 x rows x k x n), so the analytic compute adds
-    (r - 1) x 18 x top_k x D x F x MoE layers per token, r = receive rows / assignments:
-    8 at expert=8 (the worst case), 1.25 with receive_factor=1.25, 1 without expert
-    parallelism. Oracle: the formula by hand on the Mixtral preset, peak from the chip table."""
-    from jaxtrain.planner import analytic_step
+    """The dropless grouped matmul runs over its whole receive buffer (R rows for A routed
+    assignments: R = 8A at expert=8, the worst case; 1.25A with receive_factor=1.25; A
+    without expert parallelism), and XLA's TPU cost model charges a Pallas kernel what its
+    cost estimate declares. Oracle: megablox's own declared FLOPs (its gmm forward and the
+    gmm + tgmm backward, traced at the Mixtral preset's per-device shapes) for R rows less
+    for A rows, for the three expert weights of every MoE layer, is exactly what the analytic
+    step adds to the compute time, at the chip table's peak."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxtrain.pallas_kernels.flash_attention import declared_costs
+    from jaxtrain.pallas_kernels.grouped_matmul import megablox_grouped_matmul
+    from jaxtrain.planning.planner import analytic_step
     from jaxtrain.sharding import hardware
 
     chip = hardware.chip("v5p")
     path = os.path.join(REPO, "configs", "mixtral-8x7b.yaml")
     m = load_config(path).model
-    per_token = 18 * m.moe.top_k * m.d_model * m.moe.mlp_dim(m) * m.moe.num_moe_layers(m)
-    tokens = 256 * 4096 / 64
+    d, f, k = m.d_model, m.moe.mlp_dim(m), m.moe.top_k
+
+    def declared(rows: int, experts: int) -> int:
+        """megablox's declared FLOPs, forward and backward, for one expert weight."""
+        grad = jax.grad(
+            lambda a, w: jnp.sum(megablox_grouped_matmul(a, w, jnp.zeros((experts,), jnp.int32), full=True)),
+            argnums=(0, 1),
+        )
+        args = (
+            jax.ShapeDtypeStruct((rows, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((experts, d, f), jnp.bfloat16),
+        )
+        return sum(v["flops"] for v in declared_costs(jax.make_jaxpr(grad)(*args)).values())
+
+    assignments = 256 * 4096 // 64 * k  # per device: the preset's batch over 64 chips, top_k each
     compute = {}
     for label, overrides, mesh in [
         ("fsdp", ["mesh.expert=1"], {"fsdp": 64}),
@@ -304,51 +330,102 @@ def test_analytic_step_charges_the_grouped_matmuls_padding_rows():
         cfg = load_config(path, overrides)
         compute[label] = analytic_step(cfg, mesh, chip, 4)["compute_s"]
     peak = chip.peak_flops("bfloat16")
-    assert compute["ep8"] - compute["fsdp"] == pytest.approx(7 * per_token * tokens / peak, rel=1e-9)
+    per_layer = lambda rows: 3 * (declared(rows, 1) - declared(assignments, 1))  # w_gate, w_up, w_down
+    layers = m.moe.num_moe_layers(m)
+    assert compute["ep8"] - compute["fsdp"] == pytest.approx(
+        layers * per_layer(8 * assignments) / peak, rel=1e-9
+    )
     assert compute["ep8-rf1.25"] - compute["fsdp"] == pytest.approx(
-        0.25 * per_token * tokens / peak, rel=1e-9
+        layers * per_layer(int(1.25 * assignments)) / peak, rel=1e-9
     )
 
 
+@pytest.mark.deviceless
 def test_moe_recompute_counts_the_expert_w_down_unless_mlp_out_is_kept():
-    """The analytic recompute (planner.recompute_flops_per_token) by hand for Mixtral: the
-    router weights' gradient needs the expert outputs, so policies without mlp_out redo the
-    experts' w_down (2 D F top_k per token per MoE layer); minimal keeps every matmul output
-    and redoes only attention (2 S H hd); dense models never redo w_down."""
-    from jaxtrain.planner import recompute_flops_per_token
+    """The analytic recompute (planner.recompute_flops_per_token): the router weights'
+    gradient needs the expert outputs, so a policy that keeps everything but mlp_out redoes
+    the experts' w_down (2 D F top_k per token per MoE layer). Oracle: the TPU compiler's
+    cost analysis of the tiny MoE model's forward and backward, layers unrolled (so that the
+    recompute is counted, not CSE'd), deviceless: save_attention less save_except_mlp_in."""
+    if not targets.tpu_available():
+        pytest.skip("libtpu not installed")
+    from flax import nnx
 
-    cfg = load_config(os.path.join(REPO, "configs", "mixtral-8x7b.yaml"))
-    m = cfg.model
-    w_down = m.n_layers * 2 * m.d_model * m.moe.expert_mlp_dim * m.moe.top_k
-    attention = m.n_layers * 2 * cfg.train.seq_len * m.n_heads * m.resolved_head_dim
-    r = lambda remat, c=cfg: recompute_flops_per_token(c, remat)
-    assert r("save_attention") - r("save_except_mlp_in") == pytest.approx(w_down)
-    assert r("minimal") == pytest.approx(attention)
-    assert r("save_except_mlp_in") > r("minimal")
-    dense = load_config(os.path.join(REPO, "configs", "llama2-7b.yaml"))
-    assert r("minimal", dense) == pytest.approx(dense.model.n_layers * 2 * dense.train.seq_len * 4096)
+    from jaxtrain import sharding
+    from jaxtrain.planning.compile import resolved_for_target, target_mesh
+    from jaxtrain.planning.planner import recompute_flops_per_token
+    from jaxtrain.planning.resolve import axis_rules
+    from jaxtrain.sharding.targets import compiled_cost
+    from jaxtrain.trainer.batches import abstract_batch
+    from jaxtrain.trainer.program import build_program
+
+    target = parse_target("tpu:v5p-8")
+
+    def flops(remat):
+        """(XLA's FLOPs per device, the analytic recompute per device) under `remat`."""
+        overrides = [f"model.remat={remat}", "model.scan_layers=false", "mesh.fsdp=-1", "train.seq_len=256"]
+        cfg, ici, dcn = config_for_target(
+            load_config(os.path.join(REPO, "configs", "tiny-moe.yaml"), overrides), target
+        )
+        cfg, _ = resolved_for_target(cfg, target, ici, dcn)
+        mesh, rules = target_mesh(target, ici, dcn), axis_rules(cfg)
+        with sharding.axis_rules(rules):
+            program = build_program(cfg, mesh, rules)
+        with jax.set_mesh(mesh), sharding.axis_rules(rules):
+            params = jax.tree.map(
+                lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                nnx.to_pure_dict(program.abstract_params),
+                program.state_shardings.params,
+            )
+            batch = abstract_batch(cfg, program.batch_sharding)
+            compiled = program.loss_and_grads.lower(params, batch).compile()
+        tokens = cfg.train.global_batch_size * cfg.train.seq_len / mesh.size
+        return compiled_cost(compiled)["flops"], recompute_flops_per_token(cfg) * tokens
+
+    (xla_attention_kept, analytic_attention_kept), (xla_all_but_mlp_in, analytic_all_but_mlp_in) = (
+        flops("save_attention"),
+        flops("save_except_mlp_in"),
+    )
+    analytic = analytic_attention_kept - analytic_all_but_mlp_in
+    m = load_config(os.path.join(REPO, "configs", "tiny-moe.yaml")).model
+    assert analytic == pytest.approx(m.n_layers * 2 * m.d_model * m.moe.expert_mlp_dim * m.moe.top_k * 512)
+    assert xla_attention_kept - xla_all_but_mlp_in == pytest.approx(analytic, rel=1e-3)
+    dense = load_config(
+        os.path.join(REPO, "configs", "llama2-7b.yaml")
+    )  # a dense MLP's output is never needed
+    assert recompute_flops_per_token(dense, "save_attention") == recompute_flops_per_token(
+        dense, "save_except_mlp_in"
+    )
 
 
 def test_cpu_remat_none_estimate_counts_the_gathered_weights():
-    """On CPU under remat none the layers' fsdp-gathered matmul weights are residuals
-    (models/layers.py matmul_weight), and footprint.estimate adds them: (layer parameters)
-    x compute bytes / tensor. Oracle: the CPU compiler's temp memory with the gathered
-    copies kept, less the same program without them (the partitioner's layout), is within
-    75-100% of that term (the norms' scales are in the term, and XLA shares a few buffers)."""
+    """With model.cpu_tuning in bfloat16 under remat none the layers' fsdp-gathered matmul
+    weights are residuals (models/cpu_tuning.py gathered_weight), and footprint.estimate adds
+    them: (layer parameters) x compute bytes / tensor. Oracle: the CPU compiler's temp memory
+    with the gathered copies kept, less the same program without them (the partitioner's
+    layout, every other CPU change kept), is within 75-100% of that term (the norms' scales
+    are in the term, and XLA shares a few buffers)."""
     from unittest import mock
 
-    from jaxtrain import head_sharding, sharding
-    from jaxtrain.footprint import layer_stack_params
-    from jaxtrain.models import layers
+    from jaxtrain import sharding
+    from jaxtrain.models.config import ModelConfig
+    from jaxtrain.planning.footprint import layer_stack_params
+    from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh
     from jaxtrain.sharding.targets import compiled_memory
-    from jaxtrain.train_step import abstract_batch, build_program
+    from jaxtrain.trainer.batches import abstract_batch
+    from jaxtrain.trainer.program import build_program
 
-    cfg = tiny_config(None, "model.remat=none", "model.compute_dtype=bfloat16")
-    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, fsdp=8))
     mesh = sharding.make_mesh({"fsdp": 8})
+    base = tiny_config(None, "model.remat=none", "model.compute_dtype=bfloat16", "mesh.fsdp=8")
+    tuned, portable = (
+        resolve_for_mesh(
+            dataclasses.replace(base, model=dataclasses.replace(base.model, cpu_tuning=on)), mesh
+        )
+        for on in (True, False)
+    )
 
-    def temp():
-        rules = head_sharding.axis_rules(cfg, mesh.shape)
+    def temp(cfg):
+        rules = axis_rules(cfg)
         with jax.set_mesh(mesh), sharding.axis_rules(rules):
             program = build_program(cfg, mesh, rules)
             state = jax.tree.map(
@@ -359,12 +436,14 @@ def test_cpu_remat_none_estimate_counts_the_gathered_weights():
             compiled = program.step.lower(state, abstract_batch(cfg, program.batch_sharding)).compile()
         return compiled_memory(compiled)["temp"]
 
-    term = layer_stack_params(cfg.model) * 2  # bf16, tensor = 1
+    term = layer_stack_params(base.model) * 2  # bf16, tensor = 1
     sizes = {"fsdp": 8}
-    assert estimate(cfg, sizes, platform="cpu").saved - estimate(cfg, sizes, platform="tpu").saved == term
-    full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="full"))
-    assert estimate(full, sizes, platform="cpu") == estimate(full, sizes, platform="tpu")
-    kept = temp()
-    with mock.patch.object(layers, "on_cpu", lambda: False):
-        partitioned = temp()
+    assert estimate(tuned, sizes).saved - estimate(portable, sizes).saved == term
+    full = lambda c: dataclasses.replace(c, model=dataclasses.replace(c.model, remat="full"))
+    assert estimate(full(tuned), sizes) == estimate(full(portable), sizes)
+    f32 = lambda c: dataclasses.replace(c, model=dataclasses.replace(c.model, compute_dtype="float32"))
+    assert estimate(f32(tuned), sizes).saved == estimate(f32(portable), sizes).saved  # float32 keeps none
+    kept = temp(tuned)
+    with mock.patch.object(ModelConfig, "gathers_weights_once", property(lambda self: False)):
+        partitioned = temp(tuned)
     assert 0.75 * term <= kept - partitioned <= term, (kept - partitioned, term)

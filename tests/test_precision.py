@@ -8,14 +8,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import head_sharding, sharding
-from jaxtrain.checkpoint import CheckpointMismatchError
-from jaxtrain.compile import _compile_step, config_for_target, parse_target, target_devices
+from jaxtrain import sharding
 from jaxtrain.config import LossScaleConfig, load_config
 from jaxtrain.models.fp8 import count_fp8_matmuls
+from jaxtrain.planning.compile import _compile_step, config_for_target, parse_target, target_devices
+from jaxtrain.planning.resolve import resolve_for_mesh
+from jaxtrain.recovery.checkpoint import CheckpointMismatchError
 from jaxtrain.sharding import targets
-from jaxtrain.train_step import MAX_LOSS_SCALE, batch_to_device, init_loss_scale, update_loss_scale
 from jaxtrain.trainer import train
+from jaxtrain.trainer.batches import batch_to_device
+from jaxtrain.trainer.precision import MAX_LOSS_SCALE, init_loss_scale, update_loss_scale
 from tests.conftest import REPO, program_on_mesh, tiny_config
 
 STEPS = 50
@@ -34,7 +36,7 @@ def run_steps(*overrides, steps=STEPS):
 
 
 def report(name, losses, bf16):
-    """Print (for the README: pytest -s) and return |losses - bf16| per step."""
+    """Print (for the docs: pytest -s) and return |losses - bf16| per step."""
     diff = np.abs(losses - bf16)
     rel = diff / np.abs(bf16)
     print(
@@ -169,7 +171,7 @@ def test_fp8_deviceless_h100_compile_has_fp8_gemms():
         target,
     )
     mesh = sharding.make_mesh(ici, target_devices(target))
-    text = _compile_step(cfg, mesh, head_sharding.axis_rules(cfg, mesh.shape)).as_text()
+    text = _compile_step(resolve_for_mesh(cfg, mesh), mesh).as_text()
     assert count_fp8_matmuls(text) == 21
     assert count_fp8_matmuls(text.replace("f8e4m3fn", "bf16").replace("f8e5m2", "bf16")) == 0
 

@@ -10,7 +10,7 @@ import pytest
 
 from jaxtrain.sharding import targets
 from jaxtrain.sharding.collectives import collectives_by_axes
-from jaxtrain.train_step import batch_to_device
+from jaxtrain.trainer.batches import batch_to_device
 from tests.conftest import program_on_mesh
 from tests.test_collectives import compiled_hlo, small_config
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxtrain import sharding
-from jaxtrain.train_step import batch_to_device
 from jaxtrain.trainer import train
+from jaxtrain.trainer.batches import batch_to_device
 from tests.conftest import program_on_mesh, replace, tiny_config
 
 MESHES = [(1, 1, 1), (8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)]

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain import sharding
 from jaxtrain.sharding.collectives import collectives_by_axes
 from jaxtrain.sharding.targets import compiled_memory
-from jaxtrain.train_step import abstract_batch, batch_to_device
+from jaxtrain.trainer.batches import abstract_batch, batch_to_device
 from tests.conftest import program_on_mesh, replace, tiny_config
 
 STEPS = 3
@@ -76,9 +76,10 @@ def test_memory_estimates_split_the_moments_over_data():
     """footprint's lower bound (the door check) and estimate (planner, remat: auto) both count
     ZeRO-1's moments split over data: hand-computed from the parameter count (f32 params,
     grads and the two Adam moments; 1/8 of the moments on data=8)."""
-    from jaxtrain import footprint
+    from jaxtrain.planning import footprint
 
-    plain, zero1 = tiny_config(), tiny_config(None, "optimizer.shard_state=true")
+    plain = tiny_config(None, "train.loss_chunk=0")  # estimate takes a resolved loss_chunk
+    zero1 = tiny_config(None, "train.loss_chunk=0", "optimizer.shard_state=true")
     n = plain.model.param_count()
     sizes = {"data": 8}
     assert footprint.estimate(plain, sizes).state == 16 * n

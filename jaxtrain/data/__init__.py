@@ -119,16 +119,6 @@ def make_eval_iterator(
     )
     eval_paths = (eval_paths,) if isinstance(eval_paths, str) else tuple(eval_paths)
     source = getattr(data_cfg, "source", None)
-
-    def with_paths(paths, weights=()):
-        return types.SimpleNamespace(
-            source=source,
-            paths=tuple(paths),
-            tokenizer=getattr(data_cfg, "tokenizer", "byte"),
-            shuffle=bool(getattr(data_cfg, "shuffle", True)),
-            weights=tuple(weights),
-        )
-
     if source == "synthetic":
         if eval_paths:
             raise DataError(
@@ -142,20 +132,35 @@ def make_eval_iterator(
                 "eval.paths=[]: data.source=text has no eval split; give held-out text files in "
                 "eval.paths (or `jaxtrain tokenize --eval-fraction F` and data.source=tokens)"
             )
-        return TextIterator(with_paths(eval_paths), **kwargs)
+        return TextIterator(_with_paths(data_cfg, eval_paths), **kwargs)
     if source == "tokens":
-        if eval_paths:
-            splits = tuple("eval" if _has_split(p, "eval") else "train" for p in eval_paths)
-            return TokenIterator(with_paths(eval_paths), split=splits, **kwargs)
-        paths = tuple(data_cfg.paths) if not isinstance(data_cfg.paths, str) else (data_cfg.paths,)
-        for p in paths:
-            if not _has_split(p, "eval"):
-                raise DataError(
-                    f"eval: data.paths {p!r} has no eval split (tokenized with --eval-fraction 0); "
-                    "rerun `jaxtrain tokenize` with --eval-fraction F, or set eval.paths to "
-                    "held-out token directories"
-                )
-        return TokenIterator(
-            with_paths(paths, getattr(data_cfg, "weights", ()) or ()), split="eval", **kwargs
-        )
+        return _eval_tokens(data_cfg, eval_paths, kwargs)
     raise DataError(f"data.source={source!r}: expected one of {', '.join(SOURCES)}")
+
+
+def _with_paths(data_cfg, paths, weights=()):
+    """data_cfg's settings with other paths (and mixture weights)."""
+    return types.SimpleNamespace(
+        source=getattr(data_cfg, "source", None),
+        paths=tuple(paths),
+        tokenizer=getattr(data_cfg, "tokenizer", "byte"),
+        shuffle=bool(getattr(data_cfg, "shuffle", True)),
+        weights=tuple(weights),
+    )
+
+
+def _eval_tokens(data_cfg, eval_paths: tuple, kwargs: dict) -> DataIterator:
+    """Token directories' eval data (make_eval_iterator's `tokens` case)."""
+    if eval_paths:
+        splits = tuple("eval" if _has_split(p, "eval") else "train" for p in eval_paths)
+        return TokenIterator(_with_paths(data_cfg, eval_paths), split=splits, **kwargs)
+    paths = tuple(data_cfg.paths) if not isinstance(data_cfg.paths, str) else (data_cfg.paths,)
+    for p in paths:
+        if not _has_split(p, "eval"):
+            raise DataError(
+                f"eval: data.paths {p!r} has no eval split (tokenized with --eval-fraction 0); "
+                "rerun `jaxtrain tokenize` with --eval-fraction F, or set eval.paths to "
+                "held-out token directories"
+            )
+    weights = getattr(data_cfg, "weights", ()) or ()
+    return TokenIterator(_with_paths(data_cfg, paths, weights), split="eval", **kwargs)

@@ -230,14 +230,7 @@ def tokenize(
 ) -> dict:
     """Tokenize ``inputs`` into the token directory ``out``; returns its manifest plus a
     ``"run"`` entry (seconds, bytes and tokens this run, cores). See the module docstring."""
-    if not isinstance(eval_fraction, (int, float)) or not 0 <= eval_fraction < 1:
-        raise DataError(f"--eval-fraction={eval_fraction!r}: expected a number in [0, 1)")
-    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
-        raise DataError(f"--shard-tokens={shard_tokens!r}: expected a positive integer")
-    if batch_bytes < 1:
-        raise DataError(f"--batch-mb: expected a positive size, got {batch_bytes} bytes")
-    if not text_field:
-        raise DataError("--text-field='': expected a field name")
+    _check_options(eval_fraction, shard_tokens, batch_bytes, text_field)
     files = expand_inputs(inputs)
     sizes = [storage.file_size(f) for f in files]
     tok = tokenizer_from_spec(tokenizer)
@@ -245,7 +238,6 @@ def tokenize(
         raise DataError(
             f"--tokenizer={tokenizer!r}: EOS id {tok.eos_id} outside its vocab size {tok.vocab_size}"
         )
-    dtype = shards.token_dtype_name(tok.vocab_size)
     fingerprint = {
         "format": shards.FORMAT,
         "version": shards.VERSION,
@@ -255,7 +247,7 @@ def tokenize(
             "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id,
         },
-        "dtype": dtype,
+        "dtype": shards.token_dtype_name(tok.vocab_size),
         "shard_tokens": shard_tokens,
         "text_field": text_field,
         "separator": separator,
@@ -269,96 +261,143 @@ def tokenize(
         return {**manifest, "run": {"seconds": 0.0, "bytes": 0, "tokens": 0, "cores": cores()}}
     if getattr(tok, "json_bytes", None) is not None:
         storage.write_atomic(storage.join(out, shards.TOKENIZER_COPY), tok.json_bytes)
-
-    writers = {
-        split: shards.SplitWriter(out, split, dtype=dtype, shard_tokens=shard_tokens)
-        for split in shards.SPLITS
-    }
-    np_dtype = shards.TOKEN_DTYPES[dtype]
-    position, generation = (0, 0), 0
+    splits = _Splits(out, fingerprint)
     if isinstance(resume, dict):
-        position, generation = tuple(resume["position"]), resume["generation"]
-        for split, w in writers.items():
-            w.restore(resume["splits"][split]["state"], resume["splits"][split]["tail"])
+        splits.restore(resume)
         log(
-            f"{out}: resuming at input {position[0] + 1}/{len(files)} after {position[1]:,} documents "
-            f"({', '.join(f'{s}: {len(w.shards)} shards kept' for s, w in writers.items())})"
+            f"{out}: resuming at input {splits.position[0] + 1}/{len(files)} after {splits.position[1]:,} "
+            f"documents ({', '.join(f'{s}: {len(w.shards)} shards kept' for s, w in splits.writers.items())})"
+        )
+    run_start, start_tokens = time.perf_counter(), splits.total_tokens
+    start_bytes = sum(sizes[: splits.position[0]])
+    reader = _Reader(
+        files, sizes, splits.position, batch_bytes=batch_bytes, text_field=text_field, separator=separator
+    )
+    _encode_all(reader, splits, tok, files, eval_fraction, _Progress(progress, sum(sizes)), start_bytes)
+    seconds = time.perf_counter() - run_start
+    run = {
+        "seconds": seconds,
+        "bytes": sum(sizes) - start_bytes,
+        "tokens": splits.total_tokens - start_tokens,
+        "cores": cores(),
+    }
+    manifest = _write_manifest(out, fingerprint, splits, len(files))
+    log(_summary(manifest, run, len(files), out))
+    return {**manifest, "run": run}
+
+
+def _summary(manifest: dict, run: dict, n_files: int, out: str) -> str:
+    """The closing line: what the directory holds, and this run's throughput."""
+    split_text = ", ".join(
+        f"{s}: {v['tokens']:,} tokens / {v['documents']:,} documents / {len(v['shards'])} shards"
+        for s, v in manifest["splits"].items()
+    )
+    seconds = max(run["seconds"], 1e-9)
+    return (
+        f"tokenized {n_files} file(s) -> {out} ({split_text}); this run {run['bytes'] / 1e6:,.1f} MB in "
+        f"{run['seconds']:.1f} s: {run['bytes'] / 1e6 / seconds:,.1f} MB/s, "
+        f"{run['tokens'] / seconds:,.0f} tokens/s on {run['cores']} cores"
+    )
+
+
+def _check_options(eval_fraction, shard_tokens, batch_bytes, text_field) -> None:
+    if not isinstance(eval_fraction, (int, float)) or not 0 <= eval_fraction < 1:
+        raise DataError(f"--eval-fraction={eval_fraction!r}: expected a number in [0, 1)")
+    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise DataError(f"--shard-tokens={shard_tokens!r}: expected a positive integer")
+    if batch_bytes < 1:
+        raise DataError(f"--batch-mb: expected a positive size, got {batch_bytes} bytes")
+    if not text_field:
+        raise DataError("--text-field='': expected a field name")
+
+
+class _Splits:
+    """The train and eval shard writers of one output directory, and the progress file that
+    lets a killed run resume: the input position after the last batch written, the writers'
+    states and their unfinished tails (a new generation each time, the old ones removed)."""
+
+    def __init__(self, out: str, fingerprint: dict):
+        self.out, self.fingerprint = out, fingerprint
+        dtype, shard_tokens = fingerprint["dtype"], fingerprint["shard_tokens"]
+        self.writers = {
+            split: shards.SplitWriter(out, split, dtype=dtype, shard_tokens=shard_tokens)
+            for split in shards.SPLITS
+        }
+        self.np_dtype = shards.TOKEN_DTYPES[dtype]
+        self.position, self.generation = (0, 0), 0
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(w.total_tokens for w in self.writers.values())
+
+    def restore(self, resume: dict) -> None:
+        self.position, self.generation = tuple(resume["position"]), resume["generation"]
+        for split, w in self.writers.items():
+            w.restore(resume["splits"][split]["state"], resume["splits"][split]["tail"])
+
+    def add(self, encoded: dict, eos_id: int) -> int:
+        """Append each split's documents (EOS after each); returns the shards written."""
+        return sum(
+            self.writers[split].add(_with_eos(ids, lengths, eos_id, self.np_dtype), lengths + 1)
+            for split, (ids, lengths) in encoded.items()
         )
 
-    def checkpoint(at: tuple[int, int]) -> None:
-        nonlocal generation
-        generation += 1
+    def checkpoint(self, at: tuple[int, int]) -> None:
+        self.generation += 1
         state = {
-            **fingerprint,
+            **self.fingerprint,
             "position": list(at),
-            "generation": generation,
+            "generation": self.generation,
             "splits": {
-                split: {"state": w.state(), "tail": w.save_tail(f"{split}.partial-{generation}")}
-                for split, w in writers.items()
+                split: {"state": w.state(), "tail": w.save_tail(f"{split}.partial-{self.generation}")}
+                for split, w in self.writers.items()
             },
         }
-        storage.write_atomic(storage.join(out, PROGRESS), json.dumps(state, indent=1).encode())
-        _remove_stale_tails(out, keep=generation)
+        storage.write_atomic(storage.join(self.out, PROGRESS), json.dumps(state, indent=1).encode())
+        _remove_stale_tails(self.out, keep=self.generation)
 
-    run_start = time.perf_counter()
-    start_tokens = sum(w.total_tokens for w in writers.values())
-    start_bytes = bytes_done = sum(sizes[: position[0]])
-    bar = _Progress(progress, sum(sizes))
-    reader = _Reader(
-        files, sizes, position, batch_bytes=batch_bytes, text_field=text_field, separator=separator
-    )
+
+def _encode_all(reader: _Reader, splits: _Splits, tok, files, eval_fraction, bar, start_bytes) -> None:
+    """Tokenize every batch the reader thread yields into the splits, checkpointing after
+    each batch that wrote a shard; on an input error, checkpoint the last good batch and raise."""
+    start_tokens = splits.total_tokens
     reader.start()
     try:
         while (batch := reader.out.get()) is not None:
             if batch.texts:
                 encoded = _encode(tok, batch, files, eval_fraction)
                 if isinstance(encoded, DataError):
-                    checkpoint(position)  # the last batch fully processed
+                    splits.checkpoint(splits.position)  # the last batch fully processed
                     raise encoded
-                written = sum(
-                    writers[split].add(_with_eos(ids, lengths, tok.eos_id, np_dtype), lengths + 1)
-                    for split, (ids, lengths) in encoded.items()
-                )
-                position = batch.position
+                written = splits.add(encoded, tok.eos_id)
+                splits.position = batch.position
                 if written:
-                    checkpoint(position)
-            bytes_done = batch.bytes_done
-            total = sum(w.total_tokens for w in writers.values())
-            bar.update(bytes_done, bytes_done - start_bytes, total, total - start_tokens)
+                    splits.checkpoint(splits.position)
+            total = splits.total_tokens
+            bar.update(batch.bytes_done, batch.bytes_done - start_bytes, total, total - start_tokens)
             if batch.error is not None:
-                checkpoint(batch.position)
+                splits.checkpoint(batch.position)
                 raise batch.error
-        for w in writers.values():
+        for w in splits.writers.values():
             w.finish()
     finally:
         reader.stopped.set()
         bar.close()
-    seconds = time.perf_counter() - run_start
-    run_bytes = sum(sizes) - start_bytes
-    run_tokens = sum(w.total_tokens for w in writers.values()) - start_tokens
+
+
+def _write_manifest(out: str, fingerprint: dict, splits: _Splits, n_files: int) -> dict:
+    """The finished directory's manifest.json (the progress file and stale tails removed)."""
     manifest = {
         **fingerprint,
-        "splits": {split: w.summary() for split, w in writers.items() if w.shards},
+        "splits": {split: w.summary() for split, w in splits.writers.items() if w.shards},
     }
     if "train" not in manifest["splits"]:
-        raise DataError(
-            f"tokenize: {len(files)} input file(s) hold no non-empty document for the train split"
-        )
+        raise DataError(f"tokenize: {n_files} input file(s) hold no non-empty document for the train split")
     storage.write_atomic(storage.join(out, shards.MANIFEST), json.dumps(manifest, indent=1).encode())
     if storage.exists(storage.join(out, PROGRESS)):
         storage.remove(storage.join(out, PROGRESS))
     _remove_stale_tails(out, keep=None)
-    run = {"seconds": seconds, "bytes": run_bytes, "tokens": run_tokens, "cores": cores()}
-    split_text = ", ".join(
-        f"{s}: {v['tokens']:,} tokens / {v['documents']:,} documents / {len(v['shards'])} shards"
-        for s, v in manifest["splits"].items()
-    )
-    log(
-        f"tokenized {len(files)} file(s) -> {out} ({split_text}); this run {run_bytes / 1e6:,.1f} MB in "
-        f"{seconds:.1f} s: {run_bytes / 1e6 / max(seconds, 1e-9):,.1f} MB/s, "
-        f"{run_tokens / max(seconds, 1e-9):,.0f} tokens/s on {run['cores']} cores"
-    )
-    return {**manifest, "run": run}
+    return manifest
 
 
 def _remove_stale_tails(out: str, keep: int | None) -> None:

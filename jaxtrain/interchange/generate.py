@@ -8,7 +8,7 @@ SOURCE is, the first that applies:
   a Hugging Face dir      config.json + *.safetensors (Llama, Mistral, Mixtral); tokenizer.json
   a converted checkpoint  model.yaml + params/ (`jaxtrain convert hf-to-ckpt`); tokenizer.json
   a training checkpoint   a step directory, a checkpoint.dir or a run's output_dir
-                          (`convert.resolve_checkpoint`): the newest complete step and the
+                          (interchange/convert.py `resolve_checkpoint`): the newest complete step and the
                           config the run saved with it
 Dotted overrides (`mesh.tensor=2`, `model.compute_dtype=bfloat16`) change that config, as
 for `train`; architecture keys must still match the weights.
@@ -46,10 +46,35 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import tokenizers
 import yaml
+from flax import nnx
 
-from jaxtrain.config import Config, ConfigError, _build, _set_dotted, load_config, parse_override, validate
+from jaxtrain import models, sharding
+from jaxtrain.config import (
+    Config,
+    ConfigError,
+    _build,
+    _set_dotted,
+    load_config,
+    parse_override,
+    to_dict,
+    validate,
+)
+from jaxtrain.data import DataError, load_tokenizer
+from jaxtrain.interchange.convert import (
+    _has_step_dirs,
+    architecture_of,
+    load_params,
+    read_model_config,
+    resolve_checkpoint,
+)
 from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.generation import stream
+from jaxtrain.models.hf import HFConversionError, config_from_hf, load_hf_params, read_hf_config
+from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh
 
 
 class GenerateError(ValueError):
@@ -150,36 +175,16 @@ def open_source(
 
 
 def _open_source(source: str, overrides, random_init: bool) -> Source:
-    from jaxtrain.convert import _has_step_dirs, read_model_config, resolve_checkpoint
-    from jaxtrain.models.hf import HFConversionError, config_from_hf, read_hf_config
-
     p = Path(source)
     if p.is_file():
-        cfg = load_config(p, overrides)
-        ckpt_dir = Path(cfg.checkpoint_dir)
-        src = Source("config", p, cfg, tokenizer=_run_tokenizer(cfg), max_len=cfg.train.seq_len)
-        if random_init:
-            src.random_init = True
-            return src
-        try:
-            src.checkpoint = resolve_checkpoint(ckpt_dir) if _has_step_dirs(ckpt_dir) else None
-        except HFConversionError:
-            src.checkpoint = None
-        if src.checkpoint is None:
-            raise GenerateError(
-                f"{p}: no complete checkpoint in {ckpt_dir} (its checkpoint.dir) to generate from; "
-                "train it with checkpoint.every > 0 first, or pass --random-init to sample from "
-                "the config's random initialisation"
-            )
-        return src
+        return _run_config_source(p, overrides, random_init)
     if random_init:
         raise GenerateError(f"--random-init: only for a run config (YAML) SOURCE, got {source}")
     if not p.is_dir():
         raise GenerateError(f"{source}: no such file or directory; {SOURCES}")
     if (p / "config.json").is_file() and not (p / "model.yaml").is_file():
         hf = read_hf_config(p)
-        model = config_from_hf(hf)
-        cfg = _config_around(model, overrides, f"{p} (config.json)")
+        cfg = _config_around(config_from_hf(hf), overrides, f"{p} (config.json)")
         eos = hf.get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) and eos else eos
         return Source(
@@ -198,9 +203,35 @@ def _open_source(source: str, overrides, random_init: bool) -> Source:
     if ckpt.step is None:
         cfg = _config_around(read_model_config(p), overrides, f"{p}/model.yaml")
         return Source("converted", p, cfg, checkpoint=ckpt, tokenizer=_beside(p), special_tokens=True)
+    return _training_checkpoint_source(p, ckpt, overrides)
+
+
+def _run_config_source(p: Path, overrides, random_init: bool) -> Source:
+    """A run config: its newest complete checkpoint (or its random init, asked for)."""
+    cfg = load_config(p, overrides)
+    ckpt_dir = Path(cfg.checkpoint_dir)
+    src = Source("config", p, cfg, tokenizer=_run_tokenizer(cfg), max_len=cfg.train.seq_len)
+    if random_init:
+        src.random_init = True
+        return src
+    try:
+        src.checkpoint = resolve_checkpoint(ckpt_dir) if _has_step_dirs(ckpt_dir) else None
+    except HFConversionError:
+        src.checkpoint = None
+    if src.checkpoint is None:
+        raise GenerateError(
+            f"{p}: no complete checkpoint in {ckpt_dir} (its checkpoint.dir) to generate from; "
+            "train it with checkpoint.every > 0 first, or pass --random-init to sample from "
+            "the config's random initialisation"
+        )
+    return src
+
+
+def _training_checkpoint_source(p: Path, ckpt, overrides) -> Source:
+    """A training checkpoint: the config the run saved with the step, overrides applied."""
     try:
         saved = ckpt.reader.read_meta(ckpt.step)["config"]
-    except Exception as e:  # noqa: BLE001 - a missing/unreadable meta item surfaces as many types
+    except Exception as e:  # a missing or unreadable meta item surfaces as many types
         ckpt.close()
         raise GenerateError(f"checkpoint {ckpt}: its saved config is unreadable ({type(e).__name__})") from e
     try:
@@ -219,9 +250,6 @@ def _open_source(source: str, overrides, random_init: bool) -> Source:
 def _config_around(model: ModelConfig, overrides, where: str) -> Config:
     """A default Config around the weights' model, overrides applied; architecture keys
     may not change (the weights fix them)."""
-    from jaxtrain.config import to_dict
-    from jaxtrain.convert import architecture_of
-
     data = {"model": to_dict(model)}
     for text in overrides:
         _set_dotted(data, *parse_override(text))
@@ -264,8 +292,6 @@ class Tokenizer:
     """The prompt's ids, and the text of new ids, for `byte` or a tokenizers JSON file."""
 
     def __init__(self, spec: str, *, vocab_size: int, special_tokens: bool = False):
-        from jaxtrain.data import DataError, load_tokenizer
-
         if spec == "byte":
             n = 257  # bytes + EOS
         else:
@@ -283,8 +309,6 @@ class Tokenizer:
         if spec == "byte":
             self._hf, self.eos_id = None, 256
         else:
-            import tokenizers
-
             self._hf = tokenizers.Tokenizer.from_str(tok.json_bytes.decode("utf-8"))
             self.eos_id = tok.eos_id
 
@@ -335,10 +359,6 @@ class Tokenizer:
 def make_mesh(cfg: Config, devices=None):
     """The config's mesh over the first devices it needs (-1: all of them); the DCN
     degrees fold into data / fsdp, as one host runs it."""
-    import jax
-
-    from jaxtrain import sharding
-
     devices = list(jax.devices() if devices is None else devices)
     sizes = cfg.mesh.sizes()
     for axis, n in cfg.mesh.dcn_sizes().items():
@@ -362,17 +382,12 @@ def make_mesh(cfg: Config, devices=None):
     return sharding.make_mesh(ici, devices[:need])
 
 
-def load_model(src: Source, mesh):
+def load_model(src: Source, mesh, cfg: Config | None = None):
     """The Transformer with its weights read straight into their shardings on `mesh`
-    (run under `jax.set_mesh(mesh)` and the config's axis rules)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxtrain import head_sharding, models, sharding
-
-    cfg, mcfg = src.cfg, src.cfg.model
-    rules = head_sharding.axis_rules(cfg, mesh.shape)
+    (run under `jax.set_mesh(mesh)` and the config's axis rules). `cfg`: the source's config
+    resolved for the mesh (default: resolved here)."""
+    cfg = resolve_for_mesh(src.cfg, mesh) if cfg is None else cfg
+    mcfg, rules = cfg.model, axis_rules(cfg)
     make = lambda: models.Transformer(mcfg, rngs=nnx.Rngs(cfg.seed))
     graphdef, abstract = models.abstract_model(make)
     shapes = nnx.to_pure_dict(abstract)
@@ -381,15 +396,11 @@ def load_model(src: Source, mesh):
         init = jax.jit(lambda: nnx.to_pure_dict(nnx.state(make(), nnx.Param)), out_shardings=shardings)
         params = init()
     elif src.kind == "hf":
-        from jaxtrain.models.hf import load_hf_params
-
         host = load_hf_params(src.path, mcfg)
         params = jax.tree.map(
             lambda x, s, sh: jax.device_put(jnp.asarray(x, s.dtype), sh), host, shapes, shardings
         )
     else:
-        from jaxtrain.convert import load_params
-
         target = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
         )
@@ -448,11 +459,6 @@ def run(
     """Tokenize, build the mesh, load the weights, and stream: `write` gets each new token's
     text as it is produced (one call per token; '' for a token that completes no character)
     and a newline at the end; `log` a line before and after. Returns what was generated."""
-    import jax
-
-    from jaxtrain import head_sharding, sharding
-    from jaxtrain.models.generation import stream
-
     spec = src.tokenizer
     if spec is None:
         raise GenerateError(f"{src.path}: no tokenizer.json there; pass --tokenizer byte or a tokenizer.json")
@@ -464,19 +470,16 @@ def run(
     eos = src.eos_id if src.eos_id is not None and src.eos_id < src.cfg.model.vocab_size else tok.eos_id
     _check_sampling(temperature, top_k, top_p, src.cfg.model.vocab_size)
     mesh = make_mesh(src.cfg, devices)
-    rules = head_sharding.axis_rules(src.cfg, mesh.shape)
-    with jax.set_mesh(mesh), sharding.axis_rules(rules):
-        model = load_model(src, mesh)
+    cfg = resolve_for_mesh(src.cfg, mesh)  # attention and sharding choices for these devices
+    with jax.set_mesh(mesh), sharding.axis_rules(axis_rules(cfg)):
+        model = load_model(src, mesh, cfg)
         shape = {a: s for a, s in mesh.shape.items() if s > 1} or "one device"
         cut = f" (the {max_len}-position context allows {room})" if room < max_new_tokens else ""
         log(
             f"generating from {src.describe()}: mesh {shape}, tokenizer {tok.spec}, "
             f"{len(ids)} prompt tokens, up to {max_new_tokens} new{cut}"
         )
-        push = tok.detokenizer(ids)
-        new: list[int] = []
         t0 = time.perf_counter()
-        times: list[float] = []  # when each token arrived
         steps = stream(
             model,
             [ids],
@@ -487,13 +490,7 @@ def run(
             seed=seed,
             eos_id=eos,
         )
-        for step in steps:
-            times.append(time.perf_counter() - t0)
-            new.append(int(step[0]))
-            if new[-1] == eos:
-                break
-            write(push(new[-1]))
-        write(push(None) + "\n")
+        new, times = _print_tokens(steps, tok.detokenizer(ids), eos, write, t0)
         seconds = time.perf_counter() - t0
     stop = "eos" if new and new[-1] == eos else ("context" if room < max_new_tokens else "max_new_tokens")
     text = tok.continuation(ids, [i for i in new if i != eos])
@@ -505,6 +502,20 @@ def run(
         f"(compiles included){rate}"
     )
     return Generation(text, ids, new, stop, times[0], seconds)
+
+
+def _print_tokens(steps, push, eos: int, write, t0: float) -> tuple[list[int], list[float]]:
+    """Write each sampled token's text as it comes (up to EOS); (the new ids, when each came)."""
+    new: list[int] = []
+    times: list[float] = []
+    for step in steps:
+        times.append(time.perf_counter() - t0)
+        new.append(int(step[0]))
+        if new[-1] == eos:
+            break
+        write(push(new[-1]))
+    write(push(None) + "\n")
+    return new, times
 
 
 def _check_sampling(temperature, top_k, top_p, vocab_size: int) -> None:

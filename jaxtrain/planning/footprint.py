@@ -27,8 +27,11 @@ import dataclasses
 import math
 import os
 
+import jax
+
 from jaxtrain.config import Config, ConfigError
-from jaxtrain.loss_chunk import resolve as resolve_loss_chunk
+from jaxtrain.models.moe import capacity, receive_rows
+from jaxtrain.sharding import hardware
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -94,13 +97,10 @@ def host_memory_bytes() -> int | None:
 def device_memory_bytes(device) -> tuple[int | None, int]:
     """(bytes one device can hold, devices sharing that memory) for a jax device."""
     if device.platform == "cpu":
-        import jax
-
         return host_memory_bytes(), jax.local_device_count()
     stats = getattr(device, "memory_stats", lambda: None)() or {}
     if stats.get("bytes_limit"):
         return int(stats["bytes_limit"]), 1
-    from jaxtrain.sharding import hardware
 
     chip = hardware.chip_for_device_kind(getattr(device, "device_kind", ""))
     return (chip.hbm_bytes if chip else None), 1
@@ -169,9 +169,9 @@ def _gib(n: int) -> str:
 #                  buffers)
 #   weights      = 3 x E/ep x D x F / tensor x p  one MoE layer's experts, gathered whole inside
 #                  the shard_map: in the working set, and kept per MoE layer under remat none
-# On CPU under remat none, each layer's matmul weights gathered over fsdp (models/layers.py
-# matmul_weight) are kept for the backward too: (P_layers - P_experts) x a / tensor in all
-# (not with pipeline stages, whose backward recomputes each stage).
+# With model.cpu_tuning in bfloat16 under remat none, each layer's matmul weights gathered over
+# fsdp (models/cpu_tuning.py) are kept for the backward too: (P_layers - P_experts) x a / tensor in
+# all (not with pipeline stages, whose backward recomputes each stage).
 # total = state + saved + working set + logits.
 
 #: The remat policies in order of cost (recomputed FLOPs), cheapest first; `auto` walks this.
@@ -259,14 +259,11 @@ def moe_row_factor(cfg: Config, mesh_sizes: dict[str, int]) -> float:
     if m.moe is None:
         return 1.0
     if m.moe.dispatch == "capacity":
-        from jaxtrain.models.moe import capacity
-
         seq = cfg.train.seq_len // max(1, mesh_sizes.get("context", 1))
         return m.moe.num_experts * capacity(seq, m.moe) / (m.moe.top_k * seq)
     ep = max(1, mesh_sizes.get("expert", 1))
     if ep == 1:
         return 1.0
-    from jaxtrain.models.moe import receive_rows
 
     rows, seq = _microbatch_shape(cfg, _mesh_product(mesh_sizes))
     a = rows * seq * m.moe.top_k
@@ -326,64 +323,68 @@ def layer_stack_params(m) -> int:
     return m.param_count(include_embedding=False) - m.d_model - head
 
 
-def estimate(
-    cfg: Config, mesh_sizes: dict[str, int], *, attention_impl: str | None = None, platform: str | None = None
-) -> Estimate:
-    """The step's peak memory per device, estimated (formulas above); `attention_impl` is the
-    resolved one ("pallas": flash, no seq x seq scores kept; "xla": scores materialised);
-    `platform` ("cpu", "tpu", "gpu"; None: not CPU) resolves moe.exchange=auto as the layer
-    does (padded buffers on CPU, ragged elsewhere)."""
+def estimate(cfg: Config, mesh_sizes: dict[str, int]) -> Estimate:
+    """The step's peak memory per device, estimated (formulas above), for a config whose
+    `train.loss_chunk` is resolved (planning/resolve.py; `model.remat` is the policy to
+    estimate). The attention implementation, the MoE exchange and model.cpu_tuning are read
+    as the model reads them (`auto` as the portable default: xla, padded, off)."""
     m, t = cfg.model, cfg.train
+    if t.loss_chunk == "auto":
+        raise ValueError(
+            "footprint.estimate: train.loss_chunk=auto: resolve the config first (planning/resolve.py)"
+        )
     size = _mesh_product(mesh_sizes)
     stages = size("stage")
     p = _BYTES.get(m.param_dtype, 4)
-    a = _BYTES.get(m.compute_dtype, 4)
     per_param = 2 * p + 2 * p / _moment_shards(cfg, size) + (4 if t.microbatches > 1 else 0)
     stack, experts = layer_stack_params(m), expert_params(m)
     # the routed experts shard over expert too; every other parameter only over fsdp x tensor
     state = (stack - experts) / stages + m.param_count() - stack
     state = (state + experts / (stages * size("expert"))) * per_param / size("fsdp", "tensor")
+    saved, working, att_rows = _activations(cfg, mesh_sizes)
+    rows, seq = _microbatch_shape(cfg, size)
+    tp, a = size("tensor"), _BYTES.get(m.compute_dtype, 4)
+    if m.attention_impl in ("xla", "auto"):  # [rows, heads, seq, seq] probs and f32 scores, one layer
+        working += att_rows * max(1, m.n_heads // tp) * seq * t.seq_len * (a + 4)
+    if t.loss_chunk:  # trainer/loss.py: one chunk of logits live, plus d loss / d x in f32
+        chunk = max(1, min(seq, t.loss_chunk // size("context")))
+        logits = 2 * 4 * rows * chunk * max(1, m.vocab_size // tp) + 4 * rows * seq * m.d_model
+    else:
+        logits = 2 * 4 * rows * seq * max(1, m.vocab_size // tp)
+    logits /= stages  # outside the pipeline the compiler spreads the head over stage too (compiled)
+    return Estimate(state=int(state), saved=int(saved), working=int(working), logits=int(logits))
+
+
+def _activations(cfg: Config, mesh_sizes: dict[str, int]) -> tuple[float, float, float]:
+    """(saved, working set, rows of one attention's scores) of `estimate` (formulas above)."""
+    m = cfg.model
+    size = _mesh_product(mesh_sizes)
+    stages, tp, a = size("stage"), size("tensor"), _BYTES.get(m.compute_dtype, 4)
     rows, seq = _microbatch_shape(cfg, size)
     tokens = rows * seq
-    tp = size("tensor")
     moe = {}
     if m.moe is not None:
-        exchange = (
-            m.moe.exchange if m.moe.exchange != "auto" else ("padded" if platform == "cpu" else "ragged")
-        )
-        moe = dict(moe_rows=moe_row_factor(cfg, mesh_sizes), ep=size("expert"), padded=exchange == "padded")
+        padded = m.moe.exchange in ("padded", "auto")
+        moe = dict(moe_rows=moe_row_factor(cfg, mesh_sizes), ep=size("expert"), padded=padded)
     kept = saved_bytes_per_token(m, m.remat, tp, m.remat_custom, **moe)
     expert_weights = moe_weight_bytes(cfg, mesh_sizes)  # one MoE layer's, gathered
     moe_layers = m.moe.num_moe_layers(m) if m.moe is not None else 0
-    if stages > 1:  # sharding/pipeline.py: each iteration keeps only its stage's input
-        pm = cfg.pipeline.resolved_microbatches(stages)
-        reps = cfg.pipeline.repeats
-        iterations = pm * reps + stages - 1
-        t_pm = tokens / pm  # tokens of one pipeline microbatch
-        saved = iterations * t_pm * m.d_model * a  # stage inputs kept for the backward
-        saved += 2 * tokens * m.d_model * a  # the microbatch buffers in and out (not on stage)
-        saved += m.n_layers / (stages * reps) * t_pm * kept  # one iteration's backward
-        if m.remat == "none":
-            saved += moe_layers / (stages * reps) * expert_weights
-        working = t_pm * layer_bytes_per_token(m, tp, **moe) + expert_weights
-        # the iteration's block of layers gathered whole (fsdp) in the parameter dtype: the
-        # stage recompute holds its weights (or their unreduced gradients) at once
-        working += stack / (stages * reps) * p / (tp * size("expert"))
-        att_rows = rows / pm
-    else:
+    if stages == 1:
         saved = m.n_layers * tokens * kept + (moe_layers * expert_weights if m.remat == "none" else 0)
-        if platform == "cpu" and m.remat == "none":  # gathered matmul weights (models/layers.py)
-            saved += (stack - experts) * a / tp
-        working = tokens * layer_bytes_per_token(m, tp, **moe) + expert_weights
-        att_rows = rows
-    impl = attention_impl or m.attention_impl
-    if impl == "xla":  # [rows, heads, seq, seq] probabilities and f32 scores of one layer
-        working += att_rows * max(1, m.n_heads // tp) * seq * t.seq_len * (a + 4)
-    loss_chunk = resolve_loss_chunk(cfg, mesh_sizes)[0]  # `auto` resolved as the run will
-    if loss_chunk:  # jaxtrain/chunked_loss.py: one chunk of logits live, plus d loss / d x in f32
-        chunk = max(1, min(seq, loss_chunk // size("context")))
-        logits = 2 * 4 * rows * chunk * max(1, m.vocab_size // tp) + 4 * tokens * m.d_model
-    else:
-        logits = 2 * 4 * tokens * max(1, m.vocab_size // tp)
-    logits /= stages  # outside the pipeline the compiler spreads the head over stage too (compiled)
-    return Estimate(state=int(state), saved=int(saved), working=int(working), logits=int(logits))
+        if m.gathers_weights_once and m.remat == "none":  # gathered matmul weights (models/cpu_tuning.py)
+            saved += (layer_stack_params(m) - expert_params(m)) * a / tp
+        return saved, tokens * layer_bytes_per_token(m, tp, **moe) + expert_weights, rows
+    # sharding/pipeline.py: each iteration keeps only its stage's input
+    pm, reps = cfg.pipeline.resolved_microbatches(stages), cfg.pipeline.repeats
+    iterations = pm * reps + stages - 1
+    t_pm = tokens / pm  # tokens of one pipeline microbatch
+    saved = iterations * t_pm * m.d_model * a  # stage inputs kept for the backward
+    saved += 2 * tokens * m.d_model * a  # the microbatch buffers in and out (not on stage)
+    saved += m.n_layers / (stages * reps) * t_pm * kept  # one iteration's backward
+    if m.remat == "none":
+        saved += moe_layers / (stages * reps) * expert_weights
+    working = t_pm * layer_bytes_per_token(m, tp, **moe) + expert_weights
+    # the iteration's block of layers gathered whole (fsdp) in the parameter dtype: the
+    # stage recompute holds its weights (or their unreduced gradients) at once
+    working += layer_stack_params(m) / (stages * reps) * _BYTES.get(m.param_dtype, 4) / (tp * size("expert"))
+    return saved, working, rows / pm

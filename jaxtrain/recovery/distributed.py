@@ -26,6 +26,7 @@ address and exits EXIT_PEER_LOST with one line naming the lost coordinator
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import signal
@@ -34,6 +35,10 @@ import subprocess
 import sys
 import threading
 import time
+
+import jax
+from jax._src import clusters
+from jax._src import distributed as jax_distributed
 
 from jaxtrain.config import DistributedConfig
 
@@ -56,8 +61,6 @@ _watchdog: PeerWatchdog | None = None
 
 def detect_cluster() -> str | None:
     """The cluster environment JAX would auto-detect here (TPU pod, SLURM, ...), or None."""
-    from jax._src import clusters  # the list jax.distributed.initialize() itself walks
-
     for env in clusters.ClusterEnv._cluster_types:
         try:
             if not env.opt_in_only_method and env.is_env_present():
@@ -70,7 +73,6 @@ def detect_cluster() -> str | None:
 def initialize(cfg: DistributedConfig) -> Membership | None:
     """Join the multi-process job described by `cfg` (or detected); None if single-process."""
     global _membership, _watchdog
-    import jax
 
     backstop = cfg.heartbeat_timeout + max(10, cfg.heartbeat_timeout // 2)
     timeouts = dict(
@@ -87,7 +89,6 @@ def initialize(cfg: DistributedConfig) -> Membership | None:
         jax.distributed.initialize(**timeouts)
     else:
         return None
-    from jax._src import distributed as jax_distributed
 
     state = jax_distributed.global_state
     _membership = Membership(
@@ -110,8 +111,6 @@ def membership() -> Membership | None:
 
 def describe_topology() -> str:
     """One line about the job this process joined (call after the backend is up)."""
-    import jax
-
     m = _membership
     local = jax.local_devices()
     kind = local[0].device_kind if local else "?"
@@ -233,8 +232,6 @@ def _die_with_parent() -> None:
     """In the worker (Linux): SIGKILL it if the supervisor dies, so that killing the
     supervisor alone never leaves an orphan holding devices."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass

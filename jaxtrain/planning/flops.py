@@ -16,6 +16,9 @@ from __future__ import annotations
 import functools
 import time
 
+import jax
+import jax.numpy as jnp
+
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.sharding.hardware import peak_flops_for_device_kind
 
@@ -42,9 +45,6 @@ def measure_matmul_flops(
     200 reads 4.18e11 every time (best of 20 there: 4.05-4.10e11); half a second of runs
     (about 100) read 4.11-4.15e11 in three fresh processes.
     """
-    import jax
-    import jax.numpy as jnp
-
     a = jnp.ones((n, n), dtype)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()

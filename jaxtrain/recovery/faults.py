@@ -1,7 +1,7 @@
 """Numerical fault policy: which steps are faults, and what to do after a run of them.
 
 Each step is judged inside the jitted step, before its update is applied
-(`train_step.judge_step`): a *fault* is a loss or gradient that is not finite,
+(trainer/step.py `judge_step`): a *fault* is a loss or gradient that is not finite,
 or a loss above `faults.spike_factor` x the median of the last
 `faults.spike_window` good losses; a faulty step's update is skipped and its
 `fault` metric says why. This monitor, on the host, reads those verdicts in
@@ -42,7 +42,7 @@ class Streak:
         return self.last_step - self.first_step + 1
 
 
-# The step's `fault` metric (set by train_step.judge_step): why its update was
+# The step's `fault` metric (set by trainer/step.py judge_step): why its update was
 # skipped, and the name used in messages.
 FAULT_NONE, FAULT_NONFINITE, FAULT_SPIKE = 0, 1, 2
 FAULT_REASONS = {FAULT_NONE: None, FAULT_NONFINITE: "nonfinite", FAULT_SPIKE: "spike"}

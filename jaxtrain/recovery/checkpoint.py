@@ -51,10 +51,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 from jaxtrain.data import storage
-from jaxtrain.train_step import TrainProgram, TrainState
+from jaxtrain.trainer.program import TrainProgram
+from jaxtrain.trainer.step import TrainState
 
 
 def checkpoint_path(directory: str | os.PathLike) -> epath.Path:
@@ -185,8 +187,6 @@ def _all_processes_agree(ok: bool) -> bool:
     """True only if `ok` holds on every process (so all take the same branch)."""
     if jax.process_count() == 1:
         return ok
-    import numpy as np
-    from jax.experimental import multihost_utils
 
     return bool(np.all(multihost_utils.process_allgather(np.asarray(int(ok)))))
 
@@ -446,8 +446,6 @@ class Checkpointer:
         if jax.process_index() == 0:
             storage.move_tree(src, dst)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"jaxtrain_set_aside_{step}")
         self.manager.reload()
         return dst

@@ -1,4 +1,4 @@
-"""`jaxtrain plan`: search mesh, remat and microbatches for a target; `model.remat: auto`.
+"""`jaxtrain plan`: search mesh, remat and microbatches for a target.
 
 Users of every stack spend days choosing the mesh factorisation, the remat policy and
 the gradient-accumulation count by trial and error. The planner does it in three steps:
@@ -11,12 +11,13 @@ the gradient-accumulation count by trial and error. The planner does it in three
 2. prune with the analytic model: invalid shapes (the reason names the numbers), and
    memory estimates (footprint.estimate) over `headroom` x HBM; rank the rest by the
    analytic step time (roofline FLOPs + communication, `analytic_step`);
-3. confirm the best `top` by deviceless compile (jaxtrain.compile.compile_report): the
+3. confirm the best `top` by deviceless compile (planning/compile.py `compile_report`): the
    compiler's memory verdict, and on TPU its cost-model step time, which then ranks them.
    GPU compiles carry no cost estimate, so GPU candidates stay ranked by the analytic model.
 
-`resolve_remat` is `model.remat: auto`: the cheapest policy whose estimate fits the
-devices in use, by the same memory model.
+Each candidate's other `auto` settings (head sharding, loss chunks, attention, MoE exchange)
+are resolved for its mesh by planning/resolve.py, as `jaxtrain train` would resolve them;
+`model.remat: auto` uses the same memory model (footprint.estimate).
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ import dataclasses
 import itertools
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from jaxtrain.config import Config, ConfigError
-from jaxtrain.footprint import (
+import yaml
+
+from jaxtrain.config import Config, ConfigError, to_dict, validate
+from jaxtrain.planning.compile import Target, compile_report, config_for_target
+from jaxtrain.planning.flops import flops_per_token
+from jaxtrain.planning.footprint import (
     REMAT_BY_COST,
     SAVED_NAMES,
     estimate,
@@ -37,11 +42,11 @@ from jaxtrain.footprint import (
     moe_row_factor,
     remat_policies,
 )
-from jaxtrain.head_sharding import head_rows_per_device
-from jaxtrain.head_sharding import resolve as resolve_head
+from jaxtrain.planning.resolve import REMAT_HEADROOM, Placement, head_rows_per_device, resolve
+from jaxtrain.sharding import hardware
 
 GiB = 2**30
-HEADROOM = 0.9  # the analytic estimate must fit in this fraction of HBM
+HEADROOM = REMAT_HEADROOM  # the analytic estimate must fit in this fraction of HBM
 SEARCH_REMAT = tuple(p for p in REMAT_BY_COST if p != "save_matmuls")  # same memory as minimal
 MICROBATCHES = (1, 2, 4, 8, 16)
 PIPELINE_MICROBATCHES = (1, 2, 4)  # x mesh.stage
@@ -220,8 +225,6 @@ def invalid_reason(cfg: Config, cand: Candidate, num_devices: int) -> str | None
         return f"seq_len={t.seq_len} is not a multiple of 2 x context={s['context']}"
     if s["expert"] > 1 and (m.moe is None or m.moe.num_experts % s["expert"]):
         return f"expert={s['expert']} does not divide num_experts={m.moe.num_experts if m.moe else 0}"
-    from jaxtrain.config import validate
-
     try:
         validate(apply(cfg, cand), num_devices=num_devices)
     except ConfigError as e:
@@ -293,7 +296,7 @@ def analytic_step(cfg: Config, mesh: dict[str, int], chip, per_host: int) -> dic
     context   = microbatches x 3 L x (context-1) x T x 2 K hd x a / W  (ring K/V passes, fwd + bwd)
     expert    = microbatches x 4 L_moe x T x top_k x D x a x (expert-1)/expert / W (all-to-alls)
     head      = microbatches x 2 x R x D x a x (fsdp-1)/fsdp / W, when the head is vocab-parallel
-                (mesh.head_sharding, jaxtrain/head_sharding.py; R = its rows per device): the
+                (mesh.head_sharding, planning/resolve.py; R = its rows per device): the
                 final activations gathered and their gradient summed; fsdp then leaves out the
                 head's vocab x D, which is no longer gathered
     step      = max(compute, fsdp + data + context) + tensor + expert + stage + head
@@ -314,73 +317,16 @@ def analytic_step(cfg: Config, mesh: dict[str, int], chip, per_host: int) -> dic
                 (each iteration gathers its stage's weights; embedding and head once)
     stage     = 2 x I x T/M x D x a / W       (the shift between stages, forward and backward)
     data      = as above, with P / S of the layers' parameters per device
+    `cfg` is resolved for this mesh (planning/resolve.py: the head's sharding in particular).
     """
-    from jaxtrain.flops import flops_per_token
-
     m, t = cfg.model, cfg.train
-    n = math.prod(mesh.values())
-    p = {"float32": 4, "bfloat16": 2, "float16": 2}[m.param_dtype]
-    a = {"float32": 4, "bfloat16": 2, "float16": 2}[m.compute_dtype]
-    tokens_dev = t.global_batch_size * t.seq_len / n
-    model = flops_per_token(m, t.seq_len) * tokens_dev
     peak = chip.peak_flops("bfloat16" if m.compute_dtype != "float32" else "float32") or chip.bf16_flops
-    g = lambda ax: mesh.get(ax, 1)
     bw = lambda ax: _axis_bandwidth(chip, mesh, ax, per_host)
-    recompute = recompute_flops_per_token(cfg)
-    stages = g("stage")
-    stack = layer_stack_params(m)
-    if stages > 1:
-        pm, reps = cfg.pipeline.resolved_microbatches(stages), cfg.pipeline.repeats
-        iterations = pm * reps + stages - 1
-        inflate = iterations / (pm * reps)  # 1 / (1 - bubble)
-        recompute += recompute_flops_per_token(cfg, "full")  # the stage's forward, again
-    else:
-        pm = reps = iterations = 1
-        inflate = 1.0
-    # XLA's cost model charges the expert matmuls over every row of their buffer (ragged_dot
-    # over the receive buffer, capacity slots): (r - 1) x the routed experts' FLOPs on top
-    padding = 0.0
-    if m.moe is not None:
-        r = moe_row_factor(cfg, mesh)
-        padding = (r - 1) * 18 * m.moe.top_k * m.d_model * m.moe.mlp_dim(m) * m.moe.num_moe_layers(m)
-    compute = (model + (recompute + padding) * tokens_dev) * inflate / peak
-    layers = m.n_layers / stages * inflate  # layer passes per device, per microbatch
-    params = m.param_count()
-    mb = t.microbatches
-    tok_mb = t.global_batch_size * t.seq_len / (g("data") * g("fsdp") * g("expert") * g("context") * mb)
-    comm = {}
-    f = g("fsdp")
-    # the share of a device's parameters it holds over fsdp: the routed experts split over
-    # expert as well, everything else only over tensor
-    share = expert_params(m) / params
-    te = g("tensor") / (1 - share + share / g("expert"))
-    gathered = iterations * stack / (stages * reps) + params - stack if stages > 1 else params
-    comm["head"] = 0.0
-    if f > 1 and resolve_head(cfg, mesh)[0] == "vocab":
-        gathered -= m.vocab_size * m.d_model
-        rows = head_rows_per_device(cfg, mesh)
-        comm["head"] = mb * 2 * rows * m.d_model * a * (f - 1) / f / bw("fsdp")
-    comm["fsdp"] = mb * 3 * gathered / te * p * (f - 1) / f / bw("fsdp") if f > 1 else 0
-    grads = (stack / stages + params - stack) / (f * te) * 4
-    comm["data"] = sum(2 * grads * (g(ax) - 1) / g(ax) / bw(ax) for ax in ("data", "context") if g(ax) > 1)
-    tp = g("tensor")
-    comm["tensor"] = (
-        mb * 4 * layers * 2 * tok_mb * m.d_model * a * (tp - 1) / tp / bw("tensor") if tp > 1 else 0
-    )
-    c = g("context")
-    comm["context"] = (
-        mb * 3 * layers * (c - 1) * tok_mb * 2 * m.n_kv_heads * m.resolved_head_dim * a / bw("context")
-        if c > 1
-        else 0
-    )
-    e = g("expert")
-    moe_layers = (m.moe.num_moe_layers(m) if m.moe else 0) * layers / m.n_layers
-    comm["expert"] = (
-        mb * 4 * moe_layers * tok_mb * m.moe.top_k * m.d_model * a * (e - 1) / e / bw("expert")
-        if e > 1 and m.moe
-        else 0
-    )
-    comm["stage"] = 2 * iterations * tok_mb / pm * m.d_model * a / bw("stage") if stages > 1 else 0
+    pipe = _pipeline_terms(cfg, mesh.get("stage", 1))
+    tokens_dev = t.global_batch_size * t.seq_len / math.prod(mesh.values())
+    model = flops_per_token(m, t.seq_len) * tokens_dev
+    compute = (model + _extra_flops_per_token(cfg, mesh, pipe) * tokens_dev) * pipe.inflate / peak
+    comm = {**_weight_traffic(cfg, mesh, bw, pipe), **_activation_traffic(cfg, mesh, bw, pipe)}
     step = max(compute, comm["fsdp"] + comm["data"] + comm["context"])
     step += comm["tensor"] + comm["expert"] + comm["stage"] + comm["head"]
     return {
@@ -388,6 +334,89 @@ def analytic_step(cfg: Config, mesh: dict[str, int], chip, per_host: int) -> dic
         **{k + "_s": v for k, v in comm.items()},
         "step_s": step,
         "mfu": model / (step * peak),
+    }
+
+
+class _Pipe(NamedTuple):
+    """Pipeline terms of analytic_step: stages S, microbatches M, repeats R, iterations I."""
+
+    stages: int
+    microbatches: int
+    repeats: int
+    iterations: int
+    inflate: float  # I / (M R) = 1 / (1 - bubble)
+
+
+def _pipeline_terms(cfg: Config, stages: int) -> _Pipe:
+    if stages <= 1:
+        return _Pipe(1, 1, 1, 1, 1.0)
+    pm, reps = cfg.pipeline.resolved_microbatches(stages), cfg.pipeline.repeats
+    iterations = pm * reps + stages - 1
+    return _Pipe(stages, pm, reps, iterations, iterations / (pm * reps))
+
+
+def _extra_flops_per_token(cfg: Config, mesh: dict[str, int], pipe: _Pipe) -> float:
+    """FLOPs per token beyond the model's: remat recompute (with stages, each iteration's
+    stage forward again), and the MoE buffer's padding rows, which XLA's cost model charges
+    (ragged_dot over the receive buffer, capacity slots): (r - 1) x the routed experts' FLOPs."""
+    m = cfg.model
+    extra = recompute_flops_per_token(cfg)
+    if pipe.stages > 1:
+        extra += recompute_flops_per_token(cfg, "full")
+    if m.moe is not None:
+        r = moe_row_factor(cfg, mesh)
+        extra += (r - 1) * 18 * m.moe.top_k * m.d_model * m.moe.mlp_dim(m) * m.moe.num_moe_layers(m)
+    return extra
+
+
+def _weight_traffic(cfg: Config, mesh: dict[str, int], bw, pipe: _Pipe) -> dict[str, float]:
+    """Seconds of the weight and gradient collectives per step: fsdp, data (and context),
+    and the vocab-parallel head's activations (analytic_step's formulas)."""
+    m, mb = cfg.model, cfg.train.microbatches
+    g = lambda ax: mesh.get(ax, 1)
+    p = {"float32": 4, "bfloat16": 2, "float16": 2}[m.param_dtype]
+    a = {"float32": 4, "bfloat16": 2, "float16": 2}[m.compute_dtype]
+    params, stack, f = m.param_count(), layer_stack_params(m), g("fsdp")
+    # the share of a device's parameters it holds over fsdp: the routed experts split over
+    # expert as well, everything else only over tensor
+    share = expert_params(m) / params
+    te = g("tensor") / (1 - share + share / g("expert"))
+    gathered = params
+    if pipe.stages > 1:
+        gathered = pipe.iterations * stack / (pipe.stages * pipe.repeats) + params - stack
+    out = {"head": 0.0}
+    if f > 1 and cfg.mesh.head_sharding == "vocab":
+        gathered -= m.vocab_size * m.d_model
+        out["head"] = mb * 2 * head_rows_per_device(cfg, mesh) * m.d_model * a * (f - 1) / f / bw("fsdp")
+    out["fsdp"] = mb * 3 * gathered / te * p * (f - 1) / f / bw("fsdp") if f > 1 else 0
+    grads = (stack / pipe.stages + params - stack) / (f * te) * 4
+    out["data"] = sum(2 * grads * (g(ax) - 1) / g(ax) / bw(ax) for ax in ("data", "context") if g(ax) > 1)
+    return out
+
+
+def _activation_traffic(cfg: Config, mesh: dict[str, int], bw, pipe: _Pipe) -> dict[str, float]:
+    """Seconds of the activation collectives per step, on the critical path: tensor,
+    context, expert and the pipeline's shift between stages (analytic_step's formulas)."""
+    m, t = cfg.model, cfg.train
+    g = lambda ax: mesh.get(ax, 1)
+    a = {"float32": 4, "bfloat16": 2, "float16": 2}[m.compute_dtype]
+    mb = t.microbatches
+    layers = m.n_layers / pipe.stages * pipe.inflate  # layer passes per device, per microbatch
+    tok_mb = t.global_batch_size * t.seq_len / (g("data") * g("fsdp") * g("expert") * g("context") * mb)
+    tp, c, e = g("tensor"), g("context"), g("expert")
+    moe_layers = (m.moe.num_moe_layers(m) if m.moe else 0) * layers / m.n_layers
+    kv = 2 * m.n_kv_heads * m.resolved_head_dim
+    return {
+        "tensor": mb * 4 * layers * 2 * tok_mb * m.d_model * a * (tp - 1) / tp / bw("tensor")
+        if tp > 1
+        else 0,
+        "context": mb * 3 * layers * (c - 1) * tok_mb * kv * a / bw("context") if c > 1 else 0,
+        "expert": mb * 4 * moe_layers * tok_mb * m.moe.top_k * m.d_model * a * (e - 1) / e / bw("expert")
+        if e > 1 and m.moe
+        else 0,
+        "stage": 2 * pipe.iterations * tok_mb / pipe.microbatches * m.d_model * a / bw("stage")
+        if pipe.stages > 1
+        else 0,
     }
 
 
@@ -400,7 +429,7 @@ def _gib(x: float | None) -> str:
 
 def plan(
     cfg: Config,
-    target,
+    target: Target,
     *,
     top: int = 3,
     hbm_bytes: int | None = None,
@@ -409,92 +438,25 @@ def plan(
     charge_kernels: bool = True,
     log=lambda message: None,
 ) -> Plan:
-    """Search, prune and confirm (module docstring). `target` is a jaxtrain.compile.Target;
-    `hbm_bytes` overrides its device memory (a smaller device, for what-ifs and tests) both
-    for the analytic check and for the compiled verdict."""
-    from jaxtrain.compile import compile_report, config_for_target
-    from jaxtrain.models.attention import resolve_impl
-    from jaxtrain.sharding import hardware
-
+    """Search, prune and confirm (module docstring). `hbm_bytes` overrides the target's device
+    memory (a smaller device, for what-ifs and tests) both for the analytic check and for
+    the compiled verdict."""
     if target.groups > 1:
         raise ConfigError("jaxtrain plan: one slice / host group for now (--slices / --hosts 1)")
     if hbm_bytes is not None:
         target = dataclasses.replace(target, hbm_bytes=int(hbm_bytes))
-    chip = hardware.chip(target.generation)
-    impl = resolve_impl(cfg.model.attention_impl, target.platform)
-    n = target.num_devices
-    rows: list[Row] = []
-    for cand in candidates(cfg, n):
-        row = Row(cand)
-        rows.append(row)
-        row.reason = invalid_reason(cfg, cand, n)
-        if row.reason:
-            continue
-        c = apply(cfg, cand)
-        mesh = dict(cand.mesh)
-        est = estimate(c, mesh, attention_impl=impl, platform=target.platform)
-        row.analytic_bytes = est.total
-        timing = analytic_step(c, mesh, chip, target.chips)
-        row.analytic_step_s, row.analytic_mfu = timing["step_s"], timing["mfu"]
-        row.comm_s = sum(v for k, v in timing.items() if k not in ("compute_s", "step_s", "mfu"))
-        row.compute_s = timing["compute_s"]
-        if est.total > headroom * target.hbm_bytes:
-            row.reason = (
-                f"analytic {_gib(est.total)} GiB > {_gib(target.hbm_bytes)} GiB HBM x {headroom:g} headroom"
-            )
+    rows = [analytic_row(cfg, cand, target, headroom) for cand in candidates(cfg, target.num_devices)]
     feasible = sorted(
         (r for r in rows if r.reason is None),
         key=lambda r: (r.analytic_step_s, r.comm_s, r.compute_s, r.candidate.microbatches, r.analytic_bytes),
     )
     rejected = [r for r in rows if r.reason is not None]
     notes = []
-    can_estimate = target.platform == "tpu"
-    ranked: list[Row] = []
     if compile:
-        budget = 2 * top  # compiles at most: a candidate the compiler refuses is replaced once
-        for row in feasible:
-            if len(ranked) >= top or budget == 0:
-                break
-            budget -= 1
-            c, cand = apply(cfg, row.candidate), row.candidate
-            log(f"compiling {cand.mesh_text()} remat={cand.remat} {cand.batching_text()}")
-            try:
-                c, _, _ = config_for_target(c, target)
-                r = compile_report(c, target, estimate=can_estimate, charge_kernels=charge_kernels)
-            except ConfigError as e:
-                row.reason = f"compile refused the config: {e}"
-                rejected.append(row)
-                continue
-            total = (r.get("memory") or {}).get("total")
-            row.compiled_bytes = total
-            if not r["fits"]:
-                row.reason = (
-                    f"compiled {_gib(total)} GiB does not fit {_gib(target.hbm_bytes)} GiB HBM"
-                    if total
-                    else f"compiled: does not fit ({r.get('compile_error', '')[:120]})"
-                )
-                rejected.append(row)
-                continue
-            row.compiled_step_s, row.compiled_mfu = r.get("step_seconds_est"), r.get("mfu_est")
-            ranked.append(row)
-        if feasible and not ranked:
-            notes.append(
-                f"the compiler refused the {2 * top - budget} fastest analytic candidates: "
-                "raise --top to confirm more, or lower the batch or seq_len"
-            )
-        if can_estimate and ranked and all(r.compiled_step_s is not None for r in ranked):
-            ranked.sort(key=lambda r: r.compiled_step_s)
-            ranked_by = "compiled"
-        else:
-            ranked_by = "analytic"
-            if target.platform == "gpu":
-                notes.append(
-                    "GPU target: XLA:GPU gives no cost estimate, so the compiled candidates are ranked "
-                    "by the analytic model (roofline FLOPs + communication); the compile confirms memory"
-                )
+        ranked, ranked_by, compile_notes = _confirm(cfg, target, feasible, rejected, top, charge_kernels, log)
+        notes += compile_notes
     else:
-        ranked = feasible[:top]
-        ranked_by = "analytic"
+        ranked, ranked_by = feasible[:top], "analytic"
         notes.append("no compile (--no-compile): ranked and sized by the analytic model only")
     if not feasible:
         notes.append("no candidate fits by the analytic model: a bigger target, a smaller batch or seq_len")
@@ -509,6 +471,78 @@ def plan(
         searched=len(rows),
         notes=notes,
     )
+
+
+def analytic_row(cfg: Config, cand: Candidate, target: Target, headroom: float = HEADROOM) -> Row:
+    """The candidate judged by the analytic model: why it cannot run, or its estimated memory
+    and step time (its other `auto` settings resolved for its mesh, as a run would)."""
+    row = Row(cand)
+    row.reason = invalid_reason(cfg, cand, target.num_devices)
+    if row.reason:
+        return row
+    mesh = dict(cand.mesh)
+    c = resolve(apply(cfg, cand), Placement(target.platform, mesh, target.hbm_bytes)).config
+    est = estimate(c, mesh)
+    row.analytic_bytes = est.total
+    timing = analytic_step(c, mesh, hardware.chip(target.generation), target.chips)
+    row.analytic_step_s, row.analytic_mfu = timing["step_s"], timing["mfu"]
+    row.comm_s = sum(v for k, v in timing.items() if k not in ("compute_s", "step_s", "mfu"))
+    row.compute_s = timing["compute_s"]
+    if est.total > headroom * target.hbm_bytes:
+        row.reason = (
+            f"analytic {_gib(est.total)} GiB > {_gib(target.hbm_bytes)} GiB HBM x {headroom:g} headroom"
+        )
+    return row
+
+
+def _confirm(cfg, target, feasible, rejected, top, charge_kernels, log) -> tuple[list[Row], str, list[str]]:
+    """Compile the fastest analytic candidates until `top` fit (at most 2 x top compiles: a
+    candidate the compiler refuses is replaced once); (ranked, ranked by, notes). Refused
+    candidates join `rejected` with the compiler's reason."""
+    can_estimate = target.platform == "tpu"
+    ranked: list[Row] = []
+    budget = 2 * top
+    for row in feasible:
+        if len(ranked) >= top or budget == 0:
+            break
+        budget -= 1
+        cand = row.candidate
+        log(f"compiling {cand.mesh_text()} remat={cand.remat} {cand.batching_text()}")
+        row.reason = _compiled_verdict(row, apply(cfg, cand), target, can_estimate, charge_kernels)
+        (rejected if row.reason else ranked).append(row)
+    notes = []
+    if feasible and not ranked:
+        notes.append(
+            f"the compiler refused the {2 * top - budget} fastest analytic candidates: "
+            "raise --top to confirm more, or lower the batch or seq_len"
+        )
+    if can_estimate and ranked and all(r.compiled_step_s is not None for r in ranked):
+        return sorted(ranked, key=lambda r: r.compiled_step_s), "compiled", notes
+    if target.platform == "gpu":
+        notes.append(
+            "GPU target: XLA:GPU gives no cost estimate, so the compiled candidates are ranked "
+            "by the analytic model (roofline FLOPs + communication); the compile confirms memory"
+        )
+    return ranked, "analytic", notes
+
+
+def _compiled_verdict(row: Row, c: Config, target: Target, can_estimate: bool, charge_kernels: bool):
+    """Compile one candidate; fill its compiled figures and return why it was refused (None: it fits)."""
+    try:
+        c, _, _ = config_for_target(c, target)
+        r = compile_report(c, target, estimate=can_estimate, charge_kernels=charge_kernels)
+    except ConfigError as e:
+        return f"compile refused the config: {e}"
+    total = (r.get("memory") or {}).get("total")
+    row.compiled_bytes = total
+    if not r["fits"]:
+        return (
+            f"compiled {_gib(total)} GiB does not fit {_gib(target.hbm_bytes)} GiB HBM"
+            if total
+            else f"compiled: does not fit ({r.get('compile_error', '')[:120]})"
+        )
+    row.compiled_step_s, row.compiled_mfu = r.get("step_seconds_est"), r.get("mfu_est")
+    return None
 
 
 def format_plan(p: Plan, *, show_rejected: int = 12) -> str:
@@ -553,10 +587,6 @@ def format_plan(p: Plan, *, show_rejected: int = 12) -> str:
 
 def write_config(cfg: Config, cand: Candidate, path: str | Path, *, source: str = "") -> Config:
     """Write the base config with the winning overrides as one loadable YAML; returns it."""
-    import yaml
-
-    from jaxtrain.config import to_dict
-
     out = apply(cfg, cand)
     header = (
         "# Written by `jaxtrain plan`" + (f" from {source}" if source else "") + "; the chosen overrides:\n"
@@ -564,78 +594,3 @@ def write_config(cfg: Config, cand: Candidate, path: str | Path, *, source: str 
     header += "".join(f"#   {k}={v}\n" for k, v in cand.overrides().items())
     Path(path).write_text(header + yaml.safe_dump(to_dict(out), sort_keys=False))
     return out
-
-
-# --- model.remat: auto ----------------------------------------------------------------
-
-
-def resolve_remat(
-    cfg: Config,
-    mesh_sizes: dict[str, int],
-    capacity_bytes: int | None,
-    *,
-    headroom: float = HEADROOM,
-    attention_impl: str | None = None,
-    platform: str | None = None,
-    where: str = "",
-) -> tuple[Config, str | None]:
-    """`model.remat: auto` -> the cheapest policy (footprint.REMAT_BY_COST) whose estimated
-    step memory fits `headroom` x `capacity_bytes` per device; (config, one line saying what
-    and why). Unchanged (and None) when the policy is not auto. Nothing fits: `full`, the
-    smallest, and the line says so (the fit check or the compiler then has the last word)."""
-    m = cfg.model
-    if m.remat != "auto":
-        return cfg, None
-    with_policy = lambda p: dataclasses.replace(cfg, model=dataclasses.replace(m, remat=p))
-    if capacity_bytes is None:
-        return with_policy("none"), "model.remat=auto -> none: device memory unknown"
-    budget = headroom * capacity_bytes
-    where = f" ({where})" if where else ""
-    previous = None
-    for policy in remat_policies(m):
-        need = estimate(
-            with_policy(policy), mesh_sizes, attention_impl=attention_impl, platform=platform
-        ).total
-        if need <= budget:
-            why = f"; {previous[0]} needs {_gib(previous[1])} GiB" if previous else ""
-            return with_policy(policy), (
-                f"model.remat=auto -> {policy}: the cheapest policy that fits, est. {_gib(need)} GiB per "
-                f"device of {_gib(capacity_bytes)} GiB{where} x {headroom:g}{why}"
-            )
-        previous = previous or (policy, need)
-    return with_policy("full"), (
-        f"model.remat=auto -> full: nothing fits, full needs est. {_gib(need)} GiB per device of "
-        f"{_gib(capacity_bytes)} GiB{where} x {headroom:g}"
-    )
-
-
-def resolve_remat_for_devices(
-    cfg: Config, devices, *, headroom: float = HEADROOM
-) -> tuple[Config, str | None]:
-    """resolve_remat for the devices a run uses (CPU: host memory over the simulated devices,
-    as footprint.check_fits)."""
-    if cfg.model.remat != "auto":
-        return cfg, None
-    from jaxtrain.footprint import device_memory_bytes
-    from jaxtrain.models.attention import resolve_impl
-    from jaxtrain.sharding.mesh import mesh_shape_from_sizes
-
-    try:
-        sizes = mesh_shape_from_sizes(cfg.mesh.sizes(), len(devices))
-    except ValueError:
-        sizes = {}  # validate() reports a bad mesh; size against one device meanwhile
-    try:
-        capacity, sharing = device_memory_bytes(devices[0])
-    except Exception:  # compile-only devices may refuse memory_stats(): size unknown
-        capacity, sharing = None, 1
-    platform = devices[0].platform
-    where = f"host memory / {sharing} simulated devices" if platform == "cpu" else devices[0].device_kind
-    return resolve_remat(
-        cfg,
-        sizes,
-        capacity // sharing if capacity else None,
-        headroom=headroom,
-        attention_impl=resolve_impl(cfg.model.attention_impl, platform),
-        platform=platform,
-        where=where,
-    )

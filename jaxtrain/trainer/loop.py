@@ -6,7 +6,7 @@ fetch in one transfer, feeds them to the fault monitor, and writes a record for
 the logging step. Step time is the wall time between two logging points divided
 by the steps in between.
 
-Evaluation (`eval.*`, `_Evaluator`): every `eval.every` steps and after the last one,
+Evaluation (`eval.*`, trainer/evaluate.py): every `eval.every` steps and after the last one,
 the held-out loss over the same `eval.batches` batches, through `TrainProgram.eval_step`
 (jitted with the state's shardings, nothing donated); recorded as its own metrics line
 `{"step", "eval_loss", "eval_perplexity", "eval_tokens", "eval_time_s"}` after the step's.
@@ -15,7 +15,10 @@ the held-out loss over the same `eval.batches` batches, through `TrainProgram.ev
 URLs (`gs://bucket/run`, any `etils.epath` scheme); process 0 alone writes the shared
 files (config.yaml, metrics.jsonl, TensorBoard), Orbax writes the checkpoints.
 
-Fault tolerance (details in checkpoint.py, faults.py, distributed.py):
+Every `auto` setting is resolved once, first (planning/resolve.py), and config.yaml records the
+resolved values.
+
+Fault tolerance (details in jaxtrain/recovery: checkpoint.py, faults.py, distributed.py):
 - resume: the newest complete checkpoint in `checkpoint.dir` is restored (state,
   data position, fault-monitor state), so the losses continue exactly as in an
   uninterrupted run;
@@ -29,25 +32,31 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
+import os
 import signal
 import sys
 import time
 from collections.abc import Iterator
 
 import jax
-import numpy as np
 import yaml
+from jax._src import distributed as jax_distributed
+from jax.experimental import multihost_utils
 
-from jaxtrain import head_sharding, host_malloc, loss_chunk, sharding
-from jaxtrain.checkpoint import Checkpointer, CheckpointError, abstract_state
+from jaxtrain import host, sharding
 from jaxtrain.config import Config, to_dict
 from jaxtrain.data import make_data_iterator, make_eval_iterator, storage
-from jaxtrain.faults import FaultMonitor
-from jaxtrain.flops import flops_per_token, peak_flops_per_device
+from jaxtrain.interchange.convert import load_params
 from jaxtrain.metrics import MetricsWriter
-from jaxtrain.sharding.context import permute_batch
-from jaxtrain.train_step import TrainProgram, TrainState, batch_to_device, build_program, pipeline_schedule
+from jaxtrain.planning.flops import flops_per_token, peak_flops_per_device
+from jaxtrain.planning.resolve import axis_rules, placement_of_devices, resolve
+from jaxtrain.recovery.checkpoint import Checkpointer, CheckpointError, abstract_state
+from jaxtrain.recovery.distributed import describe_topology
+from jaxtrain.recovery.faults import FaultMonitor
+from jaxtrain.trainer.batches import BatchFeeder
+from jaxtrain.trainer.evaluate import Evaluator
+from jaxtrain.trainer.program import TrainProgram, build_program, pipeline_schedule
+from jaxtrain.trainer.step import TrainState
 
 # Config sections whose change does not affect the numbers of a resumed run.
 _RESUME_NEUTRAL = ("output_dir", "checkpoint.", "logging.", "distributed.", "eval.")
@@ -77,8 +86,6 @@ def initial_state(cfg: Config, program: TrainProgram, target: TrainState, log) -
     into the run's shardings; the optimizer state starts empty either way)."""
     state = program.init()
     if cfg.train.init_from:
-        from jaxtrain.convert import load_params
-
         log(f"initialising parameters from {cfg.train.init_from}")
         state = state._replace(params=load_params(cfg.train.init_from, cfg.model, target.params))
     return state
@@ -115,16 +122,12 @@ class _Preemption:
     agree on the step to stop at). A second SIGINT interrupts at once."""
 
     def __init__(self):
-        from jax._src import distributed as jax_distributed
-
         self.synced = jax_distributed.global_state.preemption_sync_manager is not None
         self.signal_name: str | None = None
         self._previous: dict[int, object] = {}
 
     def _on_signal(self, signum, frame):
         if self.synced:  # hand it to JAX's SIGTERM notifier, which tells every process
-            import os
-
             os.kill(os.getpid(), signal.SIGTERM)
         self.signal_name = signal.Signals(signum).name
         if signum == signal.SIGINT:  # a second Ctrl-C stops at once
@@ -145,8 +148,6 @@ class _Preemption:
 
     def requested(self, step: int) -> bool:
         if self.synced:
-            from jax.experimental import multihost_utils
-
             if multihost_utils.reached_preemption_sync_point(step):
                 self.signal_name = self.signal_name or "preemption notice"
                 return True
@@ -168,8 +169,10 @@ def _config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
 
 def train(cfg: Config, *, devices=None) -> TrainResult:
     """Train `cfg` (resuming from its newest checkpoint) on `devices` (default: all)."""
-    cfg, remat_note = resolve_remat(cfg, devices)
-    with _setup(cfg, devices, notes=(remat_note,) if remat_note else ()) as run:
+    devices = list(devices) if devices is not None else jax.devices()
+    resolution = resolve(cfg, placement_of_devices(cfg, devices), recorded_remat=_recorded_remat(cfg))
+    cfg = resolution.config
+    with _setup(cfg, devices, notes=resolution.notes) as run:
         restored = _resume(run)
         # Accepted (data readable, checkpoints fit the model): only now touch output_dir.
         _record_start(run, restored)
@@ -282,37 +285,6 @@ class _Rates:
         return cls(tokens, flops_per_token(cfg.model, cfg.train.seq_len) * tokens, total, source)
 
 
-class _BatchFeeder:
-    """Global batches on the mesh, in data order: the TESTING HOOK
-    `faults.testing_poison_batches` applied, then the zig-zag sequence order of
-    context parallelism (load-balanced causal ring)."""
-
-    def __init__(self, cfg: Config, data, mesh: jax.sharding.Mesh, batch_sharding):
-        self.data = data
-        self.poison = frozenset(cfg.faults.testing_poison_batches)
-        self.context = mesh.shape["context"]
-        self.batch_sharding = batch_sharding
-
-    def next(self) -> tuple[dict, int]:
-        """(device batch, its global batch index)."""
-        index = self.data.get_state()["batch"]
-        rows = next(self.data)
-        if index in self.poison:
-            rows = dict(rows, loss_mask=np.full_like(rows["loss_mask"], np.inf))
-        return self.place(rows), index
-
-    def place(self, rows: dict) -> dict:
-        """This process's rows -> the global device batch, in the step's sequence order."""
-        return batch_to_device(permute_batch(rows, self.context), self.batch_sharding)
-
-    def data_state(self) -> dict:
-        """The data position (of the next batch `next` returns), as checkpoints store it."""
-        return self.data.get_state()
-
-    def seek(self, data_state: dict) -> None:
-        self.data.set_state(data_state)
-
-
 @dataclasses.dataclass
 class _Run:
     """What a run holds besides the train state (built by `_setup`)."""
@@ -320,13 +292,13 @@ class _Run:
     cfg: Config
     mesh: jax.sharding.Mesh
     program: TrainProgram
-    feeder: _BatchFeeder
+    feeder: BatchFeeder
     writer: MetricsWriter | _ProcessLog
     checkpointer: Checkpointer | None
     monitor: FaultMonitor
     target: TrainState  # abstract state (shapes, shardings) that checkpoints restore into
     rates: _Rates
-    evaluator: _Evaluator | None = None  # `eval.every` > 0
+    evaluator: Evaluator | None = None  # `eval.every` > 0
 
     def save_due(self, step: int, stop: bool) -> bool:
         every = self.cfg.checkpoint.every
@@ -355,87 +327,47 @@ class _Run:
         return blocked
 
 
-def resolve_remat(cfg: Config, devices=None) -> tuple[Config, str | None]:
-    """`model.remat: auto` -> a policy, and the line saying which and why.
-
-    Resuming a run whose config.yaml recorded the policy auto chose keeps that policy (the
-    resumed steps compute exactly as before, whatever memory this host has); otherwise the
-    cheapest policy that fits these devices (jaxtrain/planner.py). The resolved policy is what
-    config.yaml and the checkpoints record."""
+def _recorded_remat(cfg: Config) -> str | None:
+    """The policy an earlier attempt of this run resolved `model.remat: auto` to, when this
+    one resumes it (its config.yaml): the resumed steps then compute exactly as before,
+    whatever memory this host has. None when there is nothing to resume."""
     if cfg.model.remat != "auto":
-        return cfg, None
-    from jaxtrain.planner import resolve_remat_for_devices
-
+        return None
     recorded = storage.as_path(cfg.output_dir) / "config.yaml"
-    if cfg.checkpoint.resume and storage.as_path(cfg.checkpoint_dir).is_dir() and recorded.is_file():
-        try:
-            before = (yaml.safe_load(recorded.read_text()) or {}).get("model", {}).get("remat")
-        except (yaml.YAMLError, OSError, AttributeError):
-            before = None
-        if before and before != "auto":
-            model = dataclasses.replace(cfg.model, remat=before)
-            return dataclasses.replace(cfg, model=model), (
-                f"model.remat=auto -> {before}: as recorded in {recorded} (resume)"
-            )
-    return resolve_remat_for_devices(cfg, list(devices) if devices is not None else jax.devices())
+    if not (cfg.checkpoint.resume and storage.as_path(cfg.checkpoint_dir).is_dir() and recorded.is_file()):
+        return None
+    try:
+        return (yaml.safe_load(recorded.read_text()) or {}).get("model", {}).get("remat")
+    except (yaml.YAMLError, OSError, AttributeError):
+        return None
 
 
 @contextlib.contextmanager
 def _setup(cfg: Config, devices, notes: tuple[str, ...] = ()) -> Iterator[_Run]:
-    """Mesh, output dir (+ config.yaml), data, metrics writer, program, checkpointer.
+    """Mesh, data, metrics writer, program, checkpointer, for resolved `cfg`.
 
     On exit the checkpointer closes first (waiting for a write still in flight), then
     the data iterators, the metrics writer, the mesh and the axis rules."""
     mesh = make_mesh(cfg, devices)
-    rules = head_sharding.axis_rules(cfg, mesh.shape)
-    notes = (*notes, head_sharding.note(cfg, mesh.shape), loss_chunk.note(cfg, mesh.shape))
-    notes += (host_malloc.note(),) if host_malloc.note() else ()
-    primary = jax.process_index() == 0
+    rules = axis_rules(cfg)
     rates = _Rates.for_run(cfg, mesh)
-    data_args = dict(
-        vocab_size=cfg.model.vocab_size,
-        seq_len=cfg.train.seq_len,
-        seed=cfg.seed,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-    )
-    data = make_data_iterator(cfg.data, global_batch_size=cfg.train.global_batch_size, **data_args)
-    eval_data = None
-    if cfg.eval.every:
-        eval_rows = cfg.eval.batch_size or cfg.train.global_batch_size
-        eval_data = make_eval_iterator(cfg.data, cfg.eval.paths, global_batch_size=eval_rows, **data_args)
+    data, eval_data = _open_data(cfg)
     log = cfg.logging
     writer_cm = (
         MetricsWriter(
             cfg.output_dir, total_steps=cfg.train.steps, tensorboard=log.tensorboard, progress=log.progress
         )
-        if primary
+        if jax.process_index() == 0
         else _ProcessLog()
     )
     with jax.set_mesh(mesh), sharding.axis_rules(rules), writer_cm as writer:
         program = build_program(cfg, mesh, rules)
-        writer.log(
-            f"mesh {dict((k, v) for k, v in mesh.shape.items() if v > 1) or 'single device'} "
-            f"rules={cfg.mesh.rules} params={cfg.model.param_count():,} "
-            f"peak={rates.peak_total:.3g} FLOP/s ({rates.peak_source})"
-        )
-        for note in notes:
-            writer.log(note)
-        pp = pipeline_schedule(cfg)
-        if pp is not None:
-            writer.log(
-                f"pipeline: {cfg.pipeline.schedule}, {pp.stages} stages x {pp.microbatches} microbatches"
-                f" x {pp.repeats} repeats; bubble (S-1)/(M*R+S-1) = {pp.bubble:.3f}"
-            )
-        if jax.process_count() > 1:
-            from jaxtrain.distributed import describe_topology
-
-            writer.log(describe_topology())
+        _log_start(cfg, mesh, rates, writer, (*notes, *filter(None, [host.note()])))
         checkpointer = _checkpointer(cfg, writer.log)
-        feeder = _BatchFeeder(cfg, data, mesh, program.batch_sharding)
+        feeder = BatchFeeder(cfg, data, mesh, program.batch_sharding)
         evaluator = None
         if eval_data is not None:
-            evaluator = _Evaluator(cfg, eval_data, feeder, program, writer.log)
+            evaluator = Evaluator(cfg, eval_data, feeder, program, writer.log)
             writer.log(evaluator.describe())
         try:
             yield _Run(
@@ -456,6 +388,42 @@ def _setup(cfg: Config, devices, notes: tuple[str, ...] = ()) -> Iterator[_Run]:
             for it in (data, eval_data):  # open shard files (remote: HTTP sessions)
                 if hasattr(it, "close"):
                     it.close()
+
+
+def _open_data(cfg: Config):
+    """(this process's train data iterator, the eval one or None)."""
+    data_args = dict(
+        vocab_size=cfg.model.vocab_size,
+        seq_len=cfg.train.seq_len,
+        seed=cfg.seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+    data = make_data_iterator(cfg.data, global_batch_size=cfg.train.global_batch_size, **data_args)
+    if not cfg.eval.every:
+        return data, None
+    eval_rows = cfg.eval.batch_size or cfg.train.global_batch_size
+    return data, make_eval_iterator(cfg.data, cfg.eval.paths, global_batch_size=eval_rows, **data_args)
+
+
+def _log_start(cfg: Config, mesh, rates: _Rates, writer, notes) -> None:
+    """The run's first log lines: mesh, rules, size and peak; what each `auto` resolved to;
+    the host heap; the pipeline's bubble; the processes' topology."""
+    writer.log(
+        f"mesh {dict((k, v) for k, v in mesh.shape.items() if v > 1) or 'single device'} "
+        f"rules={cfg.mesh.rules} params={cfg.model.param_count():,} "
+        f"peak={rates.peak_total:.3g} FLOP/s ({rates.peak_source})"
+    )
+    for note in notes:
+        writer.log(note)
+    pp = pipeline_schedule(cfg)
+    if pp is not None:
+        writer.log(
+            f"pipeline: {cfg.pipeline.schedule}, {pp.stages} stages x {pp.microbatches} microbatches"
+            f" x {pp.repeats} repeats; bubble (S-1)/(M*R+S-1) = {pp.bubble:.3f}"
+        )
+    if jax.process_count() > 1:
+        writer.log(describe_topology())
 
 
 def _record_start(run: _Run, restored) -> None:
@@ -481,59 +449,6 @@ def _checkpointer(cfg: Config, log) -> Checkpointer | None:
     if c.every > 0 or (c.resume and ckpt_dir.is_dir()):
         return Checkpointer(ckpt_dir, keep=c.keep, keep_every=c.keep_every, async_save=c.async_save, log=log)
     return None
-
-
-class _Evaluator:
-    """`eval.*`: the held-out loss over the same `eval.batches` batches every time (batches
-    0 .. eval.batches - 1 of the eval data, a pure function of seed and data), placed with
-    the step's batch sharding and sequence order (context parallelism), through a jitted
-    forward that donates nothing (`TrainProgram.eval_step`). eval_loss = the summed token
-    losses of all batches / their counted tokens (MoE router losses excluded);
-    eval_perplexity = exp(eval_loss)."""
-
-    def __init__(self, cfg: Config, data, feeder: _BatchFeeder, program: TrainProgram, log):
-        self.every, self.batches = cfg.eval.every, cfg.eval.batches
-        self.data, self.feeder, self.program, self.log = data, feeder, program, log
-        self._compiled = None
-
-    def describe(self) -> str:
-        rows = self.data.global_batch_size
-        text = f"eval every {self.every} steps and at the end: {self.batches} batches of {rows} rows"
-        windows = getattr(self.data, "num_windows", None)
-        windows = sum(windows) if isinstance(windows, list) else windows
-        if windows is not None and windows < self.batches * rows:
-            text += f" (the eval data holds {windows} windows of train.seq_len: some are read twice)"
-        return text
-
-    def due(self, step: int, total: int) -> bool:
-        return step % self.every == 0 or step == total
-
-    def __call__(self, state: TrainState, step: int) -> dict:
-        """Evaluate `state` (not donated); returns the metrics record of step `step`."""
-        sums, t0 = [], time.perf_counter()
-        for k in range(self.batches):
-            batch = self.feeder.place(self.data.batch_at(k))
-            if self._compiled is None:
-                self._compiled = self.program.eval_step.lower(state, batch).compile()
-                self.log(f"compiled eval step in {time.perf_counter() - t0:.1f} s")
-                t0 = time.perf_counter()
-            sums.append(self._compiled(state, batch))  # dispatched: reading batch k+1 overlaps it
-        sums = jax.device_get(sums)
-        total, count = math.fsum(float(t) for t, _ in sums), sum(float(c) for _, c in sums)
-        loss = total / count if count else math.nan
-        perplexity = math.inf if loss >= 700 else math.exp(loss)  # nan stays nan
-        record = {
-            "step": step,
-            "eval_loss": loss,
-            "eval_perplexity": perplexity,
-            "eval_tokens": int(count),
-            "eval_time_s": time.perf_counter() - t0,
-        }
-        self.log(
-            f"eval step {step}: loss {loss:.4f}, perplexity {perplexity:.3f} "
-            f"({int(count):,} tokens, {self.batches} batches, {record['eval_time_s']:.1f} s)"
-        )
-        return record
 
 
 class _StepTimer:

@@ -1,0 +1,349 @@
+"""Weights in and out: `jaxtrain convert hf-to-ckpt | ckpt-to-hf` and `train.init_from`.
+
+A converted checkpoint is a directory holding
+  model.yaml      the ModelConfig (architecture only; dtypes and impls are the run's choice)
+  params/         the parameter tree, an Orbax (OCDBT) PyTree, float32
+  tokenizer.json  the HF directory's tokenizer, when it had one (`jaxtrain generate`)
+`ckpt-to-hf` and `train.init_from` also take a training run's checkpoints (a step
+directory, a checkpoint.dir or an output_dir: `resolve_checkpoint`); the model
+config then comes from the checkpoint's saved config, and only the parameters
+are read (not the optimizer state).
+Conversion streams: HF tensors are read one at a time into the stacked
+layout (one copy of the model in memory), and written back one safetensors
+shard at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import yaml
+from etils import epath
+
+from jaxtrain.config import ConfigError, _build
+from jaxtrain.data import storage
+from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.hf import (
+    HFConversionError,
+    config_from_hf,
+    load_hf_params,
+    params_to_hf_tensors,
+    read_hf_config,
+    write_hf_dir,
+)
+from jaxtrain.recovery.checkpoint import Checkpointer
+
+# Fields that describe how a model runs, not what it is: a run may change them freely.
+RUNTIME_FIELDS = (
+    "param_dtype",
+    "compute_dtype",
+    "remat",
+    "remat_custom",
+    "fp8",
+    "fp8_amax_history",
+    "scan_layers",
+    "attention_impl",
+    "cpu_tuning",
+    "context_impl",
+    "init_std",
+)
+# Inside model.moe: how the layer runs on a backend (planning/resolve.py), not what it holds.
+MOE_RUNTIME_FIELDS = ("exchange", "grouped_matmul")
+
+
+def _path(path: str | os.PathLike) -> epath.Path:
+    """A local path made absolute, or a URL (`gs://bucket/x`, any `etils.epath` scheme) as given."""
+    if storage.is_local(path):
+        return epath.Path(os.path.abspath(storage.as_path(path)))
+    return storage.as_path(path)
+
+
+def _copy_file(src: epath.Path, dst: epath.Path) -> None:
+    """Stream one file across file systems (local <-> gs://), 16 MiB at a time."""
+    with src.open("rb") as fin, dst.open("wb") as fout:
+        shutil.copyfileobj(fin, fout, length=16 * 2**20)
+
+
+@contextlib.contextmanager
+def _local_dir(path: str | os.PathLike):
+    """`path` itself when local; a remote directory's files copied to a temporary local one
+    (safetensors are memory-mapped, which needs local files), removed afterwards."""
+    if storage.is_local(path):
+        yield path
+        return
+    src = _path(path)
+    if not src.is_dir():
+        raise HFConversionError(f"{path}: no such directory")
+    with tempfile.TemporaryDirectory(prefix="jaxtrain-convert-") as tmp:
+        for f in src.iterdir():
+            if not f.is_dir():
+                _copy_file(f, epath.Path(tmp) / f.name)
+        yield tmp
+
+
+def architecture_of(cfg: ModelConfig) -> dict:
+    """The model config's fields that weights fix (runtime and backend choices left out)."""
+    d = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUNTIME_FIELDS}
+    if d.get("moe") is not None:
+        d["moe"] = {k: v for k, v in d["moe"].items() if k not in MOE_RUNTIME_FIELDS}
+    return d
+
+
+def read_model_config(ckpt_dir: str | Path) -> ModelConfig:
+    path = _path(ckpt_dir) / "model.yaml"
+    if not path.is_file():
+        raise HFConversionError(
+            f"{ckpt_dir}: model.yaml not found (not a converted checkpoint; "
+            f"make one with `jaxtrain convert hf-to-ckpt`)"
+        )
+    return _build(ModelConfig, yaml.safe_load(path.read_text()), prefix="model.")
+
+
+def check_destination(out_dir: str | Path, *, force: bool = False) -> None:
+    """Refuse to write into a folder that already holds something (a converted model, a
+    user's config.json) unless `force`; a file where the folder should be is always refused.
+    Checked before any weights are read."""
+    out = _path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise HFConversionError(f"{out_dir}: is a file; expected an output folder")
+    if force or not out.exists():
+        return
+    held = sorted(p.name for p in out.iterdir())
+    if held:
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise HFConversionError(
+            f"{out_dir}: not empty (holds {shown}); expected a new or empty folder, "
+            "or pass --force to write into it"
+        )
+
+
+def hf_to_ckpt(hf_dir: str | Path, out_dir: str | Path, *, force: bool = False) -> ModelConfig:
+    """HF_DIR -> OUT_DIR (model.yaml + params/); either may be a URL (gs://...): a remote
+    HF_DIR is copied to a local temporary directory first. A non-empty OUT_DIR is refused
+    unless `force`."""
+    check_destination(out_dir, force=force)
+    with _local_dir(hf_dir) as local_hf:
+        cfg = config_from_hf(read_hf_config(local_hf))
+        params = load_hf_params(local_hf, cfg)
+        out = _path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(out / "params", params, force=True)
+        checkpointer.wait_until_finished()
+        (out / "model.yaml").write_text(yaml.safe_dump(architecture_of(cfg), sort_keys=False))
+        tokenizer = epath.Path(local_hf) / "tokenizer.json"
+        if tokenizer.is_file():  # `jaxtrain generate OUT_DIR` reads it
+            _copy_file(tokenizer, out / "tokenizer.json")
+    return cfg
+
+
+@dataclasses.dataclass
+class CheckpointSource:
+    """Weights to read (see `resolve_checkpoint`): a converted checkpoint `path` (step None),
+    or step `step` of the training checkpoint directory `path` (a checkpoint.dir), read with
+    a read-only Checkpointer (parameters only; never the optimizer state). Close it after use."""
+
+    path: epath.Path  # absolute, or a URL
+    step: int | None = None
+    _reader: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __str__(self) -> str:
+        return str(self.path if self.step is None else self.path / str(self.step))
+
+    @property
+    def reader(self):
+        if self._reader is None:
+            self._reader = Checkpointer(self.path, read_only=True)
+        return self._reader
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+    def model_config(self) -> ModelConfig:
+        """model.yaml, or the model section of the config the training run saved with the step."""
+        if self.step is None:
+            return read_model_config(self.path)
+        try:
+            model = self.reader.read_meta(self.step)["config"]["model"]
+        except Exception as e:  # noqa: BLE001 - a missing/unreadable meta item surfaces as many types
+            raise HFConversionError(
+                f"checkpoint {self}: its saved config is unreadable ({type(e).__name__}: {e})"
+            ) from e
+        try:
+            return _build(ModelConfig, model, prefix="model.")
+        except ConfigError as e:
+            raise HFConversionError(f"checkpoint {self}: its saved model config: {e}") from e
+
+    def param_metadata(self) -> dict:
+        """The stored parameter tree: Orbax array metadata (shape, dtype), nothing read."""
+        if self.step is None:
+            return ocp.PyTreeCheckpointer().metadata(_path(self.path / "params")).item_metadata.tree
+        return self.reader.param_metadata(self.step)
+
+    def restore_params(self, target: dict | None = None) -> dict:
+        """The parameters, into `target`'s ShapeDtypeStructs (dtypes, shardings), or with
+        None as host numpy arrays in the stored dtypes (one copy, no device memory)."""
+        if self.step is None:
+            path = _path(self.path / "params")
+            if target is not None:
+                return ocp.StandardCheckpointer().restore(path, target)
+            checkpointer = ocp.PyTreeCheckpointer()
+            tree = checkpointer.metadata(path).item_metadata.tree
+            restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+            return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+        try:
+            return self.reader.restore_params(self.step, target)
+        except Exception as e:  # noqa: BLE001 - truncated/missing files surface as many types
+            detail = str(e).splitlines()[0][:300] if str(e) else ""
+            raise HFConversionError(
+                f"checkpoint {self}: parameters unreadable ({type(e).__name__}: {detail}); "
+                "give an older step directory instead"
+            ) from e
+
+
+EXPECTED_SOURCES = (
+    "expected a converted checkpoint (model.yaml + params/), a training checkpoint step "
+    "directory ({checkpoint.dir}/{step}), a checkpoint.dir holding step directories, or a "
+    "run's output_dir (config.yaml + checkpoints)"
+)
+
+
+def _has_step_dirs(path: str | os.PathLike) -> bool:
+    """Whether `path` has step-named subdirectories (Orbax's tmp ones and `*.unreadable` are not)."""
+    path = _path(path)
+    return path.is_dir() and any(c.name.isdigit() and c.is_dir() for c in path.iterdir())
+
+
+def _newest_step(ckpt_dir: Path, what: str) -> CheckpointSource:
+    """The newest complete step of a checkpoint.dir (as Orbax and the trainer list them)."""
+    source = CheckpointSource(_path(ckpt_dir))
+    steps = source.reader.steps() if _has_step_dirs(ckpt_dir) else []
+    source.close()
+    if not steps:
+        raise HFConversionError(f"{what}: {ckpt_dir} holds no complete training checkpoint")
+    return dataclasses.replace(source, step=steps[-1])
+
+
+def resolve_checkpoint(path: str | Path) -> CheckpointSource:
+    """The checkpoint that `ckpt-to-hf SOURCE` / `train.init_from=SOURCE` names. SOURCE is
+    (a) a converted checkpoint: model.yaml + params/ (`jaxtrain convert hf-to-ckpt`);
+    (b) a training checkpoint step directory `{checkpoint.dir}/{step}` (it holds state/);
+    (c) a checkpoint.dir: its newest complete step (Orbax's `*.orbax-checkpoint-tmp*`
+        directories and `*.unreadable` ones set aside by a resume are not steps);
+    (d) a run's output_dir: the checkpoint.dir of its config.yaml (default
+        output_dir/checkpoints; a relative one is taken from the current directory, as
+        the run did), newest complete step.
+    Anything else raises HFConversionError (the CLI's exit 2) naming the path and what
+    was expected. Nothing is written or cleaned up: a run may still be training there.
+    Any of them may be a URL (gs://bucket/run, any `etils.epath` scheme)."""
+    p = _path(path)
+    if (p / "model.yaml").is_file():
+        return CheckpointSource(p)
+    if p.name.isdigit() and (p / "state").is_dir():
+        return CheckpointSource(p.parent, int(p.name))
+    if _has_step_dirs(p):
+        return _newest_step(p, str(path))
+    if (p / "config.yaml").is_file() or (p / "checkpoints").is_dir():
+        ckpt_dir = None
+        if (p / "config.yaml").is_file():
+            run_cfg = yaml.safe_load((p / "config.yaml").read_text())
+            section = run_cfg.get("checkpoint") if isinstance(run_cfg, dict) else None
+            ckpt_dir = section.get("dir") if isinstance(section, dict) else None
+        return _newest_step(
+            _path(ckpt_dir) if ckpt_dir else p / "checkpoints", f"{path} (a run's output_dir)"
+        )
+    raise HFConversionError(f"{path}: not a checkpoint; {EXPECTED_SOURCES}")
+
+
+def ckpt_to_hf(
+    source: str | Path,
+    out_dir: str | Path,
+    *,
+    architecture: str | None = None,
+    max_shard_bytes: int = 2 * 2**30,
+    force: bool = False,
+) -> Path:
+    """Write `source` (see `resolve_checkpoint`: a converted or a training checkpoint) as an
+    HF directory. Holds one float32-or-stored-dtype copy of the parameters on the host
+    (a training checkpoint's optimizer state is not read) plus one output shard. A remote
+    OUT_DIR (gs://...) is written locally to a temporary directory, then copied file by file.
+    A non-empty OUT_DIR (a user's config.json, an earlier export) is refused unless `force`."""
+    check_destination(out_dir, force=force)
+    with contextlib.closing(resolve_checkpoint(source)) as src:
+        cfg = src.model_config()
+        params = src.restore_params()
+
+    def write(directory):
+        return write_hf_dir(
+            params_to_hf_tensors(params, cfg),
+            cfg,
+            directory,
+            architecture=architecture,
+            max_shard_bytes=max_shard_bytes,
+        )
+
+    if storage.is_local(out_dir):
+        return write(out_dir)
+    out = _path(out_dir)
+    with tempfile.TemporaryDirectory(prefix="jaxtrain-convert-") as tmp:
+        write(tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        for f in sorted(epath.Path(tmp).iterdir()):
+            _copy_file(f, out / f.name)
+    return out
+
+
+def load_params(
+    ckpt_dir: str | Path | CheckpointSource,
+    model_cfg: ModelConfig,
+    abstract_params: dict,
+    *,
+    what: str | None = None,
+) -> dict:
+    """Restore converted weights, or a training checkpoint's parameters (any source
+    `resolve_checkpoint` accepts, or a resolved CheckpointSource), straight into the
+    run's shardings and dtypes.
+
+    `abstract_params` is a tree of ShapeDtypeStructs carrying NamedShardings (the
+    train program's). Raises HFConversionError naming the first field or parameter
+    that does not match the run's model; messages start with `what` (default
+    `train.init_from=CKPT_DIR`).
+    """
+    label = what or f"train.init_from={ckpt_dir}"
+    resolved = ckpt_dir if isinstance(ckpt_dir, CheckpointSource) else resolve_checkpoint(ckpt_dir)
+    with contextlib.closing(resolved) as src:
+        saved = architecture_of(src.model_config())
+        wanted = architecture_of(model_cfg)
+        for key in wanted:
+            if saved.get(key) != wanted[key]:
+                raise HFConversionError(
+                    f"{label}: model.{key}={wanted[key]!r} but the checkpoint has {saved.get(key)!r}"
+                )
+        stored = src.param_metadata()
+        if jax.tree.structure(stored) != jax.tree.structure(abstract_params):
+            raise HFConversionError(f"{label}: the checkpoint's parameter tree does not match the model's")
+        for (p, want), have in zip(
+            jax.tree_util.tree_flatten_with_path(abstract_params)[0], jax.tree.leaves(stored)
+        ):
+            if tuple(want.shape) != tuple(have.shape):
+                raise HFConversionError(
+                    f"{label}: parameter {jax.tree_util.keystr(p)} "
+                    f"has shape {tuple(have.shape)}, the model expects {tuple(want.shape)}"
+                )
+        # Read as stored (float32), then cast in the target sharding: no host-side full copy.
+        stored_dtype = jax.tree.map(
+            lambda a, m: jax.ShapeDtypeStruct(a.shape, m.dtype, sharding=a.sharding), abstract_params, stored
+        )
+        params = src.restore_params(stored_dtype)
+    return jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract_params)

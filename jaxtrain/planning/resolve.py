@@ -1,0 +1,269 @@
+"""Every `auto` setting, resolved once for where the program runs.
+
+A config may leave these settings on `auto`; before any program is built, `resolve` turns
+them into values for a `Placement` (the platform, the mesh's axis sizes, one device's
+memory), in this order, each step seeing the ones before it:
+
+| setting                   | depends on      | `auto` picks                                               |
+|---------------------------|-----------------|------------------------------------------------------------|
+| model.attention_impl      | platform        | pallas (the flash kernel) on TPU and GPU, xla on CPU       |
+| model.cpu_tuning          | platform        | true on CPU: models/cpu_tuning.py's program changes        |
+| model.moe.exchange        | platform        | padded on CPU (no ragged_all_to_all there), ragged else    |
+| model.moe.grouped_matmul  | platform        | megablox on TPU, ragged_dot elsewhere                      |
+| mesh.head_sharding        | mesh, batch     | vocab when a device gathers fewer rows than vocab columns  |
+| train.loss_chunk          | mesh, batch     | 4 chunks once the f32 logits reach 16 MiB per device       |
+| model.remat               | device memory   | the cheapest policy whose estimate fits (footprint.py)     |
+
+`jaxtrain train`, `compile`, `plan` and `generate` all resolve here, so they build the same
+program for the same placement; the run's `config.yaml` records the resolved values and the
+log has one line per resolved setting saying what and why. The model itself never asks
+which platform it runs on (models/ hold no platform branches): it reads these values.
+
+Nothing here starts a backend or needs a device: the planner resolves its candidates for
+targets it only describes (a `Placement` is plain data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+from jaxtrain import sharding
+from jaxtrain.config import Config
+from jaxtrain.planning.footprint import device_memory_bytes, estimate, remat_policies
+from jaxtrain.sharding.mesh import mesh_shape_from_sizes
+
+AUTO = "auto"
+LOSS_AUTO_CHUNKS = 4  # train.loss_chunk=auto: this many chunks ...
+LOSS_AUTO_MIN_MIB = 16  # ... once one microbatch's f32 logits reach this many MiB per device
+REMAT_HEADROOM = 0.9  # model.remat=auto: the estimate must fit this fraction of a device's memory
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a program runs: everything an `auto` setting depends on besides the config."""
+
+    platform: str  # "cpu" | "gpu" | "tpu"
+    mesh_shape: Mapping[str, int]  # every mesh axis's size, ICI x DCN
+    device_memory: int | None = None  # bytes one device holds; None: unknown
+    memory_source: str = ""  # for the log: "H100 HBM", "host memory / 8 simulated devices"
+
+
+def placement_of_devices(cfg: Config, devices: Sequence) -> Placement:
+    """The placement of a run of `cfg` on these (jax) devices: their platform, the config's
+    mesh over them (-1 filled; ICI x DCN), one device's memory (CPU: the host's over the
+    simulated devices, as the door check counts it)."""
+    dcn = cfg.mesh.dcn_sizes()
+    per_slice = max(1, len(devices) // math.prod(dcn.values()))
+    try:
+        ici = mesh_shape_from_sizes(cfg.mesh.sizes(), per_slice)
+    except ValueError:  # validate() reports a bad mesh; resolve against one device meanwhile
+        ici = dict.fromkeys(cfg.mesh.sizes(), 1)
+    platform = {"cuda": "gpu", "rocm": "gpu"}.get(devices[0].platform, devices[0].platform)
+    try:
+        capacity, sharing = device_memory_bytes(devices[0])
+    except Exception:  # compile-only devices may refuse memory_stats(): size unknown
+        capacity, sharing = None, 1
+    source = f"host memory / {sharing} simulated devices" if platform == "cpu" else devices[0].device_kind
+    return Placement(
+        platform,
+        {a: ici[a] * dcn.get(a, 1) for a in ici},
+        capacity // sharing if capacity else None,
+        source,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    config: Config  # no `auto` left
+    notes: tuple[str, ...]  # one log line per setting that was auto
+
+
+def resolve(cfg: Config, placement: Placement, *, recorded_remat: str | None = None) -> Resolution:
+    """Every `auto` of `cfg` resolved for `placement` (module docstring). `recorded_remat`: the
+    policy an earlier attempt of the same run resolved `model.remat: auto` to (its
+    config.yaml), which a resume keeps whatever memory this host has, so the resumed steps
+    compute exactly as before."""
+    notes = []
+    for name, choose in _SETTINGS:
+        current = _get(cfg, name)
+        if current != AUTO:
+            continue
+        if name == "model.remat" and recorded_remat not in (None, AUTO):
+            value, why = recorded_remat, "as recorded by this run's earlier attempt (resume)"
+        else:
+            value, why = choose(cfg, placement)
+        cfg = _set(cfg, name, value)
+        shown = str(value).lower() if isinstance(value, bool) else value  # as YAML writes it
+        notes.append(f"{name}=auto -> {shown}: {why}")
+    return Resolution(cfg, tuple(notes))
+
+
+def check_resolved(cfg: Config) -> None:
+    """ValueError naming the first setting still on `auto`: programs are built from resolved
+    configs only (`resolve`, or `resolve_for_mesh` in tests and tools)."""
+    for name, _ in _SETTINGS:
+        if _get(cfg, name) == AUTO:
+            raise ValueError(
+                f"{name}=auto reached the program builder unresolved: resolve the config first "
+                "(jaxtrain.planning.resolve.resolve or resolve_for_mesh)"
+            )
+
+
+def resolve_for_mesh(cfg: Config, mesh) -> Config:
+    """`resolve` for a concrete `jax.sharding.Mesh` (tests, tools, notebooks): the config
+    with every auto resolved for the mesh's devices."""
+    devices = list(mesh.devices.flat)
+    placement = placement_of_devices(cfg, devices)
+    placement = dataclasses.replace(placement, mesh_shape=dict(mesh.shape))
+    return resolve(cfg, placement).config
+
+
+def axis_rules(cfg: Config) -> sharding.AxisRules:
+    """The run's logical-axis rules: the `mesh.rules` preset, with the vocab-parallel head
+    where `mesh.head_sharding` resolved to vocab."""
+    if cfg.mesh.head_sharding == AUTO:
+        raise ValueError("mesh.head_sharding=auto: resolve the config first (jaxtrain.planning.resolve)")
+    rules = sharding.PRESETS[cfg.mesh.rules]
+    return sharding.vocab_parallel_head(rules) if cfg.mesh.head_sharding == "vocab" else rules
+
+
+# --- the settings, in resolution order -------------------------------------------------------
+
+
+def _attention_impl(cfg: Config, p: Placement) -> tuple[str, str]:
+    if p.platform in ("tpu", "gpu"):
+        return "pallas", f"the Pallas flash kernel on {p.platform.upper()}"
+    return "xla", "on CPU the Pallas kernels only run interpreted"
+
+
+def _cpu_tuning(cfg: Config, p: Placement) -> tuple[bool, str]:
+    if p.platform == "cpu":
+        return True, "XLA:CPU's program changes (models/cpu_tuning.py)"
+    return False, f"a {p.platform.upper()} program"
+
+
+def _moe_exchange(cfg: Config, p: Placement) -> tuple[str, str]:
+    if p.platform == "cpu":
+        return "padded", "ragged_all_to_all is unimplemented on XLA:CPU"
+    return "ragged", f"ragged_all_to_all on {p.platform.upper()}"
+
+
+def _grouped_matmul(cfg: Config, p: Placement) -> tuple[str, str]:
+    if p.platform == "tpu":
+        return "megablox", "JAX's Pallas TPU grouped matmul"
+    return "ragged_dot", f"XLA's jax.lax.ragged_dot on {p.platform.upper()}"
+
+
+def head_rows_per_device(cfg: Config, mesh_shape: Mapping[str, int]) -> int:
+    """Tokens of one microbatch that one device holds when the head is vocab-parallel
+    (gathered over fsdp; still split over data, expert and context)."""
+    t = cfg.train
+    split = mesh_shape.get("data", 1) * mesh_shape.get("expert", 1) * mesh_shape.get("context", 1)
+    return t.global_batch_size * t.seq_len // (max(1, t.microbatches) * split)
+
+
+def _head_sharding(cfg: Config, p: Placement) -> tuple[str, str]:
+    """Under FSDP every weight is sharded on d_model and all-gathered where it is used; for the
+    head [d_model, vocab] that costs about 2 x d_model x vocab / tensor values per device per
+    microbatch, however few tokens there are. `vocab` shards the head on vocab over fsdp
+    instead (sharding.vocab_parallel_head) and gathers the final activations into the head's
+    rows: about 2 x rows x d_model values. So vocab when rows < vocab / tensor: small batches,
+    long vocabularies; never a pod's million-token batch. The embedding keeps its layout."""
+    fsdp = p.mesh_shape.get("fsdp", 1)
+    if fsdp <= 1:
+        return "embed", "no fsdp axis to shard the vocabulary over"
+    if cfg.mesh.rules == "data_parallel":
+        return "embed", "mesh.rules=data_parallel replicates the head"
+    if cfg.mesh.stage > 1:
+        return "embed", "pipeline stages keep the head FSDP-sharded"
+    rows = head_rows_per_device(cfg, p.mesh_shape)
+    columns = cfg.model.vocab_size // max(1, p.mesh_shape.get("tensor", 1))
+    if rows < columns:
+        return "vocab", (
+            f"a device gathers {rows} activation rows x d_model instead of the head's "
+            f"{columns} vocabulary columns x d_model"
+        )
+    return "embed", f"{rows} activation rows per device >= {columns} vocabulary columns per device"
+
+
+def logits_mib_per_device(cfg: Config, mesh_shape: Mapping[str, int]) -> float:
+    """MiB of one microbatch's f32 logits on one device: the microbatch's tokens x vocab,
+    spread over every axis that splits the batch or the vocabulary (the same count whether
+    the head is FSDP- or vocab-parallel: mesh.head_sharding moves rows, not their number)."""
+    t = cfg.train
+    tokens = t.global_batch_size * t.seq_len // max(1, t.microbatches)
+    split = math.prod(mesh_shape.get(a, 1) for a in ("data", "fsdp", "expert", "context", "tensor"))
+    return 4 * tokens * cfg.model.vocab_size / split / 2**20
+
+
+def _loss_chunk(cfg: Config, p: Placement) -> tuple[int, str]:
+    """The plain loss forms one microbatch's [tokens, vocab] f32 logits at once; chunked
+    (trainer/loss.py) only one chunk of them. Four chunks were faster as well as smaller once
+    the logits are large (two gained less, eight no more); below LOSS_AUTO_MIN_MIB a small
+    model's logits are not worth the scan."""
+    seq, mib = cfg.train.seq_len, logits_mib_per_device(cfg, p.mesh_shape)
+    if mib < LOSS_AUTO_MIN_MIB:
+        return 0, f"the plain loss: {mib:.1f} MiB of f32 logits per device, under {LOSS_AUTO_MIN_MIB} MiB"
+    if seq % LOSS_AUTO_CHUNKS:
+        return 0, f"the plain loss: train.seq_len={seq} does not split into {LOSS_AUTO_CHUNKS} chunks"
+    return seq // LOSS_AUTO_CHUNKS, (
+        f"{LOSS_AUTO_CHUNKS} chunks of {seq // LOSS_AUTO_CHUNKS} positions: {mib:.1f} MiB of f32 logits "
+        "per device at once otherwise"
+    )
+
+
+def _remat(cfg: Config, p: Placement) -> tuple[str, str]:
+    """The cheapest policy (footprint.REMAT_BY_COST) whose estimated step memory fits
+    REMAT_HEADROOM x the device's memory. Nothing fits: `full`, the smallest (the door
+    check or the compiler then has the last word)."""
+    if p.device_memory is None:
+        return "none", "device memory unknown"
+    budget, where = REMAT_HEADROOM * p.device_memory, f" ({p.memory_source})" if p.memory_source else ""
+    gib = lambda b: f"{b / GiB:.1f}" if b >= 10 * GiB else f"{b / GiB:.2f}"
+    with_policy = lambda policy: _set(cfg, "model.remat", policy)
+    first = None
+    for policy in remat_policies(cfg.model):
+        need = estimate(with_policy(policy), p.mesh_shape).total
+        if need <= budget:
+            why = f"; {first[0]} needs {gib(first[1])} GiB" if first else ""
+            return policy, (
+                f"the cheapest policy that fits, est. {gib(need)} GiB per device of "
+                f"{gib(p.device_memory)} GiB{where} x {REMAT_HEADROOM:g}{why}"
+            )
+        first = first or (policy, need)
+    return "full", (
+        f"nothing fits, full needs est. {gib(need)} GiB per device of {gib(p.device_memory)} GiB{where} "
+        f"x {REMAT_HEADROOM:g}"
+    )
+
+
+_SETTINGS = (
+    ("model.attention_impl", _attention_impl),
+    ("model.cpu_tuning", _cpu_tuning),
+    ("model.moe.exchange", _moe_exchange),
+    ("model.moe.grouped_matmul", _grouped_matmul),
+    ("mesh.head_sharding", _head_sharding),
+    ("train.loss_chunk", _loss_chunk),
+    ("model.remat", _remat),
+)
+
+
+def _get(cfg: Config, name: str):
+    """The value of a dotted setting; None where its section is absent (model.moe: null)."""
+    node = cfg
+    for part in name.split("."):
+        node = getattr(node, part, None)
+        if node is None:
+            return None
+    return node
+
+
+def _set(cfg, name: str, value):
+    """`cfg` with the dotted setting replaced (frozen dataclasses all the way down)."""
+    head, _, rest = name.partition(".")
+    if not rest:
+        return dataclasses.replace(cfg, **{head: value})
+    return dataclasses.replace(cfg, **{head: _set(getattr(cfg, head), rest, value)})

@@ -1,0 +1,368 @@
+"""One training step, as pure functions of (train state, batch): the forward pass and loss,
+the gradients over microbatches, the optimizer update, the fault guard and the metrics.
+
+`train_step` reads top to bottom as the step runs; each part is a top-level function of
+the `StepSpec` (what the step closes over, built once by trainer/program.py) and plain
+pytrees, so it can be read, tested and jitted on its own. The model is rebuilt from its
+graphdef inside the trace, so Orbax, Optax and the sharding rules all see plain nested
+dicts of arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxtrain import models, sharding
+from jaxtrain.config import Config
+from jaxtrain.models.fp8 import combine as fp8_combine
+from jaxtrain.models.moe import update_router_bias
+from jaxtrain.recovery.faults import FAULT_NONE, FAULT_NONFINITE, FAULT_SPIKE
+from jaxtrain.trainer.batches import BATCH_AXES
+from jaxtrain.trainer.loss import chunked_cross_entropy, cross_entropy
+from jaxtrain.trainer.precision import overflowed, update_loss_scale
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar
+    params: dict  # nested dict of arrays (fp32 master weights)
+    opt_state: Any  # optax state mirroring params
+    loss_window: jax.Array  # f32[faults.spike_window]: last good losses, oldest first; NaN = empty
+    # float16 compute: the dynamic loss scale (trainer/precision.py); None otherwise
+    loss_scale: dict | None = None
+    # model.fp8: delayed-scaling state of every fp8 matmul (models/fp8.py); None otherwise
+    fp8: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    """Where the step finds the state `optimizer.offload` / `offload_params` keep in host
+    memory, and how it brings it to the device and sends the new values back
+    (trainer/program.py `offload_moves`). With neither set, every method is the identity."""
+
+    params: bool
+    opt_state: bool
+    param_shardings: Any
+    opt_shardings: Any
+    to_device: Callable
+    to_host: Callable
+
+    def fetch(self, state: TrainState) -> tuple[dict, Any]:
+        """(params, optimizer state) on the device."""
+        params = self.to_device(state.params, self.param_shardings) if self.params else state.params
+        opt = self.to_device(state.opt_state, self.opt_shardings) if self.opt_state else state.opt_state
+        return params, opt
+
+    def store(self, params: dict, opt_state: Any) -> tuple[dict, Any]:
+        """The new (params, optimizer state) where the train state keeps them."""
+        return (self.to_host(params) if self.params else params), (
+            self.to_host(opt_state) if self.opt_state else opt_state
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What the step's functions close over (static: none of it is traced)."""
+
+    cfg: Config  # resolved (planning/resolve.py): no `auto` left
+    graphdef: nnx.GraphDef
+    abstract_params: nnx.State
+    optimizer: optax.GradientTransformation
+    schedule: optax.Schedule  # the learning rate by step (for the metrics)
+    pipeline: sharding.PipelineSchedule | None  # mesh.stage > 1
+    offload: Offload
+
+    @property
+    def guarded(self) -> bool:
+        """Whether an update can be held back (faults.* or loss scaling)."""
+        f = self.cfg.faults
+        return f.skip_nonfinite or f.spike_factor is not None or self.loss_scaling
+
+    @property
+    def loss_scaling(self) -> bool:
+        return self.cfg.model.compute_dtype == "float16"
+
+
+class Gradients(NamedTuple):
+    """The step's gradients and what came with them."""
+
+    loss: jax.Array  # mean cross-entropy over the counted tokens
+    tokens: jax.Array  # counted tokens (f32)
+    grads: dict  # of the mean objective, in the parameters' dtype
+    moe_stats: dict  # router losses and load, mean over microbatches ({} for dense models)
+    fp8: dict | None  # the next fp8 state (None without model.fp8)
+
+
+# --- the forward pass and the loss ------------------------------------------------------------
+
+
+def model_loss(
+    model, micro: dict, fp8: dict | None, chunk: int, pipeline: sharding.PipelineSchedule | None = None
+) -> tuple[jax.Array, jax.Array, dict]:
+    """(CE sum, counted tokens, aux) of `model` on one (micro)batch. `chunk`
+    (`train.loss_chunk`): > 0, the loss runs over that many positions at a time and the
+    full logits are never formed (trainer/loss.py); 0, the plain loss over them.
+    `pipeline`: the layer stacks' pipeline schedule (mesh.stage > 1), else None."""
+    x, aux = model.hidden(
+        micro["inputs"],
+        positions=micro["positions"],
+        segment_ids=micro["segment_ids"],
+        fp8=fp8,
+        pipeline=pipeline,
+    )
+    if chunk:
+        total, count = chunked_cross_entropy(
+            x, model.head(), micro["targets"], micro["loss_mask"], chunk=chunk
+        )
+    else:
+        total, count = cross_entropy(model.project(x), micro["targets"], micro["loss_mask"])
+    return total, count, aux
+
+
+def objective(spec: StepSpec, params: dict, micro: dict, fp8: dict | None, scale):
+    """(what the backward pass differentiates, (CE sum, counted tokens, MoE stats)). The
+    objective is the CE sum, plus for MoE models count x (weighted router losses), so that
+    after the division by the batch's token count the router losses enter as their
+    token-weighted mean over microbatches; times `scale` under loss scaling."""
+    model = models.merge(spec.graphdef, spec.abstract_params, params)
+    total, count, stats = model_loss(model, micro, fp8, spec.cfg.train.loss_chunk, spec.pipeline)
+    value = total
+    moe = spec.cfg.model.moe
+    if moe is not None:
+        value = total + count * (
+            moe.aux_loss_weight * stats["moe_aux_loss"] + moe.z_loss_weight * stats["moe_z_loss"]
+        )
+    else:
+        stats = {}
+    return (value if scale is None else value * scale), (total, count, stats)
+
+
+# --- gradients over microbatches ------------------------------------------------------------
+
+
+def micro_gradients(spec: StepSpec, params: dict, micro: dict, scale=None, fp8: dict | None = None):
+    """(CE sum, token count, gradients of the objective, MoE stats, next fp8 state) of one
+    microbatch. `fp8`: the state the matmuls quantize with; its "gradient" is its next
+    value (models/fp8.py), so it is differentiated alongside the parameters."""
+    loss = lambda p, meta: objective(spec, p, micro, meta, scale)
+    if fp8 is None:
+        (_, (total, count, stats)), grads = jax.value_and_grad(loss, has_aux=True)(params, None)
+        return total, count, grads, stats, None
+    (_, (total, count, stats)), (grads, new_fp8) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+        params, fp8
+    )
+    return total, count, grads, stats, new_fp8
+
+
+def split_microbatches(batch: dict, n: int) -> dict:
+    """[B, ...] -> [n, B/n, ...], microbatch m = rows m, m+n, m+2n, ... so that
+    every data-parallel shard contributes equally to every microbatch."""
+
+    def split(x):
+        return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def _accumulated(spec: StepSpec, params: dict, batch: dict, scale, fp8: dict | None):
+    """micro_gradients summed over `train.microbatches` slices in a scan (stats averaged,
+    fp8 next states combined by max: models/fp8.py `combine`)."""
+    n = spec.cfg.train.microbatches
+
+    def add(carry, micro):
+        micro = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), micro)
+        total, count, grads, stats, new_fp8 = micro_gradients(spec, params, micro, scale, fp8)
+        acc_total, acc_count, acc_grads, acc_stats, acc_fp8 = carry
+        return (
+            acc_total + total,
+            acc_count + count,
+            jax.tree.map(jnp.add, acc_grads, grads),
+            jax.tree.map(lambda a, s: a + s / n, acc_stats, stats),
+            None if fp8 is None else fp8_combine(acc_fp8, new_fp8),
+        ), None
+
+    one_micro = jax.tree.map(lambda x: x[::n], batch)
+    stats_shape = jax.eval_shape(lambda: micro_gradients(spec, params, one_micro)[3])
+    zero = jnp.zeros((), jnp.float32)
+    init = (
+        zero,
+        zero,
+        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape),
+        None if fp8 is None else jax.tree.map(lambda x: jnp.full_like(x, -jnp.inf), fp8),
+    )
+    return jax.lax.scan(add, init, split_microbatches(batch, n))[0]
+
+
+def batch_gradients(
+    spec: StepSpec, params: dict, batch: dict, scale=None, fp8: dict | None = None
+) -> Gradients:
+    """Mean loss over the counted tokens, their number and the mean-loss gradients,
+    accumulated over `train.microbatches` (sums first, one division at the end, so the
+    result does not depend on how the batch is split). `scale`: the loss scale the
+    backward pass runs at; the gradients come back unscaled."""
+    per_token = None
+    if scale is not None:  # the objective is a sum over tokens: scale / their number
+        per_token = scale / jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+    if spec.cfg.train.microbatches == 1:
+        total, count, grads, stats, new_fp8 = micro_gradients(spec, params, batch, per_token, fp8)
+    else:
+        total, count, grads, stats, new_fp8 = _accumulated(spec, params, batch, per_token, fp8)
+    denom = jnp.maximum(count, 1.0)
+    grad_denom = denom if scale is None else scale
+    grads = jax.tree.map(lambda g, p: (g / grad_denom).astype(p.dtype), grads, params)
+    return Gradients(total / denom, count, grads, stats, new_fp8)
+
+
+# --- the update and its guard -----------------------------------------------------------------
+
+
+def optimizer_update(spec: StepSpec, params: dict, opt_state, g: Gradients) -> tuple[dict, Any]:
+    """Optax's update of the parameters (and, with moe.score_bias, the routers' selection
+    bias, which no gradient trains)."""
+    updates, opt_state = spec.optimizer.update(g.grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    moe = spec.cfg.model.moe
+    if moe is not None and moe.score_bias:
+        params = update_router_bias(params, g.moe_stats["moe_expert_load"], moe.score_bias_rate)
+    return params, opt_state
+
+
+def judge_step(loss, grad_norm, window, *, skip_nonfinite: bool, spike_factor: float | None):
+    """(apply the update?, fault code, next loss window) for one step, on device.
+
+    A step is a fault when its loss or gradient norm is not finite, or when its
+    loss exceeds ``spike_factor`` x the median of the last good losses (judged
+    only once the window is full). Faulty steps do not enter the window. Run
+    inside the step, before the update is applied, so a spike never reaches the
+    weights; and the window is part of the train state, so a resumed or
+    rolled-back run judges exactly as an uninterrupted one.
+    """
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    spike = jnp.zeros((), bool)
+    if spike_factor is not None:
+        full = jnp.all(jnp.isfinite(window))
+        spike = finite & full & (loss > spike_factor * jnp.median(window))
+    good = finite & ~spike
+    fault = jnp.where(~finite, FAULT_NONFINITE, jnp.where(spike, FAULT_SPIKE, FAULT_NONE))
+    apply = good if skip_nonfinite else ~spike
+    window = jnp.where(good, jnp.concatenate([window[1:], loss[None].astype(window.dtype)]), window)
+    return apply, fault.astype(jnp.int32), window
+
+
+class Verdict(NamedTuple):
+    """Whether the step's update goes in, and the state that records why."""
+
+    update: jax.Array  # bool: apply this step's update
+    skipped: jax.Array  # int32: skipped by the fault policy (faults.*)
+    fault: jax.Array  # int32: recovery/faults.py FAULT_* code
+    window: jax.Array  # the next loss window
+    loss_scale: dict | None  # the next loss-scale state (float16), else None
+    scale_skipped: jax.Array  # bool: skipped for a loss-scale overflow alone
+
+
+def guard(spec: StepSpec, state: TrainState, loss, grad_norm) -> Verdict:
+    """The fault policy and the loss scaler's verdict on this step. Overflowing gradients
+    at a scale above the minimum are the scaler's (update skipped, scale lowered), and the
+    fault judge then sees a finite step, so the fault monitor neither counts it nor rolls
+    back for it. A faulty step (non-finite, or a loss spike) leaves params and optimizer
+    state exactly as they were; the step counter still advances because the batch was
+    consumed."""
+    f, ls = spec.cfg.faults, spec.cfg.optimizer.loss_scale
+    overflow = jnp.zeros((), bool)
+    if spec.loss_scaling:
+        overflow = overflowed(loss, grad_norm, state.loss_scale["scale"], ls)
+    apply, fault, window = judge_step(
+        loss,
+        jnp.where(overflow, 0.0, grad_norm),
+        state.loss_window,
+        skip_nonfinite=f.skip_nonfinite,
+        spike_factor=f.spike_factor,
+    )
+    window = jnp.where(overflow, state.loss_window, window)  # no update: not a good step
+    update = apply & ~overflow
+    scale_skipped = overflow & apply  # skipped for the overflow alone
+    loss_scale = None
+    if spec.loss_scaling:
+        loss_scale = update_loss_scale(state.loss_scale, overflow, update, scale_skipped, ls)
+    return Verdict(update, (~apply).astype(jnp.int32), fault, window, loss_scale, scale_skipped)
+
+
+def step_metrics(spec: StepSpec, state: TrainState, g: Gradients, grad_norm, verdict: Verdict) -> dict:
+    """The step's replicated scalars (the loop fetches them at logging steps)."""
+    metrics = {
+        "loss": g.loss,
+        "grad_norm": grad_norm,
+        "lr": spec.schedule(state.step),
+        "tokens": g.tokens,
+        "skipped": verdict.skipped,
+        "fault": verdict.fault,
+    }
+    metrics.update({k: v for k, v in g.moe_stats.items() if k != "moe_expert_load"})
+    if spec.loss_scaling:
+        metrics["loss_scale"] = state.loss_scale["scale"]  # the scale this step's backward ran at
+        metrics["loss_scale_skipped"] = verdict.scale_skipped.astype(jnp.int32)
+        metrics["loss_scale_overflows"] = verdict.loss_scale["overflows"]  # running total
+    return metrics
+
+
+# --- the step -------------------------------------------------------------------------------
+
+
+def train_step(spec: StepSpec, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    """(next state, metrics): gradients, optimizer update, the guard's verdict, metrics."""
+    params, opt_state = spec.offload.fetch(state)  # offloaded state comes to the device
+    scale = state.loss_scale["scale"] if spec.loss_scaling else None
+    g = batch_gradients(spec, params, batch, scale, state.fp8)
+    grad_norm = optax.tree.norm(g.grads)
+    new_params, new_opt = optimizer_update(spec, params, opt_state, g)
+    verdict = guard(spec, state, g.loss, grad_norm)
+    new_fp8 = g.fp8
+    if spec.guarded:  # a select, so nothing leaves the device
+        new_params, new_opt, new_fp8 = jax.tree.map(
+            lambda new, old: jnp.where(verdict.update, new, old),
+            (new_params, new_opt, new_fp8),
+            (params, opt_state, state.fp8),
+        )
+    new_params, new_opt = spec.offload.store(new_params, new_opt)
+    next_state = TrainState(
+        step=state.step + 1,
+        params=new_params,
+        opt_state=new_opt,
+        loss_window=verdict.window,
+        loss_scale=verdict.loss_scale,
+        fp8=new_fp8,
+    )
+    return next_state, step_metrics(spec, state, g, grad_norm, verdict)
+
+
+def loss_and_grads(spec: StepSpec, params: dict, batch: dict):
+    """(mean loss, counted tokens, gradients) without the update (tests and tools; model.fp8:
+    without fp8, which has no state here)."""
+    return batch_gradients(spec, params, batch)[:3]
+
+
+def eval_sums(spec: StepSpec, state: TrainState, batch: dict):
+    """(sum of masked next-token losses, counted tokens) over `batch`: the step's forward
+    without gradients or MoE router losses, over `train.microbatches` slices as the step
+    takes them (so its peak memory stays below the step's); model.fp8: quantized with the
+    state's fp8 scales, which it leaves as they are. Nothing is donated."""
+    params, _ = dataclasses.replace(spec.offload, opt_state=False).fetch(state)
+    model = models.merge(spec.graphdef, spec.abstract_params, params)
+    sums = lambda micro: model_loss(model, micro, state.fp8, spec.cfg.train.loss_chunk, spec.pipeline)[:2]
+    n = spec.cfg.train.microbatches
+    if n == 1:
+        return sums(batch)
+
+    def add(carry, micro):
+        total, count = sums(jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), micro))
+        return (carry[0] + total, carry[1] + count), None
+
+    zero = jnp.zeros((), jnp.float32)
+    return jax.lax.scan(add, (zero, zero), split_microbatches(batch, n))[0]
