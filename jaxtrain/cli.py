@@ -275,6 +275,7 @@ def _check_train_config(cfg) -> None:
     """Everything `jaxtrain train` can refuse before it builds anything: the config against the
     devices, its paths, `train.init_from`, and sizes that cannot fit (refused in a second,
     not after compiling). Raises ConfigError."""
+    # jax and the rooms: imported once the config has loaded, so a bad one fails in a moment
     import jax
 
     from jaxtrain.interchange.convert import resolve_checkpoint
@@ -297,6 +298,7 @@ def _check_train_config(cfg) -> None:
 
 def _run_training(cfg, distributed) -> int:
     """The loop, with its failures mapped to exit codes (module docstring)."""
+    # the run's rooms (flax, optax, orbax): imported only by a `train` that got this far
     from jaxtrain.data import DataError
     from jaxtrain.recovery.checkpoint import CheckpointError
     from jaxtrain.recovery.faults import TrainingFault

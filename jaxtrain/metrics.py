@@ -87,7 +87,7 @@ class MetricsWriter:
         else:
             self._jsonl = open(self._jsonl_path, "a", buffering=1)
         if self._tensorboard:
-            from tensorboardX import SummaryWriter
+            from tensorboardX import SummaryWriter  # only where TensorBoard is on (logging.tensorboard)
 
             logdir = storage.join(self.output_dir, "tensorboard")
             if self.remote:
@@ -197,7 +197,7 @@ def _register_object_store_events(scheme: str) -> None:
     """Route tensorboardX's event files under `scheme://` through etils.epath (gcsfs for gs://)
     instead of its own writers (google-cloud-storage for gs://, boto3 for s3://, nothing
     for other schemes), so that every URL the rest of the run writes to works here too."""
-    from tensorboardX import record_writer
+    from tensorboardX import record_writer  # as SummaryWriter: only where TensorBoard is on
 
     record_writer.register_writer_factory(scheme, _ObjectEventFiles())
 

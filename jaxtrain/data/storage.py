@@ -100,7 +100,7 @@ def open_read(path: str | os.PathLike, *, random_access: bool = False) -> IO[byt
     if is_local(path):
         return open(_local(path), "rb")
     if random_access:
-        import fsspec
+        import fsspec  # remote paths only: a local run never loads the object-store stack
 
         fs, fs_path = fsspec.core.url_to_fs(os.fspath(path))
         return fs.open(fs_path, "rb", cache_type="none")
@@ -190,7 +190,7 @@ def move_tree(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     if is_local(src) and is_local(dst):
         os.replace(_local(src), _local(dst))
         return
-    import fsspec
+    import fsspec  # remote paths only, as in open_read
 
     fs, src_path = fsspec.core.url_to_fs(os.fspath(src))
     fs.copy(src_path, fsspec.core.url_to_fs(os.fspath(dst))[1], recursive=True)

@@ -147,6 +147,7 @@ class _Progress:
         self.start = time.perf_counter()
         if not enabled:
             return
+        # only with --progress: a quiet tokenize (scripts, tests) never loads rich's widgets
         from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
         self.bar = Progress(
