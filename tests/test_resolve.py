@@ -98,25 +98,6 @@ def test_the_run_records_the_resolved_values(tmp_path):
     assert result.program is not None
 
 
-def _lowered_step(cfg, mesh):
-    """The train step of resolved `cfg` lowered for `mesh` (StableHLO, before XLA's passes)."""
-    from jaxtrain import sharding
-    from jaxtrain.planning.resolve import axis_rules
-    from jaxtrain.trainer.batches import abstract_batch
-    from jaxtrain.trainer.program import build_program
-
-    rules = axis_rules(cfg)
-    with sharding.axis_rules(rules):
-        program = build_program(cfg, mesh, rules)
-    with jax.set_mesh(mesh), sharding.axis_rules(rules):
-        state = jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-            jax.eval_shape(program.init),
-            program.state_shardings,
-        )
-        return program.step.lower(state, abstract_batch(cfg, program.batch_sharding))
-
-
 @pytest.mark.deviceless
 def test_a_tpu_program_has_no_cpu_change_and_runs_the_flash_kernel():
     """Resolved for a TPU slice by `jaxtrain compile`: the step holds the Pallas (Mosaic)
@@ -125,17 +106,23 @@ def test_a_tpu_program_has_no_cpu_change_and_runs_the_flash_kernel():
     if not targets.tpu_available():
         pytest.skip("libtpu not installed")
     from jaxtrain import sharding
-    from jaxtrain.planning.compile import config_for_target, parse_target, resolved_for_target, target_mesh
+    from jaxtrain.planning.compile import (
+        config_for_target,
+        lower_step,
+        parse_target,
+        resolved_for_target,
+        target_mesh,
+    )
     from jaxtrain.planning.resolve import resolve_for_mesh
 
     target = parse_target("tpu:v5p-8")
     cfg, ici, dcn = config_for_target(tiny_config(None, "mesh.fsdp=-1"), target)
     tpu_cfg, notes = resolved_for_target(cfg, target, ici, dcn)
     assert tpu_cfg.model.cpu_tuning is False and tpu_cfg.model.attention_impl == "pallas", notes
-    tpu = _lowered_step(tpu_cfg, target_mesh(target, ici, dcn))
+    tpu = lower_step(tpu_cfg, target_mesh(target, ici, dcn))
     assert "optimization_barrier" not in tpu.as_text()
     assert "tpu_custom_call" in tpu.compile().as_text()
     mesh = sharding.make_mesh({"fsdp": 4}, jax.devices()[:4])
     cpu_cfg = resolve_for_mesh(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, fsdp=4)), mesh)
     assert cpu_cfg.model.cpu_tuning is True
-    assert "optimization_barrier" in _lowered_step(cpu_cfg, mesh).as_text()
+    assert "optimization_barrier" in lower_step(cpu_cfg, mesh).as_text()

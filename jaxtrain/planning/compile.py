@@ -279,9 +279,9 @@ def fill_note(cfg: Config, requested_fsdp: int, dcn: dict) -> list[str]:
 # --- compiling ----------------------------------------------------------------
 
 
-def _compile_step(cfg: Config, mesh, rules=None, compiler_options: dict | None = None):
-    """Lower and compile the train step of resolved `cfg` (what `jaxtrain train` runs), under
-    `rules` (default: the config's)."""
+def lower_step(cfg: Config, mesh, rules=None) -> jax.stages.Lowered:
+    """The train step of resolved `cfg` (what `jaxtrain train` runs) lowered for `mesh`, on
+    abstract state and batch, under `rules` (default: the config's)."""
     rules = axis_rules(cfg) if rules is None else rules
     # build_program runs a few eager ops (optax state templates); they cannot run on
     # compile-only devices, so only the tracing happens under the target mesh.
@@ -292,8 +292,12 @@ def _compile_step(cfg: Config, mesh, rules=None, compiler_options: dict | None =
         state = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, program.state_shardings
         )
-        batch = abstract_batch(cfg, program.batch_sharding)
-        return program.step.lower(state, batch).compile(compiler_options=compiler_options)
+        return program.step.lower(state, abstract_batch(cfg, program.batch_sharding))
+
+
+def _compile_step(cfg: Config, mesh, rules=None, compiler_options: dict | None = None):
+    """lower_step, compiled by the mesh's device compiler."""
+    return lower_step(cfg, mesh, rules).compile(compiler_options=compiler_options)
 
 
 class OutOfMemoryAtCompile(RuntimeError):
@@ -406,10 +410,9 @@ def compile_report(
     return report
 
 
-def _train_report(cfg: Config, target: Target, mesh, dcn: dict, notes: list[str]) -> dict[str, Any]:
-    """What the train report says before anything compiles: target, mesh, resolved settings."""
-    t = cfg.train
-    report: dict[str, Any] = {
+def target_fields(cfg: Config, target: Target, mesh, dcn: dict) -> dict[str, Any]:
+    """The fields every compile report starts with (train and decode): target, mesh, rules."""
+    return {
         "target": target.describe(),
         "platform": target.platform,
         "device_kind": mesh.devices.flat[0].device_kind,
@@ -418,6 +421,14 @@ def _train_report(cfg: Config, target: Target, mesh, dcn: dict, notes: list[str]
         "mesh_dcn": dcn,
         "rules": cfg.mesh.rules,
         "attention_impl": cfg.model.attention_impl,
+    }
+
+
+def _train_report(cfg: Config, target: Target, mesh, dcn: dict, notes: list[str]) -> dict[str, Any]:
+    """What the train report says before anything compiles: target, mesh, resolved settings."""
+    t = cfg.train
+    report: dict[str, Any] = {
+        **target_fields(cfg, target, mesh, dcn),
         "remat": cfg.model.remat,
         "global_batch_size": t.global_batch_size,
         "seq_len": t.seq_len,

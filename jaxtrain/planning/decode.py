@@ -32,6 +32,7 @@ from jaxtrain.planning.compile import (
     fill_note,
     is_out_of_memory,
     resolved_for_target,
+    target_fields,
     target_mesh,
 )
 from jaxtrain.planning.report import collectives
@@ -119,14 +120,7 @@ def _decode_report(cfg: Config, target: Target, mesh, dcn, batch, max_len, promp
     m = cfg.model
     return {
         "mode": "decode",
-        "target": target.describe(),
-        "platform": target.platform,
-        "device_kind": mesh.devices.flat[0].device_kind,
-        "num_devices": mesh.size,
-        "mesh": {a: n for a, n in mesh.shape.items() if n > 1},
-        "mesh_dcn": dcn,
-        "rules": cfg.mesh.rules,
-        "attention_impl": m.attention_impl,
+        **target_fields(cfg, target, mesh, dcn),
         "params": m.param_count(),
         "param_dtype": m.param_dtype,
         "compute_dtype": m.compute_dtype,
