@@ -65,7 +65,7 @@ def _compile(target: str, mesh: Mesh, seq: int, fused: bool) -> dict:
     declared = declared_costs(jax.make_jaxpr(fn)(x, x, x))
     try:
         compiled = fn.lower(x, x, x).compile()
-    except Exception as e:  # report, do not hide: a kernel that does not compile is a result
+    except Exception as e:  # noqa: BLE001 - reported: a kernel that does not compile is a result
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return {"error": first[:160], "declared": declared, "seconds": time.perf_counter() - start}
     return {

@@ -166,7 +166,7 @@ def main() -> None:
         for target, make in (("tpu", targets.tpu_topology_devices), ("h100", targets.h100_devices)):
             try:
                 devices = make()
-            except Exception as exc:  # libtpu / CUDA plugin missing
+            except Exception as exc:  # noqa: BLE001 - printed: libtpu / CUDA plugin missing
                 print(f"{target}: unavailable ({exc})")
                 continue
             for dispatch, exchange in (
@@ -176,7 +176,7 @@ def main() -> None:
             ):
                 try:
                     r = compile_mixtral_layer(devices, dispatch, exchange)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - printed as the row's result
                     print(f"{target:6} {dispatch:9} {exchange:8} FAILED: {str(exc).splitlines()[0][:200]}")
                     continue
                 a2a = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in r["a2a"].items()) or "none"

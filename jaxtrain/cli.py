@@ -128,7 +128,12 @@ def _plan_parser(sub) -> None:
     c.add_argument("--target", required=True, help="tpu:v5p-64, gpu:h100, ... (one slice / host group)")
     c.add_argument("--gpus-per-host", type=int, default=None, help="GPU target: GPUs (default 8)")
     c.add_argument("--top", type=int, default=3, help="candidates confirmed by compile (default 3)")
-    c.add_argument("--apply", metavar="OUT.yaml", default=None, help="write the winning config here")
+    c.add_argument(
+        "--apply", metavar="OUT.yaml", default=None, help="write the winning config here (a new file)"
+    )
+    c.add_argument(
+        "--force", action="store_true", help="--apply may replace an existing file (never the input)"
+    )
     c.add_argument(
         "--hbm-gib", type=float, default=None, help="device memory to plan for instead of the chip's HBM"
     )
@@ -229,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         return commands[args.command]()
     except host.UnknownSettingError as e:  # from configure_host, before any work
         return _fail(str(e))
-    except Exception:
+    except Exception:  # noqa: BLE001 - the CLI boundary: printed with its traceback, exit 70
         # Expected failures (bad config, data, paths, checkpoints) were mapped to one line and
         # exit 2 where they entered; anything reaching here is a bug in jaxtrain.
         traceback.print_exc()
@@ -393,6 +398,8 @@ def _plan(args) -> int:
         cfg = load_config(args.config, args.overrides)
         target = parse_target(args.target, gpus_per_host=args.gpus_per_host)
         _check_plan_options(args)
+        if args.apply:  # before the search, which can take minutes
+            planner.check_output(args.apply, args.config, force=args.force)
         result = planner.plan(
             cfg,
             target,
@@ -409,7 +416,7 @@ def _plan(args) -> int:
     if result.best is None:
         return 1
     if args.apply:
-        planner.write_config(cfg, result.best.candidate, args.apply, source=args.config)
+        planner.write_config(cfg, result.best.candidate, args.apply, source=args.config, force=args.force)
         print(
             f"wrote {args.apply}: "
             + " ".join(f"{k}={v}" for k, v in result.best.candidate.overrides().items())

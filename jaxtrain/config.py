@@ -43,6 +43,9 @@ class MeshConfig:
     # which then count devices per slice. See `jaxtrain compile --slices`.
     dcn_data: int = 1
     dcn_fsdp: int = 1
+    # TPU devices jax's mesh_utils cannot lay out on the torus (a subset of a slice, say) are
+    # refused; true takes them in plain order, with a warning (collectives may cross far links)
+    allow_plain_grid: bool = False
 
     def sizes(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in ("data", "stage", "fsdp", "context", "expert", "tensor")}
@@ -550,10 +553,13 @@ def _validate_devices(cfg: Config, num_devices: int) -> None:
             f"mesh.data*mesh.fsdp*mesh.expert ({dp}) x train.microbatches ({t.microbatches})"
             f" x pipeline.microbatches ({pm}) = {dp * t.microbatches * pm}"
         )
-    if cfg.eval.batch_size is not None and cfg.eval.batch_size % (dp * t.microbatches):
+    # the eval forward splits its batch as the step does: train.microbatches slices, each
+    # through the pipeline's microbatches
+    if cfg.eval.batch_size is not None and cfg.eval.batch_size % (dp * t.microbatches * pm):
         raise ConfigError(
             f"eval.batch_size={cfg.eval.batch_size}: expected a multiple of "
             f"mesh.data*mesh.fsdp*mesh.expert ({dp}) x train.microbatches ({t.microbatches})"
+            f" x pipeline.microbatches ({pm}) = {dp * t.microbatches * pm}"
         )
 
 

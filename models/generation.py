@@ -52,7 +52,7 @@ from flax import nnx
 
 from jaxtrain.models.attention import attend
 from jaxtrain.models.transformer import MoEGroup, Transformer
-from jaxtrain.sharding import constrain
+from jaxtrain.sharding import axis_rules, constrain, current_rules
 
 CACHE_AXES = ("layers", "batch", "act_kv_heads", None, None)
 CACHE_POSITION_AXES = ("batch", None)
@@ -258,7 +258,12 @@ def _choose(t, logits, done, key, temperature, top_p, eos_id, *, top_k, nucleus)
     return tok, done | (tok == eos_id)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "top_k", "nucleus"))
+# The jitted functions take the active axis rules as a static argument (`rules`) and trace
+# under them: jit's cache does not key on the rules in context, so one traced under other
+# rules would otherwise be reused (sharding.with_rules).
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "top_k", "nucleus", "rules")
+)
 def _generate(
     graphdef,
     state,
@@ -273,8 +278,39 @@ def _generate(
     cache_len,
     top_k,
     nucleus,
+    rules,
 ):
-    model = nnx.merge(graphdef, state)
+    with axis_rules(rules):
+        return _generate_traced(
+            nnx.merge(graphdef, state),
+            tokens,
+            prompt_lengths,
+            key,
+            temperature,
+            top_p,
+            eos_id,
+            max_new_tokens=max_new_tokens,
+            cache_len=cache_len,
+            top_k=top_k,
+            nucleus=nucleus,
+        )
+
+
+def _generate_traced(
+    model,
+    tokens,
+    prompt_lengths,
+    key,
+    temperature,
+    top_p,
+    eos_id,
+    *,
+    max_new_tokens,
+    cache_len,
+    top_k,
+    nucleus,
+):
+    """The body of `_generate`: the prefill, then the decode loop until every row is done."""
     b, p = tokens.shape
     rows = jnp.arange(b)
     fill = jnp.maximum(eos_id, 0)  # eos_id -1: none
@@ -391,26 +427,57 @@ def generate(
         cache_len=cache_length(model.cfg, tokens.shape[1] + max_new_tokens),
         top_k=top_k,
         nucleus=top_p is not None,
+        rules=current_rules(),
     )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "top_k", "nucleus"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "top_k", "nucleus", "rules"))
 def _stream_prefill(
-    graphdef, state, tokens, prompt_lengths, key, temperature, top_p, eos_id, *, cache_len, top_k, nucleus
+    graphdef,
+    state,
+    tokens,
+    prompt_lengths,
+    key,
+    temperature,
+    top_p,
+    eos_id,
+    *,
+    cache_len,
+    top_k,
+    nucleus,
+    rules,
 ):
     """`_generate` up to its first token: (tokens [b], rows done, cache)."""
-    logits, cache = prefill(nnx.merge(graphdef, state), tokens, prompt_lengths, cache_len)
+    with axis_rules(rules):
+        logits, cache = prefill(nnx.merge(graphdef, state), tokens, prompt_lengths, cache_len)
     done = jnp.zeros(tokens.shape[:1], bool)
     tok, done = _choose(0, logits, done, key, temperature, top_p, eos_id, top_k=top_k, nucleus=nucleus)
     return tok, done, cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "top_k", "nucleus"), donate_argnames=("cache",))
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "top_k", "nucleus", "rules"), donate_argnames=("cache",)
+)
 def _stream_step(
-    graphdef, state, t, tok, done, cache, prompt_lengths, key, temperature, top_p, eos_id, *, top_k, nucleus
+    graphdef,
+    state,
+    t,
+    tok,
+    done,
+    cache,
+    prompt_lengths,
+    key,
+    temperature,
+    top_p,
+    eos_id,
+    *,
+    top_k,
+    nucleus,
+    rules,
 ):
     """One iteration of `_generate`'s loop body: step t >= 1 -> (tokens [b], rows done, cache)."""
-    logits, cache = decode_step(nnx.merge(graphdef, state), tok, prompt_lengths + t - 1, cache)
+    with axis_rules(rules):
+        logits, cache = decode_step(nnx.merge(graphdef, state), tok, prompt_lengths + t - 1, cache)
     tok, done = _choose(t, logits, done, key, temperature, top_p, eos_id, top_k=top_k, nucleus=nucleus)
     return tok, done, cache
 
@@ -440,7 +507,7 @@ def stream(
     )
     graphdef, state = nnx.split(model)
     tokens, lengths, *rest = _operands(tokens, lengths, seed, temperature, top_p, eos_id)
-    static = dict(top_k=top_k, nucleus=top_p is not None)
+    static = dict(top_k=top_k, nucleus=top_p is not None, rules=current_rules())
     cache_len = cache_length(model.cfg, tokens.shape[1] + max_new_tokens)
 
     def steps():

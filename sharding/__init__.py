@@ -37,6 +37,7 @@ from jaxtrain.sharding.rules import (
     tree_shardings,
     tree_specs,
     vocab_parallel_head,
+    with_rules,
 )
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "axis_rules",
     "constrain",
     "current_rules",
+    "with_rules",
     "logical_to_spec",
     "named_sharding",
     "is_vocab_parallel",

@@ -9,6 +9,7 @@ gradients once per step, sits outermost (and across slices/hosts via DCN).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 
@@ -18,6 +19,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "context", "expert", "tensor")
+_log = logging.getLogger("jaxtrain.sharding")
 
 
 def mesh_shape_from_sizes(axis_sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
@@ -57,13 +59,18 @@ def make_mesh(
     devices: Sequence[jax.Device] | None = None,
     *,
     dcn_axis_sizes: Mapping[str, int] | None = None,
+    allow_plain_grid: bool = False,
 ) -> Mesh:
     """Make a `Mesh` with all of MESH_AXES (size-1 ones included) and Auto axis types.
 
-    `axis_sizes` are per-slice (ICI) degrees; `dcn_axis_sizes` multiply them
-    across slices / hosts (multi-slice TPU, multi-node GPU). Device order comes
-    from `mesh_utils` (torus-aware on TPU), falling back to plain order where
-    it has no opinion (CPU, compile-only devices it does not know).
+    `axis_sizes` are per-slice (ICI) degrees; `dcn_axis_sizes` multiply them across slices /
+    hosts (multi-slice TPU, multi-node GPU). Device order comes from `mesh_utils`: torus-aware
+    on TPU, plain order where the devices have no physical layout (CPU, GPU, compile-only
+    devices). Where mesh_utils knows no layout for TPU devices (a subset of a slice, say), a
+    topology-blind order would put neighbours in the mesh far apart on the torus: ValueError,
+    unless `allow_plain_grid`, which takes the plain order with one warning saying why.
+    Multi-slice: devices are grouped by slice (TPU `slice_index`, else by process: GPU hosts,
+    CPU processes).
     """
     devices = list(jax.devices() if devices is None else devices)
     dcn = {a: int(s) for a, s in (dcn_axis_sizes or {}).items()}
@@ -72,21 +79,54 @@ def make_mesh(
         raise ValueError(f"dcn axis sizes {dcn} (product {n_slices}) do not divide {len(devices)} devices")
     ici = mesh_shape_from_sizes(axis_sizes, len(devices) // n_slices)
     ici_shape = tuple(ici[a] for a in MESH_AXES)
+    on_tpu = getattr(devices[0], "platform", None) == "tpu"
     if n_slices > 1:
         dcn_full = mesh_shape_from_sizes(dcn, n_slices)
         dcn_shape = tuple(dcn_full[a] for a in MESH_AXES)
-        try:
-            grid = mesh_utils.create_hybrid_device_mesh(
-                ici_shape, dcn_shape, devices, allow_split_physical_axes=True
-            )
-        except Exception:  # devices without slice/process structure mesh_utils understands
+        if not on_tpu:  # no slices: processes are the granules (mesh_utils' process_is_granule)
             grid = _hybrid_plain_grid(devices, ici_shape, dcn_shape)
+        else:
+            try:
+                grid = mesh_utils.create_hybrid_device_mesh(
+                    ici_shape, dcn_shape, devices, allow_split_physical_axes=True
+                )
+            except (ValueError, AssertionError, NotImplementedError) as e:
+                _plain_order_or_refuse(devices, f"{ici_shape} x {dcn_shape} slices", e, allow_plain_grid)
+                grid = _hybrid_plain_grid(devices, ici_shape, dcn_shape)
     else:
         try:
             grid = mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
-        except Exception:  # e.g. CPU or GPU counts mesh_utils has no physical layout for
+        except (ValueError, AssertionError, NotImplementedError) as e:
+            if on_tpu:
+                _plain_order_or_refuse(devices, str(ici_shape), e, allow_plain_grid)
+            else:
+                _log.warning(
+                    "mesh: no device order for %s from mesh_utils (%s); devices in plain order",
+                    ici_shape,
+                    _first_line(e),
+                )
             grid = _plain_grid(devices, ici_shape)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
+
+
+def _plain_order_or_refuse(devices, shape: str, error: Exception, allowed: bool) -> None:
+    """TPU devices mesh_utils cannot lay out: refuse, or (asked for) warn and go on."""
+    what = f"{len(devices)} {devices[0].device_kind} devices as {shape}"
+    if not allowed:
+        raise ValueError(
+            f"mesh: no torus-aware device order for {what} ({_first_line(error)}); a topology-blind "
+            "order would slow every collective. Use a whole slice, or allow it (mesh.allow_plain_grid=true)"
+        ) from error
+    _log.warning(
+        "mesh: no torus-aware device order for %s (%s); devices in plain order, as asked",
+        what,
+        _first_line(error),
+    )
 
 
 def _hybrid_plain_grid(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -252,14 +253,33 @@ _RULES: contextvars.ContextVar[AxisRules | None] = contextvars.ContextVar("axis_
 
 
 @contextlib.contextmanager
-def axis_rules(rules: AxisRules) -> Iterator[AxisRules]:
-    """Make `rules` the table `constrain` uses (together with `jax.set_mesh`)."""
-    _validate_rules(rules)
-    token = _RULES.set(tuple(rules))
+def axis_rules(rules: AxisRules | None) -> Iterator[AxisRules | None]:
+    """Make `rules` the table `constrain` uses (together with `jax.set_mesh`); None: no table
+    (constrain is a no-op), e.g. to trace a function as single-device code."""
+    if rules is not None:
+        _validate_rules(rules)
+        rules = tuple(rules)
+    token = _RULES.set(rules)
     try:
         yield rules
     finally:
         _RULES.reset(token)
+
+
+def with_rules(fn, rules: AxisRules | None):
+    """`fn`, always run (traced) under `rules`, whatever table is active where it is called.
+
+    `constrain` reads the active table when a function is traced, and `jax.jit` does not key
+    its cache on it: a jitted function traced under one table would be reused under another.
+    Jit `with_rules(fn, rules)` instead (the table is then fixed with the function), or pass
+    the table as a static argument and enter `axis_rules` inside (models/generation.py)."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with axis_rules(rules):
+            return fn(*args, **kwargs)
+
+    return traced
 
 
 def current_rules() -> AxisRules | None:

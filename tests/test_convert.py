@@ -74,14 +74,21 @@ def test_init_from_with_a_different_model_names_the_field(tmp_path):
         load_params(tmp_path / "ckpt", cfg.model, {})
 
 
-def test_convert_cli_and_init_from_training(tmp_path):
+def test_convert_cli_and_init_from_training(tmp_path, monkeypatch):
     """The CLI converts HF -> checkpoint, training starts from it (its first loss is the
-    converted model's loss, not a random init's), and the checkpoint converts back."""
+    converted model's loss, not a random init's), and the checkpoint converts back. The run
+    never initialises parameters randomly (the random init is never even traced), so it holds
+    one copy of them at any time."""
     import subprocess
     import sys
 
+    from jaxtrain.trainer import program as program_module
     from jaxtrain.trainer import train
     from tests.conftest import REPO
+
+    random_inits = []
+    fresh = program_module.fresh_params
+    monkeypatch.setattr(program_module, "fresh_params", lambda make: random_inits.append(1) or fresh(make))
 
     run = lambda *a: subprocess.run(
         [sys.executable, "-m", "jaxtrain", "convert", *a],
@@ -114,6 +121,7 @@ def test_convert_cli_and_init_from_training(tmp_path):
         f"train.init_from={tmp_path / 'ckpt'}",
     )
     first = train(cfg, devices=jax.devices()[:1]).metrics[0]["loss"]
+    assert random_inits == []
     from jaxtrain.data import make_data_iterator
 
     batch = next(
@@ -126,6 +134,12 @@ def test_convert_cli_and_init_from_training(tmp_path):
     logits = from_hf(ASSET)(batch["inputs"])
     expected = float(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean())
     assert abs(first - expected) < 1e-4  # f32 CE of the converted model on the first batch
+    # the spy does see a random initialisation where there is one
+    fresh_run = dataclasses.replace(
+        cfg, output_dir=str(tmp_path / "fresh"), train=dataclasses.replace(cfg.train, init_from=None, steps=1)
+    )
+    train(fresh_run, devices=jax.devices()[:1])
+    assert random_inits == [1]
 
 
 # --- training checkpoints -> HF -------------------------------------------------

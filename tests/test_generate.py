@@ -189,6 +189,24 @@ def test_tensor2_data2_equals_one_device(name):
     assert cache.positions.sharding.spec == P("data")
 
 
+def test_generation_traces_again_under_other_axis_rules():
+    """jit's cache does not key on the axis rules in context, which `constrain` reads while
+    tracing: generation passes them as a static argument, so the same shapes under another
+    table compile again (and agree with one device), instead of reusing the first table's."""
+    model = build("dense-gqa-llama3")
+    kw = dict(max_new_tokens=STEPS, prompt_lengths=LENGTHS)
+    alone = np.asarray(models.generate(model, PROMPT, **kw))
+    mesh = sharding.make_mesh({"data": 2, "tensor": 2}, jax.devices()[:4])
+    other = sharding.vocab_parallel_head(sharding.FSDP_TENSOR)  # a table no other test generates under
+    sizes = []
+    for rules in (sharding.FSDP_TENSOR, other, sharding.FSDP_TENSOR):
+        with jax.set_mesh(mesh), sharding.axis_rules(rules):
+            out = models.generate(_sharded(model, mesh, rules), PROMPT, **kw)
+        np.testing.assert_array_equal(np.asarray(out), alone)
+        sizes.append(gen._generate._cache_size())
+    assert sizes[1] == sizes[0] + 1 and sizes[2] == sizes[1]  # traced again for the new table only
+
+
 # --- sampling ---------------------------------------------------------------------------
 
 

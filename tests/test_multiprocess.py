@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jaxtrain.trainer import train
-from tests.conftest import REPO, tiny_config
+from tests.conftest import REPO, replace, tiny_config
 from tests.test_checkpoint_kill import env as cli_env
 from tests.test_checkpoint_kill import records
 
@@ -273,3 +273,54 @@ def test_watchdog_names_the_silent_peer_and_ignores_finished_ones(capsys):
     assert "jaxtrain: error: lost process 2 of 3: no heartbeat for 1 s" in err
     assert "process 1" not in err.split("lost")[1].split(";")[0]
     assert store["jaxtrain/heartbeat/0"] == "done"
+
+
+def test_processes_that_see_different_memory_compile_one_program(tmp_path):
+    """`model.remat: auto` depends on a device's memory, which each process reads for itself:
+    process 1 here sees too little host memory for `none` (its own resolution would pick a
+    policy that recomputes), process 0 plenty. The run takes process 0's resolution on both
+    (planning/resolve.py `agreed`): both log and compile `none`, and the run completes."""
+    from jaxtrain.config import load_config
+    from jaxtrain.planning.footprint import estimate, lower_bound
+    from jaxtrain.planning.resolve import Placement, resolve
+
+    mesh = {"data": 2, "fsdp": 4}
+    base = load_config(TINY, [*COMMON, "model.remat=auto"])
+    policy = lambda p: resolve(replace(base, model=dict(remat=p)), Placement("cpu", mesh)).config
+    need_none, need_full = estimate(policy("none"), mesh).total, estimate(policy("full"), mesh).total
+    capacity = (need_full + need_none) / 2 / 0.9  # none misses, full fits
+    assert lower_bound(base, mesh).total < capacity  # the door check lets it in
+    assert resolve(base, Placement("cpu", mesh, int(capacity))).config.model.remat != "none"
+    shrink = (
+        "import sys; from jaxtrain.planning import footprint; "
+        f"footprint.host_memory_bytes = lambda: {int(4 * capacity)}; "
+        "from jaxtrain.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    port = free_port()
+    env = {**cli_env(), "JAXTRAIN_SUPERVISED": "1"}  # no supervisor: the patched process trains
+    procs = []
+    for pid in range(2):
+        head = [sys.executable, "-c", shrink] if pid == 1 else [sys.executable, "-m", "jaxtrain"]
+        args = [
+            "train",
+            TINY,
+            f"output_dir={tmp_path}",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            *COMMON,
+            "model.remat=auto",
+            "train.steps=2",
+            f"distributed.coordinator_address=127.0.0.1:{port}",
+            "distributed.num_processes=2",
+            f"distributed.process_id={pid}",
+            "distributed.initialization_timeout=60",
+        ]
+        procs.append(
+            subprocess.Popen(
+                [*head, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    results = wait_all(procs)
+    assert_ok(results)
+    for _code, _out, err in results:
+        assert "model.remat=auto -> none: " in err, err[-2000:]

@@ -130,6 +130,30 @@ def test_apply_writes_a_config_that_loads_to_the_pick(tmp_path):
     validate(loaded, num_devices=4)
 
 
+def test_apply_never_writes_over_its_input_and_asks_before_replacing(tmp_path, capsys):
+    """`plan --apply` refuses the config it plans (even with --force) and an existing file
+    (without --force), before the search, leaving both as they were."""
+    from pathlib import Path
+
+    from jaxtrain import cli
+
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(Path(TINY).read_text())
+    before = mine.read_text()
+    argv = ["plan", str(mine), "--target", "tpu:v5p-8", "--no-compile", "--apply"]
+    for force in ([], ["--force"]):
+        assert cli.main([*argv, str(mine), *force]) == 2
+        assert "that is the config being planned" in capsys.readouterr().err
+    assert mine.read_text() == before
+    existing = tmp_path / "plan.yaml"
+    existing.write_text("kept\n")
+    assert cli.main([*argv, str(existing)]) == 2
+    assert "the file exists; pass --force to replace it" in capsys.readouterr().err
+    assert existing.read_text() == "kept\n"
+    assert cli.main([*argv, str(existing), "--force"]) == 0
+    validate(load_config(existing), num_devices=4)
+
+
 def test_cli_plan_no_compile_prints_the_table(tmp_path, capsys):
     from jaxtrain import cli
 

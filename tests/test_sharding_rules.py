@@ -96,3 +96,57 @@ def test_bad_inputs_name_the_problem():
         logical_to_spec(("batch",), DEFAULT_RULES, m, shape=(8, 2))
     with pytest.raises(ValueError, match="rules"):
         logical_to_spec(("batch",), (("batch",),), m)
+
+
+def test_program_traces_under_its_own_rules_wherever_it_is_called():
+    """The train program's jitted functions are traced under the rules they were built with
+    (sharding.with_rules), not whatever table is active at the call: lowered inside and
+    outside `axis_rules`, `loss_and_grads` is the same program, with its constraints."""
+    from flax import nnx
+
+    from jaxtrain.planning.resolve import resolve_for_mesh
+    from jaxtrain.trainer.batches import abstract_batch
+    from jaxtrain.trainer.program import build_program
+    from tests.conftest import tiny_config
+
+    mesh = sharding.make_mesh({"fsdp": 2, "tensor": 2}, jax.devices()[:4])
+    cfg = resolve_for_mesh(tiny_config(None, "mesh.fsdp=2", "mesh.tensor=2"), mesh)
+    program = build_program(cfg, mesh)
+    params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(program.abstract_params)
+    )
+    batch = abstract_batch(cfg, program.batch_sharding)
+    with jax.set_mesh(mesh):
+        outside = program.loss_and_grads.lower(params, batch).as_text()
+        with sharding.axis_rules(sharding.DATA_PARALLEL):  # another table in context
+            other = program.loss_and_grads.lower(params, batch).as_text()
+    assert "sharding_constraint" in outside
+    assert outside == other
+
+
+@pytest.mark.deviceless
+def test_tpu_devices_without_a_torus_order_are_refused_unless_asked():
+    """6 of a v5p slice's 8 chips have no torus-aware order in jax's mesh_utils: a plain order
+    would put mesh neighbours far apart, so make_mesh refuses, naming the way out; asked for
+    (mesh.allow_plain_grid), it takes the plain order with a warning line."""
+    import logging
+
+    from jaxtrain.sharding import targets
+
+    if not targets.tpu_available():
+        pytest.skip("libtpu not installed")
+    devices = targets.tpu_topology_devices("v5p:2x2x2")[:6]
+    with pytest.raises(
+        ValueError, match=r"no torus-aware device order for 6 TPU v5 devices.*allow_plain_grid"
+    ):
+        sharding.make_mesh({"fsdp": 6}, devices)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("jaxtrain.sharding").addHandler(handler)
+    try:
+        mesh = sharding.make_mesh({"fsdp": 6}, devices, allow_plain_grid=True)
+    finally:
+        logging.getLogger("jaxtrain.sharding").removeHandler(handler)
+    assert list(mesh.devices.flat) == devices
+    assert len(records) == 1 and "plain order, as asked" in records[0].getMessage()

@@ -40,6 +40,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -136,7 +137,8 @@ def plan_devices(source: str, overrides: list[str] | tuple[str, ...] = ()) -> in
             if key.startswith("mesh."):
                 _set_dotted(data, key, value)
         return _build(Config, data).mesh_size or None
-    except Exception:  # noqa: BLE001 - a guess only; open_source names what is wrong
+    except Exception as e:  # noqa: BLE001 - a guess only; open_source names what is wrong
+        logging.getLogger("jaxtrain.generate").debug("no device count from %s (%s)", source, e)
         return None
 
 
@@ -379,7 +381,7 @@ def make_mesh(cfg: Config, devices=None):
         ici = sharding.mesh_shape_from_sizes(sizes, need)
     except ValueError as e:
         raise GenerateError(str(e)) from None
-    return sharding.make_mesh(ici, devices[:need])
+    return sharding.make_mesh(ici, devices[:need], allow_plain_grid=cfg.mesh.allow_plain_grid)
 
 
 def load_model(src: Source, mesh, cfg: Config | None = None):

@@ -53,7 +53,7 @@ from jaxtrain.sharding import hardware, targets
 from jaxtrain.sharding.mesh import mesh_shape_from_sizes
 from jaxtrain.sharding.targets import compiled_cost, compiled_memory, custom_call_targets, kernel_names
 from jaxtrain.trainer.batches import abstract_batch
-from jaxtrain.trainer.program import build_program, pipeline_schedule
+from jaxtrain.trainer.program import build_program, pipeline_schedule, state_shapes
 
 GiB = 1024**3
 
@@ -288,7 +288,7 @@ def lower_step(cfg: Config, mesh, rules=None) -> jax.stages.Lowered:
     with sharding.axis_rules(rules):
         program = build_program(cfg, mesh, rules)
     with jax.set_mesh(mesh), sharding.axis_rules(rules):
-        shapes = jax.eval_shape(program.init)
+        shapes = state_shapes(program)
         state = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, program.state_shardings
         )

@@ -98,7 +98,10 @@ def device_memory_bytes(device) -> tuple[int | None, int]:
     """(bytes one device can hold, devices sharing that memory) for a jax device."""
     if device.platform == "cpu":
         return host_memory_bytes(), jax.local_device_count()
-    stats = getattr(device, "memory_stats", lambda: None)() or {}
+    try:
+        stats = device.memory_stats() or {}
+    except jax.errors.JaxRuntimeError:  # compile-only devices keep none: the chip table says
+        stats = {}
     if stats.get("bytes_limit"):
         return int(stats["bytes_limit"]), 1
 

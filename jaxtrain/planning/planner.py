@@ -585,8 +585,24 @@ def format_plan(p: Plan, *, show_rejected: int = 12) -> str:
     return "\n".join(lines)
 
 
-def write_config(cfg: Config, cand: Candidate, path: str | Path, *, source: str = "") -> Config:
-    """Write the base config with the winning overrides as one loadable YAML; returns it."""
+def check_output(path: str | Path, source: str | Path | None = None, *, force: bool = False) -> None:
+    """Refuse to write the plan over `source` (the config it was planned from: never, even
+    with `force`), over an existing file unless `force`, or into a folder. ConfigError."""
+    out = Path(path)
+    if source is not None and out.resolve() == Path(source).resolve():
+        raise ConfigError(f"--apply={path}: that is the config being planned; write the plan to another file")
+    if out.is_dir():
+        raise ConfigError(f"--apply={path}: is a directory; expected a YAML file path")
+    if out.exists() and not force:
+        raise ConfigError(f"--apply={path}: the file exists; pass --force to replace it")
+
+
+def write_config(
+    cfg: Config, cand: Candidate, path: str | Path, *, source: str = "", force: bool = False
+) -> Config:
+    """Write the base config with the winning overrides as one loadable YAML; returns it.
+    Never over `source`, and over an existing file only with `force` (check_output)."""
+    check_output(path, source or None, force=force)
     out = apply(cfg, cand)
     header = (
         "# Written by `jaxtrain plan`" + (f" from {source}" if source else "") + "; the chosen overrides:\n"

@@ -26,8 +26,13 @@ targets it only describes (a `Placement` is plain data).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxtrain import sharding
 from jaxtrain.config import Config
@@ -62,10 +67,7 @@ def placement_of_devices(cfg: Config, devices: Sequence) -> Placement:
     except ValueError:  # validate() reports a bad mesh; resolve against one device meanwhile
         ici = dict.fromkeys(cfg.mesh.sizes(), 1)
     platform = {"cuda": "gpu", "rocm": "gpu"}.get(devices[0].platform, devices[0].platform)
-    try:
-        capacity, sharing = device_memory_bytes(devices[0])
-    except Exception:  # compile-only devices may refuse memory_stats(): size unknown
-        capacity, sharing = None, 1
+    capacity, sharing = device_memory_bytes(devices[0])
     source = f"host memory / {sharing} simulated devices" if platform == "cpu" else devices[0].device_kind
     return Placement(
         platform,
@@ -99,6 +101,29 @@ def resolve(cfg: Config, placement: Placement, *, recorded_remat: str | None = N
         shown = str(value).lower() if isinstance(value, bool) else value  # as YAML writes it
         notes.append(f"{name}=auto -> {shown}: {why}")
     return Resolution(cfg, tuple(notes))
+
+
+def agreed(resolution: Resolution) -> Resolution:
+    """Process 0's resolution, on every process of a multi-process run.
+
+    Each process resolves against what it sees (its devices' memory, the config.yaml a
+    resume finds, which process 0 alone writes), and two processes that resolved differently
+    would compile different programs. So process 0's choices are broadcast and every process
+    takes them, with its lines. A no-op in a single process."""
+    if jax.process_count() == 1:
+        return resolution
+    values = {name: _get(resolution.config, name) for name, _ in _SETTINGS}
+    mine = json.dumps({"values": values, "notes": list(resolution.notes)}).encode()
+    size = int(multihost_utils.broadcast_one_to_all(np.asarray(len(mine), np.int32)))
+    buffer = np.zeros(size, np.uint8)  # the same shape on every process; process 0's bytes
+    if jax.process_index() == 0:
+        buffer[:] = np.frombuffer(mine, np.uint8)
+    chosen = json.loads(bytes(multihost_utils.broadcast_one_to_all(buffer)).decode())
+    cfg = resolution.config
+    for name, value in chosen["values"].items():
+        if value is not None:
+            cfg = _set(cfg, name, value)
+    return Resolution(cfg, tuple(chosen["notes"]))
 
 
 def check_resolved(cfg: Config) -> None:

@@ -55,7 +55,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 from jaxtrain.data import storage
-from jaxtrain.trainer.program import TrainProgram
+from jaxtrain.trainer.program import TrainProgram, state_shapes
 from jaxtrain.trainer.step import TrainState
 
 
@@ -153,7 +153,7 @@ class Restored:
 def abstract_state(program: TrainProgram) -> TrainState:
     """ShapeDtypeStructs of the train state with the program's (concrete-mesh) shardings:
     the restore target. Nothing is allocated."""
-    shapes = jax.eval_shape(program.init)
+    shapes = state_shapes(program)
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, program.state_shardings
     )

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -41,6 +42,8 @@ from jax._src import clusters
 from jax._src import distributed as jax_distributed
 
 from jaxtrain.config import DistributedConfig
+
+_log = logging.getLogger("jaxtrain.distributed")
 
 EXIT_PEER_LOST = 4
 _KEY = "jaxtrain/heartbeat"
@@ -65,7 +68,8 @@ def detect_cluster() -> str | None:
         try:
             if not env.opt_in_only_method and env.is_env_present():
                 return env.__name__
-        except Exception:  # noqa: BLE001 - a probe that fails means "not this environment"
+        except Exception as e:  # noqa: BLE001 - a probe that fails means "not this environment"
+            _log.debug("cluster probe %s failed (%s): not this environment", env.__name__, e)
             continue
     return None
 
@@ -153,8 +157,8 @@ class PeerWatchdog(threading.Thread):
         self.finished = True
         try:
             self.client.key_value_set(f"{_KEY}/{self.me}", "done", allow_overwrite=True)
-        except Exception:  # noqa: BLE001 - the coordinator may already be gone
-            pass
+        except Exception as e:  # noqa: BLE001 - the coordinator may already be gone
+            _log.debug("could not say 'done' to the coordinator (%s): it may be gone already", e)
         self._stop.set()
 
     def _lost(self, who: int, why: str) -> None:
@@ -181,7 +185,8 @@ class PeerWatchdog(threading.Thread):
             try:
                 self.client.key_value_set(f"{_KEY}/{self.me}", str(count), allow_overwrite=True)
                 unreachable_since = None
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - counted: a silence past the timeout is a loss
+                _log.debug("heartbeat not written (%s)", e)
                 unreachable_since = unreachable_since or now
                 if now - unreachable_since > self.timeout:
                     self._lost(
@@ -193,7 +198,8 @@ class PeerWatchdog(threading.Thread):
             for peer, (last_value, last_change) in seen.items():
                 try:
                     value = self.client.key_value_try_get(f"{_KEY}/{peer}")
-                except Exception:  # noqa: BLE001 - not written yet
+                except Exception as e:  # noqa: BLE001 - not written yet (its silence is timed below)
+                    _log.debug("no heartbeat of process %d yet (%s)", peer, e)
                     value = None
                 if value == "done":
                     continue

@@ -49,7 +49,7 @@ from jaxtrain.data import make_data_iterator, make_eval_iterator, storage
 from jaxtrain.interchange.convert import load_params
 from jaxtrain.metrics import MetricsWriter
 from jaxtrain.planning.flops import flops_per_token, peak_flops_per_device
-from jaxtrain.planning.resolve import axis_rules, placement_of_devices, resolve
+from jaxtrain.planning.resolve import agreed, axis_rules, placement_of_devices, resolve
 from jaxtrain.recovery.checkpoint import Checkpointer, CheckpointError, abstract_state
 from jaxtrain.recovery.distributed import describe_topology
 from jaxtrain.recovery.faults import FaultMonitor
@@ -78,17 +78,19 @@ class TrainResult:
 def make_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
     """The run's mesh: per-slice (ICI) degrees times `mesh.dcn_*` across slices / hosts."""
     dcn = {a: n for a, n in cfg.mesh.dcn_sizes().items() if n > 1}
-    return sharding.make_mesh(cfg.mesh.sizes(), devices, dcn_axis_sizes=dcn or None)
+    return sharding.make_mesh(
+        cfg.mesh.sizes(), devices, dcn_axis_sizes=dcn or None, allow_plain_grid=cfg.mesh.allow_plain_grid
+    )
 
 
 def initial_state(cfg: Config, program: TrainProgram, target: TrainState, log) -> TrainState:
-    """A fresh state: random init, or `train.init_from`'s converted weights (read straight
-    into the run's shardings; the optimizer state starts empty either way)."""
-    state = program.init()
-    if cfg.train.init_from:
-        log(f"initialising parameters from {cfg.train.init_from}")
-        state = state._replace(params=load_params(cfg.train.init_from, cfg.model, target.params))
-    return state
+    """A fresh state: random init, or `train.init_from`'s weights, read straight into the run's
+    shardings and wrapped without a random initialisation (one copy of the parameters at any
+    time); the optimizer state starts empty either way."""
+    if not cfg.train.init_from:
+        return program.init()
+    log(f"initialising parameters from {cfg.train.init_from}")
+    return program.init_with(load_params(cfg.train.init_from, cfg.model, target.params))
 
 
 class _ProcessLog:
@@ -170,7 +172,7 @@ def _config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
 def train(cfg: Config, *, devices=None) -> TrainResult:
     """Train `cfg` (resuming from its newest checkpoint) on `devices` (default: all)."""
     devices = list(devices) if devices is not None else jax.devices()
-    resolution = resolve(cfg, placement_of_devices(cfg, devices), recorded_remat=_recorded_remat(cfg))
+    resolution = agreed(resolve(cfg, placement_of_devices(cfg, devices), recorded_remat=_recorded_remat(cfg)))
     cfg = resolution.config
     with _setup(cfg, devices, notes=resolution.notes) as run:
         restored = _resume(run)

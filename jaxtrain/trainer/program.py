@@ -43,6 +43,9 @@ class TrainProgram:
     state_shardings: TrainState
     batch_sharding: NamedSharding
     init: Callable[[], TrainState]  # jitted; creates the state already sharded
+    # jitted (params) -> the state around these parameters (train.init_from: no random init;
+    # the parameters are donated, so they are not held twice)
+    init_with: Callable[[dict], TrainState]
     step: Callable  # jitted (state, batch) -> (state, metrics); state donated
     loss_and_grads: Callable  # jitted (params, batch) -> (loss, tokens, grads); for tests/tools
     optimizer: optax.GradientTransformation
@@ -97,31 +100,51 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules | None = No
         param_axes=param_axes,
         state_shardings=layout.state,
         batch_sharding=batch_sharding,
-        init=jax.jit(lambda: init_state(cfg, make_model, tx), out_shardings=layout.state),
+        # each traced under the program's rules, whatever is active where it is called
+        init=jax.jit(
+            sharding.with_rules(lambda: init_state(cfg, fresh_params(make_model), tx), rules),
+            out_shardings=layout.state,
+        ),
+        init_with=jax.jit(
+            sharding.with_rules(lambda params: init_state(cfg, params, tx), rules),
+            in_shardings=(layout.state.params,),
+            out_shardings=layout.state,
+            donate_argnums=0,
+        ),
         step=jax.jit(
-            functools.partial(steps.train_step, spec),
+            sharding.with_rules(functools.partial(steps.train_step, spec), rules),
             in_shardings=(layout.state, batch_sharding),
             out_shardings=(layout.state, replicated),
             donate_argnums=0,
         ),
         loss_and_grads=jax.jit(
-            functools.partial(steps.loss_and_grads, spec),
+            sharding.with_rules(functools.partial(steps.loss_and_grads, spec), rules),
             in_shardings=(param_shardings, batch_sharding),
             out_shardings=(replicated, replicated, param_shardings),
         ),
         optimizer=tx,
         eval_step=jax.jit(
-            functools.partial(steps.eval_sums, spec),
+            sharding.with_rules(functools.partial(steps.eval_sums, spec), rules),
             in_shardings=(layout.state, batch_sharding),
             out_shardings=(replicated, replicated),
         ),
     )
 
 
-def init_state(cfg: Config, make_model: Callable, tx: optax.GradientTransformation) -> TrainState:
-    """A fresh train state: random parameters, empty optimizer state and loss window (jitted
+def state_shapes(program: TrainProgram) -> TrainState:
+    """ShapeDtypeStructs of the program's train state (traced around abstract parameters: no
+    random initialisation is traced, nothing is allocated)."""
+    return jax.eval_shape(program.init_with, nnx.to_pure_dict(program.abstract_params))
+
+
+def fresh_params(make_model: Callable) -> dict:
+    """The model's random initial parameters (traced inside `init`: created sharded)."""
+    return nnx.to_pure_dict(nnx.state(make_model(), nnx.Param))
+
+
+def init_state(cfg: Config, params: dict, tx: optax.GradientTransformation) -> TrainState:
+    """A fresh train state around `params`: empty optimizer state and loss window (jitted
     with the state's shardings, so it is created already sharded)."""
-    params = nnx.to_pure_dict(nnx.state(make_model(), nnx.Param))
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
