@@ -114,14 +114,19 @@ def einsum(eqn: str, x: jax.Array, w: jax.Array, meta: dict) -> jax.Array:
 
 
 def _amax(x, axes):
-    """max |x| over the whole tensor: inside a shard_map, over the mesh `axes` x varies
-    along (the result is then the same on every device)."""
+    """max |x| over the whole tensor: inside a shard_map, a max over every one of its mesh
+    `axes` (the result is then the same on every device). Explicit, whether the shard_map
+    tracks how values vary (check_vma) or not: the axes x does not vary along are cast to
+    varying first, as pmax then requires; a max over an axis where x is the same everywhere
+    changes nothing. (Taking only the axes the type says x varies along silently reduced over
+    none when check_vma was off.)"""
     amax = jnp.max(jnp.abs(x)).astype(F32)
     if not axes:
         return amax
-    varying = jax.typeof(amax).manual_axis_type.varying
-    axes = tuple(a for a in axes if a in varying)
-    return jax.lax.pmax(amax, axes) if axes else amax
+    invariant = tuple(a for a in axes if a not in jax.typeof(amax).manual_axis_type.varying)
+    if invariant:
+        amax = jax.lax.pcast(amax, invariant, to="varying")
+    return jax.lax.pmax(amax, tuple(axes))
 
 
 def _delayed(x, q_dtype, scale, history, axes):

@@ -160,6 +160,24 @@ def test_fp8_expert_scales_are_mesh_wide():
         )
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_fp8_amax_is_the_whole_tensors_max_with_or_without_vma_checks(check_vma):
+    """The amax inside a shard_map is a max over every mesh axis of it, whether the shard_map
+    tracks varying values or not (models/fp8.py _amax). Oracle: the max of the whole array."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxtrain.models.fp8 import _amax
+
+    mesh = jax.make_mesh(
+        (2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=jax.devices()[:4]
+    )
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 6)), jnp.float32)
+    f = jax.shard_map(
+        lambda x: _amax(x, ("a", "b")), mesh=mesh, in_specs=P("a", None), out_specs=P(), check_vma=check_vma
+    )
+    assert float(jax.jit(f)(x)) == float(jnp.max(jnp.abs(x)))
+
+
 @pytest.mark.skipif(not targets.cuda_available(), reason="jax-cuda12-plugin not installed")
 def test_fp8_deviceless_h100_compile_has_fp8_gemms():
     """XLA:GPU for an H100 keeps the fp8 matmuls: 21 GEMMs with f8 operands per layer
