@@ -6,7 +6,9 @@ expectation, before any backend starts or anything compiles.
 Exit codes: 0 done, or preempted (SIGTERM/SIGINT) after saving a checkpoint;
 2 bad config or data, or checkpoints that do not fit the run (model shape); 3 the
 numerical-fault policy stopped the run; 4 a peer process was lost
-(multi-process runs; see jaxtrain/recovery/distributed.py); 70 a bug in jaxtrain (a traceback
+(multi-process runs; see jaxtrain/recovery/distributed.py); 5 the checkpoints could not be
+read (storage unavailable, credentials, out of memory; retried first, nothing moved: run the
+same command again once it is fixed); 70 a bug in jaxtrain (a traceback
 and a line asking for a report; every expected failure is one line and exit 2).
 
 `jaxtrain compile CONFIG.yaml [overrides] --target TARGET [--slices N]
@@ -51,6 +53,7 @@ from jaxtrain.config import ConfigError, load_config, validate, validate_paths
 from jaxtrain.data.tokenize import add_tokenize_parser, run_tokenize
 
 EXIT_BUG = 70  # sysexits' EX_SOFTWARE: an internal error, never a bad input
+EXIT_UNAVAILABLE = 5  # checkpoints storage or memory would not serve, after retries; nothing moved
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -305,12 +308,16 @@ def _run_training(cfg, distributed) -> int:
     """The loop, with its failures mapped to exit codes (module docstring)."""
     # the run's rooms (flax, optax, orbax): imported only by a `train` that got this far
     from jaxtrain.data import DataError
-    from jaxtrain.recovery.checkpoint import CheckpointError
+    from jaxtrain.recovery.checkpoint import CheckpointError, CheckpointUnavailableError
     from jaxtrain.recovery.faults import TrainingFault
     from jaxtrain.trainer import train
 
     try:
         result = train(cfg)
+    except CheckpointUnavailableError as e:
+        distributed.finish()
+        print(f"jaxtrain: error: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     except (DataError, CheckpointError) as e:
         distributed.finish()
         return _fail(str(e))

@@ -142,6 +142,12 @@ class CheckpointConfig:
     keep_every: int = 0  # ... plus, forever, every step that is a multiple of M (0: none)
     resume: bool = True  # start from the newest complete checkpoint in `dir`, if any
     async_save: bool = True  # write in the background; the loop waits only for the snapshot
+    # a checkpoint whose bytes prove it unreadable: stop the run naming it, nothing moved (stop),
+    # or set it aside as {step}.unreadable and resume from the one before (skip)
+    on_unreadable: str = "stop"
+    # reads storage did not serve (unavailable, credentials) are retried this many times,
+    # 2, 4, 8, ... s apart, then the run stops with exit 5, nothing moved
+    read_retries: int = 4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -683,6 +689,10 @@ def _validate_fault_tolerance(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.keep_every={c.keep_every}: expected >= 0 (0: keep only the newest)")
     if c.dir == "":
         raise ConfigError("checkpoint.dir='': expected a path or null ({output_dir}/checkpoints)")
+    if c.on_unreadable not in ("stop", "skip"):
+        raise ConfigError(f"checkpoint.on_unreadable={c.on_unreadable!r}: expected one of stop, skip")
+    if c.read_retries < 0:
+        raise ConfigError(f"checkpoint.read_retries={c.read_retries}: expected >= 0")
     explicit = {k: getattr(d, k) for k in ("coordinator_address", "num_processes", "process_id")}
     given = [k for k, v in explicit.items() if v is not None]
     if given and len(given) < 3:

@@ -320,7 +320,9 @@ def test_convert_family(tmp_path, capsys):
 # ----------------------------------------------------------------------- checkpoint
 
 
-def test_recovery_from_unreadable_checkpoints_is_one_warning_line_each(tmp_path, capsys):
+def test_unreadable_checkpoints_stop_the_run_or_with_skip_are_one_warning_line_each(tmp_path, capsys):
+    """By default a checkpoint proved unreadable stops the run with one line and nothing moved
+    (checkpoint.on_unreadable=stop); with `skip` each is set aside with one warning line."""
     common = ["train", TINY, *MESH8, *QUIET, "checkpoint.every=2", f"output_dir={tmp_path}"]
     assert cli.main([*common, "train.steps=6"]) == 0
     ckpts = tmp_path / "checkpoints"
@@ -329,8 +331,14 @@ def test_recovery_from_unreadable_checkpoints_is_one_warning_line_each(tmp_path,
     with open(biggest, "r+b") as f:  # a truncated array file
         f.truncate(os.path.getsize(biggest) // 2)
     os.remove(ckpts / "4" / "state" / "_METADATA")  # a lost metadata file
+    before = md5s(ckpts)
     capsys.readouterr()
-    assert cli.main([*common, "train.steps=8"]) == 0
+    code, _, err = run_cli([*common, "train.steps=8"], capsys)
+    assert_clean_error(
+        code, err, "checkpoints/6 is unreadable", "OUT_OF_RANGE", "checkpoint.on_unreadable=skip"
+    )
+    assert md5s(ckpts) == before
+    assert cli.main([*common, "train.steps=8", "checkpoint.on_unreadable=skip"]) == 0
     import gc
 
     gc.collect()  # anything abandoned would print now

@@ -6,6 +6,7 @@ same inputs), and the arrays as saved (restored values compared exactly)."""
 
 import gc
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -14,18 +15,21 @@ import types
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from jaxtrain import sharding
 from jaxtrain.cli import main
 from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh
+from jaxtrain.recovery import read_errors
 from jaxtrain.recovery.checkpoint import (
     Checkpointer,
     CheckpointError,
     CheckpointMismatchError,
+    CheckpointUnavailableError,
     abstract_state,
 )
-from jaxtrain.trainer import train
+from jaxtrain.trainer import loop, train
 from jaxtrain.trainer.program import build_program
 from tests.conftest import REPO, tiny_config
 
@@ -81,7 +85,7 @@ def test_corrupted_latest_checkpoints_are_skipped_not_crash_looped(tmp_path, cap
     # is dropped; anything else still reaches the hook beneath.
     reported = []
     monkeypatch.setattr(sys, "unraisablehook", reported.append)
-    cfg = small(tmp_path, "train.steps=6", "checkpoint.every=2")
+    cfg = small(tmp_path, "train.steps=6", "checkpoint.every=2", "checkpoint.on_unreadable=skip")
     first = train(cfg, devices=jax.devices()[:1])
     ckpts = tmp_path / "checkpoints"
     # complete-looking but damaged: 6 has a truncated data file, 4 lost its metadata file
@@ -221,3 +225,101 @@ def test_model_shape_change_is_a_clear_error_and_leaves_checkpoint(tmp_path, cap
             devices=jax.devices()[:1],
         )
     assert _tree_digest(tmp_path / "checkpoints") == before
+
+
+UNAVAILABLE = 'UNAVAILABLE: Error reading "params.embedding/0.0" in OCDBT database: HTTP response code: 503'
+
+
+def test_read_errors_prove_damage_only_from_the_bytes():
+    """recovery/read_errors.verdict: damage only on proof (the status codes TensorStore gives a
+    cut or missing file, unparsable or missing metadata, as test_corrupted_latest_checkpoints...
+    and test_storage_faults produce them for real); storage, credentials and memory never."""
+    wrapped = Exception("Encountered error while reading array index: (slice(0, 2, 1),)")
+    wrapped.__cause__ = ValueError(
+        'OUT_OF_RANGE: Error reading "params.blocks.attn.wo/0.0.0.0": Requested byte range'
+    )
+    unreadable = [
+        wrapped,
+        ValueError('FAILED_PRECONDITION: Error reading "x": Truncated Zstd-compressed stream'),
+        ValueError(
+            'NOT_FOUND: Error opening "zarr" driver: Metadata at "loss_window/.zarray" does not exist'
+        ),
+        ValueError("DATA_LOSS: checksum mismatch"),
+        json.JSONDecodeError("Expecting value", "{", 1),
+        FileNotFoundError("File gs://b/run/checkpoints/8/meta/metadata not found."),
+        read_errors.UnreadableBytes("state/_METADATA is missing"),
+    ]
+    unavailable = [
+        ValueError(UNAVAILABLE),
+        ValueError("DEADLINE_EXCEEDED: Error reading: timed out"),
+        ValueError("PERMISSION_DENIED: HTTP response code: 403"),
+        OSError("Forbidden: b/jaxtrain-test/o\ninjected 403"),
+        ConnectionResetError(104, "Connection reset by peer"),
+        RuntimeError("something else entirely"),
+    ]
+    oom = [
+        jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.00GiB."),
+        MemoryError(),
+    ]
+    for errors, want in (
+        (unreadable, read_errors.UNREADABLE),
+        (unavailable, read_errors.UNAVAILABLE),
+        (oom, read_errors.OUT_OF_MEMORY),
+    ):
+        for e in errors:
+            assert read_errors.verdict(e) == want, (e, read_errors.VERDICT_NAMES[read_errors.verdict(e)])
+    assert read_errors.summary(wrapped).startswith("OUT_OF_RANGE: Error reading")
+
+
+def test_reads_that_prove_nothing_are_retried_then_stop_with_nothing_moved(tmp_path, monkeypatch):
+    """A restore error that says nothing about the checkpoint's bytes never costs a checkpoint:
+    one that passes is retried and the run resumes exactly; one that persists stops the run
+    (CheckpointUnavailableError) with every file as it was, after checkpoint.read_retries
+    retries; out of memory at once. The errors are raised at Orbax's CheckpointManager.restore
+    (the library's boundary) with the messages TensorStore and XLA give; test_storage_faults
+    meets real ones through the GCS emulator."""
+    cfg = small(tmp_path, "train.steps=6", "checkpoint.every=2", "checkpoint.read_retries=2")
+    first = train(cfg, devices=jax.devices()[:1])
+    ckpts = tmp_path / "checkpoints"
+    shutil.rmtree(ckpts / "6")  # the run resumes from 4
+    before = {s: _tree_digest(ckpts / s) for s in ("2", "4")}
+    monkeypatch.setattr(loop, "retry_delays", lambda n: (0.01,) * n)  # the test's time, not the backoff
+    real, calls = ocp.CheckpointManager.restore, []
+
+    def restore_failing(*errors):
+        pending = list(errors)
+
+        def restore(self, step, *args, **kwargs):
+            calls.append(step)
+            if pending:
+                raise pending.pop(0)
+            return real(self, step, *args, **kwargs)
+
+        monkeypatch.setattr(ocp.CheckpointManager, "restore", restore)
+        calls.clear()
+
+    restore_failing(*[ValueError(UNAVAILABLE)] * 3)  # more than the retries: stop
+    with pytest.raises(
+        CheckpointUnavailableError, match=r"could not read checkpoint .*/4 \(UNAVAILABLE: .*2 retries"
+    ):
+        train(cfg, devices=jax.devices()[:1])
+    assert calls == [4, 4, 4]
+    oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.00GiB.")
+    restore_failing(oom)
+    with pytest.raises(
+        CheckpointUnavailableError, match="out of memory restoring checkpoint .*nothing was moved"
+    ):
+        train(cfg, devices=jax.devices()[:1])
+    assert calls == [4]
+    assert sorted(os.listdir(ckpts)) == ["2", "4"]
+    assert {s: _tree_digest(ckpts / s) for s in ("2", "4")} == before
+
+    restore_failing(ValueError(UNAVAILABLE), ValueError(UNAVAILABLE))  # within the retries: resumes
+    second = train(cfg, devices=jax.devices()[:1])
+    assert calls == [4, 4, 4] and second.start_step == 4
+    assert by_step(second.metrics) == {s: v for s, v in by_step(first.metrics).items() if s > 4}
+
+    ckpt = Checkpointer(ckpts, retry_delays=(0.01,))  # a listing storage does not serve
+    monkeypatch.setattr(ocp.CheckpointManager, "reload", lambda self: (_ for _ in ()).throw(OSError("503")))
+    with pytest.raises(CheckpointUnavailableError, match="listing .* failed 2 times"):
+        ckpt.steps()

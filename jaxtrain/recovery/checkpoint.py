@@ -14,11 +14,18 @@ Atomicity is Orbax's: a save is written to `{step}.orbax-checkpoint-tmp*` and
 renamed when complete, so a killed run leaves at most a tmp directory, which
 `steps()` never lists. On object stores (`gs://`), which cannot rename a directory,
 Orbax writes `{step}` in place and marks it complete with `commit_success.txt` last;
-`steps()` lists only marked steps there. A complete-looking checkpoint that fails to load
-(truncated or missing file) is logged, renamed to `{step}.unreadable` (kept
-for inspection, out of Orbax's way) and the previous one is tried, so a bad
-checkpoint is never crash-looped on. A checkpoint whose parameter shapes
-differ from the model's is a `CheckpointMismatchError` and is not touched.
+`steps()` lists only marked steps there.
+
+A failed restore costs a checkpoint only on proof (recovery/read_errors.py): metadata that does
+not parse, a file missing, an array file truncated or undecodable, seen on two reads. Then,
+with `checkpoint.on_unreadable: stop` (the default) the run stops naming it, with nothing
+moved; with `skip` it is renamed to `{step}.unreadable` (kept for inspection, out of Orbax's
+way) and the previous one is tried, so a bad checkpoint is never crash-looped on. Any other
+failure (storage unavailable, credentials, out of memory) says nothing about the checkpoint:
+the read is retried with backoff, then the run stops with `CheckpointUnavailableError`,
+moving or deleting nothing. A run never starts again from step 0 while checkpoints exist
+unless `skip` set every one of them aside (and a line says so). A checkpoint whose parameter
+shapes differ from the model's is a `CheckpointMismatchError` and is not touched.
 
 Saving blocks the loop only for the device-to-host copy. Orbax's replica-parallel
 writing (replicated arrays split so that each replica writes a slice) is
@@ -42,6 +49,7 @@ import inspect
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -55,6 +63,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 from jaxtrain.data import storage
+from jaxtrain.recovery import read_errors
 from jaxtrain.trainer.program import TrainProgram, state_shapes
 from jaxtrain.trainer.step import TrainState
 
@@ -75,11 +84,23 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint's parameters do not fit the configured model (the checkpoint is left as is)."""
 
 
-def _first_sentence(error: Exception, limit: int = 200) -> str:
-    """The gist of a restore error: TensorStore appends pages of spec details."""
-    text = " ".join(str(error).split())
-    text = text.split(" See full TensorStore details")[0]
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+class CheckpointUnreadableError(CheckpointError):
+    """The checkpoint's bytes prove it unreadable and checkpoint.on_unreadable is `stop`
+    (nothing was moved)."""
+
+
+class CheckpointUnavailableError(CheckpointError):
+    """The checkpoints could not be read for a reason outside them (storage, credentials,
+    memory), after retries; nothing was moved or deleted. Running again once it is fixed
+    resumes where the run was."""
+
+
+ON_UNREADABLE = ("stop", "skip")
+
+
+def retry_delays(retries: int) -> tuple[float, ...]:
+    """Seconds between the reads storage did not serve: 2, 4, 8, ... (checkpoint.read_retries)."""
+    return tuple(2.0 * 2**k for k in range(retries))
 
 
 def _is_abandoned_read(unraisable) -> bool:
@@ -183,12 +204,11 @@ def first_param_mismatch(saved: dict, expected: dict) -> str | None:
     return None
 
 
-def _all_processes_agree(ok: bool) -> bool:
-    """True only if `ok` holds on every process (so all take the same branch)."""
+def _worst_everywhere(verdict: int) -> int:
+    """The worst read_errors verdict any process reached (so that all take the same branch)."""
     if jax.process_count() == 1:
-        return ok
-
-    return bool(np.all(multihost_utils.process_allgather(np.asarray(int(ok)))))
+        return verdict
+    return int(np.max(multihost_utils.process_allgather(np.asarray(verdict))))
 
 
 MIN_REPLICA_SLICE_BYTES = 16 * 2**20
@@ -229,7 +249,9 @@ class Checkpointer:
     background thread; `save` then blocks only while device arrays are copied.
     read_only: only find and read checkpoints (`steps`, `restore_params`, `read_meta`):
     no directory is created and no tmp directory of a run still writing is cleaned up.
-    Every process must call every method (Orbax synchronizes them).
+    on_unreadable: `stop` or `skip` a checkpoint proved unreadable (module docstring);
+    retry_delays: the seconds between reads that storage did not serve (their count is the
+    number of retries). Every process must call every method (Orbax synchronizes them).
     """
 
     def __init__(
@@ -241,13 +263,18 @@ class Checkpointer:
         async_save: bool = True,
         log: Callable[[str], None] = print,
         read_only: bool = False,
+        on_unreadable: str = "stop",
+        retry_delays: tuple[float, ...] = retry_delays(4),
     ):
+        if on_unreadable not in ON_UNREADABLE:
+            raise ValueError(f"on_unreadable={on_unreadable!r}: expected one of {ON_UNREADABLE}")
         if keep < 1:
             raise ValueError(f"keep={keep}: expected a positive integer")
         if keep_every < 0:
             raise ValueError(f"keep_every={keep_every}: expected >= 0")
         self.directory = checkpoint_path(directory)
         self.log = log
+        self.on_unreadable, self.retry_delays = on_unreadable, tuple(retry_delays)
         keep_policies = [policies.LatestN(n=keep)]
         if keep_every:
             keep_policies.append(policies.EveryNSteps(interval_steps=keep_every))
@@ -273,7 +300,11 @@ class Checkpointer:
         absl_logger = logging.getLogger("absl")
         absl_logger.addFilter(quiet)
         try:
-            self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+            # opening lists the steps and cleans up tmp directories: storage reads like any other
+            self.manager = self._retried(
+                f"opening {self.directory}",
+                lambda: ocp.CheckpointManager(self.directory, options=options, handler_registry=registry),
+            )
         finally:
             absl_logger.removeFilter(quiet)
 
@@ -309,26 +340,72 @@ class Checkpointer:
     # --- finding and restoring -----------------------------------------------
 
     def steps(self) -> list[int]:
-        """Complete checkpoints on disk, oldest first (Orbax tmp directories excluded)."""
-        self.manager.reload()
-        return sorted(self.manager.all_steps())
+        """Complete checkpoints on disk, oldest first (Orbax tmp directories excluded). A
+        listing storage does not serve is retried (retry_delays), then
+        CheckpointUnavailableError: never an empty list that would start the run afresh."""
+
+        def listing():
+            self.manager.reload()
+            return sorted(self.manager.all_steps())
+
+        return self._retried(f"listing {self.directory}", listing)
+
+    def _retried(self, what: str, read: Callable[[], Any]) -> Any:
+        """read(), again after each of retry_delays while it fails; then
+        CheckpointUnavailableError naming `what` and the last error."""
+        t0 = time.monotonic()
+        for attempt, delay in enumerate((*self.retry_delays, None)):
+            running = set(threading.enumerate())
+            try:
+                with _quiet_failed_reads():  # the failure is reported once, below
+                    return read()
+            except Exception as e:  # noqa: BLE001 - storage errors come as many types; retried, then reported
+                with _quiet_failed_reads():  # background reads it started (Orbax's tmp cleanup) end here
+                    for thread in set(threading.enumerate()) - running:
+                        if type(thread).__module__.startswith("orbax"):
+                            with contextlib.suppress(Exception):  # its error is `e`'s, reported below
+                                thread.join(timeout=60)
+                if delay is None:
+                    raise CheckpointUnavailableError(
+                        f"{what} failed {attempt + 1} times in {time.monotonic() - t0:.0f} s "
+                        f"({read_errors.summary(e)}); nothing was moved or deleted. Run again once "
+                        "storage is reachable"
+                    ) from e
+                time.sleep(delay)
+        raise AssertionError("unreachable")
 
     def restore_latest(self, target: TrainState, *, before: int | None = None) -> Restored | None:
-        """Restore the newest readable checkpoint (with step < `before`, if given) onto
-        `target`'s shardings. Unreadable ones are logged, set aside and skipped; a
-        parameter-shape mismatch raises CheckpointMismatchError. None if there is none."""
-        unreadable: list[str] = []
+        """Restore the newest checkpoint (with step < `before`, if given) onto `target`'s
+        shardings. None if there is none. One proved unreadable stops the run
+        (CheckpointUnreadableError) or, with on_unreadable `skip`, is set aside and the one
+        before it tried; reads storage does not serve end in CheckpointUnavailableError; a
+        parameter-shape mismatch raises CheckpointMismatchError. Nothing is moved except by
+        `skip`."""
+        set_aside: list[str] = []
         restored = None
         for step in reversed(self.steps()):
             if before is not None and step >= before:
                 continue
-            restored, failure = self._try_restore(step, target)
+            restored, proof = self._try_restore(step, target)
             if restored is not None:
                 break
-            unreadable.append(failure)
-        fallback = f"fell back to step {restored.step}" if restored else "no earlier one to fall back to"
-        for failure in unreadable:  # one line each, once the step it fell back to is known
-            self.log(f"warning: {failure}; {fallback}")
+            path = self.directory / str(step)
+            if self.on_unreadable == "stop":
+                raise CheckpointUnreadableError(
+                    f"checkpoint {path} is unreadable ({proof}); stopped, nothing moved. Set "
+                    "checkpoint.on_unreadable=skip to set it aside and resume from the newest "
+                    "readable checkpoint before it"
+                )
+            set_aside.append(
+                f"checkpoint {path} is unreadable ({proof}); moved it to {self._set_aside(step).name}"
+            )
+        fallback = (
+            f"fell back to step {restored.step}"
+            if restored
+            else "no earlier one to fall back to: starting from step 0 (checkpoint.on_unreadable=skip)"
+        )
+        for line in set_aside:  # one line each, once the step it fell back to is known
+            self.log(f"warning: {line}; {fallback}")
         return restored
 
     def restore(self, step: int, target: TrainState) -> Restored:
@@ -382,13 +459,13 @@ class Checkpointer:
 
     def _check_fits(self, step: int, target: TrainState) -> None:
         path = self.directory / str(step)
-        try:
-            metadata = self.manager.item_metadata(step)["state"]
-            saved_params = metadata["params"]
-        except Exception as e:  # noqa: BLE001 - any failure to read metadata means unreadable
-            raise CheckpointError(f"checkpoint {path}: metadata unreadable ({type(e).__name__}: {e})") from e
-        if saved_params is None:
-            raise CheckpointError(f"checkpoint {path}: metadata unreadable (no state metadata)")
+        items = self.manager.item_metadata(step)
+        metadata = items["state"] if items is not None else None
+        saved_params = metadata["params"] if metadata is not None else None
+        if saved_params is None:  # Orbax reads a missing or unserved metadata file as None
+            if not storage.exists(path / "state" / "_METADATA"):
+                raise read_errors.UnreadableBytes(f"{path / 'state' / '_METADATA'} is missing")
+            raise OSError(f"{path / 'state' / '_METADATA'}: no state metadata read")
         mismatch = first_param_mismatch(dict(saved_params), target.params)
         window = metadata.get("loss_window") if hasattr(metadata, "get") else None
         want = tuple(target.loss_window.shape)
@@ -418,22 +495,46 @@ class Checkpointer:
             )
 
     def _try_restore(self, step: int, target: TrainState) -> tuple[Restored | None, str | None]:
-        """(the restored step, None), or (None, one line saying why it is unreadable and where
-        it was set aside)."""
+        """(the restored step, None), or (None, the proof that it is unreadable: one line).
+
+        Proof must hold on two reads (and on every process's verdict, the worst of which
+        decides); reads that prove nothing are retried after each of retry_delays and then
+        raise CheckpointUnavailableError, as an out-of-memory does at once."""
         path = self.directory / str(step)
-        error = None
-        with _quiet_failed_reads():
-            try:
-                restored = self.restore(step, target)
-            except CheckpointMismatchError:
-                raise
-            except Exception as e:  # noqa: BLE001 - truncated/missing files surface as many types
-                restored, error = None, e
-        if _all_processes_agree(error is None):
-            return restored, None
-        detail = f"{type(error).__name__}: {_first_sentence(error)}" if error else "unreadable elsewhere"
-        aside = self._set_aside(step)
-        return None, f"checkpoint {path} is unreadable ({detail}); moved it to {aside.name}"
+        t0, proofs = time.monotonic(), 0
+        delays = iter(self.retry_delays)
+        while True:
+            error = None
+            with _quiet_failed_reads():
+                try:
+                    restored = self.restore(step, target)
+                except CheckpointMismatchError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - classified: proof of damage, or a read to retry
+                    restored, error = None, e
+            verdict = _worst_everywhere(read_errors.OK if error is None else read_errors.verdict(error))
+            if verdict == read_errors.OK:
+                return restored, None
+            detail = read_errors.summary(error) if error is not None else "failed on another process"
+            if verdict == read_errors.UNREADABLE:
+                proofs += 1
+                if proofs == 2:
+                    return None, detail
+                continue
+            if verdict == read_errors.OUT_OF_MEMORY:
+                raise CheckpointUnavailableError(
+                    f"out of memory restoring checkpoint {path} ({detail}); nothing was moved or "
+                    "deleted. Free memory (other processes on the devices or host), or restore onto "
+                    "more devices, and run again"
+                ) from error
+            delay = next(delays, None)
+            if delay is None:
+                raise CheckpointUnavailableError(
+                    f"could not read checkpoint {path} ({detail}; {len(self.retry_delays)} retries in "
+                    f"{time.monotonic() - t0:.0f} s); nothing was moved or deleted. Run again once "
+                    "storage is reachable"
+                ) from error
+            time.sleep(delay)
 
     def _set_aside(self, step: int) -> Path:
         """Rename step directory out of Orbax's namespace (`{step}.unreadable[-n]`)."""

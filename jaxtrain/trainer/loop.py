@@ -50,7 +50,7 @@ from jaxtrain.interchange.convert import load_params
 from jaxtrain.metrics import MetricsWriter
 from jaxtrain.planning.flops import flops_per_token, peak_flops_per_device
 from jaxtrain.planning.resolve import agreed, axis_rules, placement_of_devices, resolve
-from jaxtrain.recovery.checkpoint import Checkpointer, CheckpointError, abstract_state
+from jaxtrain.recovery.checkpoint import Checkpointer, CheckpointError, abstract_state, retry_delays
 from jaxtrain.recovery.distributed import describe_topology
 from jaxtrain.recovery.faults import FaultMonitor
 from jaxtrain.trainer.batches import BatchFeeder
@@ -449,7 +449,15 @@ def _checkpointer(cfg: Config, log) -> Checkpointer | None:
     """The run's checkpointer: when it saves (`checkpoint.every`) or may resume from one."""
     c, ckpt_dir = cfg.checkpoint, storage.as_path(cfg.checkpoint_dir)
     if c.every > 0 or (c.resume and ckpt_dir.is_dir()):
-        return Checkpointer(ckpt_dir, keep=c.keep, keep_every=c.keep_every, async_save=c.async_save, log=log)
+        return Checkpointer(
+            ckpt_dir,
+            keep=c.keep,
+            keep_every=c.keep_every,
+            async_save=c.async_save,
+            log=log,
+            on_unreadable=c.on_unreadable,
+            retry_delays=retry_delays(c.read_retries),
+        )
     return None
 
 
