@@ -272,6 +272,57 @@ def test_the_door_check_splits_layers_over_stages(preset, overrides, mesh, compi
     assert unstaged > bound
 
 
+class _Device:
+    """A device that holds `limit` bytes (what check_fits reads of a real one)."""
+
+    platform, device_kind = "tpu", "TPU v5p"
+
+    def __init__(self, limit):
+        self.limit = limit
+
+    def memory_stats(self):
+        return {"bytes_limit": self.limit}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.param_dtype=float32", "train.loss_chunk=0"],
+        ["model.param_dtype=bfloat16", "train.loss_chunk=128"],
+        ["model.param_dtype=float32", "optimizer.offload=true", "train.loss_chunk=auto"],
+        ["model.param_dtype=bfloat16", "optimizer.offload=true", "optimizer.offload_params=true"],
+        ["mesh.data=2", "mesh.fsdp=2", "optimizer.shard_state=true", "train.loss_chunk=128"],
+        ["mesh.stage=2", "mesh.fsdp=2", "model.param_dtype=bfloat16", "train.loss_chunk=128"],
+    ],
+    ids=["f32", "bf16-chunked", "offload-auto-chunk", "bf16-offload-params", "zero1-chunked", "stages-bf16"],
+)
+def test_the_door_never_refuses_a_config_that_compiles_and_fits(overrides):
+    """footprint.lower_bound, which `jaxtrain train` checks before building anything, is at
+    most the memory the compiler gives the step (deviceless TPU v5p-8) for each parameter
+    dtype, optimizer offload, loss chunking, ZeRO-1 and pipeline stages; so a device holding
+    exactly that much passes the door. Before, the bound charged 4 bytes per parameter,
+    gradient and moment whatever the dtype, the offloaded moments, and the whole f32 logits
+    under a chunked loss: it was over the compiled figure in five of these six (bf16 with a
+    chunked loss: a 169 MiB bound against 100 MiB compiled; now 53)."""
+    from jaxtrain.planning.footprint import check_fits, lower_bound
+
+    cfg = load_config(
+        TINY,
+        ["model.d_model=256", "model.n_heads=2", "model.n_kv_heads=2", "model.mlp_dim=768",
+         "model.n_layers=2",
+         "model.vocab_size=16384", "model.compute_dtype=bfloat16", "model.remat=full", "train.seq_len=512",
+         "train.global_batch_size=16", "mesh.fsdp=-1", *overrides],
+    )  # fmt: skip
+    target = parse_target("tpu:v5p-8")
+    cfg, ici, _ = config_for_target(cfg, target)
+    compiled = compile_report(cfg, target, estimate=False)["memory"]["total"]
+    bound = lower_bound(cfg, ici).total
+    assert bound <= compiled, (bound / MiB, compiled / MiB)
+    check_fits(cfg, ici, _Device(compiled))
+    with pytest.raises(ConfigError, match="needs at least"):
+        check_fits(cfg, ici, _Device(bound - 1))
+
+
 @pytest.mark.parametrize(
     "overrides",
     [

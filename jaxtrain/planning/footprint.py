@@ -7,15 +7,18 @@ compiling, starting the progress bar and dying allocating tens of GiB (or leavin
 empty run folder behind).
 
 It is deliberately a LOWER bound, so it never refuses a config that fits. Per device:
-- state: parameters, gradients and the two AdamW moments, 4 bytes each, sharded
-  over the axes that shard parameters (fsdp x tensor x expert), the moments also over
-  data with optimizer.shard_state (ZeRO-1), the layers' parameters also over
-  pipeline stages (mesh.stage);
+- state: parameters, gradients and the two AdamW moments (not with optimizer.offload, which
+  keeps them in host memory), in the parameter dtype, sharded over the axes that shard
+  parameters (fsdp x tensor x expert), the moments also over data with
+  optimizer.shard_state (ZeRO-1), the layers' parameters also over pipeline stages
+  (mesh.stage); optimizer.offload_params still counts the parameters, which the step brings
+  to the device for the forward pass;
 - activations: what the backward pass must keep, at least one [tokens, d_model]
   tensor per layer (remat full keeps only the layer inputs), in the compute dtype;
   with pipeline stages, at least one in all (each stage keeps its iterations' inputs);
 - logits: the [tokens, vocab] output projection in f32 (cross-entropy runs in f32),
-  vocab sharded over tensor.
+  vocab sharded over tensor; one chunk of positions with train.loss_chunk (its `auto` may
+  chunk, so it counts as seq_len / LOSS_AUTO_CHUNKS).
 with tokens = per-device batch (global batch / (data x fsdp x expert x microbatches))
 x seq_len / context. Compiled programs need more (attention scores, MLP
 intermediates, temporaries), which is why the real verdict is `jaxtrain compile`.
@@ -49,6 +52,11 @@ class Footprint:
         return self.state + self.activations + self.logits
 
 
+#: train.loss_chunk=auto splits a sequence into this many chunks once chunking pays
+#: (planning/resolve.py decides when).
+LOSS_AUTO_CHUNKS = 4
+
+
 def _mesh_product(mesh_sizes: dict[str, int]):
     """size(*axes): the product of those mesh axes' sizes (absent or -1 count as 1)."""
     return lambda *axes: math.prod(max(1, mesh_sizes.get(a, 1)) for a in axes)
@@ -68,21 +76,29 @@ def _microbatch_shape(cfg: Config, size) -> tuple[int, int]:
 
 
 def lower_bound(cfg: Config, mesh_sizes: dict[str, int]) -> Footprint:
-    """The step's memory per device, from below, on a mesh of `mesh_sizes` (resolved, no -1)."""
-    m = cfg.model
+    """The step's memory per device, from below, on a mesh of `mesh_sizes` (resolved, no -1),
+    for any dtype, offload and loss-chunk setting (module docstring)."""
+    m, o = cfg.model, cfg.optimizer
     size = _mesh_product(mesh_sizes)
-    param_shards = size("fsdp", "tensor", "expert")
-    # parameters and gradients, then the two moments (ZeRO-1, optimizer.shard_state: over data
-    # too); pipeline stages split the layers' parameters (not the embedding and head)
+    p = _BYTES.get(m.param_dtype, 4)
+    # parameters and gradients (clipping needs all of them before the update), then the two
+    # moments unless offload keeps them on the host (ZeRO-1, optimizer.shard_state: split over
+    # data too); pipeline stages split the layers' parameters (not the embedding and head)
+    per_param = 2 * p + (0 if o.offload else 2 * p / _moment_shards(cfg, size))
     stack = layer_stack_params(m)
     params = stack // size("stage") + m.param_count() - stack
-    state = int(4 * (2 + 2 / _moment_shards(cfg, size)) * params) // param_shards
+    state = int(per_param * params) // size("fsdp", "tensor", "expert")
     rows, seq = _microbatch_shape(cfg, size)
     tokens = rows * seq
     # a stage keeps one [tokens, d_model] input per pipeline iteration, at least `tokens` of them
     layers = m.n_layers if size("stage") == 1 else 1
     activations = layers * tokens * m.d_model * _BYTES.get(m.compute_dtype, 4)
-    logits = 4 * tokens * max(1, m.vocab_size // size("tensor"))
+    # f32 logits: all of them, or one chunk with train.loss_chunk (auto may chunk)
+    chunk = cfg.train.loss_chunk
+    if chunk == "auto":
+        chunk = max(1, cfg.train.seq_len // LOSS_AUTO_CHUNKS)
+    positions = seq if not chunk else max(1, min(seq, chunk // size("context")))
+    logits = 4 * rows * positions * max(1, m.vocab_size // size("tensor"))
     return Footprint(state=state, activations=activations, logits=logits)
 
 
@@ -146,6 +162,10 @@ def _gib(n: int) -> str:
 #                  (MoE: the routed experts' parameters over shards, the rest over fsdp x tensor)
 #                  (data_zero1: mesh data with optimizer.shard_state (ZeRO-1), else 1)
 #                  (+ P x 4 / shards for the gradient accumulator when microbatches > 1)
+#                  (optimizer.offload(_params) changes nothing here: the step brings the state to
+#                  the device for the update, and XLA starts those copies during the backward;
+#                  compiled, offload moved the peak by -6.2 to +3.2 GiB on the presets, with
+#                  no sign a formula could follow: docs/benchmarks.md)
 #   saved        = L x T x (bytes/token the remat policy keeps per layer, SAVED_BYTES)
 #   working set  = T x (bytes/token of one layer with nothing recomputed) + attention scores
 #                  when attention is not a flash kernel: heads/tensor x S x (a + 4) per token

@@ -36,12 +36,13 @@ from jax.experimental import multihost_utils
 
 from jaxtrain import sharding
 from jaxtrain.config import Config
-from jaxtrain.planning.footprint import device_memory_bytes, estimate, remat_policies
+from jaxtrain.planning.footprint import LOSS_AUTO_CHUNKS, device_memory_bytes, estimate, remat_policies
 from jaxtrain.sharding.mesh import mesh_shape_from_sizes
 
 AUTO = "auto"
-LOSS_AUTO_CHUNKS = 4  # train.loss_chunk=auto: this many chunks ...
-LOSS_AUTO_MIN_MIB = 16  # ... once one microbatch's f32 logits reach this many MiB per device
+# train.loss_chunk=auto chunks (footprint.LOSS_AUTO_CHUNKS chunks) once one microbatch's f32
+# logits reach this many MiB per device
+LOSS_AUTO_MIN_MIB = 16
 REMAT_HEADROOM = 0.9  # model.remat=auto: the estimate must fit this fraction of a device's memory
 GiB = 2**30
 
