@@ -197,11 +197,50 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class WandbConfig:
+    """Weights & Biases (jaxtrain/observe/wandb_log.py; `pip install wandb`): the records of
+    metrics.jsonl and the resolved config, logged by process 0. The run id is kept in
+    output_dir/wandb_run_id, so a resumed run continues the same W&B run."""
+
+    mode: str = "disabled"  # online | offline (files under output_dir/wandb, `wandb sync` later) | disabled
+    project: str | None = None  # null: "jaxtrain"
+    entity: str | None = None  # team or user; null: W&B's default for the API key
+    name: str | None = None  # display name; null: the last part of output_dir
+    tags: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StragglerConfig:
+    """Which process is slow (multi-process runs; jaxtrain/observe/stragglers.py): every `every`
+    steps each process's own time per step (its step time less the time it waited for the
+    device and the others at the sync point) and data wait are gathered; a process whose own
+    time is over the median's by more than `slower_by` of the step time is named in a warning
+    line and in metrics.jsonl."""
+
+    every: int = 100  # steps between two reports; 0: off
+    slower_by: float = 0.2  # 0.2: it adds over 20% of a step to every step
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     every: int = 1  # log metrics every N steps (the only host sync in the loop)
     tensorboard: bool = True  # TensorBoard event files under output_dir/tensorboard
     progress: bool = True  # rich progress bar on the console
-    peak_flops_per_device: float | None = None  # override the table / CPU measurement (for MFU)
+    # MFU's peak: this per device, instead of the chip table (by device kind and compute
+    # dtype) or, for a device the table lacks, a matmul measured on one device
+    peak_flops_per_device: float | None = None
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    stragglers: StragglerConfig = dataclasses.field(default_factory=StragglerConfig)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProfileConfig:
+    """A profiler window (jax.profiler, on every process): the steps `steps[0]..steps[1]`
+    (inclusive) are traced into `dir`, for XProf or TensorBoard's profile plugin
+    (`tensorboard --logdir DIR` or `xprof --logdir DIR`)."""
+
+    steps: tuple[int, ...] = ()  # [first, last] step to trace (1-based, inclusive); empty: none
+    dir: str | None = None  # null: {output_dir}/profile
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -220,14 +259,21 @@ class Config:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     faults: FaultsConfig = dataclasses.field(default_factory=FaultsConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
+
+    def under_output(self, name: str) -> str:
+        """`output_dir/name`, for a local path or a URL."""
+        if "://" in self.output_dir:  # gs://bucket/run (a URL: pathlib would fold the //)
+            return self.output_dir.rstrip("/") + "/" + name
+        return str(Path(self.output_dir) / name)
 
     @property
     def checkpoint_dir(self) -> str:
-        if self.checkpoint.dir is not None:
-            return self.checkpoint.dir
-        if "://" in self.output_dir:  # gs://bucket/run (a URL: pathlib would fold the //)
-            return self.output_dir.rstrip("/") + "/checkpoints"
-        return str(Path(self.output_dir) / "checkpoints")
+        return self.checkpoint.dir if self.checkpoint.dir is not None else self.under_output("checkpoints")
+
+    @property
+    def profile_dir(self) -> str:
+        return self.profile.dir if self.profile.dir is not None else self.under_output("profile")
 
     @property
     def mesh_size(self) -> int:
@@ -446,6 +492,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"logging.every={cfg.logging.every}: expected a positive integer")
     _validate_fault_tolerance(cfg)
     _validate_eval(cfg)
+    _validate_observability(cfg)
 
 
 def _validate_mesh(cfg: Config) -> None:
@@ -736,6 +783,20 @@ def _validate_fault_tolerance(cfg: Config) -> None:
     if bad:
         raise ConfigError(
             f"faults.testing_poison_batches={list(f.testing_poison_batches)}: expected batch indices >= 0"
+        )
+
+
+def _validate_observability(cfg: Config) -> None:
+    w, st, pr = cfg.logging.wandb, cfg.logging.stragglers, cfg.profile
+    if w.mode not in ("online", "offline", "disabled"):
+        raise ConfigError(f"logging.wandb.mode={w.mode!r}: expected online, offline or disabled")
+    if st.every < 0:
+        raise ConfigError(f"logging.stragglers.every={st.every}: expected >= 0 (0: off)")
+    if not st.slower_by > 0:
+        raise ConfigError(f"logging.stragglers.slower_by={st.slower_by}: expected a fraction > 0")
+    if pr.steps and (len(pr.steps) != 2 or not 1 <= pr.steps[0] <= pr.steps[1]):
+        raise ConfigError(
+            f"profile.steps={list(pr.steps)}: expected [first, last] with 1 <= first <= last (or [])"
         )
 
 

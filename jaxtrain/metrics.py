@@ -38,13 +38,17 @@ class MetricsWriter:
         tensorboard: bool = True,
         progress: bool = True,
         sync_every_s: float = 30.0,
+        wandb=None,
     ):
+        """`wandb`: (logging.wandb, the resolved config as a dict) to log every record to W&B
+        as well (jaxtrain/observe/wandb_log.py), or None."""
         self.remote = not storage.is_local(output_dir)
         self.output_dir = output_dir
         self.dir = storage.as_path(output_dir)
         self.sync_every_s = sync_every_s
         self._jsonl_path = self.dir / "metrics.jsonl"
         self._tensorboard = tensorboard
+        self._wandb_args, self._wandb = wandb, None
         # Nothing is created until the first record: a run refused at start (bad data, a
         # checkpoint of another model) leaves an existing output_dir exactly as it was.
         self._opened = False
@@ -78,6 +82,11 @@ class MetricsWriter:
         except OSError:
             return False
 
+    def open(self) -> None:
+        """Create the files (and start W&B) now rather than at the first record."""
+        if not self._opened:
+            self._open()
+
     def _open(self) -> None:
         self._opened = True
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -95,6 +104,10 @@ class MetricsWriter:
                 self._tb = SummaryWriter(logdir, flush_secs=max(1, int(self.sync_every_s)))
             else:
                 self._tb = SummaryWriter(logdir)
+        if self._wandb_args is not None and self._wandb_args[0].mode != "disabled":
+            from jaxtrain.observe.wandb_log import WandbLogger  # imports wandb, only where it is on
+
+            self._wandb = WandbLogger(*self._wandb_args, output_dir=self.output_dir, log=self.log)
 
     def write(self, record: dict) -> None:
         """`record` must hold `step`; its other finite numbers go to TensorBoard too
@@ -108,11 +121,13 @@ class MetricsWriter:
         else:
             self._jsonl.write(line)
         step = int(record["step"])
-        if self._tb is not None:
+        if self._tb is not None and "event" not in record:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                     tag = f"eval/{k[len('eval_') :]}" if k.startswith("eval_") else f"train/{k}"
                     self._tb.add_scalar(tag, v, step)
+        if self._wandb is not None:
+            self._wandb.write(record)
         if self._progress is not None:
             fields = {}
             if "loss" in record:
@@ -126,6 +141,17 @@ class MetricsWriter:
             self._progress.update(self._task, completed=step, **fields)
         if self.remote and time.monotonic() - self._last_sync >= self.sync_every_s:
             self.sync()
+
+    def scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
+        """Numbers that are not a metrics.jsonl record (goodput at the end): TensorBoard as
+        `prefix/key`, and W&B's run summary."""
+        if not self._opened:
+            self._open()
+        if self._tb is not None:
+            for k, v in values.items():
+                self._tb.add_scalar(f"{prefix}/{k}", v, step)
+        if self._wandb is not None:
+            self._wandb.summary({f"{prefix}/{k}": v for k, v in values.items()})
 
     def sync(self) -> None:
         """Make everything written so far durable in `output_dir` (remote: rewrite the objects)."""
@@ -148,6 +174,9 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
         if self.remote:
             self.sync()
         elif self._jsonl is not None:

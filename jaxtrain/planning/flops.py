@@ -22,7 +22,13 @@ import jax.numpy as jnp
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.sharding.hardware import peak_flops_for_device_kind
 
-__all__ = ["flops_per_token", "measure_matmul_flops", "peak_flops_for_device_kind", "peak_flops_per_device"]
+__all__ = [
+    "flops_per_token",
+    "measure_matmul_flops",
+    "mesh_peak_flops",
+    "peak_flops_for_device_kind",
+    "peak_flops_per_device",
+]
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
@@ -33,9 +39,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> f
 
 @functools.cache
 def measure_matmul_flops(
-    n: int = 1024, dtype: str = "float32", repeats: int = 20, min_seconds: float = 0.5
+    n: int = 1024, dtype: str = "float32", repeats: int = 20, min_seconds: float = 0.5, device=None
 ) -> float:
-    """FLOP/s of one jitted n x n matmul on the default device: the best of at least
+    """FLOP/s of one jitted n x n matmul on `device` (default: the default device): the best of at least
     `repeats` runs and of all the runs that fit in `min_seconds`.
 
     CPU has no spec-sheet peak; this measured figure is what "MFU" means there, so a low
@@ -45,7 +51,7 @@ def measure_matmul_flops(
     200 reads 4.18e11 every time (best of 20 there: 4.05-4.10e11); half a second of runs
     (about 100) read 4.11-4.15e11 in three fresh processes.
     """
-    a = jnp.ones((n, n), dtype)
+    a = jax.device_put(jnp.ones((n, n), dtype), device)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
     best, runs, start = float("inf"), 0, time.perf_counter()
@@ -58,13 +64,31 @@ def measure_matmul_flops(
 
 
 def peak_flops_per_device(device, override: float | None = None, dtype: str = "float32") -> tuple[float, str]:
-    """(peak FLOP/s, where it came from) for one device. Where it is measured (CPU), the
-    matmul runs in `dtype`, the run's compute dtype: on a CPU with native bf16 dot
-    products the bf16 peak is about twice the f32 one, and an MFU against the f32 peak
-    would overstate a bf16 run twofold."""
+    """(peak FLOP/s of one device in `dtype`, the run's compute dtype; where it came from).
+
+    The chip table's figure for the device kind and dtype (float16 reads the bfloat16 column:
+    the same on every chip listed); for a device the table lacks, a matmul measured in
+    `dtype` on `device` (on a CPU with native bf16 dot products the bf16 peak is about twice
+    the f32 one, and an MFU against the f32 peak would overstate a bf16 run twofold)."""
     if override:
         return override, "config"
-    table = peak_flops_for_device_kind(device.device_kind)
+    column = "bfloat16" if dtype == "float16" else dtype
+    table = peak_flops_for_device_kind(device.device_kind, column)
     if table:
-        return table, f"table ({device.device_kind})"
-    return measure_matmul_flops(dtype=dtype), f"measured {dtype} matmul"
+        return table, f"table ({device.device_kind}, {column})"
+    # A chip without a figure for this dtype (TPUs list no float32 peak: their f32 matmuls
+    # run as bf16 passes at default precision): its bf16 figure, as MaxText scores TPU runs.
+    table = peak_flops_for_device_kind(device.device_kind, "bfloat16")
+    if table:
+        return table, f"table ({device.device_kind}, bfloat16: no {column} figure)"
+    return measure_matmul_flops(dtype=dtype, device=device), f"measured {dtype} matmul"
+
+
+def mesh_peak_flops(device, devices: int, override: float | None = None, dtype: str = "float32"):
+    """(peak FLOP/s of a mesh of `devices` devices like `device`, where it came from). A
+    measured CPU figure is the host's (its simulated devices share the cores), once per
+    process; every other figure is one device's, times the devices."""
+    peak, source = peak_flops_per_device(device, override, dtype)
+    if source.startswith("measured") and device.platform == "cpu":
+        return peak * jax.process_count(), source + " (one host's, per process)"
+    return peak * devices, source

@@ -48,7 +48,10 @@ from jaxtrain.config import Config, to_dict
 from jaxtrain.data import make_data_iterator, make_eval_iterator, storage
 from jaxtrain.interchange.convert import load_params
 from jaxtrain.metrics import MetricsWriter
-from jaxtrain.planning.flops import flops_per_token, peak_flops_per_device
+from jaxtrain.observe import goodput
+from jaxtrain.observe.profiler import ProfileWindow
+from jaxtrain.observe.stragglers import StragglerReport
+from jaxtrain.planning.flops import flops_per_token, mesh_peak_flops
 from jaxtrain.planning.resolve import agreed, axis_rules, placement_of_devices, resolve
 from jaxtrain.recovery.checkpoint import Checkpointer, CheckpointError, abstract_state, retry_delays
 from jaxtrain.recovery.distributed import describe_topology
@@ -59,7 +62,7 @@ from jaxtrain.trainer.program import TrainProgram, build_program, pipeline_sched
 from jaxtrain.trainer.step import TrainState
 
 # Config sections whose change does not affect the numbers of a resumed run.
-_RESUME_NEUTRAL = ("output_dir", "checkpoint.", "logging.", "distributed.", "eval.")
+_RESUME_NEUTRAL = ("output_dir", "checkpoint.", "logging.", "distributed.", "eval.", "profile.")
 
 
 @dataclasses.dataclass
@@ -104,6 +107,12 @@ class _ProcessLog:
 
     def has_earlier_records(self) -> bool:
         return False
+
+    def scalars(self, prefix: str, values: dict, step: int) -> None:
+        pass
+
+    def open(self) -> None:
+        pass
 
     def sync(self) -> None:
         pass
@@ -171,45 +180,59 @@ def _config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
 
 def train(cfg: Config, *, devices=None) -> TrainResult:
     """Train `cfg` (resuming from its newest checkpoint) on `devices` (default: all)."""
+    clock = goodput.GoodputClock(first_step=0)  # from here on every second is in a bucket
     devices = list(devices) if devices is not None else jax.devices()
     resolution = agreed(resolve(cfg, placement_of_devices(cfg, devices), recorded_remat=_recorded_remat(cfg)))
     cfg = resolution.config
-    with _setup(cfg, devices, notes=resolution.notes) as run:
-        restored = _resume(run)
-        # Accepted (data readable, checkpoints fit the model): only now touch output_dir.
-        _record_start(run, restored)
-        state = (
-            restored.state
-            if restored is not None
-            else initial_state(cfg, run.program, run.target, run.writer.log)
-        )
-        step = int(jax.device_get(state.step))
-        result = TrainResult(
-            metrics=[],
-            state=state,
-            program=run.program,
-            mesh=run.mesh,
-            start_step=step,
-            final_step=step,
-            checkpoint_step=restored.step if restored else None,
-        )
-        if step >= cfg.train.steps:
-            run.writer.log(
-                f"nothing to do: the checkpoint is at step {step} >= train.steps={cfg.train.steps}"
+    run = None
+    try:
+        with _setup(cfg, devices, clock, notes=resolution.notes) as run:
+            with clock.phase("restore"):
+                restored = _resume(run)
+            # Accepted (data readable, checkpoints fit the model): only now touch output_dir.
+            _record_start(run, restored)
+            state = (
+                restored.state
+                if restored is not None
+                else initial_state(cfg, run.program, run.target, run.writer.log)
             )
+            step = clock.first_step = int(jax.device_get(state.step))
+            result = TrainResult(
+                metrics=[],
+                state=state,
+                program=run.program,
+                mesh=run.mesh,
+                start_step=step,
+                final_step=step,
+                checkpoint_step=restored.step if restored else None,
+            )
+            if step >= cfg.train.steps:
+                run.writer.log(
+                    f"nothing to do: the checkpoint is at step {step} >= train.steps={cfg.train.steps}"
+                )
+                return result
+            with clock.phase("data_wait"):
+                batch = run.feeder.next()
+            t0 = time.perf_counter()
+            with clock.phase("compile"):
+                step_fn = run.program.step.lower(state, batch[0]).compile()
+            run.writer.log(f"compiled train step in {time.perf_counter() - t0:.1f} s")
+            with _Preemption() as preemption:
+                clock.looping()
+                try:
+                    state, step = _loop(run, result, step_fn, state, step, batch, preemption)
+                finally:
+                    run.profile.stop()
+                with clock.phase("checkpoint_save"):
+                    if run.checkpointer is not None:
+                        run.checkpointer.wait()  # the last write is on disk before we say so
+            if result.preempted_by:
+                _log_preemption(run, result, step)
+            result.state, result.final_step = state, step
             return result
-        batch = run.feeder.next()
-        t0 = time.perf_counter()
-        step_fn = run.program.step.lower(state, batch[0]).compile()
-        run.writer.log(f"compiled train step in {time.perf_counter() - t0:.1f} s")
-        with _Preemption() as preemption:
-            state, step = _loop(run, result, step_fn, state, step, batch, preemption)
-            if run.checkpointer is not None:
-                run.checkpointer.wait()  # the last write is on disk before we say so
-        if result.preempted_by:
-            _log_preemption(run, result, step)
-        result.state, result.final_step = state, step
-        return result
+    finally:
+        if run is not None:  # once more, the teardown included: goodput.json covers all of train()
+            run.goodput_file.write(clock, durable=True)
 
 
 def _loop(run: _Run, result: TrainResult, step_fn, state, step: int, first_batch, preemption: _Preemption):
@@ -221,13 +244,21 @@ def _loop(run: _Run, result: TrainResult, step_fn, state, step: int, first_batch
     batch, batch_index = first_batch
     pending: list[tuple[int, int, dict]] = []  # (step, batch index, device metrics) not yet fetched
     timer = _StepTimer(step)
+    clock, stragglers = run.clock, run.stragglers
+    stragglers.reset()  # the first window starts with the steps
     while step < total:
-        state, metrics = step_fn(state, batch)
+        with run.profile.step(step + 1):
+            state, metrics = step_fn(state, batch)
         step += 1
+        run.profile.after(step, state)
+        stragglers.step_done()
         pending.append((step, batch_index, metrics))
         data_state = run.feeder.data_state()  # position of the next batch to train on
         if step < total:
-            batch, batch_index = run.feeder.next()  # overlaps the step
+            t0 = time.perf_counter()
+            with clock.phase("data_wait"):
+                batch, batch_index = run.feeder.next()  # overlaps the step
+            stragglers.window.data_wait += time.perf_counter() - t0
         stop = preemption.requested(step)  # sync ids = step numbers, as Orbax uses
         save_due = run.save_due(step, stop)
         log_due = step % run.cfg.logging.every == 0 or step == total
@@ -235,29 +266,41 @@ def _loop(run: _Run, result: TrainResult, step_fn, state, step: int, first_batch
         eval_due = (
             run.evaluator is not None and run.evaluator.due(step, total) and (not stop or step == total)
         )
-        if not (log_due or save_due or stop or eval_due):
+        straggler_due = stragglers.due(step)
+        if not (log_due or save_due or stop or eval_due or straggler_due):
             continue
+        t0 = time.perf_counter()
         action, newest = _process_pending(pending, run.monitor)
         if action == "rollback":
-            state, step, (batch, batch_index) = _rollback(run, step)
+            with clock.phase("restore"):
+                state, step, (batch, batch_index) = _rollback(run, step)
             timer.reset(step)
+            stragglers.reset()
             continue
         if action == "stop":
             raise run.monitor.stop_error()
         # Before the save, so that a checkpoint at this step means its evaluation ran; its
         # record is written after the step's own.
-        evaluated = run.evaluator(state, step) if eval_due else None
-        blocked = run.save(step, state, data_state, result) if save_due else None
+        with clock.phase("eval"):
+            evaluated = run.evaluator(state, step) if eval_due else None
+        with clock.phase("checkpoint_save"):
+            blocked = run.save(step, state, data_state, result) if save_due else None
+        stragglers.window.waited += time.perf_counter() - t0  # the device, the others, eval, save
         if log_due:
             record = _metrics_record(run, step, newest, timer.lap(step), blocked)
             run.writer.write(record)
             result.metrics.append(record)
+            clock.logged(step)
         if evaluated is not None:
             run.writer.write(evaluated)
             result.evals.append(evaluated)
             timer.reset(step)  # the evaluation is not step time
+        if straggler_due:
+            _report_stragglers(run, step)
         if evaluated is not None or blocked is not None:
             run.writer.sync()  # remote output_dir: metrics durable with each checkpoint / eval
+        if log_due or evaluated is not None or blocked is not None:
+            run.goodput_file.write(clock, durable=evaluated is not None or blocked is not None)
         if stop:
             result.preempted_by = preemption.signal_name
             break
@@ -279,11 +322,9 @@ class _Rates:
     @classmethod
     def for_run(cls, cfg: Config, mesh: jax.sharding.Mesh) -> _Rates:
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
-        peak, source = peak_flops_per_device(
-            mesh.devices.flat[0], cfg.logging.peak_flops_per_device, dtype=cfg.model.compute_dtype
+        total, source = mesh_peak_flops(
+            mesh.devices.flat[0], mesh.size, cfg.logging.peak_flops_per_device, dtype=cfg.model.compute_dtype
         )
-        # Simulated CPU devices share one host: the measured matmul peak is the whole host's.
-        total = peak if source.startswith("measured") else peak * mesh.size
         return cls(tokens, flops_per_token(cfg.model, cfg.train.seq_len) * tokens, total, source)
 
 
@@ -300,6 +341,10 @@ class _Run:
     monitor: FaultMonitor
     target: TrainState  # abstract state (shapes, shardings) that checkpoints restore into
     rates: _Rates
+    clock: goodput.GoodputClock
+    goodput_file: goodput.GoodputFile
+    stragglers: StragglerReport
+    profile: ProfileWindow
     evaluator: Evaluator | None = None  # `eval.every` > 0
 
     def save_due(self, step: int, stop: bool) -> bool:
@@ -322,6 +367,7 @@ class _Run:
         blocked = self.checkpointer.save(step, state, data_state, meta)
         if blocked is not None:
             result.checkpoint_step = step
+            self.clock.saved(step)
             self.writer.log(
                 f"checkpoint step {step}: loop blocked {blocked * 1e3:.0f} ms, "
                 f"writing {'in the background' if self.cfg.checkpoint.async_save else 'done'}"
@@ -345,7 +391,7 @@ def _recorded_remat(cfg: Config) -> str | None:
 
 
 @contextlib.contextmanager
-def _setup(cfg: Config, devices, notes: tuple[str, ...] = ()) -> Iterator[_Run]:
+def _setup(cfg: Config, devices, clock: goodput.GoodputClock, notes: tuple[str, ...] = ()) -> Iterator[_Run]:
     """Mesh, data, metrics writer, program, checkpointer, for resolved `cfg`.
 
     On exit the checkpointer closes first (waiting for a write still in flight), then
@@ -357,7 +403,11 @@ def _setup(cfg: Config, devices, notes: tuple[str, ...] = ()) -> Iterator[_Run]:
     log = cfg.logging
     writer_cm = (
         MetricsWriter(
-            cfg.output_dir, total_steps=cfg.train.steps, tensorboard=log.tensorboard, progress=log.progress
+            cfg.output_dir,
+            total_steps=cfg.train.steps,
+            tensorboard=log.tensorboard,
+            progress=log.progress,
+            wandb=(log.wandb, to_dict(cfg)),
         )
         if jax.process_index() == 0
         else _ProcessLog()
@@ -371,8 +421,9 @@ def _setup(cfg: Config, devices, notes: tuple[str, ...] = ()) -> Iterator[_Run]:
         if eval_data is not None:
             evaluator = Evaluator(cfg, eval_data, feeder, program, writer.log)
             writer.log(evaluator.describe())
+        run = None
         try:
-            yield _Run(
+            run = _Run(
                 cfg=cfg,
                 mesh=mesh,
                 program=program,
@@ -382,14 +433,24 @@ def _setup(cfg: Config, devices, notes: tuple[str, ...] = ()) -> Iterator[_Run]:
                 monitor=FaultMonitor(cfg.faults),
                 target=abstract_state(program),
                 rates=rates,
+                clock=clock,
+                goodput_file=goodput.GoodputFile(cfg.output_dir, primary=jax.process_index() == 0),
+                stragglers=StragglerReport(
+                    log.stragglers.every, log.stragglers.slower_by, jax.process_count()
+                ),
+                profile=ProfileWindow(cfg.profile.steps, cfg.profile_dir, writer.log),
                 evaluator=evaluator,
             )
+            yield run
         finally:
-            if checkpointer is not None:
-                checkpointer.close()  # waits for a write still in flight
+            with clock.phase("checkpoint_save"):
+                if checkpointer is not None:
+                    checkpointer.close()  # waits for a write still in flight
             for it in (data, eval_data):  # open shard files (remote: HTTP sessions)
                 if hasattr(it, "close"):
                     it.close()
+            if run is not None:
+                _report_goodput(run)  # the writer is still open; closing it is all that is left
 
 
 def _open_data(cfg: Config):
@@ -436,6 +497,10 @@ def _record_start(run: _Run, restored) -> None:
     cfg = run.cfg
     out = storage.as_path(cfg.output_dir)  # a local path or a URL (gs://bucket/run)
     out.mkdir(parents=True, exist_ok=True)
+    run.writer.open()  # TensorBoard, W&B: started here, not at the first step's record
+    lost = run.goodput_file.start(restored.step if restored is not None else None)
+    if lost:
+        run.writer.log(f"goodput: {lost:.1f} s of the previous attempt's steps are done again (lost)")
     if run.writer.has_earlier_records():
         step = restored.step if restored is not None else 0
         marker = {"step": step, "event": "resume" if restored is not None else "restart"}
@@ -505,6 +570,8 @@ def _metrics_record(run: _Run, step: int, m: dict, step_time: float, blocked: fl
         "step_time_s": step_time,
         "tokens_per_second": rates.tokens_per_step / step_time,
         "mfu": rates.flops_per_step / step_time / rates.peak_total,
+        "mfu_peak_flops": rates.peak_total,  # the mesh's, in the compute dtype
+        "mfu_peak_source": rates.peak_source,
     }
     if run.cfg.faults.spike_factor is not None:
         record["spikes_total"] = monitor.spikes_total
@@ -520,6 +587,26 @@ def _metrics_record(run: _Run, step: int, m: dict, step_time: float, blocked: fl
     if blocked is not None:
         record["checkpoint_blocked_s"] = blocked
     return record
+
+
+def _report_stragglers(run: _Run, step: int) -> None:
+    """Every process gathers the window's times (a collective); process 0 records them."""
+    record, warning = run.stragglers.report(step)
+    if jax.process_index() == 0:
+        run.writer.write(record)
+        if warning:
+            run.writer.log("WARNING " + warning)
+
+
+def _report_goodput(run: _Run) -> None:
+    """goodput.json, its line and its TensorBoard scalars (and W&B summary), at the end of an
+    attempt that got as far as writing to output_dir."""
+    doc = run.goodput_file.write(run.clock, durable=True)
+    if doc is None:
+        return
+    run.writer.log(goodput.describe(doc))
+    step = run.clock.last_logged[0] if run.clock.last_logged else run.clock.first_step
+    run.writer.scalars("goodput", {"ratio": doc["goodput"], **doc["seconds"]}, step)
 
 
 def _log_preemption(run: _Run, result: TrainResult, step: int) -> None:
@@ -576,6 +663,7 @@ def _rollback(run: _Run, step: int):
             + ("" if cfg.checkpoint.every else "; checkpoint.every=0")
         )
     discarded = checkpointer.discard_after(restored.step)
+    run.clock.rolled_back(restored.step)
     resume_batch = streak.last_batch + 1
     writer.log(
         f"rollback after {monitor.describe_streak()}: restored checkpoint step {restored.step}, "

@@ -109,19 +109,23 @@ def model_loss(
     (`train.loss_chunk`): > 0, the loss runs over that many positions at a time and the
     full logits are never formed (trainer/loss.py); 0, the plain loss over them.
     `pipeline`: the layer stacks' pipeline schedule (mesh.stage > 1), else None."""
-    x, aux = model.hidden(
-        micro["inputs"],
-        positions=micro["positions"],
-        segment_ids=micro["segment_ids"],
-        fp8=fp8,
-        pipeline=pipeline,
-    )
-    if chunk:
-        total, count = chunked_cross_entropy(
-            x, model.head(), micro["targets"], micro["loss_mask"], chunk=chunk
+    # The named scopes label the ops in a profile (profile.steps): the backward pass shows
+    # as transpose(jvp(forward)) and transpose(jvp(loss)).
+    with jax.named_scope("forward"):
+        x, aux = model.hidden(
+            micro["inputs"],
+            positions=micro["positions"],
+            segment_ids=micro["segment_ids"],
+            fp8=fp8,
+            pipeline=pipeline,
         )
-    else:
-        total, count = cross_entropy(model.project(x), micro["targets"], micro["loss_mask"])
+    with jax.named_scope("loss"):
+        if chunk:
+            total, count = chunked_cross_entropy(
+                x, model.head(), micro["targets"], micro["loss_mask"], chunk=chunk
+            )
+        else:
+            total, count = cross_entropy(model.project(x), micro["targets"], micro["loss_mask"])
     return total, count, aux
 
 
@@ -320,9 +324,10 @@ def train_step(spec: StepSpec, state: TrainState, batch: dict) -> tuple[TrainSta
     params, opt_state = spec.offload.fetch(state)  # offloaded state comes to the device
     scale = state.loss_scale["scale"] if spec.loss_scaling else None
     g = batch_gradients(spec, params, batch, scale, state.fp8)
-    grad_norm = optax.tree.norm(g.grads)
-    new_params, new_opt = optimizer_update(spec, params, opt_state, g)
-    verdict = guard(spec, state, g.loss, grad_norm)
+    with jax.named_scope("optimizer"):
+        grad_norm = optax.tree.norm(g.grads)
+        new_params, new_opt = optimizer_update(spec, params, opt_state, g)
+        verdict = guard(spec, state, g.loss, grad_norm)
     new_fp8 = g.fp8
     if spec.guarded:  # a select, so nothing leaves the device
         new_params, new_opt, new_fp8 = jax.tree.map(
