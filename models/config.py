@@ -32,6 +32,8 @@ ATTENTION_IMPLS = ("auto", "xla", "pallas")
 CONTEXT_IMPLS = ("ring", "ulysses")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_SCALINGS = (None, "linear", "llama3")
+QK_NORMS = ("none", "head", "projection")
+NORM_PLACEMENTS = ("pre", "post")
 MOE_SCORINGS = ("softmax", "sigmoid")
 MOE_DISPATCHES = ("capacity", "dropless")
 MOE_EXCHANGES = ("auto", "padded", "ragged")
@@ -132,7 +134,8 @@ class MoEConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A decoder-only Llama-style transformer (RMSNorm, RoPE, GQA, SwiGLU)."""
+    """A decoder-only Llama-style transformer (RMSNorm, RoPE, GQA, SwiGLU), with the variants
+    of the families models/hf.py reads (q/k/v biases, QK-norm, post-norms)."""
 
     vocab_size: int = 512  # token ids are 0 .. vocab_size - 1
     d_model: int = 128  # the residual stream's width
@@ -148,6 +151,14 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3 only
     rope_original_max_position: int = 8192  # llama3 only
     sliding_window: int | None = None  # Mistral-style: a query sees at most the last N keys
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2 / Qwen2.5)
+    # RMSNorm on q and k before RoPE: none | head (over each head's head_dim, one scale of
+    # head_dim shared by the heads: Qwen3) | projection (over all of q's and all of k's heads
+    # at once, a scale per element: OLMo 2)
+    qk_norm: str = "none"
+    # where each block's norms sit: pre (x + f(norm(x)): Llama, Qwen) | post (x + norm(f(x)):
+    # OLMo 2; the final norm stays)
+    norm_placement: str = "pre"
     norm_eps: float = 1e-5  # RMSNorm's epsilon
     tie_embeddings: bool = False  # the output head is the embedding table's transpose
     init_std: float = 0.02  # normal init of weights (output projections: / sqrt(2 x n_layers))
@@ -242,6 +253,12 @@ class ModelConfig:
             raise ValueError(f"model.rope_scaling_factor={self.rope_scaling_factor}: expected > 0")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"model.sliding_window={self.sliding_window}: expected >= 1 or null")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"model.qk_norm={self.qk_norm!r}: expected one of {QK_NORMS}")
+        if self.norm_placement not in NORM_PLACEMENTS:
+            raise ValueError(
+                f"model.norm_placement={self.norm_placement!r}: expected one of {NORM_PLACEMENTS}"
+            )
         if self.context_impl not in CONTEXT_IMPLS:
             raise ValueError(f"model.context_impl={self.context_impl!r}: expected one of {CONTEXT_IMPLS}")
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
@@ -260,6 +277,9 @@ class ModelConfig:
         """Exact number of parameters (matches the built model; tests check it)."""
         d, hd, L = self.d_model, self.resolved_head_dim, self.n_layers
         attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
+        if self.qkv_bias:
+            attn += hd * (self.n_heads + 2 * self.n_kv_heads)
+        attn += {"none": 0, "head": 2 * hd, "projection": hd * (self.n_heads + self.n_kv_heads)}[self.qk_norm]
         mlp = 3 * d * self.mlp_dim
         per_layer = attn + mlp + 2 * d
         embed = self.vocab_size * d

@@ -51,6 +51,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.models.attention import attend
+from jaxtrain.models.layers import norm_after, norm_before
 from jaxtrain.models.transformer import MoEGroup, Transformer
 from jaxtrain.sharding import axis_rules, constrain, current_rules
 
@@ -136,11 +137,12 @@ def _attention(attn, x, cache, step: _Step, layer=None):
 
 def _block(block, x, cache, step: _Step, layer=None):
     """One decoder block (layers.Block or moe.MoEBlock: the same residual layout) with its cache."""
-    h, cache = _attention(block.attn, block.attn_norm(x), cache, step, layer)
-    x = x + h
-    y = block.mlp(block.mlp_norm(x))
+    cfg = block.attn.cfg
+    h, cache = _attention(block.attn, norm_before(block.attn_norm, x, cfg), cache, step, layer)
+    x = x + norm_after(block.attn_norm, h, cfg)
+    y = block.mlp(norm_before(block.mlp_norm, x, cfg))
     y = y[0] if isinstance(y, tuple) else y  # MoE: (output, router statistics)
-    return constrain(x + y, ("batch", "seq", "act_embed")), cache
+    return constrain(x + norm_after(block.mlp_norm, y, cfg), ("batch", "seq", "act_embed")), cache
 
 
 def _stacks(model: Transformer):

@@ -1,18 +1,24 @@
 """Hugging Face checkpoints in and out: `from_hf(path)` and `to_hf(model, path)`.
 
 Reads a local directory (`config.json` + `*.safetensors`, with or without a
-`model.safetensors.index.json`) for LlamaForCausalLM, MistralForCausalLM and
-MixtralForCausalLM (every layer MoE, softmax top-k renormalised, dropless) and
-returns a ready NNX `Transformer`; writes one that `transformers` loads with the
-same logits. No network, no torch: tensors are read one at a time with
-`safetensors.safe_open` (numpy), so peak memory is one copy of the model plus
-one tensor.
+`model.safetensors.index.json`) for LlamaForCausalLM, MistralForCausalLM,
+MixtralForCausalLM (every layer MoE, softmax top-k renormalised, dropless),
+Qwen2ForCausalLM (q/k/v biases), Qwen3ForCausalLM (QK-norm per head, free head_dim),
+Qwen3MoeForCausalLM (QK-norm, every layer MoE) and Olmo2ForCausalLM (post-norms, QK-norm
+over whole projections) and returns a ready NNX `Transformer`; writes one that
+`transformers` loads with the same logits. What each family adds is a ModelConfig
+feature (`qkv_bias`, `qk_norm`, `norm_placement`), never a branch on the family. No
+network, no torch: tensors are read one at a time with `safetensors.safe_open` (numpy),
+so peak memory is one copy of the model plus one tensor.
 
 Layout mapping (HF Linear weights are `[out, in]`):
   q_proj [H*hd, D] -> wq [D, H, hd]      o_proj [D, H*hd] -> wo [H, hd, D]
   gate/up [F, D]   -> w_gate/w_up [D, F]  down [D, F]     -> w_down [F, D]
   Mixtral: gate [E, D] -> w_router [D, E]; experts.e.w1/w3 [F, D] -> w_gate/w_up[e] [D, F];
   experts.e.w2 [D, F] -> w_down[e] [F, D]  (stacked [layers, experts, ...] under moe_blocks)
+  Qwen3-MoE: mlp.gate [E, D] -> w_router; mlp.experts.e.gate_proj/up_proj/down_proj as above
+  q/k/v_proj.bias [H*hd] -> bq/bk/bv [H, hd]
+  q_norm/k_norm [hd] (per head) -> scale [hd]; [H*hd] (whole projection) -> scale [H, hd]
 HF's q/k weights are already permuted for the "rotate half" RoPE our model
 uses, so no head-dim permutation is needed.
 """
@@ -32,7 +38,18 @@ from jaxtrain.models.config import ModelConfig, MoEConfig
 from jaxtrain.models.params import abstract_model, merge
 from jaxtrain.models.transformer import Transformer
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
+# The features each class has (qkv_bias, qk_norm, norm_placement), its model_type, and where
+# its MoE layers keep their tensors (None: dense).
+_FAMILIES = {
+    "LlamaForCausalLM": ((False, "none", "pre"), "llama", None),
+    "MistralForCausalLM": ((False, "none", "pre"), "mistral", None),
+    "MixtralForCausalLM": ((False, "none", "pre"), "mixtral", "mixtral"),
+    "Qwen2ForCausalLM": ((True, "none", "pre"), "qwen2", None),
+    "Qwen3ForCausalLM": ((False, "head", "pre"), "qwen3", None),
+    "Qwen3MoeForCausalLM": ((False, "head", "pre"), "qwen3_moe", "qwen"),
+    "Olmo2ForCausalLM": ((False, "projection", "post"), "olmo2", None),
+}
+SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 
 
 class HFConversionError(ValueError):
@@ -78,10 +95,15 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
             f"architecture {arch!r} is not supported; expected one of {SUPPORTED_ARCHITECTURES}"
         )
     for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
+        if hf.get(flag):  # (Qwen2's q/k/v biases are not a flag: the class always has them)
             raise HFConversionError(f"config.json {flag}=true is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise HFConversionError(f"hidden_act={hf['hidden_act']!r} is not supported (expected silu)")
+    if hf.get("use_sliding_window"):  # Qwen2/3 write sliding_window with use_sliding_window false
+        raise HFConversionError(
+            "config.json use_sliding_window=true is not supported (per-layer windows, max_window_layers)"
+        )
+    (qkv_bias, qk_norm, placement), _, moe_layout = _FAMILIES[arch]
     n_heads = hf["num_attention_heads"]
     fields = dict(
         vocab_size=hf["vocab_size"],
@@ -94,39 +116,81 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+        norm_placement=placement,
         **_rope_settings(hf),
     )
     if arch in ("MistralForCausalLM", "MixtralForCausalLM") and hf.get("sliding_window"):
         fields["sliding_window"] = int(hf["sliding_window"])
-    if arch == "MixtralForCausalLM":
-        k = hf["num_experts_per_tok"]
-        fields["moe"] = MoEConfig(
-            num_experts=hf["num_local_experts"],
-            top_k=k,
-            expert_mlp_dim=hf["intermediate_size"],
-            scoring="softmax",
-            normalize_top_k=True,
-            dispatch="dropless",
-            # HF sums its load-balancing loss over the k choices; ours averages (1.0 = balanced).
-            aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.02)) * k,
-        )
+    if moe_layout is not None:
+        fields["moe"] = _moe_from_hf(hf, moe_layout)
     fields.update(overrides)
     cfg = ModelConfig(**fields)
     cfg.validate()
     return cfg
 
 
-def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
-    """An HF `config.json` dict for `cfg` (Mistral when it has a sliding window)."""
-    arch = architecture or (
-        "MixtralForCausalLM"
-        if cfg.moe is not None
-        else "MistralForCausalLM"
-        if cfg.sliding_window
-        else "LlamaForCausalLM"
+def _moe_from_hf(hf: dict, layout: str) -> MoEConfig:
+    """Mixtral's or Qwen3-MoE's router and experts: softmax top-k (renormalised: Mixtral
+    always, Qwen3-MoE with norm_topk_prob), no shared experts, every layer MoE, dropless."""
+    k = hf["num_experts_per_tok"]
+    if layout == "qwen":
+        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+            raise HFConversionError(
+                f"config.json mlp_only_layers={hf.get('mlp_only_layers')} decoder_sparse_step="
+                f"{hf.get('decoder_sparse_step')}: only every layer MoE (mlp_only_layers=[], step 1) converts"
+            )
+        experts = hf.get("num_experts") or hf.get("num_local_experts")  # both spellings occur
+        width, normalize = hf["moe_intermediate_size"], bool(hf.get("norm_topk_prob", True))
+    else:
+        experts, width, normalize = hf["num_local_experts"], hf["intermediate_size"], True
+    return MoEConfig(
+        num_experts=experts,
+        top_k=k,
+        expert_mlp_dim=width,
+        scoring="softmax",
+        normalize_top_k=normalize,
+        dispatch="dropless",
+        # HF sums its load-balancing loss over the k choices; ours averages (1.0 = balanced).
+        aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.02)) * k,
     )
-    if (arch == "MixtralForCausalLM") != (cfg.moe is not None):
+
+
+def _architecture_for(cfg: ModelConfig) -> str:
+    """The HF class whose features `cfg` has (Mistral for a dense model with a window)."""
+    features = (cfg.qkv_bias, cfg.qk_norm, cfg.norm_placement)
+    for arch, (needs, _, moe_layout) in _FAMILIES.items():
+        if needs == features and (moe_layout is None) == (cfg.moe is None):
+            if arch == "LlamaForCausalLM" and cfg.sliding_window:
+                continue
+            return arch
+    raise HFConversionError(
+        f"no Hugging Face class has model.qkv_bias={cfg.qkv_bias}, model.qk_norm={cfg.qk_norm!r}, "
+        f"model.norm_placement={cfg.norm_placement!r} with model.moe={'set' if cfg.moe else 'null'}"
+    )
+
+
+def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
+    """An HF `config.json` dict for `cfg`: the class with its features (Mistral for a dense
+    pre-norm model with a sliding window), or `architecture`, which must have them."""
+    arch = architecture or _architecture_for(cfg)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise HFConversionError(
+            f"architecture {arch!r} is not supported; expected one of {SUPPORTED_ARCHITECTURES}"
+        )
+    (needs, model_type, moe_layout) = _FAMILIES[arch]
+    if (moe_layout is not None) != (cfg.moe is not None):
         raise HFConversionError(f"architecture {arch!r} does not match model.moe={cfg.moe!r}")
+    if needs != (cfg.qkv_bias, cfg.qk_norm, cfg.norm_placement):
+        raise HFConversionError(
+            f"architecture {arch!r} has qkv_bias={needs[0]}, qk_norm={needs[1]!r}, norm_placement="
+            f"{needs[2]!r}; the model has {cfg.qkv_bias}, {cfg.qk_norm!r}, {cfg.norm_placement!r}"
+        )
+    if cfg.sliding_window and arch not in ("MistralForCausalLM", "MixtralForCausalLM"):
+        raise HFConversionError(
+            f"architecture {arch!r}: model.sliding_window={cfg.sliding_window} does not convert"
+        )
     if cfg.moe is not None:
         m = cfg.moe
         if (
@@ -137,14 +201,11 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
             m.normalize_top_k,
             m.score_bias,
         ) != (0, 1, 0, "softmax", True, False):
-            raise HFConversionError(
-                "only Mixtral-style MoE converts to HF: every layer MoE, no shared "
-                "experts, softmax scoring renormalised over the top-k, no score bias"
-            )
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise HFConversionError(
-            f"architecture {arch!r} is not supported; expected one of {SUPPORTED_ARCHITECTURES}"
-        )
+            if not (moe_layout == "qwen" and not m.normalize_top_k):  # norm_topk_prob=false
+                raise HFConversionError(
+                    "only Mixtral- or Qwen3-MoE-style MoE converts to HF: every layer MoE, no shared "
+                    "experts, softmax scoring renormalised over the top-k, no score bias"
+                )
     rope: dict = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling == "linear":
         rope = {"rope_type": "linear", "factor": cfg.rope_scaling_factor, "rope_theta": cfg.rope_theta}
@@ -159,7 +220,7 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
         }
     out = {
         "architectures": [arch],
-        "model_type": "mistral" if arch == "MistralForCausalLM" else "llama",
+        "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.mlp_dim,
@@ -181,8 +242,11 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
         "rope_scaling": None if rope["rope_type"] == "default" else rope,
     }
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
-        out["model_type"] = "mixtral" if arch == "MixtralForCausalLM" else "mistral"
         out["sliding_window"] = cfg.sliding_window
+    if arch.startswith("Qwen"):  # the class reads these; no window, as jaxtrain trained it
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    if arch == "Qwen2ForCausalLM":
+        del out["attention_bias"]  # Qwen2 has its q/k/v biases whatever the flag says
     if arch == "MixtralForCausalLM":
         out.update(
             num_local_experts=cfg.moe.num_experts,
@@ -190,10 +254,23 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
             intermediate_size=cfg.moe.mlp_dim(cfg),
             router_aux_loss_coef=cfg.moe.aux_loss_weight / cfg.moe.top_k,
         )
+    if arch == "Qwen3MoeForCausalLM":
+        out.update(
+            num_experts=cfg.moe.num_experts,
+            num_experts_per_tok=cfg.moe.top_k,
+            moe_intermediate_size=cfg.moe.mlp_dim(cfg),
+            norm_topk_prob=cfg.moe.normalize_top_k,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=cfg.moe.aux_loss_weight / cfg.moe.top_k,
+        )
     return out
 
 
 # --- tensors -------------------------------------------------------------------
+
+
+_EXPERT_PARAMS = (("mlp", "w_gate"), ("mlp", "w_up"), ("mlp", "w_down"))
 
 
 def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ...], str]]:
@@ -208,15 +285,28 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ..
         ("attn", "wk"): "self_attn.k_proj.weight",
         ("attn", "wv"): "self_attn.v_proj.weight",
         ("attn", "wo"): "self_attn.o_proj.weight",
-        ("attn_norm", "scale"): "input_layernorm.weight",
-        ("mlp_norm", "scale"): "post_attention_layernorm.weight",
     }
+    if cfg.norm_placement == "pre":
+        common[("attn_norm", "scale")] = "input_layernorm.weight"
+        common[("mlp_norm", "scale")] = "post_attention_layernorm.weight"
+    else:  # OLMo 2: the norms after attention and after the MLP
+        common[("attn_norm", "scale")] = "post_attention_layernorm.weight"
+        common[("mlp_norm", "scale")] = "post_feedforward_layernorm.weight"
+    if cfg.qkv_bias:
+        common.update({("attn", f"b{t}"): f"self_attn.{t}_proj.bias" for t in "qkv"})
+    if cfg.qk_norm != "none":
+        common.update({("attn", f"{t}_norm", "scale"): f"self_attn.{t}_norm.weight" for t in "qk"})
     dense = {
         ("mlp", "w_gate"): "mlp.gate_proj.weight",
         ("mlp", "w_up"): "mlp.up_proj.weight",
         ("mlp", "w_down"): "mlp.down_proj.weight",
     }
-    experts = {("mlp", "w_gate"): "w1.weight", ("mlp", "w_up"): "w3.weight", ("mlp", "w_down"): "w2.weight"}
+    if cfg.moe is not None and cfg.qk_norm == "head":  # Qwen3-MoE's names
+        router, moe = "mlp.gate.weight", "mlp.experts"
+        experts = dict(zip(_EXPERT_PARAMS, ("gate_proj.weight", "up_proj.weight", "down_proj.weight")))
+    else:  # Mixtral's
+        router, moe = "block_sparse_moe.gate.weight", "block_sparse_moe.experts"
+        experts = dict(zip(_EXPERT_PARAMS, ("w1.weight", "w3.weight", "w2.weight")))
     stack = "blocks" if cfg.moe is None else "moe_blocks"
     for layer in range(cfg.n_layers):
         prefix = f"model.layers.{layer}."
@@ -226,10 +316,10 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ..
             for ours, theirs in dense.items():
                 yield (stack, *ours), (layer,), prefix + theirs
             continue
-        yield (stack, "mlp", "w_router"), (layer,), prefix + "block_sparse_moe.gate.weight"
+        yield (stack, "mlp", "w_router"), (layer,), prefix + router
         for e in range(cfg.moe.num_experts):
             for ours, theirs in experts.items():
-                yield (stack, *ours), (layer, e), f"{prefix}block_sparse_moe.experts.{e}.{theirs}"
+                yield (stack, *ours), (layer, e), f"{prefix}{moe}.{e}.{theirs}"
 
 
 def _to_ours(path: tuple[str, ...], w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
@@ -243,6 +333,10 @@ def _to_ours(path: tuple[str, ...], w: np.ndarray, cfg: ModelConfig) -> np.ndarr
         return w.T.reshape(cfg.n_heads, hd, d)
     if name in ("w_gate", "w_up", "w_down", "lm_head", "w_router"):
         return w.T
+    if name in ("bq", "bk", "bv"):
+        return w.reshape(cfg.n_heads if name == "bq" else cfg.n_kv_heads, hd)
+    if name == "scale" and path[-2] in ("q_norm", "k_norm") and cfg.qk_norm == "projection":
+        return w.reshape(cfg.n_heads if path[-2] == "q_norm" else cfg.n_kv_heads, hd)
     return w  # embedding [V, D] and norm scales keep their layout
 
 
@@ -254,6 +348,8 @@ def _to_hf(path: tuple[str, ...], w: np.ndarray) -> np.ndarray:
         return w.reshape(-1, w.shape[-1]).T
     if name in ("w_gate", "w_up", "w_down", "lm_head", "w_router"):
         return w.T
+    if name in ("bq", "bk", "bv") or (name == "scale" and path[-2] in ("q_norm", "k_norm")):
+        return w.reshape(-1)  # [heads, hd] -> [heads * hd]; a per-head norm's [hd] stays
     return w
 
 
@@ -288,6 +384,9 @@ class _SafetensorsDir:
 def _shape_of(path: tuple[str, ...], cfg: ModelConfig) -> tuple[int, ...]:
     d, hd = cfg.d_model, cfg.resolved_head_dim
     f = cfg.moe.mlp_dim(cfg) if cfg.moe is not None else cfg.mlp_dim
+    if path[-1] == "scale" and path[-2] in ("q_norm", "k_norm"):
+        heads = cfg.n_heads if path[-2] == "q_norm" else cfg.n_kv_heads
+        return (heads, hd) if cfg.qk_norm == "projection" else (hd,)
     return {
         "w_router": (d, cfg.moe.num_experts if cfg.moe is not None else 0),
         "embedding": (cfg.vocab_size, d),
@@ -297,6 +396,9 @@ def _shape_of(path: tuple[str, ...], cfg: ModelConfig) -> tuple[int, ...]:
         "wk": (d, cfg.n_kv_heads, hd),
         "wv": (d, cfg.n_kv_heads, hd),
         "wo": (cfg.n_heads, hd, d),
+        "bq": (cfg.n_heads, hd),
+        "bk": (cfg.n_kv_heads, hd),
+        "bv": (cfg.n_kv_heads, hd),
         "w_gate": (d, f),
         "w_up": (d, f),
         "w_down": (f, d),

@@ -29,22 +29,43 @@ REGION_INPUT_AXES = ("batch", "seq", "act_embed")
 
 
 def param(rngs: nnx.Rngs, shape, logical_axes, *, std: float | None, dtype) -> nnx.Param:
-    """A parameter with logical axis names; std None means ones (norm scales)."""
-    value = jnp.ones(shape, dtype) if std is None else std * jax.random.normal(rngs.params(), shape, dtype)
+    """A parameter with logical axis names; std None means ones (norm scales), 0 zeros (biases)."""
+    if std is None:
+        value = jnp.ones(shape, dtype)
+    elif std == 0:
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = std * jax.random.normal(rngs.params(), shape, dtype)
     # eager_sharding=False: we resolve names ourselves with sharding.rules, so the
     # same names work with or without a mesh and with any rule table.
     return nnx.Param(value, out_sharding=tuple(logical_axes), eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.scale = param(rngs, (cfg.d_model,), ("norm",), std=None, dtype=cfg.param_dtype)
+    """RMSNorm over the trailing dims its scale has: [d_model] (the residual stream), or for
+    QK-norm [head_dim] (each head) or [heads, head_dim] (a whole projection)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, shape=None, logical_axes=("norm",)):
+        shape = (cfg.d_model,) if shape is None else tuple(shape)
+        self.scale = param(rngs, shape, logical_axes, std=None, dtype=cfg.param_dtype)
         self.eps = cfg.norm_eps
 
     def __call__(self, x):
+        scale = self.scale[...]
+        dims = tuple(range(-scale.ndim, 0))
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=dims, keepdims=True) + self.eps)
+        return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def norm_before(norm: RMSNorm, x, cfg: ModelConfig):
+    """A sublayer's input: norm(x) with pre-norms, x itself with post-norms."""
+    return norm(x) if cfg.norm_placement == "pre" else x
+
+
+def norm_after(norm: RMSNorm, h, cfg: ModelConfig):
+    """What a sublayer adds to the residual stream: h with pre-norms, norm(h) with post-norms."""
+    return norm(h) if cfg.norm_placement == "post" else h
 
 
 def matmul_weight(w: jax.Array, logical_axes, cfg: ModelConfig) -> jax.Array:
@@ -106,6 +127,16 @@ class Attention(nnx.Module):
         self.wo = p(
             (cfg.n_heads, hd, d), ("heads", "head_dim", "embed"), cfg.init_std / (2 * cfg.n_layers) ** 0.5
         )
+        if cfg.qkv_bias:  # split with their heads; "bias": never weight-decayed
+            self.bq = p((cfg.n_heads, hd), ("heads", "bias"), 0)
+            self.bk = p((cfg.n_kv_heads, hd), ("kv_heads", "bias"), 0)
+            self.bv = p((cfg.n_kv_heads, hd), ("kv_heads", "bias"), 0)
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(cfg, rngs=rngs, shape=(hd,))
+            self.k_norm = RMSNorm(cfg, rngs=rngs, shape=(hd,))
+        elif cfg.qk_norm == "projection":
+            norm = lambda heads, axis: RMSNorm(cfg, rngs=rngs, shape=(heads, hd), logical_axes=(axis, "norm"))
+            self.q_norm, self.k_norm = norm(cfg.n_heads, "heads"), norm(cfg.n_kv_heads, "kv_heads")
         self.cfg = cfg
 
     def __call__(self, x, positions, segment_ids, fp8=None):
@@ -135,6 +166,11 @@ class Attention(nnx.Module):
         q = proj(self.wq, ("embed", "heads", "head_dim"), "wq")
         k = proj(self.wk, ("embed", "kv_heads", "head_dim"), "wk")
         v = proj(self.wv, ("embed", "kv_heads", "head_dim"), "wv")
+        if cfg.qkv_bias:
+            dtype = jnp.dtype(cfg.compute_dtype)
+            q, k, v = (t + b[...].astype(dtype) for t, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
+        if cfg.qk_norm != "none":  # before RoPE, as Qwen3 and OLMo 2 do
+            q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_frequencies(self.cfg)
         q = constrain(rope(q, positions, inv_freq), ("batch", "seq", "act_heads", None))
         k = constrain(rope(k, positions, inv_freq), ("batch", "seq", "act_kv_heads", None))
@@ -177,7 +213,8 @@ def swiglu(x, w_gate, w_up, w_down, cfg: ModelConfig, fp8=None):
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Decoder block: x + attn(norm(x)), then + mlp(norm(x)) (pre-norms); with
+    `model.norm_placement: post`, x + norm(attn(x)), then + norm(mlp(x))."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg, rngs=rngs)
@@ -186,9 +223,11 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs)
 
     def __call__(self, x, positions, segment_ids, fp8=None):
+        cfg = self.attn.cfg
         x = checkpoint_name(x, "layer_input")
-        h = constrain(self.attn_norm(x), REGION_INPUT_AXES)
+        h = constrain(norm_before(self.attn_norm, x, cfg), REGION_INPUT_AXES)
         h = self.attn(h, positions, segment_ids, None if fp8 is None else fp8["attn"])
-        x = constrain(x + h, RESIDUAL_AXES)
-        x = x + self.mlp(constrain(self.mlp_norm(x), REGION_INPUT_AXES), None if fp8 is None else fp8["mlp"])
-        return constrain(x, RESIDUAL_AXES)
+        x = constrain(x + norm_after(self.attn_norm, h, cfg), RESIDUAL_AXES)
+        h = constrain(norm_before(self.mlp_norm, x, cfg), REGION_INPUT_AXES)
+        h = self.mlp(h, None if fp8 is None else fp8["mlp"])
+        return constrain(x + norm_after(self.mlp_norm, h, cfg), RESIDUAL_AXES)

@@ -66,7 +66,16 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain import sharding
 from jaxtrain.models import fp8 as fp8_ops
 from jaxtrain.models.config import ModelConfig, MoEConfig
-from jaxtrain.models.layers import REGION_INPUT_AXES, RESIDUAL_AXES, Attention, RMSNorm, param, swiglu
+from jaxtrain.models.layers import (
+    REGION_INPUT_AXES,
+    RESIDUAL_AXES,
+    Attention,
+    RMSNorm,
+    norm_after,
+    norm_before,
+    param,
+    swiglu,
+)
 from jaxtrain.pallas_kernels.grouped_matmul import megablox_grouped_matmul
 
 F32 = jnp.float32
@@ -128,12 +137,13 @@ class MoEBlock(nnx.Module):
         self.mlp = MoE(cfg, rngs=rngs)
 
     def __call__(self, x, positions, segment_ids, fp8=None):
+        cfg = self.attn.cfg
         x = checkpoint_name(x, "layer_input")
-        h = sharding.constrain(self.attn_norm(x), REGION_INPUT_AXES)
+        h = sharding.constrain(norm_before(self.attn_norm, x, cfg), REGION_INPUT_AXES)
         h = self.attn(h, positions, segment_ids, None if fp8 is None else fp8["attn"])
-        x = sharding.constrain(x + h, RESIDUAL_AXES)
-        y, stats = self.mlp(self.mlp_norm(x), None if fp8 is None else fp8["mlp"])
-        return sharding.constrain(x + y, RESIDUAL_AXES), stats
+        x = sharding.constrain(x + norm_after(self.attn_norm, h, cfg), RESIDUAL_AXES)
+        y, stats = self.mlp(norm_before(self.mlp_norm, x, cfg), None if fp8 is None else fp8["mlp"])
+        return sharding.constrain(x + norm_after(self.mlp_norm, y, cfg), RESIDUAL_AXES), stats
 
 
 # --- the layer as a function -----------------------------------------------------

@@ -45,6 +45,10 @@ CONFIGS = {
     ),
     # MQA, window 3 < prompt 5: the cache is a 3-slot ring and the prefill keeps the last 3.
     "window-mqa": dataclasses.replace(DENSE, n_kv_heads=1, sliding_window=3),
+    # OLMo 2's post-norms and whole-projection QK-norm, Qwen2's biases: through the cache too
+    "post-norm-qk-bias": dataclasses.replace(
+        DENSE, norm_placement="post", qk_norm="projection", qkv_bias=True
+    ),
 }
 PROMPT = np.random.default_rng(0).integers(0, 97, size=(2, 5)).astype(np.int32)
 LENGTHS = np.array([5, 2], np.int32)  # right-padded: row 1's last 3 tokens are padding

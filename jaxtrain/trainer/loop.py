@@ -498,9 +498,7 @@ def _record_start(run: _Run, restored) -> None:
     out = storage.as_path(cfg.output_dir)  # a local path or a URL (gs://bucket/run)
     out.mkdir(parents=True, exist_ok=True)
     run.writer.open()  # TensorBoard, W&B: started here, not at the first step's record
-    lost = run.goodput_file.start(restored.step if restored is not None else None)
-    if lost:
-        run.writer.log(f"goodput: {lost:.1f} s of the previous attempt's steps are done again (lost)")
+    run.goodput_file.start(restored.step if restored is not None else None)
     if run.writer.has_earlier_records():
         step = restored.step if restored is not None else 0
         marker = {"step": step, "event": "resume" if restored is not None else "restart"}

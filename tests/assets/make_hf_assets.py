@@ -3,12 +3,13 @@
 Needs torch + transformers, which the project does not depend on; on this
 machine's Python 3.11:
     python3 -m venv /tmp/hf311 && /tmp/hf311/bin/pip install torch==2.13.0 transformers safetensors
-    /tmp/hf311/bin/python tests/assets/make_hf_assets.py
+    /tmp/hf311/bin/python tests/assets/make_hf_assets.py [NAME ...]
 Each model directory gets config.json + model.safetensors (as transformers
 saves them) and logits.npy: transformers' float32 logits (eager attention) on
 tokens.npy. The suite compares `models.from_hf` against these logits.
 """
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,14 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 OUT = Path(__file__).parent / "hf"
@@ -87,18 +96,72 @@ MODELS = {
             rope_theta=10000.0,
         )
     ),
+    # Qwen2.5: q/k/v biases, GQA, tied embeddings (as the small Qwen2.5 models)
+    "qwen2_bias": lambda: Qwen2ForCausalLM(
+        Qwen2Config(
+            **COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_theta=1000000.0,
+            use_sliding_window=False,
+            sliding_window=4,  # written by Qwen2 files, off while use_sliding_window is false
+        )
+    ),
+    # Qwen3: QK-norm per head, head_dim 24 (not hidden / heads = 16)
+    "qwen3_qk_norm": lambda: Qwen3ForCausalLM(
+        Qwen3Config(
+            **COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+        )
+    ),
+    # Qwen3-MoE: QK-norm, 4 experts top-2 renormalised, every layer MoE
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            **COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+        )
+    ),
+    # OLMo 2: norms after attention and MLP, RMSNorm over the whole q and k projections
+    "olmo2_post_norm": lambda: Olmo2ForCausalLM(
+        Olmo2Config(
+            **COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+        )
+    ),
 }
 
 
-def main():
+def main(names=None):
     print("transformers", transformers.__version__, "torch", torch.__version__)
     for name, build in MODELS.items():
+        if names and name not in names:
+            continue
         torch.manual_seed(0)
         model = build().eval()
         with torch.no_grad():  # random norms too, so a dropped norm would show; a sharper router
             for n, p in model.named_parameters():
                 if "norm" in n:
                     p.copy_(1 + 0.1 * torch.randn_like(p))
+                if n.endswith(".bias"):  # initialised to zero: a dropped bias would not show
+                    p.copy_(0.5 * torch.randn_like(p))
                 if n.endswith("mlp.gate.weight"):  # Mixtral router: make top-2 choices decisive
                     p.mul_(20.0)
             logits = model(torch.tensor(TOKENS)).logits.float().numpy()
@@ -110,4 +173,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])  # names of MODELS, or none for all

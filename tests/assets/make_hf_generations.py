@@ -4,7 +4,7 @@ commit the output). The weights are not touched: each directory is loaded as it 
 Needs torch + transformers, which the project does not depend on; on this
 machine's Python 3.11:
     python3 -m venv /tmp/hf311 && /tmp/hf311/bin/pip install torch==2.13.0 transformers safetensors numpy
-    /tmp/hf311/bin/python tests/assets/make_hf_generations.py
+    /tmp/hf311/bin/python tests/assets/make_hf_generations.py [NAME ...]
 Each directory gets generate_prompt.npy (the first PROMPT_LEN tokens of each row of
 tokens.npy) and generate_expected.npy: transformers' `generate(do_sample=False)`
 (eager attention, float32, its own KV cache, EOS disabled) on that prompt,
@@ -16,6 +16,7 @@ Mistral (sliding_window=5 < PROMPT_LEN + NEW_TOKENS) that shows transformers'
 cached decode honours the window exactly as its full forward does.
 """
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,16 @@ import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 ASSETS = Path(__file__).parent / "hf"
-NAMES = ("llama_gqa_rope_llama3", "llama_tied", "mistral_sliding_window", "mixtral_moe")
+NAMES = (
+    "llama_gqa_rope_llama3",
+    "llama_tied",
+    "mistral_sliding_window",
+    "mixtral_moe",
+    "qwen2_bias",
+    "qwen3_qk_norm",
+    "qwen3_moe",
+    "olmo2_post_norm",
+)
 PROMPT_LEN = 6
 NEW_TOKENS = 20  # 26 positions in all: more than 5x Mistral's window of 5
 
@@ -37,9 +47,9 @@ def greedy_without_cache(model, prompt: torch.Tensor, n: int) -> torch.Tensor:
     return seq
 
 
-def main():
+def main(names=None):
     print("transformers", transformers.__version__, "torch", torch.__version__)
-    for name in NAMES:
+    for name in names or NAMES:
         d = ASSETS / name
         model = AutoModelForCausalLM.from_pretrained(
             d, attn_implementation="eager", dtype=torch.float32
@@ -65,4 +75,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])  # names of NAMES, or none for all
