@@ -188,25 +188,25 @@ def _metrics(out):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_goodput_of_a_run_killed_once_charges_the_redone_steps(tmp_path):
-    """kill -9 after step 16 with a checkpoint at 10, then the same command: goodput.json
+    """kill -9 after step 19 with a checkpoint at 10, then the same command: goodput.json
     holds both attempts, and the first attempt's lost time equals the time the second took
-    to redo steps 11..16 (from its own step times) within 5%. The batches take 0.2 s each,
-    so the comparison is not at the mercy of a busy CPU. W&B offline: one run id, both
-    attempts' files."""
+    to redo steps 11..19 (from its own step times) within 5%. The batches take 0.4 s each, so
+    a busy CPU, or the first run of a freshly compiled step (some 0.1 s on this CPU), does
+    not decide the comparison. W&B offline: one run id, both attempts' files."""
     from tests.wandb_reader import read_offline_run
 
     out = tmp_path / "run"
     args = [
-        "train", TINY, f"output_dir={out}", "train.steps=22", "checkpoint.every=10",
+        "train", TINY, f"output_dir={out}", "train.steps=24", "checkpoint.every=10",
         "logging.progress=false", "logging.tensorboard=false", "logging.wandb.mode=offline",
     ]  # fmt: skip
-    cmd, env = [sys.executable, "-m", "jaxtrain", *args], _slow_env(tmp_path, 0.2)
+    cmd, env = [sys.executable, "-m", "jaxtrain", *args], _slow_env(tmp_path, 0.4)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         done = [r["step"] for r in _metrics(out) if "loss" in r] if (out / "metrics.jsonl").exists() else []
-        if done and max(done) >= 16:
+        if done and max(done) >= 19:
             break
         time.sleep(0.02)
     assert proc.poll() is None, proc.communicate()[1][-3000:]
@@ -214,7 +214,7 @@ def test_goodput_of_a_run_killed_once_charges_the_redone_steps(tmp_path):
     proc.communicate()
     first = json.loads((out / "goodput.json").read_text())["attempts"][0]
     last_logged = first["last_logged"][0]
-    assert last_logged >= 16
+    assert last_logged in (18, 19)  # the file follows the metrics line by a moment
 
     resumed = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -236,7 +236,7 @@ def test_goodput_of_a_run_killed_once_charges_the_redone_steps(tmp_path):
     logged = read_offline_run(str(out / "wandb"))
     assert len(logged["sessions"]) == 2, logged["sessions"]
     assert logged["run_id"] == (out / "wandb_run_id").read_text().strip()
-    assert {r["_step"] for r in logged["history"] if "train/loss" in r} >= set(range(11, 23))
+    assert {r["_step"] for r in logged["history"] if "train/loss" in r} >= set(range(11, 25))
 
 
 @pytest.mark.slow
