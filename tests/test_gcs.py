@@ -30,7 +30,7 @@ import pytest
 
 from tests import corpora
 from tests.conftest import REPO
-from tests.gcs_emulator import BUCKET, start_emulator
+from tests.gcs_emulator import BUCKET, cli_env, start_emulator
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -53,17 +53,7 @@ def gcs(tmp_path_factory):
 
 
 def env(gcs):
-    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets the device count
-    for k in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING", "FSSPEC_GCS_TOKEN"):
-        e.pop(k, None)
-    e.update(
-        STORAGE_EMULATOR_HOST=gcs.url,
-        JAX_PLATFORMS="cpu",
-        JAX_COMPILATION_CACHE_DIR=JAX_CACHE,
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-    )
-    return e
+    return cli_env(gcs.url, JAX_CACHE)
 
 
 def jaxtrain(gcs, *args, check=True):

@@ -88,7 +88,7 @@ def test_goodput_profile_window_and_wandb_of_one_run(tmp_path, capsys):
     """One in-process run with evaluation, checkpoints, a profiler window over steps 3..4 and
     W&B offline: goodput.json's buckets sum to its wall time, which is the test's own clock
     around train() within 1% (what is left is freeing the run's buffers on return, 20-60
-    ms); XProf reads exactly steps 3 and 4 from the 24 steps' trace, with the step's named
+    ms); XProf reads exactly steps 3 and 4 from the 40 steps' trace, with the step's named
     scopes; the W&B files hold every metrics.jsonl record and the config."""
     from jaxtrain.metrics import read_metrics
     from jaxtrain.trainer import train
@@ -97,10 +97,10 @@ def test_goodput_profile_window_and_wandb_of_one_run(tmp_path, capsys):
 
     cfg = tiny_config(
         tmp_path,
-        "train.steps=24",  # some seconds of steps: the return's few ms stay under 1%
-        "eval.every=12",
+        "train.steps=40",  # seconds of steps: the return's 20-60 ms stay well under 1%
+        "eval.every=20",
         "eval.batches=2",
-        "checkpoint.every=12",
+        "checkpoint.every=20",
         "profile.steps=[3,4]",
         "logging.wandb.mode=offline",
         "logging.wandb.project=observe-test",

@@ -23,7 +23,7 @@ import tempfile
 import pytest
 
 from tests.conftest import REPO
-from tests.gcs_emulator import BUCKET, FaultProxy, start_emulator
+from tests.gcs_emulator import BUCKET, FaultProxy, cli_env, start_emulator
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -48,16 +48,7 @@ def proxied(tmp_path_factory):
 
 
 def run(proxy, output_dir, *overrides):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    for k in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING", "FSSPEC_GCS_TOKEN"):
-        env.pop(k, None)
-    env.update(
-        STORAGE_EMULATOR_HOST=proxy.url,
-        JAX_PLATFORMS="cpu",
-        JAX_COMPILATION_CACHE_DIR=JAX_CACHE,
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-    )
+    env = cli_env(proxy.url, JAX_CACHE)
     args = [
         "train",
         os.path.join(REPO, "configs", "tiny.yaml"),

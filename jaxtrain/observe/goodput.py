@@ -34,6 +34,7 @@ import time
 from jaxtrain.data import storage
 
 BUCKETS = ("startup", "restore", "compile", "steps", "data_wait", "checkpoint_save", "eval", "lost")
+LOOP_BUCKETS = ("steps", "data_wait", "checkpoint_save", "eval")  # what redone steps spent
 FILE = "goodput.json"
 KEEP_SAVES = 16  # checkpoint snapshots kept per attempt
 
@@ -113,12 +114,10 @@ class GoodputClock:
 
 
 def move_to_lost(seconds: dict, since: dict, until: dict) -> float:
-    """Move what each bucket gained from `since` to `until` (two snapshots) into `lost`;
-    returns the seconds moved."""
+    """Move what each of the loop's buckets gained from `since` to `until` (two snapshots)
+    into `lost`; returns the seconds moved. (A rollback's own restore stays a restore.)"""
     moved = 0.0
-    for k in BUCKETS:
-        if k == "lost":
-            continue
+    for k in LOOP_BUCKETS:
         gained = max(0.0, min(seconds[k], until.get(k, 0.0) - since.get(k, 0.0)))
         seconds[k] -= gained
         moved += gained
