@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 
 from jaxtrain.data import storage
@@ -208,5 +209,12 @@ class GoodputFile:
         if not self.started or (self.remote and not durable):
             return None  # a run refused at the start leaves output_dir as it was
         doc = self.document(clock)
-        self.path.write_text(json.dumps(doc, indent=1) + "\n")
+        text = json.dumps(doc, indent=1) + "\n"
+        if self.remote:  # an upload replaces the object whole
+            self.path.write_text(text)
+        else:  # a process killed mid-write leaves the previous file, not an empty one (no
+            # fsync at every log step: a crash of the process, not of the host, is the case)
+            tmp = self.path.with_name(FILE + ".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, self.path)
         return doc
