@@ -145,8 +145,7 @@ class MetricsWriter:
     def scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
         """Numbers that are not a metrics.jsonl record (goodput at the end): TensorBoard as
         `prefix/key`, and W&B's run summary."""
-        if not self._opened:
-            self._open()
+        self.open()
         if self._tb is not None:
             for k, v in values.items():
                 self._tb.add_scalar(f"{prefix}/{k}", v, step)

@@ -112,14 +112,17 @@ def read_bytes(path: str | os.PathLike) -> bytes:
         return f.read()
 
 
-def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never a part."""
+def write_atomic(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never a part.
+    ``fsync=False``: atomic against a killed process, not a lost host (for files rewritten
+    often, where a flush to disk each time would cost more than the file is worth)."""
     tmp = f"{os.fspath(path)}.tmp"
     if is_local(path):
         with open(_local(tmp), "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(_local(tmp), _local(path))
     else:
         # Object stores (gs://, s3://, ...) replace an object atomically on upload: a

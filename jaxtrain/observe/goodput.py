@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 
 from jaxtrain.data import storage
@@ -209,12 +208,7 @@ class GoodputFile:
         if not self.started or (self.remote and not durable):
             return None  # a run refused at the start leaves output_dir as it was
         doc = self.document(clock)
-        text = json.dumps(doc, indent=1) + "\n"
-        if self.remote:  # an upload replaces the object whole
-            self.path.write_text(text)
-        else:  # a process killed mid-write leaves the previous file, not an empty one (no
-            # fsync at every log step: a crash of the process, not of the host, is the case)
-            tmp = self.path.with_name(FILE + ".tmp")
-            tmp.write_text(text)
-            os.replace(tmp, self.path)
+        # whole or not at all: a process killed mid-write leaves the previous file, not an empty
+        # one (no fsync at every log step: a killed process, not a lost host, is the case)
+        storage.write_atomic(self.path, (json.dumps(doc, indent=1) + "\n").encode(), fsync=False)
         return doc
