@@ -8,11 +8,14 @@ and a model built directly with `auto` runs `xla`):
   (`model.cpu_tuning`) models/cpu_tuning.py's attention, which keeps the log-sum-exp,
   not the probabilities;
 - "pallas": the Pallas flash kernel, run inside `shard_map` over the batch and
-  head mesh axes (Mosaic/Triton kernels cannot be partitioned by XLA).
+  head mesh axes (Mosaic/Triton kernels cannot be partitioned by XLA);
+- "cudnn": cuDNN's fused attention (GPU), split the same way; batches whose rows pack
+  several documents run the Pallas kernel instead (pallas_kernels/cudnn_attention.py).
 When the mesh in context has a `context` axis > 1 (the `seq` activations are
 sharded over it), `context_impl` picks ring attention or DeepSpeed-Ulysses
 instead, combined with the same batch/head sharding; `impl` then only picks the
-per-block compute (flash kernel or XLA). Sequences are then in zig-zag order
+per-block compute (flash kernel or XLA; cudnn blocks run the flash kernel, whose
+log-sum-exp the ring combines). Sequences are then in zig-zag order
 (`sharding.context`, applied to every batch by the trainer).
 """
 
@@ -25,6 +28,8 @@ from jaxtrain import sharding
 from jaxtrain.models import cpu_tuning
 from jaxtrain.models.masks import attention_mask, masked_scores
 from jaxtrain.pallas_kernels import ring_attention, sharded_flash_attention, ulysses_attention
+from jaxtrain.pallas_kernels.cudnn_attention import cudnn_attention
+from jaxtrain.pallas_kernels.sharded import shard_attention
 
 
 def xla_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, softmax_scale=None):
@@ -75,7 +80,11 @@ def attend(
         return _pallas_attention(
             q, k, v, segment_ids=segment_ids, causal=causal, sliding_window=sliding_window
         )
-    raise ValueError(f"attention impl={impl!r}: expected one of auto, xla, pallas")
+    if impl == "cudnn":
+        return _cudnn_attention(
+            q, k, v, segment_ids=segment_ids, causal=causal, sliding_window=sliding_window
+        )
+    raise ValueError(f"attention impl={impl!r}: expected one of auto, xla, pallas, cudnn")
 
 
 def _batch_and_head_axes(q, rules, mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -88,24 +97,36 @@ def _batch_and_head_axes(q, rules, mesh) -> tuple[tuple[str, ...], tuple[str, ..
     return axes("batch", 0), axes("act_heads", 2)
 
 
-def _pallas_attention(q, k, v, *, segment_ids, causal, sliding_window):
-    """The flash kernel per shard: batch and heads split as the active rules split
-    the `batch` / `act_heads` activations, so no collective is needed around it."""
+def _shards(q):
+    """(mesh or None, batch axes, head axes) for a kernel run per shard: batch and heads split
+    as the active rules split the `batch` / `act_heads` activations, so no collective is
+    needed around it."""
     mesh = jax.sharding.get_abstract_mesh()
     rules = sharding.current_rules()
     if mesh.empty or rules is None:
-        return sharded_flash_attention(
-            q,
-            k,
-            v,
-            mesh=None,
-            batch_axes=(),
-            head_axes=(),
-            causal=causal,
-            segment_ids=segment_ids,
-            sliding_window=sliding_window,
+        return None, (), ()
+    return mesh, *_batch_and_head_axes(q, rules, mesh)
+
+
+def _cudnn_attention(q, k, v, *, segment_ids, causal, sliding_window):
+    """cuDNN per shard; the flash kernel for rows packing several documents."""
+    mesh, batch_axes, head_axes = _shards(q)
+    flash = dict(mesh=None, batch_axes=(), head_axes=(), causal=causal, sliding_window=sliding_window)
+
+    def kernel(q, k, v, seg):
+        fallback = lambda q, k, v, seg: sharded_flash_attention(q, k, v, segment_ids=seg, **flash)
+        return cudnn_attention(
+            q, k, v, causal=causal, segment_ids=seg, sliding_window=sliding_window, fallback=fallback
         )
-    batch_axes, head_axes = _batch_and_head_axes(q, rules, mesh)
+
+    return shard_attention(
+        kernel, q, k, v, segment_ids, mesh=mesh, batch_axes=batch_axes, head_axes=head_axes
+    )
+
+
+def _pallas_attention(q, k, v, *, segment_ids, causal, sliding_window):
+    """The flash kernel per shard (`_shards`)."""
+    mesh, batch_axes, head_axes = _shards(q)
     return sharded_flash_attention(
         q,
         k,
@@ -152,7 +173,7 @@ def _context_attention(q, k, v, *, segment_ids, causal, impl, sliding_window, co
         load_balanced=True,
         batch_axes=batch_axes,
         head_axes=head_axes,
-        block_impl=impl,
+        block_impl="pallas" if impl == "cudnn" else impl,
     )
     if context_impl == "ring":
         return ring_attention(q, k, v, **kwargs)

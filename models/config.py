@@ -28,7 +28,7 @@ REMAT_AUTO = "auto"
 CHECKPOINT_NAMES = ("layer_input", "qkv_proj", "context", "out_proj", "mlp_in", "mlp_out")
 REMAT_CUSTOM_MODES = ("device", "offload", "recompute")
 FP8_HISTORY_DEFAULT = 1024
-ATTENTION_IMPLS = ("auto", "xla", "pallas")
+ATTENTION_IMPLS = ("auto", "xla", "pallas", "cudnn")
 CONTEXT_IMPLS = ("ring", "ulysses")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_SCALINGS = (None, "linear", "llama3")
@@ -173,8 +173,10 @@ class ModelConfig:
     fp8: bool = False
     fp8_amax_history: int = FP8_HISTORY_DEFAULT
     scan_layers: bool = True  # False unrolls the layer loop (same parameters)
-    # auto | xla | pallas (auto: pallas on GPU/TPU, xla on CPU, resolved by jaxtrain when the
-    # program is built; a model built directly with auto runs xla)
+    # auto | xla | pallas | cudnn (auto: on GPU the fastest measured that runs the case,
+    # planning/attention_speeds.py; pallas on TPU; xla on CPU; resolved when the program is
+    # built; a model built directly with auto runs xla). cudnn: jax.nn.dot_product_attention's
+    # cuDNN kernel, rows packing several documents fall back to the Pallas kernel
     attention_impl: str = "auto"
     # XLA:CPU's program changes (models/cpu_tuning.py): auto (on when the program runs on CPU)
     # | true | false. Same values as the portable program; TPU/GPU programs never have them.
@@ -244,6 +246,11 @@ class ModelConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(
                 f"model.attention_impl={self.attention_impl!r}: expected one of {ATTENTION_IMPLS}"
+            )
+        if self.attention_impl == "cudnn" and self.compute_dtype not in ("bfloat16", "float16"):
+            raise ValueError(
+                f"model.attention_impl=cudnn with model.compute_dtype={self.compute_dtype}: cuDNN's "
+                "attention takes bfloat16 or float16; expected one of those, or attention_impl pallas/xla"
             )
         if self.cpu_tuning not in (True, False, "auto"):
             raise ValueError(f"model.cpu_tuning={self.cpu_tuning!r}: expected auto, true or false")

@@ -133,7 +133,7 @@ class Transformer(nnx.Module):
         b, s = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        if segment_ids is None:
+        if segment_ids is None and pipeline is not None:  # stages slice every row input
             segment_ids = jnp.ones((b, s), jnp.int32)
         x = self.embed(tokens)
 

@@ -20,7 +20,7 @@ from jaxtrain.pallas_kernels.chunked import flash_attention_any_length
 from jaxtrain.pallas_kernels.flash_attention import BlockSizes
 from jaxtrain.pallas_kernels.mesh_utils import axes_tuple, mesh_backend, reshard_to_specs
 
-__all__ = ["sharded_flash_attention"]
+__all__ = ["shard_attention", "sharded_flash_attention"]
 
 
 def sharded_flash_attention(
@@ -38,31 +38,45 @@ def sharded_flash_attention(
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
 ):
-    """``flash_attention`` over global ``[batch, seq, heads, head_dim]`` arrays on ``mesh``.
-
-    Batch is sharded over ``batch_axes`` (possibly empty), q heads over
-    ``head_axes``; kv heads too when divisible, else k/v stay replicated over
-    ``head_axes`` and each shard picks the kv heads its q heads read. Mesh axes
-    named in neither are replicated (the kernel runs redundantly on them). With
-    ``mesh`` None or of one device the kernel is called directly. The backend
-    follows the mesh's devices (CPU -> interpret mode). ``mesh`` may be a
-    ``Mesh`` or the ``AbstractMesh`` of the context (``jax.get_abstract_mesh()``
-    under ``jax.set_mesh``).
+    """``flash_attention`` over global ``[batch, seq, heads, head_dim]`` arrays on ``mesh``
+    (``shard_attention`` says how it is split). The backend follows the mesh's devices
+    (CPU -> interpret mode). ``mesh`` may be a ``Mesh`` or the ``AbstractMesh`` of the
+    context (``jax.get_abstract_mesh()`` under ``jax.set_mesh``).
     """
     kwargs = dict(
         causal=causal,
-        segment_ids=segment_ids,
         sliding_window=sliding_window,
         softmax_scale=softmax_scale,
         block_sizes=block_sizes,
         interpret=interpret,
+        backend=None if mesh is None else mesh_backend(mesh),
     )
-    if mesh is None:
-        return flash_attention_any_length(q, k, v, **kwargs)
-    backend = mesh_backend(mesh)
-    if math.prod(mesh.axis_sizes) == 1:
-        return flash_attention_any_length(q, k, v, backend=backend, **kwargs)
+    kernel = lambda q, k, v, seg: flash_attention_any_length(q, k, v, segment_ids=seg, **kwargs)
+    return shard_attention(
+        kernel, q, k, v, segment_ids, mesh=mesh, batch_axes=batch_axes, head_axes=head_axes
+    )
 
+
+def shard_attention(
+    kernel,
+    q,
+    k,
+    v,
+    segment_ids,
+    *,
+    mesh,
+    batch_axes: Sequence[str] | str | None,
+    head_axes: Sequence[str] | str | None,
+):
+    """``kernel(q, k, v, segment_ids)`` per shard of global ``[batch, seq, heads, head_dim]``
+    arrays: batch split over ``batch_axes`` (possibly empty), q heads over ``head_axes``; kv
+    heads too when divisible, else k/v stay replicated over ``head_axes`` and each shard picks
+    the kv heads its q heads read. Mesh axes named in neither are replicated (the kernel runs
+    redundantly on them). With ``mesh`` None or of one device the kernel is called directly.
+    Any attention kernel XLA cannot partition (Pallas, cuDNN) goes through here.
+    """
+    if mesh is None or math.prod(mesh.axis_sizes) == 1:
+        return kernel(q, k, v, segment_ids)
     batch_axes = axes_tuple("batch_axes", batch_axes)
     head_axes = axes_tuple("head_axes", head_axes)
     for name, axes in (("batch_axes", batch_axes), ("head_axes", head_axes)):
@@ -113,18 +127,7 @@ def sharded_flash_attention(
                 idx = (first_q_head + jnp.arange(local_q_heads)) // group
                 k = jnp.take(k, idx, axis=2)
                 v = jnp.take(v, idx, axis=2)
-        return flash_attention_any_length(
-            q,
-            k,
-            v,
-            causal=causal,
-            segment_ids=seg,
-            sliding_window=sliding_window,
-            softmax_scale=softmax_scale,
-            block_sizes=block_sizes,
-            backend=backend,
-            interpret=interpret,
-        )
+        return kernel(q, k, v, seg)
 
     seg_spec = P(b_spec, None)
     in_specs = (q_spec, kv_spec, kv_spec, None if segment_ids is None else seg_spec)

@@ -248,7 +248,9 @@ def resolved_for_target(cfg: Config, target: Target, ici: dict, dcn: dict) -> tu
     """Every `auto` of `cfg` resolved for the target (planning/resolve.py): its platform, the
     mesh (ICI x DCN) and its HBM; (config, the resolution's log lines)."""
     mesh = {a: ici.get(a, 1) * dcn.get(a, 1) for a in ici}
-    placement = Placement(target.platform, mesh, target.hbm_bytes, f"{target.generation} HBM")
+    placement = Placement(
+        target.platform, mesh, target.hbm_bytes, f"{target.generation} HBM", target.generation
+    )
     resolution = resolve(cfg, placement)
     return resolution.config, resolution.notes
 

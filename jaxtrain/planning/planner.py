@@ -481,7 +481,9 @@ def analytic_row(cfg: Config, cand: Candidate, target: Target, headroom: float =
     if row.reason:
         return row
     mesh = dict(cand.mesh)
-    c = resolve(apply(cfg, cand), Placement(target.platform, mesh, target.hbm_bytes)).config
+    c = resolve(
+        apply(cfg, cand), Placement(target.platform, mesh, target.hbm_bytes, chip=target.generation)
+    ).config
     est = estimate(c, mesh)
     row.analytic_bytes = est.total
     timing = analytic_step(c, mesh, hardware.chip(target.generation), target.chips)

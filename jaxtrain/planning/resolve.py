@@ -6,7 +6,7 @@ memory), in this order, each step seeing the ones before it:
 
 | setting                   | depends on      | `auto` picks                                               |
 |---------------------------|-----------------|------------------------------------------------------------|
-| model.attention_impl      | platform        | pallas (the flash kernel) on TPU and GPU, xla on CPU       |
+| model.attention_impl      | platform, chip  | GPU fastest measured (attention_speeds), TPU pallas, CPU xla |
 | model.cpu_tuning          | platform        | true on CPU: models/cpu_tuning.py's program changes        |
 | model.moe.exchange        | platform        | padded on CPU (no ragged_all_to_all there), ragged else    |
 | model.moe.grouped_matmul  | platform        | megablox on TPU, ragged_dot elsewhere                      |
@@ -36,7 +36,9 @@ from jax.experimental import multihost_utils
 
 from jaxtrain import sharding
 from jaxtrain.config import Config
+from jaxtrain.planning.attention_speeds import choose_gpu_attention
 from jaxtrain.planning.footprint import LOSS_AUTO_CHUNKS, device_memory_bytes, estimate, remat_policies
+from jaxtrain.sharding import hardware
 from jaxtrain.sharding.mesh import mesh_shape_from_sizes
 
 AUTO = "auto"
@@ -55,6 +57,7 @@ class Placement:
     mesh_shape: Mapping[str, int]  # every mesh axis's size, ICI x DCN
     device_memory: int | None = None  # bytes one device holds; None: unknown
     memory_source: str = ""  # for the log: "H100 HBM", "host memory / 8 simulated devices"
+    chip: str | None = None  # sharding/hardware.py's chip name ("h100", "v5p"); None: not in it
 
 
 def placement_of_devices(cfg: Config, devices: Sequence) -> Placement:
@@ -70,11 +73,13 @@ def placement_of_devices(cfg: Config, devices: Sequence) -> Placement:
     platform = {"cuda": "gpu", "rocm": "gpu"}.get(devices[0].platform, devices[0].platform)
     capacity, sharing = device_memory_bytes(devices[0])
     source = f"host memory / {sharing} simulated devices" if platform == "cpu" else devices[0].device_kind
+    row = hardware.chip_for_device_kind(devices[0].device_kind) if platform != "cpu" else None
     return Placement(
         platform,
         {a: ici[a] * dcn.get(a, 1) for a in ici},
         capacity // sharing if capacity else None,
         source,
+        row.name if row else None,
     )
 
 
@@ -160,8 +165,16 @@ def axis_rules(cfg: Config) -> sharding.AxisRules:
 
 
 def _attention_impl(cfg: Config, p: Placement) -> tuple[str, str]:
-    if p.platform in ("tpu", "gpu"):
-        return "pallas", f"the Pallas flash kernel on {p.platform.upper()}"
+    m = cfg.model
+    if p.platform == "gpu":
+        return choose_gpu_attention(
+            chip=p.chip,
+            head_dim=m.resolved_head_dim,
+            window=m.sliding_window is not None,
+            compute_dtype=m.compute_dtype,
+        )
+    if p.platform == "tpu":
+        return "pallas", "the Pallas flash kernel (Mosaic TPU)"
     return "xla", "on CPU the Pallas kernels only run interpreted"
 
 

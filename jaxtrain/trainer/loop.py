@@ -571,6 +571,9 @@ def _metrics_record(run: _Run, step: int, m: dict, step_time: float, blocked: fl
         "mfu_peak_flops": rates.peak_total,  # the mesh's, in the compute dtype
         "mfu_peak_source": rates.peak_source,
     }
+    peak = _peak_memory_bytes()
+    if peak is not None:
+        record["peak_memory_bytes"] = peak
     if run.cfg.faults.spike_factor is not None:
         record["spikes_total"] = monitor.spikes_total
     pp = pipeline_schedule(run.cfg)
@@ -585,6 +588,14 @@ def _metrics_record(run: _Run, step: int, m: dict, step_time: float, blocked: fl
     if blocked is not None:
         record["checkpoint_blocked_s"] = blocked
     return record
+
+
+def _peak_memory_bytes() -> int | None:
+    """The most memory this process's first device has held so far (its allocator's peak:
+    GPU and TPU; None where the backend keeps no statistics, as on CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return int(peak) if peak is not None else None
 
 
 def _report_stragglers(run: _Run, step: int) -> None:

@@ -88,6 +88,13 @@ class StepSpec:
     def loss_scaling(self) -> bool:
         return self.cfg.model.compute_dtype == "float16"
 
+    @property
+    def packs_documents(self) -> bool:
+        """Whether a batch row may hold several documents or padding. Synthetic rows never do
+        (their segment_ids are all 1), so the model gets no segment_ids: the attention
+        kernels then skip the segment mask, and cuDNN's needs no run-time check."""
+        return self.cfg.data.source != "synthetic"
+
 
 class Gradients(NamedTuple):
     """The step's gradients and what came with them."""
@@ -102,20 +109,19 @@ class Gradients(NamedTuple):
 # --- the forward pass and the loss ------------------------------------------------------------
 
 
-def model_loss(
-    model, micro: dict, fp8: dict | None, chunk: int, pipeline: sharding.PipelineSchedule | None = None
-) -> tuple[jax.Array, jax.Array, dict]:
-    """(CE sum, counted tokens, aux) of `model` on one (micro)batch. `chunk`
-    (`train.loss_chunk`): > 0, the loss runs over that many positions at a time and the
-    full logits are never formed (trainer/loss.py); 0, the plain loss over them.
-    `pipeline`: the layer stacks' pipeline schedule (mesh.stage > 1), else None."""
+def model_loss(model, micro: dict, fp8: dict | None, spec: StepSpec) -> tuple[jax.Array, jax.Array, dict]:
+    """(CE sum, counted tokens, aux) of `model` on one (micro)batch. With `train.loss_chunk`
+    > 0 the loss runs over that many positions at a time and the full logits are never
+    formed (trainer/loss.py); 0, the plain loss over them. `spec.pipeline`: the layer
+    stacks' pipeline schedule (mesh.stage > 1), else None."""
+    chunk, pipeline = spec.cfg.train.loss_chunk, spec.pipeline
     # The named scopes label the ops in a profile (profile.steps): the backward pass shows
     # as transpose(jvp(forward)) and transpose(jvp(loss)).
     with jax.named_scope("forward"):
         x, aux = model.hidden(
             micro["inputs"],
             positions=micro["positions"],
-            segment_ids=micro["segment_ids"],
+            segment_ids=micro["segment_ids"] if spec.packs_documents else None,
             fp8=fp8,
             pipeline=pipeline,
         )
@@ -135,7 +141,7 @@ def objective(spec: StepSpec, params: dict, micro: dict, fp8: dict | None, scale
     after the division by the batch's token count the router losses enter as their
     token-weighted mean over microbatches; times `scale` under loss scaling."""
     model = models.merge(spec.graphdef, spec.abstract_params, params)
-    total, count, stats = model_loss(model, micro, fp8, spec.cfg.train.loss_chunk, spec.pipeline)
+    total, count, stats = model_loss(model, micro, fp8, spec)
     value = total
     moe = spec.cfg.model.moe
     if moe is not None:
@@ -360,7 +366,7 @@ def eval_sums(spec: StepSpec, state: TrainState, batch: dict):
     state's fp8 scales, which it leaves as they are. Nothing is donated."""
     params, _ = dataclasses.replace(spec.offload, opt_state=False).fetch(state)
     model = models.merge(spec.graphdef, spec.abstract_params, params)
-    sums = lambda micro: model_loss(model, micro, state.fp8, spec.cfg.train.loss_chunk, spec.pipeline)[:2]
+    sums = lambda micro: model_loss(model, micro, state.fp8, spec)[:2]
     n = spec.cfg.train.microbatches
     if n == 1:
         return sums(batch)

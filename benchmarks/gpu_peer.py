@@ -1,0 +1,622 @@
+"""jaxtrain against transformers + torch (eager and torch.compile) on one GPU, same model, same
+batch, and an attention micro-benchmark (ours, cuDNN, XLA), in one run.
+
+    python benchmarks/gpu_peer.py [--steps 20] [--only jaxtrain,torch-eager,torch-compile,attention]
+        [--jaxtrain-variants "remat-full:model.remat=full;pallas:model.attention_impl=pallas"]
+        [--batch B] [--seq S] [--tiny] [--attn-shape 4,4096,32,8,128] [--attn-dtype bfloat16]
+        [--peak-tflops T] [--timeout 900] [--torch-python PATH] [--json OUT]
+
+The model is configs/gpu-peer.yaml (a 0.886B Llama, batch 8 x 2048, bf16 compute, f32 master
+weights). Every contender runs in its own process with the GPU to itself (JAX preallocates 75%
+of GPU memory in any process that touches it), one after the other; this process never touches
+the GPU (it imports jax with JAX_PLATFORMS=cpu, for the FLOPs per token only):
+
+- jaxtrain: `python -m jaxtrain train configs/gpu-peer.yaml` once with no overrides (`auto`)
+  and once per `--jaxtrain-variants` entry (`label:override override ...`, `;`-separated; an
+  entry labelled `auto` replaces the default run). Median `step_time_s` of metrics.jsonl over
+  steps 3..N-1, `peak_memory_bytes` of its rows where present (device 0's
+  `memory_stats()["peak_bytes_in_use"]`), and the lines that say what `model.attention_impl=auto`
+  and `model.remat=auto` resolved to.
+- torch-eager / torch-compile: `transformers.LlamaForCausalLM` of the same shape (sdpa
+  attention) in float32 on cuda, bf16 autocast over forward and loss, AdamW (fused),
+  clip_grad_norm_(1.0), random tokens with labels = inputs; `torch.compile(model)` for the
+  second. Median of steps 3..N-1 timed with torch.cuda.synchronize, torch.cuda.max_memory_allocated
+  (and reserved). `--torch-python` runs these workers under another Python (they import neither
+  jax nor jaxtrain).
+- attention: causal GQA attention at `--attn-shape B,S,H,KV,D`, forward and forward + backward
+  (value_and_grad of sum(o * c) in f32, c a fixed random cotangent) of ours
+  (`sharded_flash_attention`, Pallas: Triton on GPU, interpreted on CPU), cuDNN and XLA
+  (`jax.nn.dot_product_attention`), median of `--attn-iters` runs; TFLOP/s over the causal
+  minimum (benchmarks/attention.py `causal_flops`: 2 matmuls of S^2/2 x D per head forward,
+  7 forward + backward); error: max|x - ref| / max|ref| of the output and dq, dk, dv against
+  XLA in f32 at highest matmul precision. An implementation that fails shows its error.
+
+MFU: jaxtrain's FLOPs per token (jaxtrain/planning/flops.py: 6 x params without the embedding
++ causal attention) against the GPU's dense bf16 peak from jaxtrain's hardware table (989
+TFLOP/s on H100 and H200) or `--peak-tflops`; n/a on CPU. Ratios: the torch time / the
+contender's (>1: the contender is faster). `--tiny` shrinks both sides to a 2-layer d_model 128
+model at batch 2 x 128 for a check of the script's logic on CPU. Nothing else may run on the
+machine meanwhile: this is a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+CONFIG = HERE.parent.parent / "configs" / "gpu-peer.yaml"
+SECTIONS = ("jaxtrain", "torch-eager", "torch-compile", "attention")
+# The children's environment: this process's, before it sets JAX_PLATFORMS=cpu for itself.
+CHILD_ENV = dict(os.environ)
+MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim")
+TINY = dict(
+    vocab_size=512,
+    d_model=128,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=32,
+    mlp_dim=256,
+    batch=2,
+    seq=128,
+)
+AUTO_LINE = re.compile(r"(model\.\w+=auto -> .*)")
+GIB = 2**30
+
+
+# ---------------------------------------------------------------- shape and subprocesses
+
+
+def model_shape(args) -> dict:
+    """The model and batch both sides run: configs/gpu-peer.yaml, `--tiny`, `--batch`/`--seq`."""
+    import yaml
+
+    cfg = yaml.safe_load(Path(args.config).read_text())
+    m, t = cfg["model"], cfg["train"]
+    shape = {k: m[k] for k in MODEL_KEYS}
+    shape.update(
+        rope_theta=float(m.get("rope_theta", 10000.0)),
+        tie_embeddings=bool(m.get("tie_embeddings", False)),
+        batch=t["global_batch_size"],
+        seq=t["seq_len"],
+    )
+    if args.tiny:
+        shape.update(TINY)
+    shape["batch"] = args.batch or shape["batch"]
+    shape["seq"] = args.seq or shape["seq"]
+    return shape
+
+
+def jaxtrain_overrides(shape: dict, tiny: bool) -> list[str]:
+    """The overrides that give `jaxtrain train` the shape."""
+    model = [f"model.{k}={shape[k]}" for k in MODEL_KEYS] if tiny else []
+    return [*model, f"train.global_batch_size={shape['batch']}", f"train.seq_len={shape['seq']}"]
+
+
+def run_child(cmd: list[str], timeout: float, cwd: str) -> tuple[int | None, str, str]:
+    """(exit code or None on timeout, stdout, stderr) of `cmd` in its own process group, which is
+    killed as a whole on timeout (torch.compile's compile workers included)."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=CHILD_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return None, out, err
+
+
+def failure(rc: int | None, err: str, timeout: float) -> str:
+    """One line on why a child failed: the last line of its stderr (a traceback's exception)."""
+    if rc is None:
+        return f"timed out after {timeout:.0f} s"
+    lines = [line.strip() for line in err.splitlines() if line.strip()]
+    return f"exit {rc}: {lines[-1][:300] if lines else 'no output'}"
+
+
+def result_line(stdout: str) -> dict | None:
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    return None
+
+
+def timed_median(times: list[float]) -> float:
+    """Median of steps 3..N-1 (1-based: the first two compile, the last may wait on the rest)."""
+    return statistics.median(times[2 : len(times) - 1] or times[-1:])
+
+
+# ---------------------------------------------------------------- contenders
+
+
+def run_jaxtrain(label: str, overrides: list[str], shape: dict, args) -> dict:
+    out = tempfile.mkdtemp(prefix=f"gpu-peer-jaxtrain-{re.sub(r'[^\w.=-]', '_', label)}-")
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxtrain",
+        "train",
+        str(Path(args.config).resolve()),
+        f"output_dir={out}",
+        f"train.steps={args.steps}",
+        *jaxtrain_overrides(shape, args.tiny),
+        *overrides,
+    ]
+    row = {"contender": f"jaxtrain ({label})", "overrides": overrides}
+    start = time.perf_counter()
+    rc, stdout, stderr = run_child(cmd, args.timeout, out)
+    row["wall_s"] = time.perf_counter() - start
+    row["auto"] = [m.group(1).strip() for m in map(AUTO_LINE.search, (stdout + stderr).splitlines()) if m]
+    metrics = Path(out) / "metrics.jsonl"
+    if rc != 0 or not metrics.is_file():
+        return {**row, "error": failure(rc, stderr, args.timeout), "output_dir": out}
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    steps = sorted((r for r in records if "step" in r and "step_time_s" in r), key=lambda r: r["step"])
+    peaks = [r["peak_memory_bytes"] for r in steps if r.get("peak_memory_bytes") is not None]
+    shutil.rmtree(out, ignore_errors=True)
+    return {
+        **row,
+        "step_time_s": timed_median([r["step_time_s"] for r in steps]),
+        "peak_memory_bytes": max(peaks) if peaks else None,
+        "jaxtrain_mfu": statistics.median(r["mfu"] for r in steps[2:-1] or steps[-1:]),
+        "final_loss": steps[-1]["loss"],
+    }
+
+
+def run_torch(compile_: bool, shape: dict, args) -> dict:
+    name = "torch-compile" if compile_ else "torch-eager"
+    cwd = tempfile.mkdtemp(prefix=f"gpu-peer-{name}-")
+    cmd = [args.torch_python, str(HERE), "--worker", "torch", "--compile", str(int(compile_))]
+    cmd += ["--shape", json.dumps(shape), "--steps", str(args.steps)]
+    start = time.perf_counter()
+    rc, stdout, stderr = run_child(cmd, args.timeout, cwd)
+    shutil.rmtree(cwd, ignore_errors=True)
+    row = {"contender": name, "wall_s": time.perf_counter() - start}
+    result = result_line(stdout) if rc == 0 else None
+    if result is None:
+        return {**row, "error": failure(rc, stderr, args.timeout)}
+    return {**row, **result}
+
+
+def run_attention(args) -> dict:
+    cwd = tempfile.mkdtemp(prefix="gpu-peer-attention-")
+    cmd = [sys.executable, str(HERE), "--worker", "attention", "--attn-shape", args.attn_shape]
+    cmd += ["--attn-dtype", args.attn_dtype, "--attn-iters", str(args.attn_iters)]
+    start = time.perf_counter()
+    rc, stdout, stderr = run_child(cmd, args.timeout, cwd)
+    shutil.rmtree(cwd, ignore_errors=True)
+    result = result_line(stdout) if rc == 0 else None
+    if result is None:
+        return {"error": failure(rc, stderr, args.timeout), "wall_s": time.perf_counter() - start}
+    return {**result, "wall_s": time.perf_counter() - start}
+
+
+# ---------------------------------------------------------------- workers (own processes)
+
+
+def torch_worker(shape: dict, steps: int, compile_: bool) -> dict:
+    """One transformers + torch training run; imports neither jax nor jaxtrain."""
+    import torch
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=shape["vocab_size"],
+        hidden_size=shape["d_model"],
+        intermediate_size=shape["mlp_dim"],
+        num_hidden_layers=shape["n_layers"],
+        num_attention_heads=shape["n_heads"],
+        num_key_value_heads=shape["n_kv_heads"],
+        head_dim=shape["head_dim"],
+        max_position_embeddings=shape["seq"],
+        rope_theta=shape["rope_theta"],
+        tie_word_embeddings=shape["tie_embeddings"],
+        attn_implementation="sdpa",
+    )
+    with device:
+        model = LlamaForCausalLM(config).to(torch.float32)
+    model.train()
+    params = sum(p.numel() for p in model.parameters())
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+        fused = True
+    except (RuntimeError, TypeError, ValueError):  # fused AdamW unsupported on this device
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        fused = False
+    forward = torch.compile(model) if compile_ else model
+    gen = torch.Generator(device=device).manual_seed(0)
+    batches = torch.randint(
+        0, shape["vocab_size"], (steps, shape["batch"], shape["seq"]), device=device, generator=gen
+    )
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step(x):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = forward(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    times, losses = [], []
+    for i in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        loss = step(batches[i])
+        sync()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    return {
+        "step_time_s": timed_median(times),
+        "step_times_s": times,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "reserved_memory_bytes": torch.cuda.max_memory_reserved() if cuda else None,
+        "final_loss": losses[-1],
+        "params": params,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "fused_adamw": fused,
+        "versions": f"torch {torch.__version__}, transformers {transformers.__version__}",
+    }
+
+
+def causal_flops(b: int, s: int, h: int, d: int, matmuls: int) -> float:
+    """The causal minimum, as benchmarks/attention.py counts it: `matmuls` matmuls of (s^2 / 2) x d
+    per head (2 forward, 7 forward + backward)."""
+    return matmuls * 2 * (s * s / 2) * d * h * b
+
+
+def attention_worker(shape_text: str, dtype_name: str, iters: int, warmup: int = 3) -> dict:
+    """Ours (Pallas), cuDNN and XLA attention, timed and checked against f32 XLA."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxtrain.pallas_kernels import sharded_flash_attention
+
+    b, s, h, kv, d = (int(x) for x in shape_text.split(","))
+    dtype = jnp.dtype(dtype_name)
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (b, s, h, d), dtype)
+    k = jax.random.normal(keys[1], (b, s, kv, d), dtype)
+    v = jax.random.normal(keys[2], (b, s, kv, d), dtype)
+    cot = jax.random.normal(keys[3], (b, s, h, d), jnp.float32)
+
+    def dpa(implementation):
+        return lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation=implementation
+        )
+
+    impls = {
+        "ours (Pallas)": lambda q, k, v: sharded_flash_attention(
+            q,
+            k,
+            v,
+            mesh=None,
+            batch_axes=(),
+            head_axes=(),
+            causal=True,
+            segment_ids=None,
+            sliding_window=None,
+        ),
+        "cuDNN": dpa("cudnn"),
+        "XLA": dpa("xla"),
+    }
+
+    def fwd_bwd(f):
+        loss = lambda q, k, v, c: jnp.sum(f(q, k, v).astype(jnp.float32) * c)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+    # The reference, one batch row at a time (quadratic memory in f32), at full f32 precision.
+    with jax.default_matmul_precision("highest"):
+        ref_fwd, ref_grad = jax.jit(dpa("xla")), fwd_bwd(dpa("xla"))
+        rows = []
+        for i in range(b):
+            args32 = [x[i : i + 1].astype(jnp.float32) for x in (q, k, v)]
+            rows.append((ref_fwd(*args32), *ref_grad(*args32, cot[i : i + 1])[1]))
+        ref = [jnp.concatenate(parts) for parts in zip(*rows)]
+        del rows
+
+    rel_err = jax.jit(lambda x, r: jnp.max(jnp.abs(x.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
+
+    def median_time(f, *a):
+        for _ in range(warmup):
+            jax.block_until_ready(f(*a))
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*a))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    flops_fwd, flops_all = causal_flops(b, s, h, d, 2), causal_flops(b, s, h, d, 7)
+    results = []
+    for name, f in impls.items():
+        row = {"impl": name}
+        try:
+            fwd = jax.jit(f)
+            row["err_out"] = float(rel_err(fwd(q, k, v), ref[0]))
+            row["fwd_s"] = median_time(fwd, q, k, v)
+            row["fwd_tflops"] = flops_fwd / row["fwd_s"] / 1e12
+        except Exception as e:  # noqa: BLE001 - an implementation this device lacks is a row of the table
+            row["fwd_error"] = _error_text(e)
+        try:
+            grad = fwd_bwd(f)
+            grads = grad(q, k, v, cot)[1]
+            for g, r, key in zip(grads, ref[1:], ("err_dq", "err_dk", "err_dv")):
+                row[key] = float(rel_err(g, r))
+            row["fwd_bwd_s"] = median_time(grad, q, k, v, cot)
+            row["fwd_bwd_tflops"] = flops_all / row["fwd_bwd_s"] / 1e12
+        except Exception as e:  # noqa: BLE001 - as above, for the backward
+            row["fwd_bwd_error"] = _error_text(e)
+        results.append(row)
+    device = jax.devices()[0]
+    return {
+        "device": f"{device.platform}: {device.device_kind}",
+        "jax": jax.__version__,
+        "shape": dict(zip(("batch", "seq", "heads", "kv_heads", "head_dim"), (b, s, h, kv, d))),
+        "dtype": dtype.name,
+        "flops_fwd": flops_fwd,
+        "flops_fwd_bwd": flops_all,
+        "rows": results,
+    }
+
+
+def _error_text(e: BaseException, limit: int = 200) -> str:
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------- figures and tables
+
+
+def gpu_name() -> str | None:
+    """The first GPU's name, from nvidia-smi (this process stays off the GPU)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    proc = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+    )
+    names = proc.stdout.strip().splitlines() if proc.returncode == 0 else []
+    return names[0].strip() if names else None
+
+
+def model_flops(shape: dict, args) -> tuple[float, int]:
+    """(FLOPs per token, parameters) as jaxtrain counts them, from its config of the shape."""
+    os.environ["JAX_PLATFORMS"] = "cpu"  # this process: never the GPU (CHILD_ENV keeps the caller's)
+    from jaxtrain.config import load_config
+    from jaxtrain.planning.flops import flops_per_token
+
+    cfg = load_config(args.config, jaxtrain_overrides(shape, args.tiny))
+    return flops_per_token(cfg.model, cfg.train.seq_len), cfg.model.param_count()
+
+
+def peak_flops(device: str | None, override_tflops: float | None) -> float | None:
+    """Dense bf16 peak FLOP/s of one `device` (a GPU name), or None: no MFU."""
+    if override_tflops:
+        return override_tflops * 1e12
+    if device is None:
+        return None
+    from jaxtrain.sharding.hardware import peak_flops_for_device_kind
+
+    return peak_flops_for_device_kind(device, "bfloat16")
+
+
+def add_figures(rows: list[dict], shape: dict, flops_token: float, peak: float | None) -> None:
+    tokens = shape["batch"] * shape["seq"]
+    times = {r["contender"]: r.get("step_time_s") for r in rows}
+    for r in rows:
+        if "step_time_s" not in r:
+            continue
+        r["tokens_per_second"] = tokens / r["step_time_s"]
+        r["mfu"] = flops_token * r["tokens_per_second"] / peak if peak else None
+        for key, other in (("vs_torch_compile", "torch-compile"), ("vs_torch_eager", "torch-eager")):
+            r[key] = times[other] / r["step_time_s"] if times.get(other) else None
+
+
+def _cell(x, fmt: str) -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def _clean(text: str) -> str:
+    return text.replace("|", "/").replace("\n", " ")
+
+
+def contender_table(rows: list[dict]) -> str:
+    cols = [
+        "contender",
+        "s/step",
+        "tokens/s",
+        "MFU",
+        "peak GiB",
+        "torch.compile / this",
+        "torch eager / this",
+    ]
+    lines = ["| " + " | ".join([*cols, "notes"]) + " |", "|" + "---|" * (len(cols) + 1)]
+    for r in rows:
+        if "error" in r:
+            cells = [r["contender"], f"error: {_clean(r['error'])}", *[""] * (len(cols) - 2)]
+        else:
+            peak = r.get("peak_memory_bytes")
+            cells = [
+                r["contender"],
+                f"{r['step_time_s']:.4f}",
+                f"{r['tokens_per_second']:,.0f}",
+                "n/a" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%",
+                "n/a" if peak is None else f"{peak / GIB:.1f}",
+                _cell(r.get("vs_torch_compile"), ".2f"),
+                _cell(r.get("vs_torch_eager"), ".2f"),
+            ]
+        notes = [
+            a.split(":")[0]
+            for a in r.get("auto", [])
+            if a.startswith(("model.attention_impl", "model.remat"))
+        ]
+        if r.get("overrides"):
+            notes.insert(0, " ".join(r["overrides"]))
+        if r.get("reserved_memory_bytes"):
+            notes.append(f"reserved {r['reserved_memory_bytes'] / GIB:.1f} GiB")
+        lines.append("| " + " | ".join([*cells, _clean("; ".join(notes))]) + " |")
+    return "\n".join(lines)
+
+
+def attention_table(att: dict) -> str:
+    if "error" in att:
+        return f"attention: error: {att['error']}"
+    s = att["shape"]
+    head = (
+        f"Attention B{s['batch']} S{s['seq']} H{s['heads']}/{s['kv_heads']} D{s['head_dim']} causal "
+        f"{att['dtype']} on {att['device']} (jax {att['jax']}): causal minimum "
+        f"{att['flops_fwd'] / 1e12:.3g} TFLOP forward, {att['flops_fwd_bwd'] / 1e12:.3g} forward + backward; "
+        "error = max|x - ref| / max|ref| against XLA in f32\n\n"
+    )
+    cols = ["impl", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s"]
+    cols += ["err out", "err dq", "err dk", "err dv"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in att["rows"]:
+        cells = [r["impl"]]
+        for part in ("fwd", "fwd_bwd"):
+            if f"{part}_error" in r:
+                cells += [f"error: {_clean(r[f'{part}_error'])}", ""]
+            else:
+                cells += [f"{1e3 * r[f'{part}_s']:.3f}", f"{r[f'{part}_tflops']:.3g}"]
+        cells += [_cell(r.get(key), ".2e") for key in ("err_out", "err_dq", "err_dk", "err_dv")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return head + "\n".join(lines)
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_variants(text: str) -> list[tuple[str, list[str]]]:
+    """`label:override override;...` -> [(label, overrides)], the default `auto` run first."""
+    variants = {"auto": []}
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        label, _, overrides = entry.partition(":") if ":" in entry else (entry, "", entry)
+        variants[label.strip()] = overrides.split()
+    return list(variants.items())
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=20, help="training steps per contender (>= 4)")
+    ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
+    ap.add_argument(
+        "--jaxtrain-variants",
+        default="",
+        help="more jaxtrain runs: 'label:override override;label:...' (after the default `auto`)",
+    )
+    ap.add_argument("--config", default=str(CONFIG), help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=None, help="global batch, both sides")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length, both sides")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model on both sides (CPU logic check)")
+    ap.add_argument("--attn-shape", default="4,4096,32,8,128", help="B,S,H,KV,D")
+    ap.add_argument("--attn-dtype", default="bfloat16")
+    ap.add_argument("--attn-iters", type=int, default=20, help="timed runs per attention measurement")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU (default: the GPU's bf16)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per worker")
+    ap.add_argument("--torch-python", default=sys.executable, help="Python of the torch workers")
+    ap.add_argument("--json", metavar="OUT", default=None, help="also write every result as JSON")
+    # Hidden: the workers' own modes (this file, in a child process).
+    ap.add_argument("--worker", choices=("torch", "attention"), default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--compile", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--shape", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.worker == "torch":
+        result = torch_worker(json.loads(args.shape), args.steps, bool(args.compile))
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    if args.worker == "attention":
+        result = attention_worker(args.attn_shape, args.attn_dtype, args.attn_iters)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    if bad := sorted(set(only) - set(SECTIONS)):
+        ap.error(f"--only: unknown sections {bad}; expected some of {','.join(SECTIONS)}")
+    if args.steps < 4:
+        ap.error("--steps must be at least 4 (the median is over steps 3..N-1)")
+    shape = model_shape(args)
+    flops_token, params = model_flops(shape, args)
+
+    def report(row: dict) -> dict:
+        print(json.dumps(row), flush=True)
+        return row
+
+    rows = []
+    if "jaxtrain" in only:
+        for label, overrides in parse_variants(args.jaxtrain_variants):
+            print(f"# jaxtrain ({label}) ...", file=sys.stderr, flush=True)
+            rows.append(report(run_jaxtrain(label, overrides, shape, args)))
+    for name, compile_ in (("torch-eager", False), ("torch-compile", True)):
+        if name in only:
+            print(f"# {name} ...", file=sys.stderr, flush=True)
+            rows.append(report(run_torch(compile_, shape, args)))
+    attention = None
+    if "attention" in only:
+        print("# attention ...", file=sys.stderr, flush=True)
+        attention = report(run_attention(args))
+
+    device = gpu_name() or next((r["device"] for r in rows if r.get("device", "cpu") != "cpu"), None)
+    peak = peak_flops(device, args.peak_tflops)
+    add_figures(rows, shape, flops_token, peak)
+    results = {
+        "device": device or "cpu",
+        "peak_flops": peak,
+        "shape": shape,
+        "params": params,
+        "flops_per_token": flops_token,
+        "steps": args.steps,
+        "contenders": rows,
+        "attention": attention,
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+    print()
+    if rows:
+        print(
+            f"{device or 'CPU'}: Llama of {params:,} parameters (d_model {shape['d_model']}, "
+            f"{shape['n_layers']} layers, {shape['n_heads']}/{shape['n_kv_heads']} heads of "
+            f"{shape['head_dim']}, mlp {shape['mlp_dim']}, vocab {shape['vocab_size']}), batch "
+            f"{shape['batch']} x {shape['seq']}, median of steps 3..{args.steps - 1}; "
+            f"{flops_token / 1e9:.3g} GFLOP/token; MFU "
+            + (f"against {peak / 1e12:.0f} TFLOP/s" if peak else "n/a (no GPU peak)")
+            + "\n"
+        )
+        print(contender_table(rows))
+        autos = [(r["contender"], a) for r in rows for a in r.get("auto", [])]
+        if autos:
+            print()
+            for who, line in autos:
+                if line.startswith(("model.attention_impl", "model.remat")):
+                    print(f"- {who}: {line}")
+    if attention is not None:
+        print()
+        print(attention_table(attention))
+
+
+if __name__ == "__main__":
+    main()

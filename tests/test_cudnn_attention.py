@@ -1,0 +1,148 @@
+"""`model.attention_impl: cudnn` and the GPU dispatcher (planning/attention_speeds.py).
+
+cuDNN runs only on a GPU, so here: the run-time test that decides between cuDNN and the
+flash-kernel fallback against hand-made segment ids; the dispatcher's choices against the
+measured table and cuDNN's documented limits; and deviceless H100 compiles of the train step
+(the compiled program calls cuDNN's fused attention forward and backward, and the Triton
+flash kernel exactly where rows may pack documents), on one GPU, under shard_map on 8, and
+with context parallelism. Its numbers against the reference are checked on a real GPU by
+benchmarks/gpu_peer.py's attention section (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtrain.config import load_config
+from jaxtrain.pallas_kernels.cudnn_attention import single_document_lengths
+from jaxtrain.planning.attention_speeds import SPEEDS, choose_gpu_attention
+from jaxtrain.planning.resolve import Placement, resolve
+from tests.conftest import REPO
+
+GPU_PEER = f"{REPO}/configs/gpu-peer.yaml"
+# jax 0.12 warns on every Triton lowering; the fallback kernel is Triton on purpose
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+
+def test_one_document_then_padding_is_what_cudnn_takes():
+    seg = np.array(
+        [
+            [1, 1, 1, 1, 0, 0],  # one document, then padding: cuDNN, length 4
+            [3, 3, 3, 3, 3, 3],  # one document (any id), no padding: length 6
+        ],
+        np.int32,
+    )
+    lengths, ok = single_document_lengths(jnp.asarray(seg))
+    np.testing.assert_array_equal(lengths, [4, 6])
+    assert bool(ok)
+    for rows in (
+        [[1, 1, 2, 2, 0, 0]],  # two documents packed
+        [[1, 1, 0, 0, 1, 1]],  # padding inside the row
+        [[0, 0, 0, 0, 0, 0]],  # all padding: an empty row
+        [[0, 1, 1, 1, 1, 1]],  # padding first
+    ):
+        assert not bool(single_document_lengths(jnp.asarray(rows, jnp.int32))[1]), rows
+
+
+@pytest.mark.parametrize(
+    "case,expected,reason",
+    [
+        (dict(chip="h100", head_dim=128, window=False, compute_dtype="bfloat16"), "cudnn", "424"),
+        (dict(chip="h200", head_dim=64, window=True, compute_dtype="bfloat16"), "cudnn", "fastest"),
+        (dict(chip="h100", head_dim=128, window=False, compute_dtype="float32"), "pallas", "float32"),
+        (dict(chip="a100", head_dim=256, window=False, compute_dtype="bfloat16"), "pallas", "up to 128"),
+        (dict(chip="h100", head_dim=256, window=False, compute_dtype="bfloat16"), "cudnn", "head_dim 128"),
+        (dict(chip=None, head_dim=128, window=False, compute_dtype="bfloat16"), "pallas", "unknown"),
+        (
+            dict(chip="h100", head_dim=128, window=False, compute_dtype="bfloat16", softcap=50.0),
+            "pallas",
+            "softcap",
+        ),
+    ],
+)
+def test_the_gpu_dispatcher_takes_the_fastest_that_can_run_the_case(case, expected, reason):
+    impl, why = choose_gpu_attention(**case)
+    assert impl == expected and reason in why, why
+    # the choice is the table's fastest among what can run: cuDNN is not faster anywhere it is refused
+    measured = {s.impl: s.tflops for s in SPEEDS if s.chip == "h200" and s.head_dim == 128}
+    assert measured["cudnn"] > measured["pallas"] > measured["xla"]
+
+
+def test_resolve_on_an_h100_picks_cudnn_and_says_why():
+    cfg = load_config(GPU_PEER)
+    resolution = resolve(cfg, Placement("gpu", {"fsdp": 1}, 80 * 2**30, "H100", chip="h100"))
+    assert resolution.config.model.attention_impl == "cudnn"
+    note = next(n for n in resolution.notes if n.startswith("model.attention_impl=auto -> cudnn: "))
+    assert "TFLOP/s" in note
+
+
+def test_cudnn_needs_16_bit_compute():
+    from jaxtrain.models.config import ModelConfig
+
+    with pytest.raises(ValueError, match="attention_impl=cudnn with model.compute_dtype=float32"):
+        ModelConfig(attention_impl="cudnn", compute_dtype="float32").validate()
+
+
+# --- deviceless H100 compiles ----------------------------------------------------------------
+
+
+def _cudnn_installed() -> bool:
+    return importlib.util.find_spec("nvidia.cudnn") is not None
+
+
+def _compiled_kernels(n: int, *overrides: str) -> set[str]:
+    """Custom-call targets of the compiled train step of a small bf16 model on n H100s (the
+    `jaxtrain compile` path: the config's mesh on the target, resolved for it)."""
+    from jaxtrain.planning import compile as deviceless
+    from jaxtrain.sharding import targets
+    from tests.conftest import tiny_config
+
+    if not targets.cuda_available() or not _cudnn_installed():
+        pytest.skip("deviceless GPU compiles with cuDNN need the gpu-aot extra")
+    cfg = tiny_config(
+        None,
+        "model.compute_dtype=bfloat16",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.head_dim=64",
+        "train.seq_len=256",
+        "train.global_batch_size=8",
+        "model.attention_impl=cudnn",
+        *overrides,
+    )
+    target = deviceless.parse_target("gpu:h100", gpus_per_host=n)
+    cfg, ici, dcn = deviceless.config_for_target(cfg, target)
+    cfg, _ = deviceless.resolved_for_target(cfg, target, ici, dcn)
+    mesh = deviceless.target_mesh(target, ici, dcn)
+    return targets.custom_call_targets(deviceless.lower_step(cfg, mesh).compile().as_text())
+
+
+CUDNN = {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}
+TRITON = "__gpu$xla.gpu.triton"
+
+
+@pytest.mark.deviceless
+def test_rows_of_one_document_compile_to_cudnn_alone():
+    """Synthetic rows are one document each: the model gets no segment ids, no fallback."""
+    calls = _compiled_kernels(1, "data.source=synthetic")
+    assert CUDNN <= calls and TRITON not in calls, calls
+
+
+@pytest.mark.deviceless
+def test_rows_that_may_pack_documents_also_compile_the_flash_kernel(tmp_path):
+    """Text rows pack documents: cuDNN where a batch's rows are one document each, the
+    Triton flash kernel otherwise; here on 8 GPUs, batch and heads split (shard_map)."""
+    text = tmp_path / "a.txt"
+    text.write_text("some words\n")
+    calls = _compiled_kernels(8, "data.source=text", f"data.paths=[{text}]", "mesh.fsdp=4", "mesh.tensor=2")
+    assert CUDNN <= calls and TRITON in calls, calls
+
+
+@pytest.mark.deviceless
+def test_context_parallel_runs_the_flash_kernel_in_the_ring():
+    calls = _compiled_kernels(8, "mesh.fsdp=4", "mesh.context=2", "model.n_layers=1")
+    assert TRITON in calls and not (CUDNN & calls), calls
