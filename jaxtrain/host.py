@@ -1,5 +1,6 @@
-"""This process's host: which platform JAX runs on, how many CPU devices it simulates, and
-how malloc treats XLA:CPU's buffers. Called before the JAX backend starts.
+"""This process's host: which platform JAX runs on, how many CPU devices it simulates, how
+malloc treats XLA:CPU's buffers, and on NVIDIA GPUs the XLA flags it starts with
+(jaxtrain/gpu_flags.py). Called before the JAX backend starts.
 
 On a machine with no accelerator we pin JAX to the CPU (otherwise the CUDA plugin and
 libtpu, installed for deviceless compiles, print errors at start) and create as many
@@ -35,6 +36,8 @@ import os
 import platform
 import shutil
 import sys
+
+from jaxtrain import gpu_flags
 
 OPT_OUT = "JAXTRAIN_HOST_MALLOC"
 SYSTEM_VALUES = ("system", "off", "0")  # keep glibc's defaults
@@ -73,6 +76,17 @@ def runs_on_cpu() -> bool:
     return chosen == "cpu" if chosen else not has_accelerator()
 
 
+def runs_on_nvidia_gpu() -> bool:
+    """Whether this process will run XLA on NVIDIA GPUs: JAX_PLATFORMS names cuda or gpu, or
+    is unset on a host with NVIDIA devices and no TPU."""
+    chosen = os.environ.get("JAX_PLATFORMS")
+    if chosen:
+        return chosen.split(",")[0] in ("cuda", "gpu")
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or shutil.which("nvidia-smi") is not None
+
+
 def _backend_started() -> bool:
     # sys.modules: only ask JAX when it is already imported (this runs before it is)
     if "jax" not in sys.modules:
@@ -92,6 +106,8 @@ def configure_host(num_cpu_devices: int | None = None) -> None:
         os.environ["JAX_PLATFORMS"] = "cpu"
     if os.environ.get("JAX_PLATFORMS") == "cpu" and not _backend_started():
         keep_freed_memory()  # before XLA's threads take their malloc arenas
+    elif runs_on_nvidia_gpu() and not _backend_started():
+        gpu_flags.apply()  # XLA reads XLA_FLAGS once, when the backend starts
     # jax is imported here, after the platform is chosen: importing it earlier starts nothing,
     # but the CLI's light commands (tokenize, config errors) never need it
     import jax
@@ -165,5 +181,6 @@ def keep_freed_memory() -> str | None:
 
 
 def note() -> str | None:
-    """The heap's log line if configure_host set it up in this process, else None."""
-    return _heap_note
+    """The heap's (CPU) or the GPU flags' log line if configure_host set one up in this
+    process, else None."""
+    return _heap_note or gpu_flags.note()

@@ -12,7 +12,8 @@ memory), in this order, each step seeing the ones before it:
 | model.moe.grouped_matmul  | platform        | megablox on TPU, ragged_dot elsewhere                      |
 | mesh.head_sharding        | mesh, batch     | vocab when a device gathers fewer rows than vocab columns  |
 | train.loss_chunk          | mesh, batch     | 4 chunks once the f32 logits reach 16 MiB per device       |
-| model.remat               | device memory   | the cheapest policy whose estimate fits (footprint.py)     |
+| model.remat               | device memory   | of those that fit (footprint.py), GPU: least predicted     |
+|                           | chip            | cost (remat_cost.py); else: least recompute                |
 
 `jaxtrain train`, `compile`, `plan` and `generate` all resolve here, so they build the same
 program for the same placement; the run's `config.yaml` records the resolved values and the
@@ -38,6 +39,7 @@ from jaxtrain import sharding
 from jaxtrain.config import Config
 from jaxtrain.planning.attention_speeds import choose_gpu_attention
 from jaxtrain.planning.footprint import LOSS_AUTO_CHUNKS, device_memory_bytes, estimate, remat_policies
+from jaxtrain.planning.remat_cost import policy_cost
 from jaxtrain.sharding import hardware
 from jaxtrain.sharding.mesh import mesh_shape_from_sizes
 
@@ -255,28 +257,35 @@ def _loss_chunk(cfg: Config, p: Placement) -> tuple[int, str]:
 
 
 def _remat(cfg: Config, p: Placement) -> tuple[str, str]:
-    """The cheapest policy (footprint.REMAT_BY_COST) whose estimated step memory fits
-    REMAT_HEADROOM x the device's memory. Nothing fits: `full`, the smallest (the door
-    check or the compiler then has the last word)."""
+    """The policy `auto` runs: of those whose estimated step memory fits REMAT_HEADROOM x the
+    device's memory, on a GPU of the hardware table the one of least predicted cost
+    (remat_cost.py: recompute and activation traffic), elsewhere the cheapest in recomputed
+    FLOPs (footprint.REMAT_BY_COST, the order in which they are tried). Nothing fits: `full`,
+    the smallest (the door check or the compiler then has the last word)."""
     if p.device_memory is None:
         return "none", "device memory unknown"
     budget, where = REMAT_HEADROOM * p.device_memory, f" ({p.memory_source})" if p.memory_source else ""
     gib = lambda b: f"{b / GiB:.1f}" if b >= 10 * GiB else f"{b / GiB:.2f}"
     with_policy = lambda policy: _set(cfg, "model.remat", policy)
-    first = None
-    for policy in remat_policies(cfg.model):
-        need = estimate(with_policy(policy), p.mesh_shape).total
-        if need <= budget:
-            why = f"; {first[0]} needs {gib(first[1])} GiB" if first else ""
-            return policy, (
-                f"the cheapest policy that fits, est. {gib(need)} GiB per device of "
-                f"{gib(p.device_memory)} GiB{where} x {REMAT_HEADROOM:g}{why}"
-            )
-        first = first or (policy, need)
-    return "full", (
-        f"nothing fits, full needs est. {gib(need)} GiB per device of {gib(p.device_memory)} GiB{where} "
-        f"x {REMAT_HEADROOM:g}"
-    )
+    need = {policy: estimate(with_policy(policy), p.mesh_shape).total for policy in remat_policies(cfg.model)}
+    fits = [policy for policy in need if need[policy] <= budget]
+    of = f"of {gib(p.device_memory)} GiB{where} x {REMAT_HEADROOM:g}"
+    if not fits:
+        return "full", f"nothing fits, full needs est. {gib(need['full'])} GiB per device {of}"
+    chip = hardware.CHIPS.get(p.chip or "")
+    if p.platform == "gpu" and chip is not None and chip.hbm_bytes_per_s:
+        cost = {policy: policy_cost(with_policy(policy), p.mesh_shape, chip) for policy in fits}
+        best = min(fits, key=lambda policy: cost[policy].total_s)  # ties: the least recompute
+        c = cost[best]
+        others = ", ".join(f"{q} {cost[q].total_s * 1e3:.1f}" for q in fits if q != best)
+        return best, (
+            f"the least predicted cost that fits on {chip.name.upper()}: {c.total_s * 1e3:.1f} ms "
+            f"(recompute {c.recompute_s * 1e3:.1f} + activation traffic {c.traffic_s * 1e3:.1f}; "
+            f"{others or 'no other fits'}), est. {gib(need[best])} GiB per device {of}"
+        )
+    first = next(iter(need))
+    why = f"; {first} needs {gib(need[first])} GiB" if fits[0] != first else ""
+    return fits[0], f"the cheapest policy that fits, est. {gib(need[fits[0]])} GiB per device {of}{why}"
 
 
 _SETTINGS = (
