@@ -2,7 +2,7 @@
 batch, and an attention micro-benchmark (ours, cuDNN, XLA), in one run.
 
     python benchmarks/gpu_peer.py [--steps 20] [--only jaxtrain,torch-eager,torch-compile,attention]
-        [--jaxtrain-variants "remat-full:model.remat=full;pallas:model.attention_impl=pallas"]
+        [--jaxtrain-variants "remat-full:model.remat=full;flags-off:JAXTRAIN_GPU_XLA_FLAGS=off"]
         [--batch B] [--seq S] [--tiny] [--attn-shape 4,4096,32,8,128] [--attn-dtype bfloat16]
         [--peak-tflops T] [--timeout 900] [--torch-python PATH] [--json OUT]
 
@@ -12,11 +12,15 @@ of GPU memory in any process that touches it), one after the other; this process
 the GPU (it imports jax with JAX_PLATFORMS=cpu, for the FLOPs per token only):
 
 - jaxtrain: `python -m jaxtrain train configs/gpu-peer.yaml` once with no overrides (`auto`)
-  and once per `--jaxtrain-variants` entry (`label:override override ...`, `;`-separated; an
-  entry labelled `auto` replaces the default run). Median `step_time_s` of metrics.jsonl over
-  steps 3..N-1, `peak_memory_bytes` of its rows where present (device 0's
-  `memory_stats()["peak_bytes_in_use"]`), and the lines that say what `model.attention_impl=auto`
-  and `model.remat=auto` resolved to.
+  and once per `--jaxtrain-variants` entry (`label:token token ...`, `;`-separated; an entry
+  labelled `auto` replaces the default run). A token `NAME=value` whose NAME is upper-case
+  letters, digits and underscores goes into that child's environment (over the caller's: e.g.
+  `JAXTRAIN_GPU_XLA_FLAGS=off`, `XLA_FLAGS=--xla_foo=1`; the same NAME again appends its value
+  after a space, for several XLA flags); any other token (`model.remat=minimal`) is a jaxtrain
+  override. Median `step_time_s` of metrics.jsonl over steps 3..N-1, `peak_memory_bytes` of its
+  rows where present (device 0's `memory_stats()["peak_bytes_in_use"]`), the lines that say what
+  `model.attention_impl=auto` and `model.remat=auto` resolved to, and the `GPU XLA flags:` line
+  (what jaxtrain did to XLA_FLAGS; GPU only).
 - torch-eager / torch-compile: `transformers.LlamaForCausalLM` of the same shape (sdpa
   attention) in float32 on cuda, bf16 autocast over forward and loss, AdamW (fused),
   clip_grad_norm_(1.0), random tokens with labels = inputs; `torch.compile(model)` for the
@@ -30,6 +34,16 @@ the GPU (it imports jax with JAX_PLATFORMS=cpu, for the FLOPs per token only):
   minimum (benchmarks/attention.py `causal_flops`: 2 matmuls of S^2/2 x D per head forward,
   7 forward + backward); error: max|x - ref| / max|ref| of the output and dq, dk, dv against
   XLA in f32 at highest matmul precision. An implementation that fails shows its error.
+  Then a second table, jaxtrain's cuDNN wrapper (`pallas_kernels/cudnn_attention.py`, with the
+  Pallas flash kernel as its fallback, as `model.attention_impl=cudnn` calls it; segment ids
+  passed traced, so its `lax.cond` picks at run time), causal, same shape: one document per row
+  followed by padding (lengths differ per row), rows packing three documents (the wrapper must
+  take the fallback), and a sliding window of min(1024, S/4) without segment ids. fwd + bwd
+  time, and error against `pallas_kernels/reference.py` in f32 (highest precision) with the same
+  mask; with padding the output error covers the real queries only and the cotangent is zero on
+  padding (as the loss mask makes it); `finite`: every element of the output and dq, dk, dv
+  over the full arrays, padding included (a NaN there would poison training). On CPU cuDNN
+  fails: its rows show the error.
 
 MFU: jaxtrain's FLOPs per token (jaxtrain/planning/flops.py: 6 x params without the embedding
 + causal attention) against the GPU's dense bf16 peak from jaxtrain's hardware table (989
@@ -72,6 +86,8 @@ TINY = dict(
     seq=128,
 )
 AUTO_LINE = re.compile(r"(model\.\w+=auto -> .*)")
+GPU_FLAGS_LINE = re.compile(r"(GPU XLA flags: .*)")
+ENV_TOKEN = re.compile(r"[A-Z_][A-Z0-9_]*=")
 GIB = 2**30
 
 
@@ -104,13 +120,16 @@ def jaxtrain_overrides(shape: dict, tiny: bool) -> list[str]:
     return [*model, f"train.global_batch_size={shape['batch']}", f"train.seq_len={shape['seq']}"]
 
 
-def run_child(cmd: list[str], timeout: float, cwd: str) -> tuple[int | None, str, str]:
+def run_child(
+    cmd: list[str], timeout: float, cwd: str, env: dict[str, str] | None = None
+) -> tuple[int | None, str, str]:
     """(exit code or None on timeout, stdout, stderr) of `cmd` in its own process group, which is
-    killed as a whole on timeout (torch.compile's compile workers included)."""
+    killed as a whole on timeout (torch.compile's compile workers included); `env` goes over
+    CHILD_ENV."""
     proc = subprocess.Popen(
         cmd,
         cwd=cwd,
-        env=CHILD_ENV,
+        env={**CHILD_ENV, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -148,7 +167,7 @@ def timed_median(times: list[float]) -> float:
 # ---------------------------------------------------------------- contenders
 
 
-def run_jaxtrain(label: str, overrides: list[str], shape: dict, args) -> dict:
+def run_jaxtrain(label: str, overrides: list[str], env: dict[str, str], shape: dict, args) -> dict:
     out = tempfile.mkdtemp(prefix=f"gpu-peer-jaxtrain-{re.sub(r'[^\w.=-]', '_', label)}-")
     cmd = [
         sys.executable,
@@ -161,11 +180,14 @@ def run_jaxtrain(label: str, overrides: list[str], shape: dict, args) -> dict:
         *jaxtrain_overrides(shape, args.tiny),
         *overrides,
     ]
-    row = {"contender": f"jaxtrain ({label})", "overrides": overrides}
+    row = {"contender": f"jaxtrain ({label})", "overrides": overrides, "env": env}
     start = time.perf_counter()
-    rc, stdout, stderr = run_child(cmd, args.timeout, out)
+    rc, stdout, stderr = run_child(cmd, args.timeout, out, env)
     row["wall_s"] = time.perf_counter() - start
-    row["auto"] = [m.group(1).strip() for m in map(AUTO_LINE.search, (stdout + stderr).splitlines()) if m]
+    log = (stdout + stderr).splitlines()
+    row["auto"] = [m.group(1).strip() for m in map(AUTO_LINE.search, log) if m]
+    flags = [m.group(1).strip() for m in map(GPU_FLAGS_LINE.search, log) if m]
+    row["gpu_xla_flags"] = flags[-1] if flags else None
     metrics = Path(out) / "metrics.jsonl"
     if rc != 0 or not metrics.is_file():
         return {**row, "error": failure(rc, stderr, args.timeout), "output_dir": out}
@@ -371,6 +393,7 @@ def attention_worker(shape_text: str, dtype_name: str, iters: int, warmup: int =
         except Exception as e:  # noqa: BLE001 - as above, for the backward
             row["fwd_bwd_error"] = _error_text(e)
         results.append(row)
+    del ref
     device = jax.devices()[0]
     return {
         "device": f"{device.platform}: {device.device_kind}",
@@ -380,7 +403,110 @@ def attention_worker(shape_text: str, dtype_name: str, iters: int, warmup: int =
         "flops_fwd": flops_fwd,
         "flops_fwd_bwd": flops_all,
         "rows": results,
+        "cudnn_wrapper": cudnn_wrapper_rows(q, k, v, cot, median_time),
     }
+
+
+def cudnn_wrapper_rows(q, k, v, cot, median_time) -> list[dict]:
+    """jaxtrain's cuDNN wrapper as the model calls it (fallback: the Pallas flash kernel) on
+    padded rows, packed rows and a sliding window; each case's failure is its row's error."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxtrain.pallas_kernels import reference, sharded_flash_attention
+    from jaxtrain.pallas_kernels.cudnn_attention import cudnn_attention, single_document_lengths
+
+    b, s = q.shape[:2]
+    pos, row_i = jnp.arange(s)[None, :], jnp.arange(b)[:, None]
+    # one document (id 1) per row, each row's length different and off the block sizes, then 0s
+    lengths = jnp.clip(s * (b - row_i) // (b + 1) - 7 * (row_i + 1), 1, s - 1)
+    padded = (pos < lengths).astype(jnp.int32)
+    # three documents per row (ids 1, 2, 3), boundaries differing per row
+    cut1 = jnp.minimum(s * (row_i + 1) // (2 * (b + 1)) + 3, s - 2)
+    cut2 = jnp.minimum(cut1 + s // 3 + 11, s - 1)
+    packed = (1 + (pos >= cut1) + (pos >= cut2)).astype(jnp.int32)
+    window = max(1, min(1024, s // 4))
+    cases = [
+        ("cudnn-wrapper one doc + padding", padded, None),
+        ("cudnn-wrapper packed docs (fallback)", packed, None),
+        (f"cudnn-wrapper window {window}", None, window),
+    ]
+
+    def loss_of(f):
+        return lambda q, k, v, seg, c: jnp.sum(f(q, k, v, seg).astype(jnp.float32) * c)
+
+    def masked_err(x, r, m):
+        m = jnp.broadcast_to(m, r.shape)
+        num = jnp.max(jnp.where(m, jnp.abs(x.astype(jnp.float32) - r), 0.0))
+        return num / jnp.max(jnp.where(m, jnp.abs(r), 0.0))
+
+    masked_err = jax.jit(masked_err)
+    finite = jax.jit(lambda x: jnp.all(jnp.isfinite(x)))
+    rows = []
+    for name, seg, win in cases:
+        row = {"case": name, "sliding_window": win}
+        if seg is not None:
+            row["single_document"] = bool(single_document_lengths(seg)[1])
+        real = jnp.ones((b, s), bool) if seg is None else seg != 0
+        real4 = real[:, :, None, None]
+        c = cot * real4
+
+        def wrapper(q, k, v, seg, win=win):
+            def fallback(q, k, v, sg):
+                return sharded_flash_attention(
+                    q,
+                    k,
+                    v,
+                    mesh=None,
+                    batch_axes=(),
+                    head_axes=(),
+                    causal=True,
+                    segment_ids=sg,
+                    sliding_window=win,
+                )
+
+            return cudnn_attention(
+                q, k, v, causal=True, segment_ids=seg, sliding_window=win, fallback=fallback
+            )
+
+        def ref_attention(q, k, v, seg, win=win):
+            return reference.attention(q, k, v, causal=True, segment_ids=seg, sliding_window=win)
+
+        try:  # the reference, one batch row at a time, in f32 at highest precision
+            with jax.default_matmul_precision("highest"):
+                ref_fwd = jax.jit(ref_attention)
+                ref_grad = jax.jit(jax.value_and_grad(loss_of(ref_attention), argnums=(0, 1, 2)))
+                parts = []
+                for i in range(b):
+                    a32 = [x[i : i + 1].astype(jnp.float32) for x in (q, k, v)]
+                    sg = None if seg is None else seg[i : i + 1]
+                    parts.append((ref_fwd(*a32, sg), *ref_grad(*a32, sg, c[i : i + 1])[1]))
+                ref = [jnp.concatenate(xs) for xs in zip(*parts)]
+                del parts
+        except Exception as e:  # noqa: BLE001 - a case that cannot run is a row of the table
+            rows.append({**row, "error": "reference: " + _error_text(e)})
+            continue
+        is_finite = {}
+        try:
+            out = jax.jit(wrapper)(q, k, v, seg)
+            row["err_out"] = float(masked_err(out, ref[0], real4))
+            is_finite["out"] = bool(finite(out))
+            del out
+        except Exception as e:  # noqa: BLE001 - as above
+            row["fwd_error"] = _error_text(e)
+        try:
+            grad = jax.jit(jax.value_and_grad(loss_of(wrapper), argnums=(0, 1, 2)))
+            grads = grad(q, k, v, seg, c)[1]
+            for g, r, key in zip(grads, ref[1:], ("dq", "dk", "dv")):
+                row[f"err_{key}"] = float(masked_err(g, r, True))
+                is_finite[key] = bool(finite(g))
+            del grads
+            row["fwd_bwd_s"] = median_time(grad, q, k, v, seg, c)
+        except Exception as e:  # noqa: BLE001 - as above
+            row["fwd_bwd_error"] = _error_text(e)
+        del ref
+        rows.append({**row, "finite": is_finite})
+    return rows
 
 
 def _error_text(e: BaseException, limit: int = 200) -> str:
@@ -473,8 +599,11 @@ def contender_table(rows: list[dict]) -> str:
             for a in r.get("auto", [])
             if a.startswith(("model.attention_impl", "model.remat"))
         ]
-        if r.get("overrides"):
-            notes.insert(0, " ".join(r["overrides"]))
+        if r.get("gpu_xla_flags"):
+            notes.append(r["gpu_xla_flags"].split(";")[0].replace(" (docs/gpu.md)", ""))
+        given = [f"{name}={value}" for name, value in r.get("env", {}).items()]
+        if given or r.get("overrides"):
+            notes.insert(0, " ".join([*given, *r.get("overrides", [])]))
         if r.get("reserved_memory_bytes"):
             notes.append(f"reserved {r['reserved_memory_bytes'] / GIB:.1f} GiB")
         lines.append("| " + " | ".join([*cells, _clean("; ".join(notes))]) + " |")
@@ -503,19 +632,57 @@ def attention_table(att: dict) -> str:
                 cells += [f"{1e3 * r[f'{part}_s']:.3f}", f"{r[f'{part}_tflops']:.3g}"]
         cells += [_cell(r.get(key), ".2e") for key in ("err_out", "err_dq", "err_dk", "err_dv")]
         lines.append("| " + " | ".join(cells) + " |")
+    wrapper = att.get("cudnn_wrapper")
+    return head + "\n".join(lines) + ("\n\n" + wrapper_table(wrapper) if wrapper else "")
+
+
+def wrapper_table(rows: list[dict]) -> str:
+    head = (
+        "jaxtrain's cuDNN wrapper (pallas_kernels/cudnn_attention.py, fallback: the Pallas flash "
+        "kernel), causal, same shape; error against pallas_kernels/reference.py in f32 with the "
+        "same mask (padding: real queries only, cotangent 0 on padding); finite: output and "
+        "dq, dk, dv over the full arrays\n\n"
+    )
+    cols = ["case", "fwd+bwd ms", "err out", "err dq", "err dk", "err dv", "finite"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        if "error" in r:
+            lines.append("| " + " | ".join([r["case"], f"error: {_clean(r['error'])}", *[""] * 5]) + " |")
+            continue
+        bwd_error, fwd_error = r.get("fwd_bwd_error"), r.get("fwd_error")
+        cells = [r["case"]]
+        cells.append(f"error: {_clean(bwd_error)}" if bwd_error else f"{1e3 * r['fwd_bwd_s']:.3f}")
+        if fwd_error:
+            cells.append("error (as fwd+bwd)" if fwd_error == bwd_error else f"error: {_clean(fwd_error)}")
+        else:
+            cells.append(_cell(r.get("err_out"), ".2e"))
+        cells += [_cell(r.get(key), ".2e") for key in ("err_dq", "err_dk", "err_dv")]
+        fin = r.get("finite", {})
+        bad = [key for key, ok in fin.items() if not ok]
+        cells.append("n/a" if not fin else f"no ({', '.join(bad)})" if bad else f"yes ({len(fin)}/4)")
+        lines.append("| " + " | ".join(cells) + " |")
     return head + "\n".join(lines)
 
 
 # ---------------------------------------------------------------- main
 
 
-def parse_variants(text: str) -> list[tuple[str, list[str]]]:
-    """`label:override override;...` -> [(label, overrides)], the default `auto` run first."""
-    variants = {"auto": []}
+def parse_variants(text: str, with_auto: bool = True) -> list[tuple[str, list[str], dict[str, str]]]:
+    """`label:token token;...` -> [(label, overrides, environment)], the default `auto` run
+    first (unless not `with_auto`); `NAME=value` tokens (NAME upper-case) are environment
+    variables, a repeated NAME appending its value after a space, the others overrides."""
+    variants = {"auto": ([], {})} if with_auto else {}
     for entry in filter(None, (e.strip() for e in text.split(";"))):
-        label, _, overrides = entry.partition(":") if ":" in entry else (entry, "", entry)
-        variants[label.strip()] = overrides.split()
-    return list(variants.items())
+        label, _, tokens = entry.partition(":") if ":" in entry else (entry, "", entry)
+        overrides, env = [], {}
+        for token in tokens.split():
+            if ENV_TOKEN.match(token):
+                name, _, value = token.partition("=")
+                env[name] = f"{env[name]} {value}" if name in env else value
+            else:
+                overrides.append(token)
+        variants[label.strip()] = (overrides, env)
+    return [(label, overrides, env) for label, (overrides, env) in variants.items()]
 
 
 def main(argv=None) -> None:
@@ -525,8 +692,10 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--jaxtrain-variants",
         default="",
-        help="more jaxtrain runs: 'label:override override;label:...' (after the default `auto`)",
+        help="more jaxtrain runs: 'label:override NAME=value ...;label:...' (after the default "
+        "`auto`; NAME=value: the child's environment)",
     )
+    ap.add_argument("--no-auto", action="store_true", help="only the --jaxtrain-variants runs")
     ap.add_argument("--config", default=str(CONFIG), help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=None, help="global batch, both sides")
     ap.add_argument("--seq", type=int, default=None, help="sequence length, both sides")
@@ -567,9 +736,9 @@ def main(argv=None) -> None:
 
     rows = []
     if "jaxtrain" in only:
-        for label, overrides in parse_variants(args.jaxtrain_variants):
+        for label, overrides, env in parse_variants(args.jaxtrain_variants, not args.no_auto):
             print(f"# jaxtrain ({label}) ...", file=sys.stderr, flush=True)
-            rows.append(report(run_jaxtrain(label, overrides, shape, args)))
+            rows.append(report(run_jaxtrain(label, overrides, env, shape, args)))
     for name, compile_ in (("torch-eager", False), ("torch-compile", True)):
         if name in only:
             print(f"# {name} ...", file=sys.stderr, flush=True)
@@ -607,12 +776,16 @@ def main(argv=None) -> None:
             + "\n"
         )
         print(contender_table(rows))
-        autos = [(r["contender"], a) for r in rows for a in r.get("auto", [])]
+        autos = [
+            (r["contender"], a)
+            for r in rows
+            for a in [*r.get("auto", []), r.get("gpu_xla_flags")]
+            if a and a.startswith(("model.attention_impl", "model.remat", "GPU XLA flags"))
+        ]
         if autos:
             print()
             for who, line in autos:
-                if line.startswith(("model.attention_impl", "model.remat")):
-                    print(f"- {who}: {line}")
+                print(f"- {who}: {line}")
     if attention is not None:
         print()
         print(attention_table(attention))

@@ -1,9 +1,18 @@
-"""Where the bench-peer train step spends its time on CPU: a jax.profiler trace of the
-compiled step, summed by op kind, plus the heaviest ops with their HLO shapes.
+"""Where a train step spends its time: a jax.profiler trace of the compiled step, summed by
+op kind, plus the heaviest ops with their HLO shapes.
 
     python benchmarks/step_profile.py [--steps 2] [--top 15] [overrides...]
     python benchmarks/step_profile.py model.compute_dtype=bfloat16 model.vocab_size=2048
+    python benchmarks/step_profile.py --gpu [--steps 3] [overrides...]
 
+--gpu: configs/gpu-peer.yaml on this process's first GPU (every `auto` resolved as `jaxtrain
+train` resolves it). The GPU's kernels are summed by what they do (matmuls, attention,
+elementwise and reduction fusions, copies, collectives) and by the part of the step their HLO
+op belongs to (the named scopes forward, loss, optimizer; the backward pass is
+transpose(jvp(...))), from the HLO op each kernel event names; the share is of the GPU's busy
+time, and the step time against it says how long the GPU sat idle.
+
+Without --gpu (the CPU stand-in):
 Runs configs/bench-peer.yaml (8 simulated CPU devices, fsdp=8, remat none unless
 overridden) in this process: 6 warm-up steps, then `--steps` traced ones. The figures are
 device-thread time: 8 device threads share the host's cores, so an op's time includes the
@@ -15,9 +24,11 @@ between runs. Nothing else may run on the machine meanwhile.
 from __future__ import annotations
 
 import os
+import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--gpu" not in sys.argv:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
@@ -40,6 +51,7 @@ from jaxtrain.trainer.batches import batch_to_device  # noqa: E402
 from jaxtrain.trainer.program import build_program  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "bench-peer.yaml"
+GPU_CONFIG = CONFIG.parent / "gpu-peer.yaml"
 # host-side and runtime events that are not one op of the program
 _SKIP = ("ThunkExecutor", "$", "SlinkyThreadPool", "PjitFunction", "CommonPjRt", "Allocate", "Handle")
 _SKIP += ("XlaModule", "while", "conditional", "call")
@@ -57,12 +69,158 @@ def kind(name: str) -> str:
     return "elementwise and other"
 
 
+def gpu_kind(op: str, kernel: str, hlo: dict[str, tuple[str, str]]) -> str:
+    """What a GPU kernel does, from its HLO instruction (opcode and text) where the trace
+    names one, else from the kernel's own name."""
+    opcode, text = hlo.get(op, ("", ""))
+    probe = f"{opcode} {text} {kernel}".lower()
+    if "fmha" in probe or "flash" in probe or "attention" in probe:
+        return "attention"
+    if "triton" in probe and "gemm" not in probe:
+        return "attention" if "pallas" in probe or "mha" in probe else "triton fusions"
+    if any(k in probe for k in ("gemm", "cublas", "xmma", "cutlass", "nvjet", "dot(")) or opcode == "dot":
+        return "matmuls"
+    if any(k in probe for k in ("nccl", "all-gather", "all-reduce", "reduce-scatter", "collective")):
+        return "collectives"
+    if opcode in ("copy", "transpose") or kernel.startswith(("copy", "transpose")) or "memcpy" in probe:
+        return "copies and transposes"
+    if "reduce" in probe:
+        return "reductions"
+    return "elementwise fusions"
+
+
+def phase(op_name: str) -> str:
+    """The part of the step an op's metadata op_name puts it in (trainer/step.py's scopes)."""
+    if "optimizer" in op_name:
+        return "optimizer"
+    backward = "transpose(" in op_name
+    if "loss" in op_name:
+        return "loss backward" if backward else "loss"
+    if "forward" in op_name:
+        return "backward" if backward else "forward"
+    return "other"
+
+
+def hlo_table(text: str) -> tuple[dict[str, tuple[str, str]], dict[str, str], dict[str, str]]:
+    """From compiled HLO text: name -> (opcode, the instruction's text), name -> shape, name ->
+    metadata op_name."""
+    ops, shapes, names = {}, {}, {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) (\w[\w-]*)\((.*)$", text, re.M):
+        name, shape, opcode, rest = m.groups()
+        ops[name], shapes[name] = (opcode, rest[:400]), shape
+        found = re.search(r'op_name="([^"]*)"', rest)
+        if found:
+            names[name] = found.group(1)
+    return ops, shapes, names
+
+
+def gpu_main(args) -> None:
+    from jaxtrain import host
+
+    host.configure_host()  # the GPU launch flags jaxtrain train would start with
+    cfg = load_config(GPU_CONFIG, ["logging.progress=false", *args.overrides])
+    mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:1])
+    cfg = resolve_for_mesh(cfg, mesh)
+    rules = axis_rules(cfg)
+    with jax.set_mesh(mesh), sharding.axis_rules(rules):
+        program = build_program(cfg, mesh, rules)
+        state = program.init()
+        data = make_data_iterator(
+            cfg.data,
+            vocab_size=cfg.model.vocab_size,
+            seq_len=cfg.train.seq_len,
+            global_batch_size=cfg.train.global_batch_size,
+            seed=cfg.seed,
+        )
+        batch = batch_to_device(next(data), program.batch_sharding)
+        compiled = program.step.lower(state, batch).compile()
+    times = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        state, m = compiled(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+    trace_dir = tempfile.mkdtemp(prefix="step-profile-")
+    jax.profiler.start_trace(trace_dir)
+    for _ in range(args.steps):
+        state, m = compiled(state, batch)
+        jax.block_until_ready(m)
+    jax.profiler.stop_trace()
+    trace = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1]
+    events = json.load(gzip.open(trace))["traceEvents"]
+    gpu_pids = {
+        e["pid"]
+        for e in events
+        if e.get("ph") == "M"
+        and e.get("name") == "process_name"
+        and "GPU" in str(e.get("args", {}).get("name"))
+    }
+    dry_run = not gpu_pids  # on CPU: its threads' events that name an HLO op of the step
+    if dry_run:
+        gpu_pids = {e.get("pid") for e in events}
+    # the GPU's kernels are on its "Stream #..." lines; the derived lines (XLA Ops, XLA Modules,
+    # name scopes) repeat the same time
+    streams = {
+        (e["pid"], e["tid"])
+        for e in events
+        if e.get("ph") == "M"
+        and e.get("name") == "thread_name"
+        and "Stream" in str(e.get("args", {}).get("name"))
+    }
+    ops, shapes, op_names = hlo_table(compiled.as_text())
+    by_kind, by_phase, by_both, per_op = (collections.Counter() for _ in range(4))
+    unnamed = 0
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in gpu_pids:
+            continue
+        if streams and (e["pid"], e.get("tid")) not in streams:
+            continue
+        a = e.get("args") or {}
+        op = a.get("hlo_op") or a.get("long_name") or e["name"]
+        if dry_run and op not in ops:
+            continue
+        unnamed += op not in ops
+        ms = e["dur"] / 1e3 / args.steps
+        k, ph = gpu_kind(op, e["name"], ops), phase(op_names.get(op, ""))
+        by_kind[k] += ms
+        by_phase[ph] += ms
+        by_both[(ph, k)] += ms
+        per_op[(op, e["name"][:60])] += ms
+    busy = sum(by_kind.values()) or float("nan")
+    step_ms = 1e3 * statistics.median(times[2:])
+    m = cfg.model
+    print(
+        f"## Step profile on {jax.devices()[0].device_kind} (jax {jax.__version__}): configs/gpu-peer.yaml "
+        f"{' '.join(args.overrides)}; attention={m.attention_impl}, remat={m.remat}, "
+        f"loss_chunk={cfg.train.loss_chunk}"
+    )
+    print(
+        f"step {step_ms:.1f} ms (median of steps 3..6); GPU busy {busy:.1f} ms/step "
+        f"({100 * busy / step_ms:.0f}%); {unnamed} kernel events named no HLO op of the step"
+    )
+    for title, counter in (("kind", by_kind), ("part of the step", by_phase)):
+        print(f"\n| {title} | GPU ms/step | share of busy |\n|---|---:|---:|")
+        for key, ms in counter.most_common():
+            print(f"| {key} | {ms:.1f} | {100 * ms / busy:.1f}% |")
+    print("\n| part | kind | GPU ms/step |\n|---|---|---:|")
+    for (ph, k), ms in by_both.most_common(12):
+        print(f"| {ph} | {k} | {ms:.1f} |")
+    print("\n| HLO op | kernel | GPU ms/step | shape | op_name |\n|---|---|---:|---|---|")
+    for (op, kernel), ms in per_op.most_common(args.top):
+        print(
+            f"| {op} | `{kernel}` | {ms:.2f} | `{shapes.get(op, '')[:40]}` | `{op_names.get(op, '')[-70:]}` |"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--gpu", action="store_true", help="configs/gpu-peer.yaml on this GPU")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    if args.gpu:
+        return gpu_main(args)
     cfg = load_config(CONFIG, ["logging.progress=false", "model.remat=none", *args.overrides])
     mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:8])
     cfg = resolve_for_mesh(cfg, mesh)
