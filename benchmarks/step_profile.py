@@ -9,8 +9,10 @@ op kind, plus the heaviest ops with their HLO shapes.
 train` resolves it). The GPU's kernels are summed by what they do (matmuls, attention,
 elementwise and reduction fusions, copies, collectives) and by the part of the step their HLO
 op belongs to (the named scopes forward, loss, optimizer; the backward pass is
-transpose(jvp(...))), from the HLO op each kernel event names; the share is of the GPU's busy
-time, and the step time against it says how long the GPU sat idle.
+transpose(jvp(...))), from the HLO op each kernel event names (CUDA graphs are turned off
+for this, `--xla_gpu_enable_command_buffer=`, as kernels launched from a graph name none);
+the share is of the GPU's busy time, and the step time against it says how long the GPU sat
+idle.
 
 Without --gpu (the CPU stand-in):
 Runs configs/bench-peer.yaml (8 simulated CPU devices, fsdp=8, remat none unless
@@ -117,6 +119,10 @@ def hlo_table(text: str) -> tuple[dict[str, tuple[str, str]], dict[str, str], di
 def gpu_main(args) -> None:
     from jaxtrain import host
 
+    # CUDA graphs off: a kernel launched from a command buffer names no HLO op in the trace
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_enable_command_buffer" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_command_buffer=".strip()
     host.configure_host()  # the GPU launch flags jaxtrain train would start with
     cfg = load_config(GPU_CONFIG, ["logging.progress=false", *args.overrides])
     mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:1])
@@ -168,6 +174,8 @@ def gpu_main(args) -> None:
         and "Stream" in str(e.get("args", {}).get("name"))
     }
     ops, shapes, op_names = hlo_table(compiled.as_text())
+    # a fusion's kernel is named after it with "." as "_" (gemm_fusion_dot.25: gemm_fusion_dot_25)
+    by_kernel_name = {name.replace(".", "_"): name for name in ops}
     by_kind, by_phase, by_both, per_op = (collections.Counter() for _ in range(4))
     unnamed = 0
     for e in events:
@@ -177,6 +185,7 @@ def gpu_main(args) -> None:
             continue
         a = e.get("args") or {}
         op = a.get("hlo_op") or a.get("long_name") or e["name"]
+        op = op if op in ops else by_kernel_name.get(op, op)
         if dry_run and op not in ops:
             continue
         unnamed += op not in ops
