@@ -38,6 +38,7 @@ import glob  # noqa: E402
 import gzip  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -107,7 +108,8 @@ def hlo_table(text: str) -> tuple[dict[str, tuple[str, str]], dict[str, str], di
     """From compiled HLO text: name -> (opcode, the instruction's text), name -> shape, name ->
     metadata op_name."""
     ops, shapes, names = {}, {}, {}
-    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) (\w[\w-]*)\((.*)$", text, re.M):
+    # a multi-output op's shape is a tuple, with spaces: "(f32[8]{0}, f32[8]{0})"
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) (\w[\w-]*)\((.*)$", text, re.M):
         name, shape, opcode, rest = m.groups()
         ops[name], shapes[name] = (opcode, rest[:400]), shape
         found = re.search(r'op_name="([^"]*)"', rest)
@@ -153,6 +155,11 @@ def gpu_main(args) -> None:
         jax.block_until_ready(m)
     jax.profiler.stop_trace()
     trace = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1]
+    if args.save:  # the raw trace and the program, to read again offline
+        os.makedirs(args.save, exist_ok=True)
+        shutil.copy(trace, os.path.join(args.save, "step.trace.json.gz"))
+        with open(os.path.join(args.save, "step.hlo.txt"), "w") as f:
+            f.write(compiled.as_text())
     events = json.load(gzip.open(trace))["traceEvents"]
     gpu_pids = {
         e["pid"]
@@ -226,6 +233,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--gpu", action="store_true", help="configs/gpu-peer.yaml on this GPU")
+    ap.add_argument("--save", default=None, help="--gpu: write the trace and the HLO text here")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if args.gpu:

@@ -632,10 +632,10 @@ def _compiler_params(cfg: FlashConfig, kind: str):
         else:
             num_warps = 8 if bq * bk >= 128 * 64 else 4
         # num_stages: copies of the streamed blocks kept in flight by Triton's
-        # software pipelining (shared memory grows linearly with it). The head_dim 128
-        # forward ran 6% faster with two than with three on an H100 (flash_tune.py).
-        stages = 2 if kind == "fwd" and cfg.head_dim > 64 else 3
-        return pltriton.CompilerParams(num_warps=num_warps, num_stages=stages)
+        # software pipelining (shared memory grows linearly with it). On an H100 (head_dim
+        # 128, flash_tune.py) two and four stages were no faster forward and 10-15% slower
+        # backward.
+        return pltriton.CompilerParams(num_warps=num_warps, num_stages=3)
     return None
 
 

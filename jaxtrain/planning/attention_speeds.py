@@ -27,10 +27,14 @@ class Speed:
 
 
 _H200 = "2026-11-26, one H200, jax 0.11.2 + cuDNN (the figures of issue #31)"
+_H100 = "2026-11-26, one H100 SXM, jax 0.11.2 + cuDNN, benchmarks/gpu_peer.py and flash_tune.py"
 SPEEDS: tuple[Speed, ...] = (
     Speed("h200", 128, False, "cudnn", 424.0, _H200),
-    Speed("h200", 128, False, "pallas", 186.0, _H200),
+    Speed("h200", 128, False, "pallas", 186.0, _H200),  # the tiles before the H100 tuning
     Speed("h200", 128, False, "xla", 43.0, _H200),
+    Speed("h100", 128, False, "cudnn", 407.0, _H100),
+    Speed("h100", 128, False, "pallas", 284.0, _H100),  # the tuned tiles (175 before)
+    Speed("h100", 128, False, "xla", 51.5, _H100),
 )
 
 # cuDNN's fused attention (as jax checks it): Ampere or newer, 16-bit inputs, head_dim a
