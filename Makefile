@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 ARGS ?=
 
-.PHONY: train test venv bench clean
+.PHONY: train test test-jax011 venv bench clean
 train: $(STAMP)
 	$(VPY) -m jaxtrain train $(CONFIG) $(ARGS)
 
@@ -18,6 +18,22 @@ train: $(STAMP)
 # (pytest-dev/pytest-xdist#784, #1313); a crash ends the run as a failure instead.
 test: $(STAMP)
 	$(VPY) -m ruff check . && $(VPY) -m ruff format --check . && $(VPY) -m pytest -n auto --dist loadfile --max-worker-restart=0 $(ARGS)
+
+# The GPU host runs jax 0.11.2 (CUDA 13); we pin 0.12.0.1. This runs the GPU-path tests (cuDNN
+# attention and the dispatcher, the GPU memory plan, the launch flags, deviceless H100
+# compiles, the model) under jax 0.11.2 in a venv of its own (docs/gpu.md).
+JAX011 := .venv-jax011
+test-jax011:
+	@py="$$(bash .ci/find_python.sh)" || exit 1; \
+	if [ ! -x $(JAX011)/bin/python ]; then "$$py" -m venv $(JAX011) && \
+	$(JAX011)/bin/python -m pip install -q "jax==0.11.2" "jaxlib==0.11.2" "jax-cuda12-plugin==0.11.2" \
+	  "jax-cuda12-pjrt==0.11.2" "nvidia-cudnn-cu12>=9.8,<10" pytest pytest-xdist && \
+	$(JAX011)/bin/python -m pip install -q flax==0.12.12 optax==0.2.8 orbax-checkpoint==0.12.8 \
+	  chex==0.1.92 "numpy>=2,<3" pyyaml rich tensorboardx safetensors "etils[epath]" gcsfs tokenizers \
+	  zstandard && $(JAX011)/bin/python -m pip install -q --no-deps -e . ; fi
+	$(JAX011)/bin/python -m pytest -p no:cacheprovider -n 2 tests/test_gpu_flags.py \
+	  tests/test_cudnn_attention.py tests/test_gpu_memory_plan.py tests/test_model.py \
+	  tests/test_flash_attention_deviceless.py $(ARGS)
 
 bench: $(STAMP)
 	$(VPY) benchmarks/throughput.py $(ARGS)
@@ -32,4 +48,4 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e '.[dev]' && touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(JAX011) build *.egg-info
