@@ -237,7 +237,7 @@ def test_llama2_7b_fits_on_2x8_h100(capsys):
     )
     assert code == 0 and r["fits"] and r["num_devices"] == 16 and r["per_device_batch"] == 4
     assert r["memory"]["total"] < 36.3 * 2**30  # MaxText 0.2.5, same batch/seq/remat: 36.3 GiB
-    assert r["pallas_in_program"]
+    assert r["attention_impl"] == "cudnn" and r["cudnn_in_program"]  # the GPU dispatcher's pick
 
 
 # --- decode: prefill + one decode step over a KV cache (`--mode decode`) -----------------

@@ -464,6 +464,7 @@ def _program_figures(report: dict, compiled, cfg: Config, target: Target) -> Non
     report["collectives"] = collectives(text)
     report["custom_calls"] = sorted(custom_call_targets(text))
     report["pallas_in_program"] = any("tpu_custom_call" in c or "triton" in c for c in report["custom_calls"])
+    report["cudnn_in_program"] = any("cudnn$fmha" in c for c in report["custom_calls"])
     report["kernels"] = sorted(kernel_names(text))
     tokens = cfg.train.global_batch_size * cfg.train.seq_len
     report["model_flops_per_device"] = model_flops_per_token(cfg) * tokens / report["num_devices"]

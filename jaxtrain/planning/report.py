@@ -178,8 +178,9 @@ def format_report(r: dict) -> str:
         ]
         lines.append("collectives " + ", ".join(parts) + "  [static count: loop bodies once]")
     if r.get("custom_calls") is not None:
+        yes = lambda key: "yes" if r.get(key) else "no"
         lines.append(
-            f"pallas      {'yes' if r['pallas_in_program'] else 'no'} "
+            f"kernels     pallas {yes('pallas_in_program')}, cudnn {yes('cudnn_in_program')} "
             f"(custom calls: {', '.join(r['custom_calls']) or 'none'})"
         )
     lines += [f"note        {note}" for note in r.get("notes", [])]
