@@ -571,6 +571,11 @@ def _validate_train(cfg: Config) -> None:
             f"train.loss_chunk={t.loss_chunk}: expected auto, 0 (off) or a positive divisor of "
             f"train.seq_len={t.seq_len}"
         )
+    if isinstance(t.loss_chunk, int) and t.loss_chunk > 0 and cfg.model.final_softcap is not None:
+        raise ConfigError(
+            f"train.loss_chunk={t.loss_chunk} with model.final_softcap={cfg.model.final_softcap}: the "
+            "chunked loss takes no softcap yet; expected train.loss_chunk 0 or auto"
+        )
     if t.microbatches < 1:
         raise ConfigError(f"train.microbatches={t.microbatches}: expected a positive integer")
     if t.global_batch_size < 1:
@@ -671,6 +676,11 @@ def _validate_pipeline(cfg: Config) -> None:
     p, stages = cfg.pipeline, cfg.mesh.stage
     if p.schedule not in ("gpipe", "circular"):
         raise ConfigError(f"pipeline.schedule={p.schedule!r}: expected gpipe or circular")
+    if stages > 1 and cfg.model.attention_pattern:
+        raise ConfigError(
+            f"mesh.stage={stages} with model.attention_pattern={list(cfg.model.attention_pattern)}: "
+            "pipeline stages over layer patterns are not supported yet; expected mesh.stage=1"
+        )
     if p.microbatches is not None and p.microbatches < 1:
         raise ConfigError(f"pipeline.microbatches={p.microbatches}: expected a positive integer or null")
     if p.schedule == "gpipe" and p.repeats != 1:

@@ -32,8 +32,11 @@ from jaxtrain.pallas_kernels.cudnn_attention import cudnn_attention
 from jaxtrain.pallas_kernels.sharded import shard_attention
 
 
-def xla_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, softmax_scale=None):
-    """Reference-quality attention in XLA ops: f32 softmax, GQA without repeating K/V."""
+def xla_attention(
+    q, k, v, *, segment_ids=None, causal=True, sliding_window=None, softmax_scale=None, softcap=None
+):
+    """Reference-quality attention in XLA ops: f32 softmax, GQA without repeating K/V;
+    `softcap`: the scores capped by softcap * tanh(scores / softcap) before the mask."""
     b, s, h, d = q.shape
     kv_heads = k.shape[2]
     groups = h // kv_heads
@@ -42,7 +45,7 @@ def xla_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None
     if segment_ids is None:
         segment_ids = jnp.ones((b, s), jnp.int32)
     mask = attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
-    scores = masked_scores(qg, k, mask, scale)
+    scores = masked_scores(qg, k, mask, scale, softcap)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
     return out.reshape(b, s, h, d)
@@ -59,9 +62,19 @@ def attend(
     sliding_window=None,
     context_impl="ring",
     cpu_tuned=False,
+    softmax_scale=None,
+    softcap=None,
 ):
-    """Dispatch to one attention implementation (see module docstring)."""
+    """Dispatch to one attention implementation (see module docstring). `softmax_scale`:
+    the query scale (None: head_dim ** -0.5); `softcap`: XLA only (the kernels have none)."""
     impl = "xla" if impl == "auto" else impl
+    if softcap is not None and (impl != "xla" or _context_size() > 1):
+        raise ValueError(
+            f"attention softcap {softcap}: only model.attention_impl=xla without context parallelism "
+            f"takes it (got {impl}{', mesh.context > 1' if _context_size() > 1 else ''})"
+        )
+    if softmax_scale is not None and _context_size() > 1:
+        raise ValueError("model.attention_scale with mesh.context > 1: not supported yet")
     if _context_size() > 1:
         return _context_attention(
             q,
@@ -74,15 +87,39 @@ def attend(
             context_impl=context_impl,
         )
     if impl == "xla":
-        xla = cpu_tuning.attention if cpu_tuned else xla_attention
-        return xla(q, k, v, segment_ids=segment_ids, causal=causal, sliding_window=sliding_window)
+        if cpu_tuned and softmax_scale is None and softcap is None:
+            return cpu_tuning.attention(
+                q, k, v, segment_ids=segment_ids, causal=causal, sliding_window=sliding_window
+            )
+        return xla_attention(
+            q,
+            k,
+            v,
+            segment_ids=segment_ids,
+            causal=causal,
+            sliding_window=sliding_window,
+            softmax_scale=softmax_scale,
+            softcap=softcap,
+        )
     if impl == "pallas":
         return _pallas_attention(
-            q, k, v, segment_ids=segment_ids, causal=causal, sliding_window=sliding_window
+            q,
+            k,
+            v,
+            segment_ids=segment_ids,
+            causal=causal,
+            sliding_window=sliding_window,
+            scale=softmax_scale,
         )
     if impl == "cudnn":
         return _cudnn_attention(
-            q, k, v, segment_ids=segment_ids, causal=causal, sliding_window=sliding_window
+            q,
+            k,
+            v,
+            segment_ids=segment_ids,
+            causal=causal,
+            sliding_window=sliding_window,
+            scale=softmax_scale,
         )
     raise ValueError(f"attention impl={impl!r}: expected one of auto, xla, pallas, cudnn")
 
@@ -108,15 +145,29 @@ def _shards(q):
     return mesh, *_batch_and_head_axes(q, rules, mesh)
 
 
-def _cudnn_attention(q, k, v, *, segment_ids, causal, sliding_window):
+def _cudnn_attention(q, k, v, *, segment_ids, causal, sliding_window, scale=None):
     """cuDNN per shard; the flash kernel for rows packing several documents."""
     mesh, batch_axes, head_axes = _shards(q)
-    flash = dict(mesh=None, batch_axes=(), head_axes=(), causal=causal, sliding_window=sliding_window)
+    flash = dict(
+        mesh=None,
+        batch_axes=(),
+        head_axes=(),
+        causal=causal,
+        sliding_window=sliding_window,
+        softmax_scale=scale,
+    )
 
     def kernel(q, k, v, seg):
         fallback = lambda q, k, v, seg: sharded_flash_attention(q, k, v, segment_ids=seg, **flash)
         return cudnn_attention(
-            q, k, v, causal=causal, segment_ids=seg, sliding_window=sliding_window, fallback=fallback
+            q,
+            k,
+            v,
+            causal=causal,
+            segment_ids=seg,
+            sliding_window=sliding_window,
+            softmax_scale=scale,
+            fallback=fallback,
         )
 
     return shard_attention(
@@ -124,7 +175,7 @@ def _cudnn_attention(q, k, v, *, segment_ids, causal, sliding_window):
     )
 
 
-def _pallas_attention(q, k, v, *, segment_ids, causal, sliding_window):
+def _pallas_attention(q, k, v, *, segment_ids, causal, sliding_window, scale=None):
     """The flash kernel per shard (`_shards`)."""
     mesh, batch_axes, head_axes = _shards(q)
     return sharded_flash_attention(
@@ -137,6 +188,7 @@ def _pallas_attention(q, k, v, *, segment_ids, causal, sliding_window):
         causal=causal,
         segment_ids=segment_ids,
         sliding_window=sliding_window,
+        softmax_scale=scale,
     )
 
 

@@ -33,7 +33,9 @@ CONTEXT_IMPLS = ("ring", "ulysses")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_SCALINGS = (None, "linear", "llama3")
 QK_NORMS = ("none", "head", "projection")
-NORM_PLACEMENTS = ("pre", "post")
+NORM_PLACEMENTS = ("pre", "post", "both")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_KINDS = ("local", "global")
 MOE_SCORINGS = ("softmax", "sigmoid")
 MOE_DISPATCHES = ("capacity", "dropless")
 MOE_EXCHANGES = ("auto", "padded", "ragged")
@@ -157,9 +159,26 @@ class ModelConfig:
     # at once, a scale per element: OLMo 2)
     qk_norm: str = "none"
     # where each block's norms sit: pre (x + f(norm(x)): Llama, Qwen) | post (x + norm(f(x)):
-    # OLMo 2; the final norm stays)
+    # OLMo 2; the final norm stays) | both (x + norm2(f(norm1(x))): Gemma 2 and 3)
     norm_placement: str = "pre"
     norm_eps: float = 1e-5  # RMSNorm's epsilon
+    # every RMSNorm multiplies by (norm_scale_offset + scale), its scales starting at
+    # 1 - offset (Gemma: 1.0, scales stored around 0)
+    norm_scale_offset: float = 0.0
+    embedding_scale: float = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(d_model))
+    mlp_activation: str = "silu"  # the gated MLP's gate: silu (SwiGLU) | gelu_tanh (GeGLU, Gemma)
+    attention_scale: float | None = None  # the softmax's query scale; None: head_dim ** -0.5
+    # cap * tanh(x / cap) on the attention scores (before the mask) and on the output logits
+    # (Gemma 2: 50 and 30); null: none
+    attention_softcap: float | None = None
+    final_softcap: float | None = None
+    # layer kinds repeating over the depth: local (a sliding window of `sliding_window` keys,
+    # RoPE base `local_rope_theta`, no RoPE scaling) or global (full causal attention,
+    # `rope_theta` with `rope_scaling`); layer i is attention_pattern[i % len]. Empty: every
+    # layer as `sliding_window` says (Mistral). Gemma 2: [local, global]; Gemma 3: five local,
+    # one global. The layers scan in groups of one pattern, so it must divide n_layers.
+    attention_pattern: tuple[str, ...] = ()
+    local_rope_theta: float | None = None  # RoPE base of local layers; None: rope_theta
     tie_embeddings: bool = False  # the output head is the embedding table's transpose
     init_std: float = 0.02  # normal init of weights (output projections: / sqrt(2 x n_layers))
     param_dtype: str = "float32"  # master weights (and optimizer state)
@@ -195,6 +214,8 @@ class ModelConfig:
                 "recompute}"
             )
         object.__setattr__(self, "remat_custom", tuple(sorted(pairs)))
+        if isinstance(self.attention_pattern, (list, tuple)):  # YAML gives a list
+            object.__setattr__(self, "attention_pattern", tuple(self.attention_pattern))
 
     @property
     def gathers_weights_once(self) -> bool:
@@ -268,6 +289,7 @@ class ModelConfig:
             )
         if self.context_impl not in CONTEXT_IMPLS:
             raise ValueError(f"model.context_impl={self.context_impl!r}: expected one of {CONTEXT_IMPLS}")
+        self._validate_gemma_features()
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             raise ValueError("model.rope_theta, model.norm_eps and model.init_std must be positive")
         if self.fp8_amax_history < 1:
@@ -280,6 +302,54 @@ class ModelConfig:
         if self.moe is not None:
             self.moe.validate(self)
 
+    def _validate_gemma_features(self) -> None:
+        """The features Gemma 2 and 3 need (norm offset, softcaps, layer pattern, GeGLU)."""
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(
+                f"model.mlp_activation={self.mlp_activation!r}: expected one of {MLP_ACTIVATIONS}"
+            )
+        for key in ("attention_scale", "attention_softcap", "final_softcap", "local_rope_theta"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ValueError(f"model.{key}={value}: expected a positive number or null")
+        if self.embedding_scale <= 0:
+            raise ValueError(f"model.embedding_scale={self.embedding_scale}: expected a positive number")
+        pattern = self.attention_pattern
+        if pattern:
+            if any(kind not in LAYER_KINDS for kind in pattern):
+                raise ValueError(
+                    f"model.attention_pattern={list(pattern)}: expected kinds from {LAYER_KINDS}"
+                )
+            if self.n_layers % len(pattern):
+                raise ValueError(
+                    f"model.attention_pattern={list(pattern)}: its length must divide model.n_layers="
+                    f"{self.n_layers} (the layers scan in groups of one pattern)"
+                )
+            if "local" in pattern and self.sliding_window is None:
+                raise ValueError(
+                    f"model.attention_pattern={list(pattern)} has local layers: expected model.sliding_window"
+                )
+            if self.moe is not None:
+                raise ValueError(
+                    "model.attention_pattern with model.moe: not supported yet (dense models only)"
+                )
+        if self.norm_placement == "both" and self.moe is not None:
+            raise ValueError(
+                "model.norm_placement=both with model.moe: not supported yet (dense models only)"
+            )
+        if self.attention_softcap is not None and self.attention_impl in ("pallas", "cudnn"):
+            raise ValueError(
+                f"model.attention_softcap={self.attention_softcap} with model.attention_impl="
+                f"{self.attention_impl}: the flash kernels take no softcap yet; expected attention_impl "
+                "xla or auto"
+            )
+
+    @property
+    def layer_kinds(self) -> tuple[str | None, ...]:
+        """Each layer's kind (attention_pattern repeated), None for all without a pattern."""
+        pattern = self.attention_pattern or (None,)
+        return tuple(pattern[i % len(pattern)] for i in range(self.n_layers))
+
     def param_count(self, *, include_embedding: bool = True) -> int:
         """Exact number of parameters (matches the built model; tests check it)."""
         d, hd, L = self.d_model, self.resolved_head_dim, self.n_layers
@@ -288,7 +358,7 @@ class ModelConfig:
             attn += hd * (self.n_heads + 2 * self.n_kv_heads)
         attn += {"none": 0, "head": 2 * hd, "projection": hd * (self.n_heads + self.n_kv_heads)}[self.qk_norm]
         mlp = 3 * d * self.mlp_dim
-        per_layer = attn + mlp + 2 * d
+        per_layer = attn + mlp + (4 if self.norm_placement == "both" else 2) * d
         embed = self.vocab_size * d
         head = 0 if self.tie_embeddings else self.vocab_size * d
         total = L * per_layer + d + head + (embed if include_embedding else 0)

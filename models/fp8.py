@@ -69,11 +69,15 @@ def block_meta(cfg, *, moe: bool) -> dict:
 
 def model_meta(cfg) -> dict:
     """The whole model's fp8 state, stacked as Transformer's layer stacks: `blocks`
-    (dense layers) and `moe_blocks` (MoE groups: `dense_i` blocks, then `moe`)."""
+    (dense layers; with an attention pattern, groups of `layer_i` blocks) and `moe_blocks`
+    (MoE groups: `dense_i` blocks, then `moe`)."""
     stack = lambda tree, n: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), tree)
     n_dense = cfg.n_layers if cfg.moe is None else cfg.moe.first_dense_layers
     meta = {}
-    if n_dense:
+    if n_dense and cfg.attention_pattern:  # PatternGroup: a block per kind of the pattern
+        p = len(cfg.attention_pattern)
+        meta["blocks"] = stack({f"layer_{i}": block_meta(cfg, moe=False) for i in range(p)}, n_dense // p)
+    elif n_dense:
         meta["blocks"] = stack(block_meta(cfg, moe=False), n_dense)
     if cfg.moe is not None:
         group = block_meta(cfg, moe=True)

@@ -51,7 +51,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.models.attention import attend
-from jaxtrain.models.layers import norm_after, norm_before
+from jaxtrain.models.layers import PatternGroup, norm_after, norm_before, post_norm
 from jaxtrain.models.transformer import MoEGroup, Transformer
 from jaxtrain.sharding import axis_rules, constrain, current_rules
 
@@ -66,8 +66,11 @@ class KVCache(NamedTuple):
 
 
 def cache_length(cfg, total_len: int) -> int:
-    """Slots per row for sequences of `total_len` positions: all of them, or the window."""
-    return min(cfg.sliding_window, total_len) if cfg.sliding_window else total_len
+    """Slots per row for sequences of `total_len` positions: all of them, or the window when
+    every layer slides (an attention pattern's global layers need all of them)."""
+    if cfg.sliding_window and "global" not in cfg.attention_pattern:
+        return min(cfg.sliding_window, total_len)
+    return total_len
 
 
 class _Step(NamedTuple):
@@ -79,14 +82,18 @@ class _Step(NamedTuple):
     write: jax.Array | None  # decode: [b, cache_len] the slot each row's new token goes to
 
 
-def _cached_attention(q, k, v, q_positions, kv_positions, window):
+def _cached_attention(q, k, v, q_positions, kv_positions, window, scale=None, softcap=None):
     """q [b, 1, h, d] over the cache k/v [b, kv_heads, cache_len, d] (GQA without repeating
     K/V, f32 softmax, as `xla_attention`). A slot is visible when it holds a position p
-    with 0 <= p <= q's position (and q - p < window)."""
+    with 0 <= p <= q's position (and q - p < window). `scale` (None: d ** -0.5) and
+    `softcap` as the model's attention has them."""
     b, s, h, d = q.shape
     kv_heads = k.shape[1]
     qg = q.reshape(b, s, kv_heads, h // kv_heads, d)
-    scores = jnp.einsum("bskgd,bktd->bkgst", qg, k, preferred_element_type=jnp.float32) * d**-0.5
+    scale = d**-0.5 if scale is None else scale
+    scores = jnp.einsum("bskgd,bktd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     q_pos = q_positions[:, None]
     visible = (kv_positions >= 0) & (kv_positions <= q_pos)
     if window is not None:
@@ -109,8 +116,10 @@ def _attention(attn, x, cache, step: _Step, layer=None):
             v,
             causal=True,
             impl=cfg.attention_impl,
-            sliding_window=cfg.sliding_window,
+            sliding_window=attn.window,
             context_impl=cfg.context_impl,
+            softmax_scale=cfg.attention_scale,
+            softcap=cfg.attention_softcap,
         )
         held = (step.slot_positions >= 0)[:, :, None, None]
         keep = lambda t: jnp.where(held, jnp.take_along_axis(t, step.source[:, :, None, None], axis=1), 0)
@@ -127,7 +136,14 @@ def _attention(attn, x, cache, step: _Step, layer=None):
         for new, c in zip((k, v), cache)
     )
     out = _cached_attention(
-        q, k_cache, v_cache, step.positions[:, 0], step.slot_positions, cfg.sliding_window
+        q,
+        k_cache,
+        v_cache,
+        step.positions[:, 0],
+        step.slot_positions,
+        attn.window,
+        cfg.attention_scale,
+        cfg.attention_softcap,
     )
     cache = tuple(
         jax.lax.dynamic_update_index_in_dim(c, t, layer, 0) for c, t in zip(cache, (k_cache, v_cache))
@@ -139,15 +155,17 @@ def _block(block, x, cache, step: _Step, layer=None):
     """One decoder block (layers.Block or moe.MoEBlock: the same residual layout) with its cache."""
     cfg = block.attn.cfg
     h, cache = _attention(block.attn, norm_before(block.attn_norm, x, cfg), cache, step, layer)
-    x = x + norm_after(block.attn_norm, h, cfg)
+    x = x + norm_after(block.attn_norm, h, cfg, post_norm(block, "attn"))
     y = block.mlp(norm_before(block.mlp_norm, x, cfg))
     y = y[0] if isinstance(y, tuple) else y  # MoE: (output, router statistics)
-    return constrain(x + norm_after(block.mlp_norm, y, cfg), ("batch", "seq", "act_embed")), cache
+    y = norm_after(block.mlp_norm, y, cfg, post_norm(block, "mlp"))
+    return constrain(x + y, ("batch", "seq", "act_embed")), cache
 
 
 def _stacks(model: Transformer):
     """(stacked layers, decoder blocks per scanned element), in layer order."""
-    out = [(model.blocks, 1)] if hasattr(model, "blocks") else []
+    per = max(1, len(model.cfg.attention_pattern))  # PatternGroup: one block per kind
+    out = [(model.blocks, per if model.cfg.moe is None else 1)] if hasattr(model, "blocks") else []
     if model.cfg.moe is not None:
         out.append((model.moe_blocks, model.cfg.moe.every))
     return out
@@ -168,11 +186,10 @@ def _run_layers(model: Transformer, x, cache, step: _Step):
             x, c = carry
             layer_state, g = xs  # g: the scanned element's index
             layer = nnx.merge(graphdef, layer_state)
-            blocks = (
-                [*(getattr(layer, f"dense_{i}") for i in range(layer.n_dense)), layer.moe]
-                if isinstance(layer, MoEGroup)
-                else [layer]
-            )
+            if isinstance(layer, MoEGroup):
+                blocks = [*(getattr(layer, f"dense_{i}") for i in range(layer.n_dense)), layer.moe]
+            else:
+                blocks = layer.blocks() if isinstance(layer, PatternGroup) else [layer]
             ks, vs = [], []
             for j, block in enumerate(blocks):
                 if c is None:

@@ -48,7 +48,14 @@ _FAMILIES = {
     "Qwen3ForCausalLM": ((False, "head", "pre"), "qwen3", None),
     "Qwen3MoeForCausalLM": ((False, "head", "pre"), "qwen3_moe", "qwen"),
     "Olmo2ForCausalLM": ((False, "projection", "post"), "olmo2", None),
+    "Gemma2ForCausalLM": ((False, "none", "both"), "gemma2", None),
+    "Gemma3ForCausalLM": ((False, "head", "both"), "gemma3_text", None),
 }
+# The classes whose norms scale by (1 + w), whose embeddings are scaled by sqrt(hidden_size),
+# whose attention scale is query_pre_attn_scalar ** -0.5, with softcaps and `layer_types`
+# (model.norm_scale_offset, embedding_scale, attention_scale, *_softcap, attention_pattern).
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF name -> mlp_activation
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 
 
@@ -61,8 +68,10 @@ class HFConversionError(ValueError):
 
 def _rope_settings(hf: dict) -> dict:
     """RoPE theta and scaling from either transformers 4.x (`rope_theta`, `rope_scaling`)
-    or 5.x (`rope_parameters`) config layouts."""
+    or 5.x (`rope_parameters`) config layouts; Gemma 3's 5.x parameters are per layer type
+    (the global layers' here, the local ones' in `_gemma_settings`)."""
     params = dict(hf.get("rope_parameters") or {})
+    params = dict(params.get("full_attention", params))
     scaling = dict(hf.get("rope_scaling") or {})
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
@@ -97,8 +106,13 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):  # (Qwen2's q/k/v biases are not a flag: the class always has them)
             raise HFConversionError(f"config.json {flag}=true is not supported")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise HFConversionError(f"hidden_act={hf['hidden_act']!r} is not supported (expected silu)")
+    # Gemma names its activation hidden_activation; a loader reading hidden_act alone (or
+    # defaulting to silu) would be silently wrong
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if act not in _ACTIVATIONS:
+        raise HFConversionError(
+            f"activation {act!r} is not supported (expected one of {tuple(_ACTIVATIONS)})"
+        )
     if hf.get("use_sliding_window"):  # Qwen2/3 write sliding_window with use_sliding_window false
         raise HFConversionError(
             "config.json use_sliding_window=true is not supported (per-layer windows, max_window_layers)"
@@ -119,8 +133,11 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,
         norm_placement=placement,
+        mlp_activation=_ACTIVATIONS[act],
         **_rope_settings(hf),
     )
+    if arch in _GEMMA:
+        fields.update(_gemma_settings(hf))
     if arch in ("MistralForCausalLM", "MixtralForCausalLM") and hf.get("sliding_window"):
         fields["sliding_window"] = int(hf["sliding_window"])
     if moe_layout is not None:
@@ -129,6 +146,43 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     cfg = ModelConfig(**fields)
     cfg.validate()
     return cfg
+
+
+def _layer_pattern(layer_types: list[str]) -> tuple[str, ...]:
+    """The shortest unit that, repeated, is HF's `layer_types` ("sliding_attention" /
+    "full_attention"), as model.attention_pattern kinds (at worst the whole list)."""
+    kinds = {"sliding_attention": "local", "full_attention": "global"}
+    if any(t not in kinds for t in layer_types):
+        raise HFConversionError(f"config.json layer_types={layer_types}: expected sliding/full_attention")
+    ours = [kinds[t] for t in layer_types]
+    n = len(ours)
+    p = next(p for p in range(1, n + 1) if n % p == 0 and ours == ours[:p] * (n // p))
+    return tuple(ours[:p])
+
+
+def _gemma_settings(hf: dict) -> dict:
+    """Gemma 2 and 3's model features from their config.json (module docstring)."""
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:  # transformers 4.x: Gemma 2 alternates, Gemma 3 repeats sliding_window_pattern
+        period = hf.get("sliding_window_pattern", 2)
+        types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
+    # the shortest unit that tiles the depth: Gemma 3 1B's 26 layers (5 local, 1 global, ...)
+    # do not tile by 6, so its whole depth is one group (the layers unrolled in one scan step)
+    pattern = _layer_pattern(list(types))
+    params = dict(hf.get("rope_parameters") or {})
+    local = params.get("sliding_attention", {}).get("rope_theta", hf.get("rope_local_base_freq"))
+    out = dict(
+        norm_scale_offset=1.0,
+        embedding_scale=float(hf["hidden_size"]) ** 0.5,
+        attention_scale=float(hf.get("query_pre_attn_scalar", hf.get("head_dim", 256))) ** -0.5,
+        attention_softcap=hf.get("attn_logit_softcapping"),
+        final_softcap=hf.get("final_logit_softcapping"),
+        attention_pattern=pattern,
+        sliding_window=int(hf["sliding_window"]) if "local" in pattern else None,
+        local_rope_theta=float(local) if local is not None else None,
+    )
+    return out
 
 
 def _moe_from_hf(hf: dict, layout: str) -> MoEConfig:
@@ -187,7 +241,28 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
             f"architecture {arch!r} has qkv_bias={needs[0]}, qk_norm={needs[1]!r}, norm_placement="
             f"{needs[2]!r}; the model has {cfg.qkv_bias}, {cfg.qk_norm!r}, {cfg.norm_placement!r}"
         )
-    if cfg.sliding_window and arch not in ("MistralForCausalLM", "MixtralForCausalLM"):
+    if arch in _GEMMA:
+        wrong = [
+            f"model.{key}={value!r} (expected {want!r})"
+            for key, value, want, same in (
+                ("norm_scale_offset", cfg.norm_scale_offset, 1.0, cfg.norm_scale_offset == 1.0),
+                (
+                    "embedding_scale",
+                    cfg.embedding_scale,
+                    cfg.d_model**0.5,
+                    abs(cfg.embedding_scale - cfg.d_model**0.5) < 1e-6,
+                ),
+                ("mlp_activation", cfg.mlp_activation, "gelu_tanh", cfg.mlp_activation == "gelu_tanh"),
+            )
+            if not same
+        ]
+        if wrong:
+            raise HFConversionError(f"architecture {arch!r}: " + "; ".join(wrong))
+    elif cfg.attention_pattern or cfg.attention_softcap or cfg.final_softcap or cfg.norm_scale_offset:
+        raise HFConversionError(
+            f"architecture {arch!r}: model.attention_pattern, softcaps and norm_scale_offset do not convert"
+        )
+    if cfg.sliding_window and arch not in ("MistralForCausalLM", "MixtralForCausalLM", *_GEMMA):
         raise HFConversionError(
             f"architecture {arch!r}: model.sliding_window={cfg.sliding_window} does not convert"
         )
@@ -228,7 +303,7 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.resolved_head_dim,
-        "hidden_act": "silu",
+        "hidden_act": {v: k for k, v in _ACTIVATIONS.items()}[cfg.mlp_activation],
         "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
@@ -243,6 +318,8 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
     }
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         out["sliding_window"] = cfg.sliding_window
+    if arch in _GEMMA:
+        out.update(_gemma_hf_fields(cfg, rope))
     if arch.startswith("Qwen"):  # the class reads these; no window, as jaxtrain trained it
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
     if arch == "Qwen2ForCausalLM":
@@ -264,6 +341,39 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
             mlp_only_layers=[],
             router_aux_loss_coef=cfg.moe.aux_loss_weight / cfg.moe.top_k,
         )
+    return out
+
+
+def _int_if_whole(x: float) -> int | float:
+    return int(round(x)) if abs(x - round(x)) < 1e-6 * max(1.0, abs(x)) else x
+
+
+def _gemma_hf_fields(cfg: ModelConfig, rope: dict) -> dict:
+    """config.json fields of Gemma 2 and 3 for `cfg` (both 4.x and 5.x spellings)."""
+    pattern = cfg.attention_pattern or ("global",)
+    kinds = {"local": "sliding_attention", "global": "full_attention"}
+    scale = cfg.attention_scale if cfg.attention_scale is not None else cfg.resolved_head_dim**-0.5
+    out = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": _int_if_whole(scale**-2),  # transformers takes an int
+        "attn_logit_softcapping": cfg.attention_softcap,
+        "final_logit_softcapping": cfg.final_softcap,
+        "sliding_window": cfg.sliding_window,
+        "layer_types": [kinds[k] for k in cfg.layer_kinds]
+        if cfg.attention_pattern
+        else ["full_attention"] * cfg.n_layers,
+        "sliding_window_pattern": len(pattern),
+        "attention_bias": False,
+    }
+    local = cfg.local_rope_theta or cfg.rope_theta
+    if cfg.qk_norm == "head":  # Gemma 3: RoPE per layer type
+        out["rope_parameters"] = {
+            "full_attention": rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": local},
+        }
+        out["rope_local_base_freq"] = local
+    elif local != cfg.rope_theta:
+        raise HFConversionError("Gemma 2 has one RoPE base: model.local_rope_theta must equal rope_theta")
     return out
 
 
@@ -289,6 +399,11 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ..
     if cfg.norm_placement == "pre":
         common[("attn_norm", "scale")] = "input_layernorm.weight"
         common[("mlp_norm", "scale")] = "post_attention_layernorm.weight"
+    elif cfg.norm_placement == "both":  # Gemma: a norm before and after each sublayer
+        common[("attn_norm", "scale")] = "input_layernorm.weight"
+        common[("attn_post_norm", "scale")] = "post_attention_layernorm.weight"
+        common[("mlp_norm", "scale")] = "pre_feedforward_layernorm.weight"
+        common[("mlp_post_norm", "scale")] = "post_feedforward_layernorm.weight"
     else:  # OLMo 2: the norms after attention and after the MLP
         common[("attn_norm", "scale")] = "post_attention_layernorm.weight"
         common[("mlp_norm", "scale")] = "post_feedforward_layernorm.weight"
@@ -308,13 +423,18 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ..
         router, moe = "block_sparse_moe.gate.weight", "block_sparse_moe.experts"
         experts = dict(zip(_EXPERT_PARAMS, ("w1.weight", "w3.weight", "w2.weight")))
     stack = "blocks" if cfg.moe is None else "moe_blocks"
+    period = max(
+        1, len(cfg.attention_pattern)
+    )  # PatternGroup: layer i is layer_{i % period} of group i // period
     for layer in range(cfg.n_layers):
         prefix = f"model.layers.{layer}."
+        where = (stack, f"layer_{layer % period}") if cfg.attention_pattern else (stack,)
+        index = (layer // period,)
         for ours, theirs in common.items():
-            yield (stack, *ours), (layer,), prefix + theirs
+            yield (*where, *ours), index, prefix + theirs
         if cfg.moe is None:
             for ours, theirs in dense.items():
-                yield (stack, *ours), (layer,), prefix + theirs
+                yield (*where, *ours), index, prefix + theirs
             continue
         yield (stack, "mlp", "w_router"), (layer,), prefix + router
         for e in range(cfg.moe.num_experts):
@@ -409,7 +529,8 @@ def load_hf_params(path: str | Path, cfg: ModelConfig, dtype=np.float32) -> dict
     """Our nested param dict (numpy, layers stacked) from an HF directory."""
     reader = _SafetensorsDir(Path(path))
     params: dict = {}
-    stacked = {1: (cfg.n_layers,), 2: (cfg.n_layers, cfg.moe.num_experts if cfg.moe else 0)}
+    groups = cfg.n_layers // max(1, len(cfg.attention_pattern))  # the stacked layers (or pattern groups)
+    stacked = {1: (groups,), 2: (cfg.n_layers, cfg.moe.num_experts if cfg.moe else 0)}
     for ours, index, theirs in _hf_names(cfg):
         w = _to_ours(ours, np.asarray(reader.get(theirs), dtype=np.float32), cfg)
         expected = _shape_of(ours, cfg)

@@ -28,10 +28,11 @@ RESIDUAL_AXES = ("batch", "residual_seq", "act_embed")
 REGION_INPUT_AXES = ("batch", "seq", "act_embed")
 
 
-def param(rngs: nnx.Rngs, shape, logical_axes, *, std: float | None, dtype) -> nnx.Param:
-    """A parameter with logical axis names; std None means ones (norm scales), 0 zeros (biases)."""
+def param(rngs: nnx.Rngs, shape, logical_axes, *, std: float | None, dtype, fill: float = 1.0) -> nnx.Param:
+    """A parameter with logical axis names; std None means `fill` everywhere (norm scales: 1,
+    or 0 with a norm scale offset of 1), 0 zeros (biases)."""
     if std is None:
-        value = jnp.ones(shape, dtype)
+        value = jnp.full(shape, fill, dtype)
     elif std == 0:
         value = jnp.zeros(shape, dtype)
     else:
@@ -43,11 +44,14 @@ def param(rngs: nnx.Rngs, shape, logical_axes, *, std: float | None, dtype) -> n
 
 class RMSNorm(nnx.Module):
     """RMSNorm over the trailing dims its scale has: [d_model] (the residual stream), or for
-    QK-norm [head_dim] (each head) or [heads, head_dim] (a whole projection)."""
+    QK-norm [head_dim] (each head) or [heads, head_dim] (a whole projection). It multiplies
+    by (model.norm_scale_offset + scale): Gemma stores its scales around 0 with offset 1."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, shape=None, logical_axes=("norm",)):
         shape = (cfg.d_model,) if shape is None else tuple(shape)
-        self.scale = param(rngs, shape, logical_axes, std=None, dtype=cfg.param_dtype)
+        self.offset = cfg.norm_scale_offset
+        fill = 1.0 - self.offset
+        self.scale = param(rngs, shape, logical_axes, std=None, dtype=cfg.param_dtype, fill=fill)
         self.eps = cfg.norm_eps
 
     def __call__(self, x):
@@ -55,16 +59,19 @@ class RMSNorm(nnx.Module):
         dims = tuple(range(-scale.ndim, 0))
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=dims, keepdims=True) + self.eps)
-        return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+        return (x32 * (self.offset + scale.astype(jnp.float32))).astype(x.dtype)
 
 
 def norm_before(norm: RMSNorm, x, cfg: ModelConfig):
-    """A sublayer's input: norm(x) with pre-norms, x itself with post-norms."""
-    return norm(x) if cfg.norm_placement == "pre" else x
+    """A sublayer's input: norm(x) with pre-norms (and both), x itself with post-norms."""
+    return x if cfg.norm_placement == "post" else norm(x)
 
 
-def norm_after(norm: RMSNorm, h, cfg: ModelConfig):
-    """What a sublayer adds to the residual stream: h with pre-norms, norm(h) with post-norms."""
+def norm_after(norm: RMSNorm, h, cfg: ModelConfig, post: RMSNorm | None = None):
+    """What a sublayer adds to the residual stream: h with pre-norms, norm(h) with post-norms,
+    post(h) with both (a norm of its own after the sublayer: Gemma)."""
+    if cfg.norm_placement == "both":
+        return post(h)
     return norm(h) if cfg.norm_placement == "post" else h
 
 
@@ -84,14 +91,18 @@ def weight_matmul(eqn: str, x: jax.Array, w: jax.Array, cfg: ModelConfig, fp8_si
     return cpu_tuning.einsum(eqn, x, w) if cfg.cpu_tuning is True else jnp.einsum(eqn, x, w)
 
 
-def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+def rope_frequencies(cfg: ModelConfig, kind: str | None = None) -> jax.Array:
     """Inverse frequencies [head_dim / 2], with the configured long-context scaling.
 
     `llama3`: Llama 3.1's rule (wavelengths longer than original_max_position /
     low_freq_factor are slowed by `factor`, shorter than .../high_freq_factor kept,
-    smooth in between); `linear`: all divided by `factor`.
+    smooth in between); `linear`: all divided by `factor`. A local layer of an attention
+    pattern (`kind`) has its own base, `local_rope_theta`, and no scaling (Gemma 3).
     """
     d = cfg.resolved_head_dim
+    if kind == "local":
+        theta = cfg.local_rope_theta or cfg.rope_theta
+        return 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     factor = cfg.rope_scaling_factor
     if cfg.rope_scaling == "linear":
@@ -118,7 +129,12 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    """GQA self-attention with RoPE. `kind` (model.attention_pattern): local layers attend
+    within `sliding_window` with their own RoPE base, global ones to every earlier key; None
+    (no pattern): `sliding_window` as configured."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, kind: str | None = None):
+        self.kind = kind
         d, hd = cfg.d_model, cfg.resolved_head_dim
         p = lambda shape, axes, std: param(rngs, shape, axes, std=std, dtype=cfg.param_dtype)
         self.wq = p((d, cfg.n_heads, hd), ("embed", "heads", "head_dim"), cfg.init_std)
@@ -149,11 +165,18 @@ class Attention(nnx.Module):
             segment_ids=segment_ids,
             causal=True,
             impl=cfg.attention_impl,
-            sliding_window=cfg.sliding_window,
+            sliding_window=self.window,
             context_impl=cfg.context_impl,
             cpu_tuned=cfg.cpu_tuning is True,
+            softmax_scale=cfg.attention_scale,
+            softcap=cfg.attention_softcap,
         )
         return self.output(out, fp8)
+
+    @property
+    def window(self) -> int | None:
+        """The keys a query sees at most (None: all earlier ones)."""
+        return None if self.kind == "global" else self.cfg.sliding_window
 
     def project(self, x, positions, fp8=None):
         """x [b, s, d] -> q [b, s, heads, hd], k and v [b, s, kv_heads, hd], RoPE applied
@@ -171,7 +194,7 @@ class Attention(nnx.Module):
             q, k, v = (t + b[...].astype(dtype) for t, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         if cfg.qk_norm != "none":  # before RoPE, as Qwen3 and OLMo 2 do
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = rope_frequencies(self.cfg)
+        inv_freq = rope_frequencies(self.cfg, self.kind)
         q = constrain(rope(q, positions, inv_freq), ("batch", "seq", "act_heads", None))
         k = constrain(rope(k, positions, inv_freq), ("batch", "seq", "act_kv_heads", None))
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))
@@ -187,7 +210,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward."""
+    """Gated feed-forward: SwiGLU, or GeGLU with `model.mlp_activation: gelu_tanh`."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.mlp_dim
@@ -202,32 +225,62 @@ class MLP(nnx.Module):
 
 
 def swiglu(x, w_gate, w_up, w_down, cfg: ModelConfig, fp8=None):
-    """silu(x @ w_gate) * (x @ w_up) @ w_down in the compute dtype (fp8: its sites, or None)."""
+    """act(x @ w_gate) * (x @ w_up) @ w_down in the compute dtype (fp8: its sites, or None);
+    act is silu (SwiGLU) or the tanh approximation of GELU (GeGLU, `model.mlp_activation`)."""
     mm = lambda a, w, axes, name: weight_matmul(
         "...d,df->...f", a, matmul_weight(w, axes, cfg), cfg, None if fp8 is None else fp8[name]
     )
     gate = checkpoint_name(mm(x, w_gate, ("embed", "mlp"), "w_gate"), "mlp_in")
     up = checkpoint_name(mm(x, w_up, ("embed", "mlp"), "w_up"), "mlp_in")
-    h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+    act = jax.nn.silu if cfg.mlp_activation == "silu" else lambda g: jax.nn.gelu(g, approximate=True)
+    h = constrain(act(gate) * up, ("batch", "seq", "act_mlp"))
     return checkpoint_name(mm(h, w_down, ("mlp", "embed"), "w_down"), "mlp_out")
 
 
 class Block(nnx.Module):
     """Decoder block: x + attn(norm(x)), then + mlp(norm(x)) (pre-norms); with
-    `model.norm_placement: post`, x + norm(attn(x)), then + norm(mlp(x))."""
+    `model.norm_placement: post`, x + norm(attn(x)), then + norm(mlp(x)); with `both`,
+    x + post_norm(attn(norm(x))), then the same around the MLP (Gemma). `kind`: the layer's
+    kind in `model.attention_pattern` (None without one)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, kind: str | None = None):
         self.attn_norm = RMSNorm(cfg, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs, kind=kind)
         self.mlp_norm = RMSNorm(cfg, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
+        if cfg.norm_placement == "both":
+            self.attn_post_norm = RMSNorm(cfg, rngs=rngs)
+            self.mlp_post_norm = RMSNorm(cfg, rngs=rngs)
 
     def __call__(self, x, positions, segment_ids, fp8=None):
         cfg = self.attn.cfg
         x = checkpoint_name(x, "layer_input")
         h = constrain(norm_before(self.attn_norm, x, cfg), REGION_INPUT_AXES)
         h = self.attn(h, positions, segment_ids, None if fp8 is None else fp8["attn"])
-        x = constrain(x + norm_after(self.attn_norm, h, cfg), RESIDUAL_AXES)
+        x = constrain(x + norm_after(self.attn_norm, h, cfg, post_norm(self, "attn")), RESIDUAL_AXES)
         h = constrain(norm_before(self.mlp_norm, x, cfg), REGION_INPUT_AXES)
         h = self.mlp(h, None if fp8 is None else fp8["mlp"])
-        return constrain(x + norm_after(self.mlp_norm, h, cfg), RESIDUAL_AXES)
+        return constrain(x + norm_after(self.mlp_norm, h, cfg, post_norm(self, "mlp")), RESIDUAL_AXES)
+
+
+def post_norm(block, sublayer: str) -> RMSNorm | None:
+    """The block's norm after `sublayer` ("attn" or "mlp") with norm_placement both, else None."""
+    return getattr(block, f"{sublayer}_post_norm", None)
+
+
+class PatternGroup(nnx.Module):
+    """One repeat of `model.attention_pattern`: a Block per kind (`layer_0`, ...), so that the
+    layer scan runs over groups and each layer keeps its static window and RoPE base."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.n_layers = len(cfg.attention_pattern)
+        for i, kind in enumerate(cfg.attention_pattern):
+            setattr(self, f"layer_{i}", Block(cfg, rngs=rngs, kind=kind))
+
+    def blocks(self) -> list[Block]:
+        return [getattr(self, f"layer_{i}") for i in range(self.n_layers)]
+
+    def __call__(self, x, positions, segment_ids, fp8=None):
+        for i, block in enumerate(self.blocks()):
+            x = block(x, positions, segment_ids, None if fp8 is None else fp8[f"layer_{i}"])
+        return x

@@ -29,7 +29,10 @@ def attention_mask(
     return mask
 
 
-def masked_scores(qg, k, mask, scale):
-    """Masked f32 scores [b, kv_heads, groups, s, t] of grouped q [b, s, kv_heads, groups, d]."""
+def masked_scores(qg, k, mask, scale, softcap=None):
+    """Masked f32 scores [b, kv_heads, groups, s, t] of grouped q [b, s, kv_heads, groups, d];
+    `softcap`: softcap * tanh(scores / softcap) first (Gemma 2)."""
     scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     return jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)

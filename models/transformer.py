@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxtrain.models import cpu_tuning
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.models.layers import REGION_INPUT_AXES, RESIDUAL_AXES, Block, RMSNorm, param
+from jaxtrain.models.layers import REGION_INPUT_AXES, RESIDUAL_AXES, Block, PatternGroup, RMSNorm, param
 from jaxtrain.models.moe import MoEBlock
 from jaxtrain.sharding import PipelineSchedule, constrain, current_rules, is_vocab_parallel, logical_to_spec
 
@@ -71,7 +71,9 @@ class Transformer(nnx.Module):
         # layer. Two scans (two compiled layer bodies) whatever the depth; dense models
         # keep exactly one stack, `blocks`.
         n_dense = cfg.n_layers if cfg.moe is None else cfg.moe.first_dense_layers
-        if n_dense:
+        if n_dense and cfg.attention_pattern:  # scanned in groups of one pattern each
+            self.blocks = _stack(PatternGroup, n_dense // len(cfg.attention_pattern), cfg, rngs)
+        elif n_dense:
             self.blocks = _stack(Block, n_dense, cfg, rngs)
         if cfg.moe is not None:
             group = MoEBlock if cfg.moe.every == 1 else MoEGroup
@@ -185,6 +187,8 @@ class Transformer(nnx.Module):
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens int [batch, seq] -> activations [batch, seq, d_model] (compute dtype)."""
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(jnp.dtype(self.cfg.compute_dtype))
+        if self.cfg.embedding_scale != 1.0:  # in the activations' dtype, as Gemma scales
+            x = x * jnp.asarray(self.cfg.embedding_scale, x.dtype)
         # The lookup in a vocab-sharded table ends in a reduction over those shards: keep
         # seq whole through it so that XLA reduces the rows (a reduce-scatter into the
         # residual layout) instead of all-gathering the table.
@@ -211,6 +215,9 @@ class Transformer(nnx.Module):
             logits = cpu_tuning.einsum("...d,dv->...v", x, head, any_dtype=vocab_parallel)
         else:
             logits = jnp.einsum("...d,dv->...v", x, head)
+        cap = self.cfg.final_softcap
+        if cap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            logits = (cap * jnp.tanh(logits.astype(jnp.float32) / cap)).astype(logits.dtype)
         return constrain(logits, ("head_batch", "seq", "act_vocab"))
 
     def head(self) -> jax.Array:

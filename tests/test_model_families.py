@@ -1,11 +1,14 @@
-"""The model features of today's families (Qwen2/2.5, Qwen3, Qwen3-MoE, OLMo 2) as config:
-q/k/v biases, QK-norm per head or over the whole projection, post-norms.
+"""The model features of today's families (Qwen2/2.5, Qwen3, Qwen3-MoE, OLMo 2, Gemma 2 and 3)
+as config: q/k/v biases, QK-norm per head or over the whole projection, post-norms, norms on
+both sides with a (1 + w) scale, embedding scale, GeGLU, softcaps, a query scale, and a
+repeating pattern of local and global layers.
 
 Their logits, greedy generations and exports are checked against transformers in
 tests/test_hf.py and tests/test_generate.py (the assets tests/assets/make_hf_assets.py wrote);
 here: one step sharded over fsdp x tensor (x expert) equals one device, the new parameters
 follow the rules and are never weight-decayed, and the HF boundary names what it refuses."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -29,7 +32,17 @@ FAMILIES = {
     "qwen3-moe": dict(
         qk_norm="head", n_kv_heads=2, moe=dict(num_experts=4, top_k=2, expert_mlp_dim=64, dispatch="dropless")
     ),
-}
+    "gemma2": dict(
+        norm_placement="both", norm_scale_offset=1.0, embedding_scale=8.0, mlp_activation="gelu_tanh",
+        attention_scale=0.2, attention_softcap=0.5, final_softcap=2.0, attention_pattern=("local", "global"),
+        sliding_window=5, n_kv_heads=2, tie_embeddings=True, attention_impl="xla",
+    ),
+    "gemma3": dict(
+        norm_placement="both", norm_scale_offset=1.0, embedding_scale=8.0, mlp_activation="gelu_tanh",
+        qk_norm="head", attention_pattern=("local", "global"), sliding_window=5, local_rope_theta=100.0,
+        rope_scaling="linear", rope_scaling_factor=8.0, n_kv_heads=2, tie_embeddings=True,
+    ),
+}  # fmt: skip
 
 
 # One step sharded against one device, for every feature at once: each compile costs seconds
@@ -39,6 +52,7 @@ SHARDED = {
         qkv_bias=True, qk_norm="projection", norm_placement="post", head_dim=24, n_kv_heads=2
     ),
     "head-norm+moe": FAMILIES["qwen3-moe"],
+    "gemma2-all": FAMILIES["gemma2"],
 }
 
 
@@ -46,7 +60,7 @@ def family_cfg(name, **mesh):
     model = dict(FAMILIES.get(name) or SHARDED[name])
     cfg = tiny_config(
         None, "model.d_model=64", "model.mlp_dim=128", "train.seq_len=32", "model.vocab_size=128",
-        *(f"model.moe.{k}={v}" for k, v in model.pop("moe", {}).items()),
+        "train.loss_chunk=0", *(f"model.moe.{k}={v}" for k, v in model.pop("moe", {}).items()),
     )  # fmt: skip
     return replace(cfg, model=model, mesh=mesh)
 
@@ -71,10 +85,12 @@ def test_sharded_step_equals_one_device(name):
         lambda a, b: np.testing.assert_allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL), grads, ref_grads
     )
     stack = "moe_blocks" if "moe" in name else "blocks"
-    attn = specs[stack]["attn"]
     rules = sharding.DEFAULT_RULES
     on_mesh = sharding.make_mesh(mesh, jax.devices()[: 4 * mesh["expert"]])
+    if "gemma" in name:  # the layers in pattern groups; the post-norms replicated like every norm
+        assert all(a is None for a in specs[stack]["layer_1"]["attn_post_norm"]["scale"])
     if "bias" in name:
+        attn = specs[stack]["attn"]
         assert attn["bq"] == sharding.logical_to_spec(("layers", "heads", "bias"), rules, on_mesh)
         assert attn["bq"][1] == "tensor"
         assert attn["q_norm"]["scale"][1] == "tensor"  # [layers, heads, head_dim]
@@ -107,6 +123,33 @@ def test_model_feature_values_are_checked():
         ModelConfig(qk_norm="layer").validate()
     with pytest.raises(ValueError, match="model.norm_placement='sandwich': expected one of"):
         ModelConfig(norm_placement="sandwich").validate()
+    with pytest.raises(ValueError, match="model.mlp_activation='gelu': expected one of"):
+        ModelConfig(mlp_activation="gelu").validate()
+    with pytest.raises(ValueError, match=r"its length must divide model.n_layers=2"):
+        ModelConfig(attention_pattern=("local", "local", "global"), sliding_window=4).validate()
+    with pytest.raises(ValueError, match="has local layers: expected model.sliding_window"):
+        ModelConfig(attention_pattern=("local", "global")).validate()
+    with pytest.raises(ValueError, match="attention_softcap=50.0 with model.attention_impl=pallas"):
+        ModelConfig(attention_softcap=50.0, attention_impl="pallas").validate()
+
+
+def test_gemma_settings_resolve_to_what_runs_them():
+    """An attention softcap runs XLA's attention on every platform (the kernels have none);
+    a final softcap keeps the plain loss (the chunked one has none), and an explicit chunk is
+    refused by name."""
+    from jaxtrain.config import ConfigError, validate
+    from jaxtrain.planning.resolve import Placement, resolve
+
+    cfg = family_cfg("gemma2", fsdp=1)
+    cfg = replace(cfg, model=dict(attention_impl="auto"), train=dict(loss_chunk="auto", seq_len=4096))
+    for platform in ("gpu", "tpu"):
+        r = resolve(
+            cfg, Placement(platform, {"fsdp": 1}, 80 * 2**30, "", "h100" if platform == "gpu" else "v5p")
+        )
+        assert r.config.model.attention_impl == "xla" and r.config.train.loss_chunk == 0
+        assert any("attention_softcap=0.5: the flash kernels take no softcap yet" in n for n in r.notes)
+    with pytest.raises(ConfigError, match="train.loss_chunk=1024 with model.final_softcap=2.0"):
+        validate(replace(cfg, train=dict(loss_chunk=1024)))
 
 
 def test_hf_boundary_reads_both_spellings_and_names_what_it_refuses():
@@ -130,9 +173,76 @@ def test_hf_boundary_reads_both_spellings_and_names_what_it_refuses():
         ("qwen3_qk_norm", "Qwen3ForCausalLM"),
         ("qwen3_moe", "Qwen3MoeForCausalLM"),
         ("olmo2_post_norm", "Olmo2ForCausalLM"),
+        ("gemma2_softcap", "Gemma2ForCausalLM"),
+        ("gemma3_pattern", "Gemma3ForCausalLM"),
     ]:
         cfg = config_from_hf(json.loads((ASSETS / asset / "config.json").read_text()))
         assert hf_config(cfg)["architectures"] == [arch]
         wrong = "MixtralForCausalLM" if cfg.moe is not None else "LlamaForCausalLM"
         with pytest.raises(HFConversionError, match=f"architecture '{wrong}' has"):
             hf_config(cfg, wrong)
+
+
+def test_gemma_boundary_reads_its_own_keys_and_refuses_what_does_not_tile():
+    """Gemma's activation is `hidden_activation` (a loader defaulting to SiLU would be silently
+    wrong); query_pre_attn_scalar, not head_dim, sets the scale; layer_types becomes the
+    pattern (4.x files: sliding_window_pattern); Gemma 3's RoPE per layer type; a pattern
+    that does not tile the depth (Gemma 3 1B: 26 layers of 6) makes the whole depth one group;
+    an export of a model without Gemma's features to a Gemma class is refused."""
+    gemma3 = json.loads((ASSETS / "gemma3_pattern" / "config.json").read_text())
+    cfg = config_from_hf(gemma3)
+    assert (cfg.mlp_activation, cfg.attention_pattern) == ("gelu_tanh", ("local",) * 5 + ("global",))
+    assert cfg.attention_scale == pytest.approx(24**-0.5) and cfg.embedding_scale == pytest.approx(8.0)
+    assert (cfg.rope_theta, cfg.rope_scaling, cfg.rope_scaling_factor, cfg.local_rope_theta) == (
+        1e6, "linear", 8.0, 10000.0,
+    )  # fmt: skip
+    old = {k: v for k, v in gemma3.items() if k not in ("layer_types", "rope_parameters")}
+    old |= {"sliding_window_pattern": 6, "rope_theta": 1e6, "rope_local_base_freq": 10000.0}
+    old |= {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    assert config_from_hf(old) == cfg  # the transformers 4.x spelling
+    with pytest.raises(HFConversionError, match="activation 'gelu' is not supported"):
+        config_from_hf(gemma3 | {"hidden_activation": "gelu"})
+    # Gemma 3 1B's 26 layers of a 6-layer pattern: the depth is one (unrolled) group
+    types = gemma3["layer_types"] + ["sliding_attention"] * 2
+    assert len(config_from_hf(gemma3 | {"num_hidden_layers": 8, "layer_types": types}).attention_pattern) == 8
+    gemma2 = config_from_hf(json.loads((ASSETS / "gemma2_softcap" / "config.json").read_text()))
+    assert (gemma2.attention_softcap, gemma2.final_softcap, gemma2.attention_pattern) == (
+        0.5,
+        2.0,
+        ("local", "global"),
+    )
+    with pytest.raises(HFConversionError, match="model.embedding_scale=1.0 \\(expected 8.0"):
+        hf_config(dataclasses.replace(gemma2, embedding_scale=1.0))
+
+
+def test_training_starts_from_a_converted_gemma3_checkpoint(tmp_path):
+    """`convert hf-to-ckpt` then `train.init_from` on Gemma 3 (pattern groups, post-norms,
+    QK-norm): the first loss is the converted model's cross-entropy on the first batch, and
+    the trained checkpoint exports to the same class."""
+    import optax
+
+    from jaxtrain.data import make_data_iterator
+    from jaxtrain.interchange.convert import ckpt_to_hf, hf_to_ckpt
+    from jaxtrain.models.hf import from_hf
+    from jaxtrain.trainer import train
+
+    asset = ASSETS / "gemma3_pattern"
+    model_cfg = hf_to_ckpt(asset, tmp_path / "ckpt")
+    cfg = tiny_config(
+        tmp_path / "run", "train.steps=1", "train.seq_len=16", "checkpoint.every=1", "train.loss_chunk=0"
+    )
+    cfg = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(model_cfg, attention_impl="auto", remat="auto"),
+        train=dataclasses.replace(cfg.train, init_from=str(tmp_path / "ckpt")),
+    )
+    first = train(cfg, devices=jax.devices()[:1]).metrics[0]["loss"]
+    data = make_data_iterator(
+        cfg.data, vocab_size=128, seq_len=16, global_batch_size=cfg.train.global_batch_size, seed=cfg.seed
+    )
+    batch = next(data)
+    logits = from_hf(asset)(batch["inputs"])
+    expected = float(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean())
+    assert abs(first - expected) < 1e-4
+    out = ckpt_to_hf(tmp_path / "run", tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]

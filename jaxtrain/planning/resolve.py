@@ -168,6 +168,8 @@ def axis_rules(cfg: Config) -> sharding.AxisRules:
 
 def _attention_impl(cfg: Config, p: Placement) -> tuple[str, str]:
     m = cfg.model
+    if m.attention_softcap is not None and p.platform != "cpu":
+        return "xla", f"model.attention_softcap={m.attention_softcap}: the flash kernels take no softcap yet"
     if p.platform == "gpu":
         return choose_gpu_attention(
             chip=p.chip,
@@ -245,6 +247,8 @@ def _loss_chunk(cfg: Config, p: Placement) -> tuple[int, str]:
     (trainer/loss.py) only one chunk of them. Four chunks were faster as well as smaller once
     the logits are large (two gained less, eight no more); below LOSS_AUTO_MIN_MIB a small
     model's logits are not worth the scan."""
+    if cfg.model.final_softcap is not None:
+        return 0, f"the plain loss: model.final_softcap={cfg.model.final_softcap} (the chunked loss has none)"
     seq, mib = cfg.train.seq_len, logits_mib_per_device(cfg, p.mesh_shape)
     if mib < LOSS_AUTO_MIN_MIB:
         return 0, f"the plain loss: {mib:.1f} MiB of f32 logits per device, under {LOSS_AUTO_MIN_MIB} MiB"

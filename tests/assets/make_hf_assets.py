@@ -16,6 +16,10 @@ import numpy as np
 import torch
 import transformers
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -144,6 +148,41 @@ MODELS = {
             num_key_value_heads=2,
             tie_word_embeddings=False,
             rope_theta=500000.0,
+        )
+    ),
+    # Gemma 2: GeGLU, (1 + w) norms before and after each sublayer, sqrt(d) embeddings,
+    # query_pre_attn_scalar 24 (not head_dim 16), local (window 5) and global layers
+    # alternating, softcaps small enough to bend these tiny models' scores and logits
+    "gemma2_softcap": lambda: Gemma2ForCausalLM(
+        Gemma2Config(
+            **{**COMMON, "num_hidden_layers": 4},
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=5,
+            attn_logit_softcapping=0.5,
+            final_logit_softcapping=2.0,
+            initializer_range=0.1,  # larger scores and logits, for the caps to bend
+            tie_word_embeddings=True,
+            rope_theta=10000.0,
+        )
+    ),
+    # Gemma 3: as Gemma 2 without softcaps, plus QK-norm; five local layers (window 3, RoPE
+    # base 10000) to one global (base 1e6, linear scaling x8)
+    "gemma3_pattern": lambda: Gemma3ForCausalLM(
+        Gemma3TextConfig(
+            **{**COMMON, "num_hidden_layers": 6},
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=3,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
         )
     ),
 }

@@ -34,6 +34,8 @@ NAMES = (
     "qwen3_qk_norm",
     "qwen3_moe",
     "olmo2_post_norm",
+    "gemma2_softcap",
+    "gemma3_pattern",
 )
 PROMPT_LEN = 6
 NEW_TOKENS = 20  # 26 positions in all: more than 5x Mistral's window of 5
