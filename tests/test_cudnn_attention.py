@@ -60,7 +60,8 @@ def test_one_document_then_padding_is_what_cudnn_takes():
         (dict(chip="h200", head_dim=64, window=True, compute_dtype="bfloat16"), "cudnn", "fastest"),
         (dict(chip="h100", head_dim=128, window=False, compute_dtype="float32"), "pallas", "float32"),
         (dict(chip="a100", head_dim=256, window=False, compute_dtype="bfloat16"), "pallas", "up to 128"),
-        (dict(chip="h100", head_dim=256, window=False, compute_dtype="bfloat16"), "cudnn", "head_dim 128"),
+        (dict(chip="h100", head_dim=256, window=False, compute_dtype="bfloat16"), "pallas", "up to 128"),
+        (dict(chip="h100", head_dim=64, window=False, compute_dtype="bfloat16"), "cudnn", "head_dim 128"),
         (dict(chip=None, head_dim=128, window=False, compute_dtype="bfloat16"), "pallas", "unknown"),
         (
             dict(chip="h100", head_dim=128, window=False, compute_dtype="bfloat16", softcap=50.0),

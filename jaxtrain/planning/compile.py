@@ -323,7 +323,8 @@ def _compile_or_oom(cfg, mesh, rules):
 
 
 def _variant(cfg: Config, n_layers: int) -> Config:
-    """The same config with `n_layers` unrolled layers and one microbatch's batch."""
+    """The same config with `n_layers` unrolled layers and one microbatch's batch (with an
+    attention pattern, a multiple of its length)."""
     t = cfg.train
     return dataclasses.replace(
         cfg,
@@ -351,17 +352,18 @@ def _extrapolated_cost(
     cfg: Config, mesh, rules, platform: str, *, charge_kernels: bool = True
 ) -> dict[str, float] | None:
     opts = _COST_VARIANT_OPTIONS.get(platform)
+    unit = max(1, len(cfg.model.attention_pattern))  # layers of one pattern group (else 1)
     with cost_estimates(charge_kernels):
-        c1 = compiled_cost(_compile_step(_variant(cfg, 1), mesh, rules, opts))
-        c2 = compiled_cost(_compile_step(_variant(cfg, 2), mesh, rules, opts))
+        c1 = compiled_cost(_compile_step(_variant(cfg, unit), mesh, rules, opts))
+        c2 = compiled_cost(_compile_step(_variant(cfg, 2 * unit), mesh, rules, opts))
     if not c1 or not c2:
         return None
-    L, n = cfg.model.n_layers, cfg.train.microbatches
+    groups, n = cfg.model.n_layers // unit, cfg.train.microbatches
     out = {}
     for key in ("flops", "optimal_seconds", "bytes accessed"):
         if key in c1 and key in c2:
-            out[key] = n * (c1[key] + (L - 1) * (c2[key] - c1[key]))
-            out[key + " per layer"] = c2[key] - c1[key]
+            out[key] = n * (c1[key] + (groups - 1) * (c2[key] - c1[key]))
+            out[key + " per layer"] = (c2[key] - c1[key]) / unit
     return out
 
 
