@@ -72,6 +72,39 @@ def kind(name: str) -> str:
     return "elementwise and other"
 
 
+def profiled_steps(cfg, devices, steps: int):
+    """(resolved cfg, compiled step, step times of 6 warm-up steps, the trace file of `steps`
+    more): `cfg`'s train step on a mesh of `devices`, run as `jaxtrain train` builds it."""
+    mesh = sharding.make_mesh(cfg.mesh.sizes(), devices)
+    cfg = resolve_for_mesh(cfg, mesh)
+    rules = axis_rules(cfg)
+    with jax.set_mesh(mesh), sharding.axis_rules(rules):
+        program = build_program(cfg, mesh, rules)
+        state = program.init()
+        data = make_data_iterator(
+            cfg.data,
+            vocab_size=cfg.model.vocab_size,
+            seq_len=cfg.train.seq_len,
+            global_batch_size=cfg.train.global_batch_size,
+            seed=cfg.seed,
+        )
+        batch = batch_to_device(next(data), program.batch_sharding)
+        compiled = program.step.lower(state, batch).compile()
+    times = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        state, m = compiled(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+    trace_dir = tempfile.mkdtemp(prefix="step-profile-")
+    jax.profiler.start_trace(trace_dir)
+    for _ in range(steps):
+        state, m = compiled(state, batch)
+        jax.block_until_ready(m)
+    jax.profiler.stop_trace()
+    return cfg, compiled, times, sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1]
+
+
 def gpu_kind(op: str, kernel: str, hlo: dict[str, tuple[str, str]]) -> str:
     """What a GPU kernel does, from its HLO instruction (opcode and text) where the trace
     names one, else from the kernel's own name."""
@@ -127,34 +160,7 @@ def gpu_main(args) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_command_buffer=".strip()
     host.configure_host()  # the GPU launch flags jaxtrain train would start with
     cfg = load_config(GPU_CONFIG, ["logging.progress=false", *args.overrides])
-    mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:1])
-    cfg = resolve_for_mesh(cfg, mesh)
-    rules = axis_rules(cfg)
-    with jax.set_mesh(mesh), sharding.axis_rules(rules):
-        program = build_program(cfg, mesh, rules)
-        state = program.init()
-        data = make_data_iterator(
-            cfg.data,
-            vocab_size=cfg.model.vocab_size,
-            seq_len=cfg.train.seq_len,
-            global_batch_size=cfg.train.global_batch_size,
-            seed=cfg.seed,
-        )
-        batch = batch_to_device(next(data), program.batch_sharding)
-        compiled = program.step.lower(state, batch).compile()
-    times = []
-    for _ in range(6):
-        t0 = time.perf_counter()
-        state, m = compiled(state, batch)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t0)
-    trace_dir = tempfile.mkdtemp(prefix="step-profile-")
-    jax.profiler.start_trace(trace_dir)
-    for _ in range(args.steps):
-        state, m = compiled(state, batch)
-        jax.block_until_ready(m)
-    jax.profiler.stop_trace()
-    trace = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1]
+    cfg, compiled, times, trace = profiled_steps(cfg, jax.devices()[:1], args.steps)
     if args.save:  # the raw trace and the program, to read again offline
         os.makedirs(args.save, exist_ok=True)
         shutil.copy(trace, os.path.join(args.save, "step.trace.json.gz"))
@@ -239,34 +245,7 @@ def main() -> None:
     if args.gpu:
         return gpu_main(args)
     cfg = load_config(CONFIG, ["logging.progress=false", "model.remat=none", *args.overrides])
-    mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:8])
-    cfg = resolve_for_mesh(cfg, mesh)
-    rules = axis_rules(cfg)
-    with jax.set_mesh(mesh), sharding.axis_rules(rules):
-        program = build_program(cfg, mesh, rules)
-        state = program.init()
-        data = make_data_iterator(
-            cfg.data,
-            vocab_size=cfg.model.vocab_size,
-            seq_len=cfg.train.seq_len,
-            global_batch_size=cfg.train.global_batch_size,
-            seed=cfg.seed,
-        )
-        batch = batch_to_device(next(data), program.batch_sharding)
-        compiled = program.step.lower(state, batch).compile()
-    times = []
-    for _ in range(6):
-        t0 = time.perf_counter()
-        state, m = compiled(state, batch)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t0)
-    trace_dir = tempfile.mkdtemp(prefix="step-profile-")
-    jax.profiler.start_trace(trace_dir)
-    for _ in range(args.steps):
-        state, m = compiled(state, batch)
-        jax.block_until_ready(m)
-    jax.profiler.stop_trace()
-    trace = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1]
+    cfg, compiled, times, trace = profiled_steps(cfg, jax.devices()[:8], args.steps)
     per_op: collections.Counter = collections.Counter()
     for e in json.load(gzip.open(trace))["traceEvents"]:
         if e.get("ph") == "X" and not e["name"].startswith(_SKIP):
