@@ -63,11 +63,17 @@ class UnknownSettingError(ValueError):
     """OPT_OUT holds a value that is neither an opt-out nor an opt-in (a typo, say)."""
 
 
+def _has_tpu() -> bool:
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def _has_nvidia_gpu() -> bool:
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or shutil.which("nvidia-smi") is not None
+
+
 def has_accelerator() -> bool:
     """A cheap look for TPU or NVIDIA devices, without starting a JAX backend."""
-    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
-        return True
-    return bool(glob.glob("/dev/nvidia[0-9]*")) or shutil.which("nvidia-smi") is not None
+    return _has_tpu() or _has_nvidia_gpu()
 
 
 def runs_on_cpu() -> bool:
@@ -82,9 +88,7 @@ def runs_on_nvidia_gpu() -> bool:
     chosen = os.environ.get("JAX_PLATFORMS")
     if chosen:
         return chosen.split(",")[0] in ("cuda", "gpu")
-    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
-        return False
-    return bool(glob.glob("/dev/nvidia[0-9]*")) or shutil.which("nvidia-smi") is not None
+    return not _has_tpu() and _has_nvidia_gpu()
 
 
 def _backend_started() -> bool:

@@ -345,6 +345,12 @@ class ModelConfig:
             )
 
     @property
+    def layers_per_group(self) -> int:
+        """Layers in one scanned element of the dense stack: the whole attention pattern
+        (models/layers.py PatternGroup), else 1."""
+        return max(1, len(self.attention_pattern))
+
+    @property
     def layer_kinds(self) -> tuple[str | None, ...]:
         """Each layer's kind (attention_pattern repeated), None for all without a pattern."""
         pattern = self.attention_pattern or (None,)

@@ -75,7 +75,7 @@ def model_meta(cfg) -> dict:
     n_dense = cfg.n_layers if cfg.moe is None else cfg.moe.first_dense_layers
     meta = {}
     if n_dense and cfg.attention_pattern:  # PatternGroup: a block per kind of the pattern
-        p = len(cfg.attention_pattern)
+        p = cfg.layers_per_group
         meta["blocks"] = stack({f"layer_{i}": block_meta(cfg, moe=False) for i in range(p)}, n_dense // p)
     elif n_dense:
         meta["blocks"] = stack(block_meta(cfg, moe=False), n_dense)

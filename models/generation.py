@@ -52,6 +52,7 @@ from flax import nnx
 
 from jaxtrain.models.attention import attend
 from jaxtrain.models.layers import PatternGroup, norm_after, norm_before, post_norm
+from jaxtrain.models.masks import softcapped
 from jaxtrain.models.transformer import MoEGroup, Transformer
 from jaxtrain.sharding import axis_rules, constrain, current_rules
 
@@ -91,9 +92,9 @@ def _cached_attention(q, k, v, q_positions, kv_positions, window, scale=None, so
     kv_heads = k.shape[1]
     qg = q.reshape(b, s, kv_heads, h // kv_heads, d)
     scale = d**-0.5 if scale is None else scale
-    scores = jnp.einsum("bskgd,bktd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)
+    scores = softcapped(
+        jnp.einsum("bskgd,bktd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale, softcap
+    )
     q_pos = q_positions[:, None]
     visible = (kv_positions >= 0) & (kv_positions <= q_pos)
     if window is not None:
@@ -164,8 +165,8 @@ def _block(block, x, cache, step: _Step, layer=None):
 
 def _stacks(model: Transformer):
     """(stacked layers, decoder blocks per scanned element), in layer order."""
-    per = max(1, len(model.cfg.attention_pattern))  # PatternGroup: one block per kind
-    out = [(model.blocks, per if model.cfg.moe is None else 1)] if hasattr(model, "blocks") else []
+    per = model.cfg.layers_per_group if model.cfg.moe is None else 1
+    out = [(model.blocks, per)] if hasattr(model, "blocks") else []
     if model.cfg.moe is not None:
         out.append((model.moe_blocks, model.cfg.moe.every))
     return out

@@ -172,7 +172,7 @@ def _gemma_settings(hf: dict) -> dict:
     pattern = _layer_pattern(list(types))
     params = dict(hf.get("rope_parameters") or {})
     local = params.get("sliding_attention", {}).get("rope_theta", hf.get("rope_local_base_freq"))
-    out = dict(
+    return dict(
         norm_scale_offset=1.0,
         embedding_scale=float(hf["hidden_size"]) ** 0.5,
         attention_scale=float(hf.get("query_pre_attn_scalar", hf.get("head_dim", 256))) ** -0.5,
@@ -182,7 +182,6 @@ def _gemma_settings(hf: dict) -> dict:
         sliding_window=int(hf["sliding_window"]) if "local" in pattern else None,
         local_rope_theta=float(local) if local is not None else None,
     )
-    return out
 
 
 def _moe_from_hf(hf: dict, layout: str) -> MoEConfig:
@@ -350,8 +349,8 @@ def _int_if_whole(x: float) -> int | float:
 
 def _gemma_hf_fields(cfg: ModelConfig, rope: dict) -> dict:
     """config.json fields of Gemma 2 and 3 for `cfg` (both 4.x and 5.x spellings)."""
-    pattern = cfg.attention_pattern or ("global",)
-    kinds = {"local": "sliding_attention", "global": "full_attention"}
+    # layer_kinds is None for every layer without a pattern: all of them global
+    kinds = {"local": "sliding_attention", "global": "full_attention", None: "full_attention"}
     scale = cfg.attention_scale if cfg.attention_scale is not None else cfg.resolved_head_dim**-0.5
     out = {
         "hidden_activation": "gelu_pytorch_tanh",
@@ -359,10 +358,8 @@ def _gemma_hf_fields(cfg: ModelConfig, rope: dict) -> dict:
         "attn_logit_softcapping": cfg.attention_softcap,
         "final_logit_softcapping": cfg.final_softcap,
         "sliding_window": cfg.sliding_window,
-        "layer_types": [kinds[k] for k in cfg.layer_kinds]
-        if cfg.attention_pattern
-        else ["full_attention"] * cfg.n_layers,
-        "sliding_window_pattern": len(pattern),
+        "layer_types": [kinds[k] for k in cfg.layer_kinds],
+        "sliding_window_pattern": cfg.layers_per_group,
         "attention_bias": False,
     }
     local = cfg.local_rope_theta or cfg.rope_theta
@@ -423,9 +420,7 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ..
         router, moe = "block_sparse_moe.gate.weight", "block_sparse_moe.experts"
         experts = dict(zip(_EXPERT_PARAMS, ("w1.weight", "w3.weight", "w2.weight")))
     stack = "blocks" if cfg.moe is None else "moe_blocks"
-    period = max(
-        1, len(cfg.attention_pattern)
-    )  # PatternGroup: layer i is layer_{i % period} of group i // period
+    period = cfg.layers_per_group  # PatternGroup: layer i is layer_{i % period} of group i // period
     for layer in range(cfg.n_layers):
         prefix = f"model.layers.{layer}."
         where = (stack, f"layer_{layer % period}") if cfg.attention_pattern else (stack,)
@@ -529,7 +524,7 @@ def load_hf_params(path: str | Path, cfg: ModelConfig, dtype=np.float32) -> dict
     """Our nested param dict (numpy, layers stacked) from an HF directory."""
     reader = _SafetensorsDir(Path(path))
     params: dict = {}
-    groups = cfg.n_layers // max(1, len(cfg.attention_pattern))  # the stacked layers (or pattern groups)
+    groups = cfg.n_layers // cfg.layers_per_group  # the stacked layers (or pattern groups)
     stacked = {1: (groups,), 2: (cfg.n_layers, cfg.moe.num_experts if cfg.moe else 0)}
     for ours, index, theirs in _hf_names(cfg):
         w = _to_ours(ours, np.asarray(reader.get(theirs), dtype=np.float32), cfg)

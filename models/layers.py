@@ -100,10 +100,10 @@ def rope_frequencies(cfg: ModelConfig, kind: str | None = None) -> jax.Array:
     pattern (`kind`) has its own base, `local_rope_theta`, and no scaling (Gemma 3).
     """
     d = cfg.resolved_head_dim
+    theta = (cfg.local_rope_theta or cfg.rope_theta) if kind == "local" else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     if kind == "local":
-        theta = cfg.local_rope_theta or cfg.rope_theta
-        return 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+        return inv_freq
     factor = cfg.rope_scaling_factor
     if cfg.rope_scaling == "linear":
         return inv_freq / factor
@@ -273,7 +273,7 @@ class PatternGroup(nnx.Module):
     layer scan runs over groups and each layer keeps its static window and RoPE base."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.n_layers = len(cfg.attention_pattern)
+        self.n_layers = cfg.layers_per_group
         for i, kind in enumerate(cfg.attention_pattern):
             setattr(self, f"layer_{i}", Block(cfg, rngs=rngs, kind=kind))
 

@@ -29,10 +29,14 @@ def attention_mask(
     return mask
 
 
+def softcapped(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap), Gemma 2's cap on attention scores and output logits; x if cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
 def masked_scores(qg, k, mask, scale, softcap=None):
     """Masked f32 scores [b, kv_heads, groups, s, t] of grouped q [b, s, kv_heads, groups, d];
-    `softcap`: softcap * tanh(scores / softcap) first (Gemma 2)."""
+    `softcap`: `softcapped` first (Gemma 2)."""
     scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)
+    scores = softcapped(scores, softcap)
     return jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)

@@ -11,6 +11,7 @@ from flax import nnx
 from jaxtrain.models import cpu_tuning
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.layers import REGION_INPUT_AXES, RESIDUAL_AXES, Block, PatternGroup, RMSNorm, param
+from jaxtrain.models.masks import softcapped
 from jaxtrain.models.moe import MoEBlock
 from jaxtrain.sharding import PipelineSchedule, constrain, current_rules, is_vocab_parallel, logical_to_spec
 
@@ -72,7 +73,7 @@ class Transformer(nnx.Module):
         # keep exactly one stack, `blocks`.
         n_dense = cfg.n_layers if cfg.moe is None else cfg.moe.first_dense_layers
         if n_dense and cfg.attention_pattern:  # scanned in groups of one pattern each
-            self.blocks = _stack(PatternGroup, n_dense // len(cfg.attention_pattern), cfg, rngs)
+            self.blocks = _stack(PatternGroup, n_dense // cfg.layers_per_group, cfg, rngs)
         elif n_dense:
             self.blocks = _stack(Block, n_dense, cfg, rngs)
         if cfg.moe is not None:
@@ -215,9 +216,8 @@ class Transformer(nnx.Module):
             logits = cpu_tuning.einsum("...d,dv->...v", x, head, any_dtype=vocab_parallel)
         else:
             logits = jnp.einsum("...d,dv->...v", x, head)
-        cap = self.cfg.final_softcap
-        if cap is not None:  # Gemma 2: cap * tanh(logits / cap)
-            logits = (cap * jnp.tanh(logits.astype(jnp.float32) / cap)).astype(logits.dtype)
+        if self.cfg.final_softcap is not None:  # Gemma 2, in f32
+            logits = softcapped(logits.astype(jnp.float32), self.cfg.final_softcap).astype(logits.dtype)
         return constrain(logits, ("head_batch", "seq", "act_vocab"))
 
     def head(self) -> jax.Array:

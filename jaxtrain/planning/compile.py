@@ -352,7 +352,7 @@ def _extrapolated_cost(
     cfg: Config, mesh, rules, platform: str, *, charge_kernels: bool = True
 ) -> dict[str, float] | None:
     opts = _COST_VARIANT_OPTIONS.get(platform)
-    unit = max(1, len(cfg.model.attention_pattern))  # layers of one pattern group (else 1)
+    unit = cfg.model.layers_per_group
     with cost_estimates(charge_kernels):
         c1 = compiled_cost(_compile_step(_variant(cfg, unit), mesh, rules, opts))
         c2 = compiled_cost(_compile_step(_variant(cfg, 2 * unit), mesh, rules, opts))
