@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
+from gpu_peer import causal_flops, fwd_bwd, median_time  # benchmarks/ (this script's folder)
 
 from jaxtrain.pallas_kernels import sharded_flash_attention
 
@@ -66,33 +66,6 @@ def _params_with(fwd_warps, bwd_warps, stages):
     return params
 
 
-def causal_flops(b, s, h, d, backward: bool) -> float:
-    fwd = 2 * 2 * b * h * d * s * s / 2
-    return fwd * 3.5 if backward else fwd
-
-
-def _time(fn, args, iters):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    runs = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        runs.append(time.perf_counter() - t0)
-    return statistics.median(runs)
-
-
-def _fns(attend):
-    fwd = jax.jit(attend)
-    c = None
-
-    def loss(q, k, v, c):
-        return jnp.sum(attend(q, k, v).astype(jnp.float32) * c)
-
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-    return fwd, grad, c
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="4,4096,32,8,128")
@@ -113,12 +86,14 @@ def main() -> None:
     )
 
     def row(label, attend, backward):
-        fwd, grad, _ = _fns(attend)
         try:
-            t = _time(grad, (q, k, v, c), args.iters) if backward else _time(fwd, (q, k, v), args.iters)
+            if backward:
+                t = median_time(fwd_bwd(attend), q, k, v, c, iters=args.iters, warmup=1)
+            else:
+                t = median_time(jax.jit(attend), q, k, v, iters=args.iters, warmup=1)
         except Exception as e:  # noqa: BLE001 - a row that does not compile shows why
             return label, None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-        return label, t, causal_flops(b, s, h, d, backward) / t / 1e12
+        return label, t, causal_flops(b, s, h, d, 7 if backward else 2) / t / 1e12
 
     cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     row("warm-up", cudnn, True)  # the first timing of a process ran slow (clocks, allocator)

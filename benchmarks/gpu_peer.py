@@ -310,6 +310,29 @@ def causal_flops(b: int, s: int, h: int, d: int, matmuls: int) -> float:
     return matmuls * 2 * (s * s / 2) * d * h * b
 
 
+def fwd_bwd(f):
+    """jit of value_and_grad of sum(f(q, k, v) * c) in f32, over q, k, v (c: a fixed cotangent)."""
+    import jax
+    import jax.numpy as jnp
+
+    loss = lambda q, k, v, c: jnp.sum(f(q, k, v).astype(jnp.float32) * c)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def median_time(f, *a, iters: int, warmup: int = 3) -> float:
+    """Median seconds of `iters` calls of f(*a), after `warmup` calls, each to completion."""
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(f(*a))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*a))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def attention_worker(shape_text: str, dtype_name: str, iters: int, warmup: int = 3) -> dict:
     """Ours (Pallas), cuDNN and XLA attention, timed and checked against f32 XLA."""
     import jax
@@ -346,10 +369,6 @@ def attention_worker(shape_text: str, dtype_name: str, iters: int, warmup: int =
         "XLA": dpa("xla"),
     }
 
-    def fwd_bwd(f):
-        loss = lambda q, k, v, c: jnp.sum(f(q, k, v).astype(jnp.float32) * c)
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-
     # The reference, one batch row at a time (quadratic memory in f32), at full f32 precision.
     with jax.default_matmul_precision("highest"):
         ref_fwd, ref_grad = jax.jit(dpa("xla")), fwd_bwd(dpa("xla"))
@@ -362,16 +381,7 @@ def attention_worker(shape_text: str, dtype_name: str, iters: int, warmup: int =
 
     rel_err = jax.jit(lambda x, r: jnp.max(jnp.abs(x.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
 
-    def median_time(f, *a):
-        for _ in range(warmup):
-            jax.block_until_ready(f(*a))
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*a))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
+    timed = lambda f, *a: median_time(f, *a, iters=iters, warmup=warmup)
     flops_fwd, flops_all = causal_flops(b, s, h, d, 2), causal_flops(b, s, h, d, 7)
     results = []
     for name, f in impls.items():
@@ -379,7 +389,7 @@ def attention_worker(shape_text: str, dtype_name: str, iters: int, warmup: int =
         try:
             fwd = jax.jit(f)
             row["err_out"] = float(rel_err(fwd(q, k, v), ref[0]))
-            row["fwd_s"] = median_time(fwd, q, k, v)
+            row["fwd_s"] = timed(fwd, q, k, v)
             row["fwd_tflops"] = flops_fwd / row["fwd_s"] / 1e12
         except Exception as e:  # noqa: BLE001 - an implementation this device lacks is a row of the table
             row["fwd_error"] = _error_text(e)
@@ -388,7 +398,7 @@ def attention_worker(shape_text: str, dtype_name: str, iters: int, warmup: int =
             grads = grad(q, k, v, cot)[1]
             for g, r, key in zip(grads, ref[1:], ("err_dq", "err_dk", "err_dv")):
                 row[key] = float(rel_err(g, r))
-            row["fwd_bwd_s"] = median_time(grad, q, k, v, cot)
+            row["fwd_bwd_s"] = timed(grad, q, k, v, cot)
             row["fwd_bwd_tflops"] = flops_all / row["fwd_bwd_s"] / 1e12
         except Exception as e:  # noqa: BLE001 - as above, for the backward
             row["fwd_bwd_error"] = _error_text(e)
@@ -403,18 +413,19 @@ def attention_worker(shape_text: str, dtype_name: str, iters: int, warmup: int =
         "flops_fwd": flops_fwd,
         "flops_fwd_bwd": flops_all,
         "rows": results,
-        "cudnn_wrapper": cudnn_wrapper_rows(q, k, v, cot, median_time),
+        "cudnn_wrapper": cudnn_wrapper_rows(q, k, v, cot, timed),
     }
 
 
-def cudnn_wrapper_rows(q, k, v, cot, median_time) -> list[dict]:
+def cudnn_wrapper_rows(q, k, v, cot, timed) -> list[dict]:
     """jaxtrain's cuDNN wrapper as the model calls it (fallback: the Pallas flash kernel) on
     padded rows, packed rows and a sliding window; each case's failure is its row's error."""
     import jax
     import jax.numpy as jnp
 
-    from jaxtrain.pallas_kernels import reference, sharded_flash_attention
-    from jaxtrain.pallas_kernels.cudnn_attention import cudnn_attention, single_document_lengths
+    from jaxtrain.models.attention import attend
+    from jaxtrain.pallas_kernels import reference
+    from jaxtrain.pallas_kernels.cudnn_attention import single_document_lengths
 
     b, s = q.shape[:2]
     pos, row_i = jnp.arange(s)[None, :], jnp.arange(b)[:, None]
@@ -451,23 +462,8 @@ def cudnn_wrapper_rows(q, k, v, cot, median_time) -> list[dict]:
         real4 = real[:, :, None, None]
         c = cot * real4
 
-        def wrapper(q, k, v, seg, win=win):
-            def fallback(q, k, v, sg):
-                return sharded_flash_attention(
-                    q,
-                    k,
-                    v,
-                    mesh=None,
-                    batch_axes=(),
-                    head_axes=(),
-                    causal=True,
-                    segment_ids=sg,
-                    sliding_window=win,
-                )
-
-            return cudnn_attention(
-                q, k, v, causal=True, segment_ids=seg, sliding_window=win, fallback=fallback
-            )
+        def wrapper(q, k, v, seg, win=win):  # the model's own dispatch (no mesh: one shard)
+            return attend(q, k, v, segment_ids=seg, causal=True, impl="cudnn", sliding_window=win)
 
         def ref_attention(q, k, v, seg, win=win):
             return reference.attention(q, k, v, causal=True, segment_ids=seg, sliding_window=win)
@@ -501,7 +497,7 @@ def cudnn_wrapper_rows(q, k, v, cot, median_time) -> list[dict]:
                 row[f"err_{key}"] = float(masked_err(g, r, True))
                 is_finite[key] = bool(finite(g))
             del grads
-            row["fwd_bwd_s"] = median_time(grad, q, k, v, seg, c)
+            row["fwd_bwd_s"] = timed(grad, q, k, v, seg, c)
         except Exception as e:  # noqa: BLE001 - as above
             row["fwd_bwd_error"] = _error_text(e)
         del ref

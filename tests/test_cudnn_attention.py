@@ -121,11 +121,10 @@ def _compiled_kernels(n: int, *overrides: str) -> set[str]:
         "model.attention_impl=cudnn",
         *overrides,
     )
-    target = deviceless.parse_target("gpu:h100", gpus_per_host=n)
-    cfg, ici, dcn = deviceless.config_for_target(cfg, target)
-    cfg, _ = deviceless.resolved_for_target(cfg, target, ici, dcn)
-    mesh = deviceless.target_mesh(target, ici, dcn)
-    return targets.custom_call_targets(deviceless.lower_step(cfg, mesh).compile().as_text())
+    report = deviceless.compile_report(
+        cfg, deviceless.parse_target("gpu:h100", gpus_per_host=n), estimate=False
+    )
+    return set(report["custom_calls"])
 
 
 CUDNN = {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}
