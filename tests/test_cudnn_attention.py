@@ -63,11 +63,6 @@ def test_one_document_then_padding_is_what_cudnn_takes():
         (dict(chip="h100", head_dim=256, window=False, compute_dtype="bfloat16"), "pallas", "up to 128"),
         (dict(chip="h100", head_dim=64, window=False, compute_dtype="bfloat16"), "cudnn", "head_dim 128"),
         (dict(chip=None, head_dim=128, window=False, compute_dtype="bfloat16"), "pallas", "unknown"),
-        (
-            dict(chip="h100", head_dim=128, window=False, compute_dtype="bfloat16", softcap=50.0),
-            "pallas",
-            "softcap",
-        ),
     ],
 )
 def test_the_gpu_dispatcher_takes_the_fastest_that_can_run_the_case(case, expected, reason):

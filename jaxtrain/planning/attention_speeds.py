@@ -44,26 +44,22 @@ CUDNN_MAX_HEAD_DIM = 128
 CUDNN_DTYPES = ("bfloat16", "float16")
 
 
-def cudnn_cannot(
-    *, chip: str | None, head_dim: int, compute_dtype: str, softcap: float | None = None
-) -> str | None:
+def cudnn_cannot(*, chip: str | None, head_dim: int, compute_dtype: str) -> str | None:
     """Why cuDNN's attention cannot run this case (None: it can)."""
-    if chip in (None, "v100"):
-        return f"chip {chip or 'unknown'} is not an Ampere-or-newer GPU in sharding/hardware.py"
+    if chip is None:  # every GPU of the hardware table is Ampere or newer
+        return "the GPU is unknown to sharding/hardware.py (cuDNN's attention needs Ampere or newer)"
     if compute_dtype not in CUDNN_DTYPES:
         return f"model.compute_dtype={compute_dtype}: cuDNN attention takes bfloat16 or float16"
     if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
         return f"head_dim={head_dim}: cuDNN is used for multiples of 8 up to {CUDNN_MAX_HEAD_DIM}"
-    if softcap:
-        return "an attention logit softcap (cuDNN's fused kernel has none)"
     return None
 
 
 def choose_gpu_attention(
-    *, chip: str | None, head_dim: int, window: bool, compute_dtype: str, softcap: float | None = None
+    *, chip: str | None, head_dim: int, window: bool, compute_dtype: str
 ) -> tuple[str, str]:
     """(impl, why) for a GPU run: the fastest measured implementation that can run the case."""
-    why_not = cudnn_cannot(chip=chip, head_dim=head_dim, compute_dtype=compute_dtype, softcap=softcap)
+    why_not = cudnn_cannot(chip=chip, head_dim=head_dim, compute_dtype=compute_dtype)
     candidates = {"pallas", "xla"} | (set() if why_not else {"cudnn"})
     rows = [s for s in SPEEDS if s.impl in candidates and s.window == window] or [
         s for s in SPEEDS if s.impl in candidates
