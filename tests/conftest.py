@@ -1,6 +1,9 @@
 """Test setup: 8 simulated CPU devices (set before jax is imported) and shared fixtures."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 from jaxtrain.host import has_accelerator
 
@@ -10,6 +13,17 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
+
+# One persistent compilation cache for the whole session, in-process and CLI subprocesses alike
+# (they inherit the environment): the suite compiles the same tiny programs again and again.
+# XLA:CPU compiles deterministically, so a cached executable is the one a fresh compile gives
+# and no oracle depends on it. Made by the first process to import this file (xdist's
+# controller: its workers inherit it), removed when that process exits.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxtrain-test-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402

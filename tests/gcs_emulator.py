@@ -257,18 +257,15 @@ class FaultProxy:
         self.server.server_close()
 
 
-def cli_env(storage_url: str, jax_cache: str) -> dict:
+def cli_env(storage_url: str) -> dict:
     """The environment for a `jaxtrain` subprocess that talks to the emulator at `storage_url`
-    (this process's own GCS settings dropped; the CLI sets the device count), with a
-    persistent JAX compilation cache shared by the test's runs."""
+    (this process's own GCS settings dropped; the CLI sets the device count; the persistent
+    JAX compilation cache is tests/conftest.py's, shared by the session)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     for k in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING", "FSSPEC_GCS_TOKEN"):
         env.pop(k, None)
     env.update(
         STORAGE_EMULATOR_HOST=storage_url,
         JAX_PLATFORMS="cpu",
-        JAX_COMPILATION_CACHE_DIR=jax_cache,
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
     return env

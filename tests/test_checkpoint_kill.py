@@ -5,15 +5,12 @@ same command must continue exactly where an uninterrupted run would be.
 Oracle: the same command run once without interruption; on CPU the resumed losses,
 gradient norms and learning rates must be equal bit for bit, step by step."""
 
-import atexit
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -42,21 +39,11 @@ def command(out_dir, *extra):
     ]
 
 
-# One persistent compilation cache for this session's CLI runs: the runs compile the same
-# programs again and again. XLA:CPU compiles deterministically, so a cached executable is
-# the one a fresh compile would give (the oracle stays independent of the cache).
-JAX_CACHE = tempfile.mkdtemp(prefix="jaxtrain-test-jax-cache-")
-atexit.register(shutil.rmtree, JAX_CACHE, ignore_errors=True)
-
-
 def env():
-    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets the device count
-    e.update(
-        JAX_PLATFORMS="cpu",
-        JAX_COMPILATION_CACHE_DIR=JAX_CACHE,
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-    )
+    """The CLI's environment: this one (with tests/conftest.py's shared compilation cache)
+    less XLA_FLAGS (the CLI sets the device count)."""
+    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    e.update(JAX_PLATFORMS="cpu")
     return e
 
 

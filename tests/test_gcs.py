@@ -12,16 +12,13 @@ losses equal bit for bit), and `from_hf` of the exported weights against that ru
 parameters. `hf-to-ckpt` and `train.init_from` read gs:// back.
 """
 
-import atexit
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 
 import jax
@@ -38,9 +35,6 @@ COMPARED = ("loss", "grad_norm", "lr", "skipped_total")
 STEPS, EVERY, EVAL_EVERY = 30, 5, 10
 RUN_TIMEOUT = 300
 
-JAX_CACHE = tempfile.mkdtemp(prefix="jaxtrain-test-jax-cache-")
-atexit.register(shutil.rmtree, JAX_CACHE, ignore_errors=True)
-
 
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
@@ -53,7 +47,7 @@ def gcs(tmp_path_factory):
 
 
 def env(gcs):
-    return cli_env(gcs.url, JAX_CACHE)
+    return cli_env(gcs.url)
 
 
 def jaxtrain(gcs, *args, check=True):

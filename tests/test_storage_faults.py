@@ -15,10 +15,8 @@ the emulator's own API.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -29,7 +27,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 STEPS, EVERY = 12, 4
 COMPARED = ("loss", "grad_norm", "lr", "skipped_total")
-JAX_CACHE = tempfile.mkdtemp(prefix="jaxtrain-test-jax-cache-")
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +41,10 @@ def proxied(tmp_path_factory):
     server.terminate()
     server.wait(timeout=10)
     log.close()
-    shutil.rmtree(JAX_CACHE, ignore_errors=True)
 
 
 def run(proxy, output_dir, *overrides):
-    env = cli_env(proxy.url, JAX_CACHE)
+    env = cli_env(proxy.url)
     args = [
         "train",
         os.path.join(REPO, "configs", "tiny.yaml"),
