@@ -77,8 +77,9 @@ def overlapped_permutes(hlo: str) -> tuple[int, int]:
     return overlapped, total
 
 
-def compile_ring(target: str, n: int, seq: int, impl: str = "ring") -> dict:
-    """Deviceless compile of fwd+bwd ring (or Ulysses) attention over n devices."""
+def compile_ring(target: str, n: int, seq: int, impl: str = "ring", **attn_kwargs) -> dict:
+    """Deviceless compile of fwd+bwd ring (or Ulysses) attention over n devices
+    (``attn_kwargs``: e.g. sliding_window, softcap)."""
     mesh = context_mesh(target, n)
     attn = {"ring": ring_attention, "ulysses": ulysses_attention}[impl]
     x = jax.ShapeDtypeStruct(
@@ -86,7 +87,7 @@ def compile_ring(target: str, n: int, seq: int, impl: str = "ring") -> dict:
     )
 
     def loss(q, k, v):
-        o = attn(q, k, v, mesh=mesh, causal=True, load_balanced=True)
+        o = attn(q, k, v, mesh=mesh, causal=True, load_balanced=True, **attn_kwargs)
         return jnp.sum(o.astype(jnp.float32) ** 2)
 
     start = time.perf_counter()

@@ -544,12 +544,6 @@ def _validate_context(cfg: Config) -> None:
             f"train.seq_len={t.seq_len}: expected a multiple of 2 * mesh.context="
             f"{2 * m.context} (load-balanced context parallelism)"
         )
-    if model.sliding_window is not None and model.context_impl != "ulysses":
-        raise ConfigError(
-            f"model.sliding_window={model.sliding_window} with mesh.context="
-            f"{m.context}: expected model.context_impl=ulysses (ring attention "
-            f"has no sliding-window schedule)"
-        )
     if model.context_impl == "ulysses" and model.n_heads % (m.context * max(m.tensor, 1)):
         raise ConfigError(
             f"model.context_impl='ulysses' needs model.n_heads={model.n_heads} "

@@ -66,15 +66,10 @@ def attend(
     softcap=None,
 ):
     """Dispatch to one attention implementation (see module docstring). `softmax_scale`:
-    the query scale (None: head_dim ** -0.5); `softcap`: XLA only (the kernels have none)."""
+    the query scale (None: head_dim ** -0.5); `softcap`: the logit cap (every path but cuDNN)."""
     impl = "xla" if impl == "auto" else impl
-    if softcap is not None and (impl != "xla" or _context_size() > 1):
-        raise ValueError(
-            f"attention softcap {softcap}: only model.attention_impl=xla without context parallelism "
-            f"takes it (got {impl}{', mesh.context > 1' if _context_size() > 1 else ''})"
-        )
-    if softmax_scale is not None and _context_size() > 1:
-        raise ValueError("model.attention_scale with mesh.context > 1: not supported yet")
+    if softcap is not None and impl == "cudnn":
+        raise ValueError(f"attention softcap {softcap}: cuDNN's attention takes none; use pallas or xla")
     if _context_size() > 1:
         return _context_attention(
             q,
@@ -85,6 +80,8 @@ def attend(
             impl=impl,
             sliding_window=sliding_window,
             context_impl=context_impl,
+            softmax_scale=softmax_scale,
+            softcap=softcap,
         )
     if impl == "xla":
         if cpu_tuned and softmax_scale is None and softcap is None:
@@ -110,6 +107,7 @@ def attend(
             causal=causal,
             sliding_window=sliding_window,
             scale=softmax_scale,
+            softcap=softcap,
         )
     if impl == "cudnn":
         return _cudnn_attention(
@@ -175,7 +173,7 @@ def _cudnn_attention(q, k, v, *, segment_ids, causal, sliding_window, scale=None
     )
 
 
-def _pallas_attention(q, k, v, *, segment_ids, causal, sliding_window, scale=None):
+def _pallas_attention(q, k, v, *, segment_ids, causal, sliding_window, scale=None, softcap=None):
     """The flash kernel per shard (`_shards`)."""
     mesh, batch_axes, head_axes = _shards(q)
     return sharded_flash_attention(
@@ -189,6 +187,7 @@ def _pallas_attention(q, k, v, *, segment_ids, causal, sliding_window, scale=Non
         segment_ids=segment_ids,
         sliding_window=sliding_window,
         softmax_scale=scale,
+        softcap=softcap,
     )
 
 
@@ -199,15 +198,12 @@ def _context_size() -> int:
     return dict(zip(mesh.axis_names, mesh.axis_sizes))["context"]
 
 
-def _context_attention(q, k, v, *, segment_ids, causal, impl, sliding_window, context_impl):
+def _context_attention(
+    q, k, v, *, segment_ids, causal, impl, sliding_window, context_impl, softmax_scale, softcap
+):
     """Ring or Ulysses attention over the `context` mesh axis; batch and heads split
     as the active rules split the `batch` / `act_heads` activations. Inputs are in
     zig-zag order (load balanced)."""
-    if sliding_window is not None and context_impl != "ulysses":
-        raise ValueError(
-            f"model.sliding_window={sliding_window} with mesh.context > 1 needs "
-            f"model.context_impl=ulysses (the ring has no windowed chunk schedule)"
-        )
     mesh = jax.sharding.get_abstract_mesh()
     rules = sharding.current_rules()
     if rules is None:
@@ -226,9 +222,12 @@ def _context_attention(q, k, v, *, segment_ids, causal, impl, sliding_window, co
         batch_axes=batch_axes,
         head_axes=head_axes,
         block_impl="pallas" if impl == "cudnn" else impl,
+        sliding_window=sliding_window,
+        softmax_scale=softmax_scale,
+        softcap=softcap,
     )
     if context_impl == "ring":
         return ring_attention(q, k, v, **kwargs)
     if context_impl == "ulysses":
-        return ulysses_attention(q, k, v, sliding_window=sliding_window, **kwargs)
+        return ulysses_attention(q, k, v, **kwargs)
     raise ValueError(f"context_impl={context_impl!r}: expected ring or ulysses")

@@ -337,11 +337,10 @@ class ModelConfig:
             raise ValueError(
                 "model.norm_placement=both with model.moe: not supported yet (dense models only)"
             )
-        if self.attention_softcap is not None and self.attention_impl in ("pallas", "cudnn"):
+        if self.attention_softcap is not None and self.attention_impl == "cudnn":
             raise ValueError(
-                f"model.attention_softcap={self.attention_softcap} with model.attention_impl="
-                f"{self.attention_impl}: the flash kernels take no softcap yet; expected attention_impl "
-                "xla or auto"
+                f"model.attention_softcap={self.attention_softcap} with model.attention_impl=cudnn: "
+                "cuDNN's attention takes no softcap; expected attention_impl pallas, xla or auto"
             )
 
     @property

@@ -7,7 +7,14 @@ Pallas flash kernels on GPU/TPU (their forward, dQ and dK/dV calls with
 separate q-side and kv-side segment ids) or an XLA block on CPU; both return
 the block's output and log-sum-exp, so partial results over disjoint key sets
 merge exactly. A pair is ``diagonal`` when q and kv are the same chunk (causal
-mask inside it); off-diagonal pairs that are computed are fully visible.
+mask inside it); off-diagonal pairs that are computed are fully visible, unless a
+causal sliding window (``BlockConfig.window``) reaches back only part of the way:
+then a pair is computed at its *distance* (how many chunks the kv chunk lies before
+the q chunk, in sequence order) with the window mask shifted by that many chunk
+lengths, and pairs beyond the window's reach are skipped. The distance is a Python
+int where the pairs are static (chunked attention) and a traced one in the ring,
+where it depends on the shard and the step; there a ``lax.switch`` picks among the
+few distances a window can reach (``window_reach``).
 
 Chunks are read with dynamic slices of a shard's buffers and results
 accumulated with dynamic_update_slice, which XLA does in place: no
@@ -67,6 +74,17 @@ class BlockConfig:
     block_sizes: BlockSizes | None
     interpret: bool
     use_flash: bool  # False: XLA block (CPU default)
+    softcap: float | None = None  # logit cap c: scores -> c * tanh(scores / c) before the mask
+    window: int | None = None  # causal sliding window, in sequence order (see the module doc)
+
+    @property
+    def window_reach(self) -> int:
+        """The farthest chunk distance at which a query still sees a key (0 without a window:
+        unused then). Distance d holds pairs d * chunk - (chunk - 1) positions apart at the
+        closest, visible while that is under the window."""
+        if self.window is None:
+            return 0
+        return -(-(self.window + self.chunk - 1) // self.chunk) - 1
 
 
 # ----------------------------------------------------------------------------
@@ -74,7 +92,9 @@ class BlockConfig:
 # ----------------------------------------------------------------------------
 
 
-def _xla_scores(spec: BlockConfig, q, k, q_seg, k_seg, diagonal):
+def _xla_scores(spec: BlockConfig, q, k, q_seg, k_seg, diagonal, distance=0):
+    """(masked scores [b, kv, g, q, t] f32, the softcap's derivative or None), as the flash
+    kernels' ``_scores``; ``distance``: the static chunk distance (windowed pairs)."""
     b, c, h, d = q.shape
     g = spec.q_heads // spec.kv_heads
     qg = q.reshape(b, c, spec.kv_heads, g, d)
@@ -88,17 +108,26 @@ def _xla_scores(spec: BlockConfig, q, k, q_seg, k_seg, diagonal):
         )
         * spec.scale
     )
+    dcap = None
+    if spec.softcap is not None:
+        t = jnp.tanh(s / spec.softcap)
+        s, dcap = spec.softcap * t, 1.0 - t * t
     mask = None
+    qpos = jnp.arange(c)[:, None] + distance * spec.chunk
+    kpos = jnp.arange(k.shape[1])[None, :]
     if diagonal:
-        mask = (jnp.arange(c)[:, None] >= jnp.arange(k.shape[1])[None, :])[None, None, None]
+        mask = (qpos >= kpos)[None, None, None]
+    if spec.window is not None:
+        inside = (kpos > qpos - spec.window)[None, None, None]
+        mask = inside if mask is None else mask & inside
     if q_seg is not None:
         seg = (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None]
         mask = seg if mask is None else mask & seg
-    return s if mask is None else jnp.where(mask, s, _NEG_INF)
+    return (s if mask is None else jnp.where(mask, s, _NEG_INF)), dcap
 
 
-def _xla_fwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal):
-    s = _xla_scores(spec, q, k, q_seg, k_seg, diagonal)  # [b, kv, g, q, t]
+def _xla_fwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, distance=0):
+    s, _ = _xla_scores(spec, q, k, q_seg, k_seg, diagonal, distance)  # [b, kv, g, q, t]
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m)
@@ -112,17 +141,19 @@ def _xla_fwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal):
     return o.reshape(q.shape), lse.reshape(b, spec.q_heads, c)
 
 
-def _xla_bwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, lse, do, delta):
+def _xla_bwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, lse, do, delta, distance=0):
     b, c, h, d = q.shape
     g = spec.q_heads // spec.kv_heads
     prec = matmul_precision(q.dtype)
-    s = _xla_scores(spec, q, k, q_seg, k_seg, diagonal)
+    s, dcap = _xla_scores(spec, q, k, q_seg, k_seg, diagonal, distance)
     lse_g = lse.reshape(b, spec.kv_heads, g, c)[..., None]
     p = jnp.exp(s - lse_g)  # [b, kv, g, q, t]
     dog = do.astype(jnp.float32).reshape(b, c, spec.kv_heads, g, d)
     dv = jnp.einsum("bkgqt,bqkgd->btkd", p, dog, precision=prec)
     dp = jnp.einsum("bqkgd,btkd->bkgqt", dog, v.astype(jnp.float32), precision=prec)
     ds = p * (dp - delta.reshape(b, spec.kv_heads, g, c)[..., None]) * spec.scale
+    if dcap is not None:
+        ds = ds * dcap
     dq = jnp.einsum("bkgqt,btkd->bqkgd", ds, k.astype(jnp.float32), precision=prec)
     dk = jnp.einsum(
         "bkgqt,bqkgd->btkd", ds, q.astype(jnp.float32).reshape(b, c, spec.kv_heads, g, d), precision=prec
@@ -135,9 +166,10 @@ def _xla_bwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, lse, do, delta)
 # ----------------------------------------------------------------------------
 
 
-def flash_block_config(spec: BlockConfig, diagonal: bool, dtype) -> FlashConfig:
+def flash_block_config(spec: BlockConfig, diagonal: bool, dtype, distance: int = 0) -> FlashConfig:
     """The flash kernels' configuration for one chunk pair: no padding (the chunk
-    must be a multiple of every block), causal inside diagonal pairs only.
+    must be a multiple of every block), causal inside diagonal pairs only, the window
+    shifted by ``distance`` chunks (``FlashConfig.q_offset``).
     ValueError when the chunk does not fit (blocks, or TPU VMEM)."""
     blocks = resolve_block_sizes(spec.block_sizes, spec.backend, spec.chunk, spec.head_dim, dtype)
     for b in blocks.as_tuple():
@@ -150,7 +182,7 @@ def flash_block_config(spec: BlockConfig, diagonal: bool, dtype) -> FlashConfig:
         backend=spec.backend,
         interpret=spec.interpret,
         causal=diagonal,
-        window=None,
+        window=spec.window,
         scale=spec.scale,
         seq_len=spec.chunk,
         seq_pad=spec.chunk,
@@ -159,20 +191,22 @@ def flash_block_config(spec: BlockConfig, diagonal: bool, dtype) -> FlashConfig:
         kv_heads=spec.kv_heads,
         blocks=blocks,
         dtype=dtype,
+        softcap=spec.softcap,
+        q_offset=distance * spec.chunk,
     )
 
 
-def _flash_fwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal):
-    cfg = flash_block_config(spec, diagonal, q.dtype)
+def _flash_fwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, distance=0):
+    cfg = flash_block_config(spec, diagonal, q.dtype, distance)
     qk, kk, vk = (to_kernel_layout(x, cfg) for x in (q, k, v))
     ok, lse = flash_fwd_call(qk, kk, vk, q_seg, k_seg, cfg)
     o = from_kernel_layout(ok, cfg, cfg.q_heads)
     return o, lse.reshape(q.shape[0], cfg.q_heads, cfg.seq_pad)
 
 
-def _flash_bwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, lse, do, delta):
+def _flash_bwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, lse, do, delta, distance=0):
     """dQ, dK, dV in f32 (they are accumulated over blocks); dK/dV summed over GQA groups."""
-    cfg = flash_block_config(spec, diagonal, q.dtype)
+    cfg = flash_block_config(spec, diagonal, q.dtype, distance)
     g = cfg.group
     batch = q.shape[0]
     qk, kk, vk, dok = (to_kernel_layout(x, cfg) for x in (q, k, v, do.astype(q.dtype)))
@@ -196,14 +230,41 @@ def _flash_bwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, lse, do, delt
 # ----------------------------------------------------------------------------
 
 
-def block_fwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal):
-    """(out [b, c, h, d], lse [b, h, c] f32) of q attending to k, v (one chunk each)."""
-    return (_flash_fwd if spec.use_flash else _xla_fwd)(spec, q, k, v, q_seg, k_seg, diagonal)
+def _at_distance(spec: BlockConfig, diagonal, distance, compute, skip):
+    """compute(static distance) for a pair ``distance`` chunks apart, skip() where the window
+    cannot reach; a ``lax.switch`` over the reachable distances when ``distance`` is traced."""
+    if spec.window is None or diagonal:
+        return compute(0)
+    reach = spec.window_reach
+    if isinstance(distance, int):
+        return compute(distance) if 1 <= distance <= reach else skip()
+    branches = [skip] + [lambda d=d: compute(d) for d in range(1, reach + 1)]
+    return lax.switch(jnp.where((distance >= 1) & (distance <= reach), distance, 0), branches)
 
 
-def block_bwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, lse, do, delta):
+def block_fwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, distance=0):
+    """(out [b, c, h, d], lse [b, h, c] f32) of q attending to k, v (one chunk each), the kv
+    chunk ``distance`` chunks before q's (used by a window only)."""
+    fn = _flash_fwd if spec.use_flash else _xla_fwd
+    b, c = q.shape[:2]
+    o_dtype = q.dtype if spec.use_flash else jnp.float32  # as the block's own output
+    nothing = lambda: (jnp.zeros(q.shape, o_dtype), jnp.full((b, spec.q_heads, c), _NEG_INF, jnp.float32))
+    return _at_distance(
+        spec, diagonal, distance, lambda d: fn(spec, q, k, v, q_seg, k_seg, diagonal, d), nothing
+    )
+
+
+def block_bwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, lse, do, delta, distance=0):
     """(dq, dk, dv) f32 of one block, given the full (merged) lse and delta of its queries."""
-    return (_flash_bwd if spec.use_flash else _xla_bwd)(spec, q, k, v, q_seg, k_seg, diagonal, lse, do, delta)
+    fn = _flash_bwd if spec.use_flash else _xla_bwd
+    nothing = lambda: tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+    return _at_distance(
+        spec,
+        diagonal,
+        distance,
+        lambda d: fn(spec, q, k, v, q_seg, k_seg, diagonal, lse, do, delta, d),
+        nothing,
+    )
 
 
 def merge(o, lse, o_b, lse_b):
@@ -215,7 +276,9 @@ def merge(o, lse, o_b, lse_b):
 
 
 # A pair is (q chunk index, kv chunk index, diagonal); an index is a Python int
-# or a traced int32 scalar (the ring picks some by the step's relation).
+# or a traced int32 scalar (the ring picks some by the step's relation). ``distance``
+# (qi, ki) -> how many chunks kv chunk ki lies before q chunk qi in sequence order (an
+# int or traced); only a window reads it.
 
 
 def chunk(x, idx, size, axis=1):
@@ -234,7 +297,11 @@ def put(acc, idx, size, val, axis=1):
     return lax.dynamic_update_slice_in_dim(acc, val.astype(acc.dtype), idx * size, axis=axis)
 
 
-def fwd_pairs(block: BlockConfig, pairs, c, q, seg, kv, acc):
+def _no_distance(qi, ki):
+    return 0
+
+
+def fwd_pairs(block: BlockConfig, pairs, c, q, seg, kv, acc, distance=_no_distance):
     """Attend q's chunks to kv = (k, v, kv segment ids)'s chunks for each (q chunk,
     kv chunk, diagonal) pair, merging into acc = (o f32, lse) in place."""
     ks, vs, ksegs = kv
@@ -248,13 +315,14 @@ def fwd_pairs(block: BlockConfig, pairs, c, q, seg, kv, acc):
             chunk(seg, qi, c),
             chunk(ksegs, ki, c),
             diagonal,
+            distance(qi, ki),
         )
         o_a, lse_a = merge(chunk(o, qi, c), chunk(lse, qi, c, axis=2), o_b, lse_b)
         o, lse = put(o, qi, c, o_a), put(lse, qi, c, lse_a, axis=2)
     return o, lse
 
 
-def bwd_pairs(block: BlockConfig, pairs, c, q, seg, kv, lse, do, delta, grads):
+def bwd_pairs(block: BlockConfig, pairs, c, q, seg, kv, lse, do, delta, grads, distance=_no_distance):
     """The backward of fwd_pairs: adds each pair's dQ to its q chunk and dK/dV to its
     kv chunk of grads = (dq, dk, dv) f32, in place."""
     ks, vs, ksegs = kv
@@ -271,6 +339,7 @@ def bwd_pairs(block: BlockConfig, pairs, c, q, seg, kv, lse, do, delta, grads):
             chunk(lse, qi, c, axis=2),
             chunk(do, qi, c),
             chunk(delta, qi, c, axis=2),
+            distance(qi, ki),
         )
         dq = put(dq, qi, c, chunk(dq, qi, c) + gq)
         dk = put(dk, ki, c, chunk(dk, ki, c) + gk)

@@ -27,7 +27,7 @@ from jaxtrain.pallas_kernels.blocks import (
     softmax_delta,
     zero_grads,
 )
-from jaxtrain.pallas_kernels.flash_attention import BlockSizes, flash_attention
+from jaxtrain.pallas_kernels.flash_attention import BlockSizes, check_softcap, check_window, flash_attention
 from jaxtrain.pallas_kernels.mesh_utils import resolve_backend
 
 __all__ = ["chunked_attention", "flash_attention_any_length", "flash_chunks_needed"]
@@ -41,9 +41,21 @@ class _Chunked:
 
 
 def _chunk_pairs(spec: _Chunked):
-    """(q chunk, kv chunk, diagonal) pairs in sequence order; causal skips j > i."""
+    """(q chunk, kv chunk, diagonal) pairs in sequence order; causal skips j > i, a window
+    the pairs beyond its reach."""
     m = spec.chunks
-    return [(i, j, spec.causal and i == j) for i in range(m) for j in range(m) if not (spec.causal and j > i)]
+    reach = spec.block.window_reach if spec.block.window is not None else m
+    return [
+        (i, j, spec.causal and i == j)
+        for i in range(m)
+        for j in range(m)
+        if not (spec.causal and (j > i or i - j > reach))
+    ]
+
+
+def _distance(qi, ki):
+    """Chunks in sequence order: kv chunk ki lies qi - ki chunks before q chunk qi."""
+    return qi - ki
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -53,7 +65,7 @@ def _chunked(spec: _Chunked, q, k, v, seg):
 
 def _chunked_fwd_local(spec, q, k, v, seg):
     c = q.shape[1] // spec.chunks
-    o, lse = fwd_pairs(spec.block, _chunk_pairs(spec), c, q, seg, (k, v, seg), empty_output(q))
+    o, lse = fwd_pairs(spec.block, _chunk_pairs(spec), c, q, seg, (k, v, seg), empty_output(q), _distance)
     return o.astype(q.dtype), lse
 
 
@@ -76,6 +88,7 @@ def _chunked_bwd(spec, res, do):
         do,
         softmax_delta(o, do),
         zero_grads(q, k, v),
+        _distance,
     )
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
@@ -131,6 +144,8 @@ def chunked_attention(
     causal: bool = True,
     segment_ids=None,
     softmax_scale: float | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
     chunks: int | None = None,
     block_sizes: BlockSizes | None = None,
     backend: str | None = None,
@@ -143,7 +158,9 @@ def chunked_attention(
     log-sum-exp, with nothing travelling. It lets the TPU flash kernels (which
     keep one head's whole K/V in VMEM) run sequences of any length, e.g. after
     Ulysses' all_to_all. ``chunks=None``: as few as the kernels need
-    (``flash_chunks_needed``). Sequence order, no permutation.
+    (``flash_chunks_needed``). Sequence order, no permutation. ``softcap``, and
+    ``sliding_window`` (causal only): as for ``flash_attention``; pairs of chunks the window
+    cannot reach are skipped.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 4:
@@ -166,6 +183,7 @@ def chunked_attention(
         raise ValueError(f"seq={seq} must be a multiple of chunks={chunks}")
     if interpret is None:
         interpret = backend == "cpu"
+    window = check_window(sliding_window, causal)
     block = BlockConfig(
         backend=backend,
         scale=float(softmax_scale or 1.0 / math.sqrt(head_dim)),
@@ -176,6 +194,8 @@ def chunked_attention(
         block_sizes=block_sizes,
         interpret=bool(interpret),
         use_flash=block_impl == "pallas",
+        softcap=check_softcap(softcap),
+        window=window,
     )
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
     return _chunked(_Chunked(chunks=chunks, causal=bool(causal), block=block), q, k, v, seg)
@@ -183,14 +203,13 @@ def chunked_attention(
 
 def flash_attention_any_length(q, k, v, *, backend=None, **kwargs):
     """``flash_attention``, or ``chunked_attention`` where one head's K/V would not fit
-    the TPU kernels' VMEM. With a sliding window it always calls ``flash_attention``
-    (chunked attention has no window)."""
+    the TPU kernels' VMEM. A non-causal sliding window always calls ``flash_attention``
+    (chunked attention's windows are causal)."""
     resolved = backend or resolve_backend(q)
-    if resolved == "tpu" and kwargs.get("sliding_window") is None:
+    if resolved == "tpu" and (kwargs.get("sliding_window") is None or kwargs.get("causal", False)):
         chunks = flash_chunks_needed(
             q.shape[1], q.shape[3], q.dtype, backend=resolved, block_sizes=kwargs.get("block_sizes")
         )
         if chunks > 1:
-            kwargs.pop("sliding_window", None)
             return chunked_attention(q, k, v, chunks=chunks, backend=resolved, block_impl="pallas", **kwargs)
     return flash_attention(q, k, v, backend=backend, **kwargs)

@@ -61,6 +61,8 @@ __all__ = [
     "KERNEL_MATMULS",
     "BlockSizes",
     "FlashConfig",
+    "check_softcap",
+    "check_window",
     "cost_estimates",
     "declared_costs",
     "default_block_sizes",
@@ -203,6 +205,12 @@ class FlashConfig:
     head_major: bool  # kernel arrays are [B, H, S, D] (else [B, S, H*D])
     vmem_limit: int | None  # TPU only
     fused_bwd: bool = False  # resolved blocks.fused_bwd: one backward kernel (see flash_fused_bwd_call)
+    # Logit softcap c (Gemma 2): scores become c * tanh(scores / c) before the mask; None: none.
+    softcap: float | None = None
+    # Position of query index 0 relative to key index 0 (the masks compare positions): 0 for
+    # one sequence; ring and chunked attention's blocks of a later q chunk against an earlier
+    # kv chunk pass the chunks' distance, so that a sliding window sees across chunks.
+    q_offset: int = 0
     # Attach a pl.CostEstimate (read from cost_estimates() when built, so that the
     # jit cache of _flash_padded keys on it).
     charge_cost: bool = dataclasses.field(default_factory=lambda: _CHARGE_COST)
@@ -238,7 +246,7 @@ def matmul_precision(dtype):
 
 def _position_mask(cfg: FlashConfig, shape, q0, k0, q_axis: int):
     """Causal / window / key-padding mask for a tile whose q positions run along ``q_axis``."""
-    qpos = q0 + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    qpos = q0 + cfg.q_offset + lax.broadcasted_iota(jnp.int32, shape, q_axis)
     kpos = k0 + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
     mask = None
 
@@ -257,16 +265,29 @@ def _position_mask(cfg: FlashConfig, shape, q0, k0, q_axis: int):
 
 
 def _scores(cfg: FlashConfig, a, b, precision, q0, k0, *, q_axis: int, masked: bool, segment_mask):
-    """scale * a @ b.T with disallowed entries set to the mask value.
+    """(scale * a @ b.T, softcapped, with disallowed entries set to the mask value; the
+    softcap's derivative, 1 - tanh^2, or None without a softcap).
 
     ``q_axis`` says which tile axis holds queries (0: [q, kv] tiles, 1: [kv, q]);
-    ``masked`` False skips the position mask for blocks known to be fully allowed.
+    ``masked`` False skips the position mask for blocks known to be fully allowed. The
+    derivative is taken before the mask (a masked entry's probability is exactly 0, and its
+    derivative stays finite, so dS there is 0, not 0 * inf).
     """
     s = _dot_nt(a, b, precision) * cfg.scale
+    dcap = None
+    if cfg.softcap is not None:
+        t = jnp.tanh(s * (1.0 / cfg.softcap))
+        s, dcap = cfg.softcap * t, 1.0 - t * t
     mask = _position_mask(cfg, s.shape, q0, k0, q_axis) if masked else None
     if segment_mask is not None:
         mask = segment_mask if mask is None else jnp.logical_and(mask, segment_mask)
-    return s if mask is None else jnp.where(mask, s, _MASK_VALUE)
+    return (s if mask is None else jnp.where(mask, s, _MASK_VALUE)), dcap
+
+
+def _softmax_grad(p, dp, delta, dcap):
+    """dS of the scores before the softcap: P * (dP - delta), times the cap's derivative."""
+    ds = p * (dp - delta)
+    return ds if dcap is None else ds * dcap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +310,7 @@ def _ranges_for_q_tile(cfg: FlashConfig, q0, bq: int, bk: int, ops: _Ops = _JNP_
     aside; blocks of only padded keys are excluded); blocks in [full_lo, full_hi)
     need no position mask at all.
     """
+    q0 = q0 + cfg.q_offset  # positions from here on
     cdiv = lambda a, b: ops.div(a + (b - 1), b)
     n_valid = -(-cfg.seq_len // bk)
     w = cfg.window
@@ -315,12 +337,14 @@ def _ranges_for_q_tile(cfg: FlashConfig, q0, bq: int, bk: int, ops: _Ops = _JNP_
 
 def _ranges_for_kv_tile(cfg: FlashConfig, k0, bk: int, bq: int, ops: _Ops = _JNP_OPS):
     """For the key tile [k0, k0+bk): query block ranges (lo, full_lo, full_hi, hi)."""
-    cdiv = lambda a, b: ops.div(a + (b - 1), b)
+    cdiv = lambda a, b: ops.div(ops.max(a, 0) + (b - 1), b)  # of a query index, never < 0
     n_valid = -(-cfg.seq_len // bq)
     w = cfg.window
+    # The key's position less the queries' offset: query index i sits at position i + offset.
+    k0 = k0 - cfg.q_offset
     # First query that may see a key of this tile, last one.
     if cfg.causal:
-        lo = ops.div(k0, bq)
+        lo = ops.div(ops.max(k0, 0), bq)
     elif w is not None:
         lo = ops.div(ops.max(k0 - w + 1, 0), bq)
     else:
@@ -334,10 +358,10 @@ def _ranges_for_kv_tile(cfg: FlashConfig, k0, bk: int, bq: int, ops: _Ops = _JNP
     if cfg.causal:
         full_lo = cdiv(k0 + bk - 1, bq)
     elif w is not None:
-        full_lo = cdiv(ops.max(k0 + bk - w, 0), bq)
+        full_lo = cdiv(k0 + bk - w, bq)
     else:
         full_lo = lo
-    full_hi = ops.div(k0 + w, bq) if w is not None else hi
+    full_hi = ops.div(ops.max(k0 + w, 0), bq) if w is not None else hi
     full_lo = ops.min(ops.max(full_lo, lo), hi)
     full_hi = ops.min(ops.max(full_hi, full_lo), hi)
     return lo, full_lo, full_hi, hi
@@ -378,7 +402,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, cfg: FlashConfig, has_segments: bool
         k = k_ref[pl.ds(k0, bk), :]
         v = v_ref[pl.ds(k0, bk), :]
         seg = q_seg == kv_seg_ref[j] if has_segments else None  # [bq, 1] == [1, bk]
-        s = _scores(cfg, q, k, prec, q0, k0, q_axis=0, masked=masked, segment_mask=seg)
+        s, _ = _scores(cfg, q, k, prec, q0, k0, q_axis=0, masked=masked, segment_mask=seg)
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new)
@@ -393,10 +417,15 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, cfg: FlashConfig, has_segments: bool
     )
     ranges = _ranges_for_q_tile(cfg, q0, bq, bk)
     m, l, acc = _masked_loops(ranges, body)(carry)
-    # l == 0 only for tiles of pure padding that visited no block.
-    l = jnp.where(l == 0.0, 1.0, l)
-    o_ref[...] = (acc / l).astype(o_ref.dtype)
-    lse_ref[...] = jnp.transpose(m + jnp.log(l))  # stored lane-dense as [1, bq]
+    # A row that saw no allowed key keeps m at the mask value (an allowed score is far
+    # above it) and summed exp(0) = 1 per masked entry: its output is 0 and its LSE the mask
+    # value (ring and chunked attention merge it with weight 0). Only blocks of a q_offset
+    # (a window past some rows) and tiles of pure padding have such rows: with q_offset 0
+    # every query sees itself.
+    empty = m <= _MASK_VALUE
+    l = jnp.where(empty, 1.0, l)
+    o_ref[...] = jnp.where(empty, 0.0, acc / l).astype(o_ref.dtype)
+    lse_ref[...] = jnp.transpose(jnp.where(empty, _MASK_VALUE, m + jnp.log(l)))  # lane-dense [1, bq]
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, cfg: FlashConfig, has_segments: bool):
@@ -418,10 +447,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, cfg: Flas
         k = k_ref[pl.ds(k0, bk), :]
         v = v_ref[pl.ds(k0, bk), :]
         seg = q_seg == kv_seg_ref[j] if has_segments else None
-        s = _scores(cfg, q, k, prec, q0, k0, q_axis=0, masked=masked, segment_mask=seg)
+        s, dcap = _scores(cfg, q, k, prec, q0, k0, q_axis=0, masked=masked, segment_mask=seg)
         p = jnp.exp(s - lse)
         dp = _dot_nt(do, v, prec)
-        ds = p * (dp - delta)
+        ds = _softmax_grad(p, dp, delta, dcap)
         return dq + _dot_nn(ds.astype(k.dtype), k, prec)
 
     dq = jnp.zeros((bq, q.shape[-1]), jnp.float32)
@@ -467,11 +496,11 @@ def _kv_tile_step(cfg: FlashConfig, carry, i, masked, refs, k, v, kv_seg, k0):
     lse = lse_ref[i]  # [1, bq]
     delta = delta_ref[i]  # [1, bq]
     seg = kv_seg == q_seg_ref[i] if kv_seg is not None else None  # [bk, 1] == [1, bq]
-    s = _scores(cfg, k, q, prec, q0, k0, q_axis=1, masked=masked, segment_mask=seg)
+    s, dcap = _scores(cfg, k, q, prec, q0, k0, q_axis=1, masked=masked, segment_mask=seg)
     p = jnp.exp(s - lse)
     dv = dv + _dot_nn(p.astype(do.dtype), do, prec)
     dp = _dot_nt(v, do, prec)
-    ds = p * (dp - delta)
+    ds = _softmax_grad(p, dp, delta, dcap)
     dk = dk + _dot_nn(ds.astype(q.dtype), q, prec)
     return dk, dv, ds
 
@@ -724,8 +753,11 @@ def _cost(cfg: FlashConfig, kind: str, batch: int, operands, outputs) -> pl.Cost
     nbytes = sum(
         math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in (*operands, *outputs) if x is not None
     )
+    per_pair = 1 if cfg.softcap is None else 2  # exp, and the softcap's tanh
     return pl.CostEstimate(
-        flops=int(2 * matmuls * pairs * cfg.head_dim), transcendentals=int(pairs), bytes_accessed=int(nbytes)
+        flops=int(2 * matmuls * pairs * cfg.head_dim),
+        transcendentals=int(per_pair * pairs),
+        bytes_accessed=int(nbytes),
     )
 
 
@@ -1042,6 +1074,8 @@ def flash_config(
     kv_heads: int,
     blocks: BlockSizes,
     dtype,
+    softcap: float | None = None,
+    q_offset: int = 0,
 ) -> FlashConfig:
     """The kernels' static configuration for resolved ``blocks`` (``resolve_block_sizes``).
 
@@ -1073,6 +1107,8 @@ def flash_config(
         head_major=backend == "tpu",
         vmem_limit=None,
         fused_bwd=backend != "gpu" if blocks.fused_bwd is None else blocks.fused_bwd,
+        softcap=softcap,
+        q_offset=int(q_offset),
     )
     if backend == "tpu":
         if blocks.fused_bwd is None and cfg.fused_bwd:
@@ -1082,6 +1118,34 @@ def flash_config(
                 cfg = dataclasses.replace(cfg, fused_bwd=False)  # the split kernels need less VMEM
         cfg = dataclasses.replace(cfg, vmem_limit=_check_tpu_vmem(cfg, dtype))
     return cfg
+
+
+def check_window(window, causal: bool) -> int | None:
+    """A causal sliding window as an int >= 1 (None: none), for the chunked paths (ring and
+    chunked attention), whose windows reach back only; ValueError otherwise."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"sliding_window must be an int >= 1 or None, got {window!r}")
+    if not causal:
+        raise ValueError(
+            f"sliding_window={window} without causal: ring and chunked attention take causal "
+            "windows only (Ulysses and flash_attention take both)"
+        )
+    return int(window)
+
+
+def check_softcap(softcap) -> float | None:
+    """The logit softcap as a static float > 0 (None: none); ValueError otherwise."""
+    if softcap is None:
+        return None
+    try:
+        softcap = float(softcap)
+    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+        raise ValueError(f"softcap must be a static Python float or None, got {softcap!r}") from e
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap}")
+    return softcap
 
 
 def _check_array(name: str, x, rank: int = 4):
@@ -1102,6 +1166,7 @@ def flash_attention(
     segment_ids=None,
     sliding_window: int | None = None,
     softmax_scale: float | None = None,
+    softcap: float | None = None,
     block_sizes: BlockSizes | None = None,
     backend: str | None = None,
     interpret: bool | None = None,
@@ -1116,6 +1181,8 @@ def flash_attention(
       segment_ids: optional [batch, seq] integers; attention stays within a segment.
       sliding_window: optional int w >= 1; causal: i - w < j <= i, non-causal: |i - j| < w.
       softmax_scale: defaults to 1 / sqrt(head_dim).
+      softcap: optional logit cap c > 0 (Gemma 2): scores become c * tanh(scores / c)
+        after the scale, before the mask.
       block_sizes: optional BlockSizes (TPU: multiples of 128; Triton: powers of two);
         its ``fused_bwd`` picks the one-kernel backward (None: fused on TPU/CPU,
         split on GPU).
@@ -1172,6 +1239,7 @@ def flash_attention(
         raise ValueError(f"softmax_scale must be a static Python float, got {softmax_scale!r}") from e
     if not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    softcap = check_softcap(softcap)
     if backend is None:
         backend = resolve_backend(q)
     elif backend not in _BACKENDS:
@@ -1201,6 +1269,7 @@ def flash_attention(
         kv_heads=kv_heads,
         blocks=blocks,
         dtype=q.dtype,
+        softcap=softcap,
     )
     return _flash_padded(q, k, v, segment_ids, cfg=cfg, head_dim=head_dim)
 

@@ -16,6 +16,8 @@ Semantics (shared with ``pallas_kernels.flash_attention``):
       keys, the query itself included); non-causal: ``|i - j| < w`` (a symmetric
       local band of 2w - 1 keys).
   Every query may attend to itself, so no row is ever fully masked.
+* ``softcap=c`` (c > 0, Gemma 2's attention-logit softcapping): the scaled scores become
+  ``c * tanh(scores / c)`` before the mask.
 * Softmax and accumulation in float32; the output has q's dtype.
 """
 
@@ -63,6 +65,7 @@ def attention(
     segment_ids=None,
     sliding_window: int | None = None,
     softmax_scale: float | None = None,
+    softcap: float | None = None,
 ):
     """Reference attention; same arguments and semantics as ``flash_attention``."""
     batch, seq, q_heads, head_dim = q.shape
@@ -77,6 +80,8 @@ def attention(
     hi = jax.lax.Precision.HIGHEST
     scores = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf, precision=hi)
     scores = scores * softmax_scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     mask = attention_mask(seq, causal=causal, segment_ids=segment_ids, sliding_window=sliding_window)
     if mask is not None:
         scores = jnp.where(mask, scores, -jnp.inf)

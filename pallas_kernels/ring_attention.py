@@ -52,7 +52,7 @@ from jaxtrain.pallas_kernels.blocks import (
     softmax_delta,
     zero_grads,
 )
-from jaxtrain.pallas_kernels.flash_attention import BlockSizes
+from jaxtrain.pallas_kernels.flash_attention import BlockSizes, check_softcap, check_window
 from jaxtrain.pallas_kernels.mesh_utils import (
     axes_tuple,
     check_context_inputs,
@@ -177,11 +177,26 @@ def _ring_loop(ring: _Ring, kv, state, step_fn, after_step=None):
     return after_step(step_fn(ring.n - 1, kv, state))
 
 
+def _distance(ring: _Ring, step):
+    """(q chunk, kv chunk) -> how many chunks the kv chunk (held at ``step``, from shard
+    i - step) lies before the q chunk in sequence order: what a sliding window reads."""
+    i = lax.axis_index(ring.axis)
+    j = (i - step) % ring.n
+
+    def position(shard, local):  # the chunk's index in sequence order
+        return shard if not ring.balanced else jnp.where(local == 0, shard, 2 * ring.n - 1 - shard)
+
+    return lambda qi, ki: position(i, qi) - position(j, ki)
+
+
 def _ring_fwd_local(ring: _Ring, q, k, v, seg):
     c = q.shape[1] // ring.chunks
 
     def step_fn(step, kv, acc):
-        return _run_step(ring, step, lambda pairs, acc: fwd_pairs(ring.block, pairs, c, q, seg, kv, acc), acc)
+        distance = _distance(ring, step)
+        return _run_step(
+            ring, step, lambda pairs, acc: fwd_pairs(ring.block, pairs, c, q, seg, kv, acc, distance), acc
+        )
 
     o, lse = _ring_loop(ring, (k, v, seg), empty_output(q), step_fn)
     return o.astype(q.dtype), lse
@@ -192,10 +207,11 @@ def _ring_bwd_local(ring: _Ring, q, k, v, seg, o, lse, do):
     delta = softmax_delta(o, do)
 
     def step_fn(step, kv, grads):
+        distance = _distance(ring, step)
         return _run_step(
             ring,
             step,
-            lambda pairs, grads: bwd_pairs(ring.block, pairs, c, q, seg, kv, lse, do, delta, grads),
+            lambda pairs, grads: bwd_pairs(ring.block, pairs, c, q, seg, kv, lse, do, delta, grads, distance),
             grads,
         )
 
@@ -242,6 +258,8 @@ def ring_attention(
     causal: bool = True,
     segment_ids=None,
     softmax_scale: float | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
     load_balanced: bool = True,
     batch_axes=(),
     head_axes=(),
@@ -259,6 +277,10 @@ def ring_attention(
       mesh: a ``Mesh`` or the ``AbstractMesh`` in context; ``axis_name`` is the ring.
       causal: causal mask in *sequence* order, derived from the chunk layout.
       segment_ids: optional [batch, seq] ints, in the same (permuted) order as q.
+      softcap: optional logit cap, as for ``flash_attention``.
+      sliding_window: optional causal window (``flash_attention``'s semantics, in sequence
+        order): chunk pairs the window cannot reach are skipped, the others computed with
+        the window shifted by their distance (``blocks``).
       load_balanced: inputs are in zig-zag order (``sharding.context``): shard i
         holds chunks i and 2n-1-i; seq must be a multiple of 2n. False: shard i
         holds contiguous chunk i.
@@ -314,6 +336,8 @@ def ring_attention(
         block_sizes=block_sizes,
         interpret=bool(interpret),
         use_flash=block_impl == "pallas",
+        softcap=check_softcap(softcap),
+        window=check_window(sliding_window, causal),
     )
     ring = _Ring(axis=axis_name, n=n, causal=bool(causal), balanced=chunks == 2, block=block)
 

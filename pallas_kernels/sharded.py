@@ -35,6 +35,7 @@ def sharded_flash_attention(
     segment_ids=None,
     sliding_window: int | None = None,
     softmax_scale: float | None = None,
+    softcap: float | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
 ):
@@ -47,6 +48,7 @@ def sharded_flash_attention(
         causal=causal,
         sliding_window=sliding_window,
         softmax_scale=softmax_scale,
+        softcap=softcap,
         block_sizes=block_sizes,
         interpret=interpret,
         backend=None if mesh is None else mesh_backend(mesh),

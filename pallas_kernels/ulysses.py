@@ -60,6 +60,7 @@ def ulysses_attention(
     head_axes=(),
     block_impl: str | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ):
     """Attention on ``[batch, seq, heads, head_dim]`` arrays sharded on seq over
     ``axis_name``; output sharded the same way. See the module docstring.
@@ -68,6 +69,7 @@ def ulysses_attention(
     (materialised scores: test sizes only); None picks by the mesh's platform.
     sliding_window: as for ``flash_attention`` (in sequence order: each shard
     sees the whole sequence, so the window needs nothing from the ring).
+    softcap: optional logit cap, as for ``flash_attention``.
     """
     check_context_inputs(q, k, v, mesh=mesh, axis_name=axis_name)
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
@@ -124,6 +126,7 @@ def ulysses_attention(
                 segment_ids=seg,
                 softmax_scale=softmax_scale,
                 sliding_window=sliding_window,
+                softcap=softcap,
                 backend=backend,
             )
         else:
@@ -135,6 +138,7 @@ def ulysses_attention(
                 segment_ids=seg,
                 softmax_scale=softmax_scale,
                 sliding_window=sliding_window,
+                softcap=softcap,
             )
         if perm is not None:
             o = o[:, perm]

@@ -84,8 +84,4 @@ def test_config_validation():
         tiny_config(None, "mesh.context=8", "model.context_impl=ulysses")  # 4 heads
     with pytest.raises(ConfigError, match="context_impl"):
         tiny_config(None, "model.context_impl=zigzag")
-    with pytest.raises(
-        ConfigError, match="sliding_window=8 with mesh.context=2: expected model.context_impl=ulysses"
-    ):
-        tiny_config(None, "mesh.context=2", "model.sliding_window=8")
     assert tiny_config(None, "mesh.context=2").mesh.context == 2

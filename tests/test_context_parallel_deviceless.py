@@ -72,6 +72,19 @@ def test_ring_compiles_with_permutes_and_no_kv_gather(target):
     assert large["memory"]["temp"] * 2.5 <= small["memory"]["temp"]
 
 
+@pytest.mark.parametrize("target", ["tpu", "gpu"])
+def test_ring_with_a_window_and_softcap_compiles_to_kernels(target):
+    """Gemma 2's local layers over a ring (window 1024 over chunks of 2048, softcap 50): the
+    windowed pairs' lax.switch over flash blocks compiles for the real targets, and the
+    K/V still travel (no gather)."""
+    if _available(target):
+        pytest.skip(_available(target))
+    r = compile_ring(target, 2, SEQ, sliding_window=1024, softcap=50.0)
+    assert "error" not in r, r
+    print(f"{target} ring window+softcap: temp {r['memory']['temp'] >> 20} MiB in {r['seconds']:.0f} s")
+    assert r["permutes"] > 0 and r["gathers"] == 0
+
+
 def test_ulysses_on_tpu_beyond_one_heads_vmem_compiles_with_chunks():
     """At seq 131072 one head's K/V (64 MiB of bf16 K+V) does not fit the TPU flash
     kernels' VMEM: Ulysses then runs its local attention over sequence chunks

@@ -166,6 +166,57 @@ def test_non_contiguous_segments_and_jit():
 
 
 # ---------------------------------------------------------------------------
+# Logit softcap (Gemma 2): c * tanh(scores / c) before the mask, in every kernel.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "backend,blocks,causal,window,dtype",
+    [
+        # split and fused backward on the CPU tiles; TPU ([B, H, S, D], fused) and Triton
+        # (head_dim 96 padded, split) plumbing; bf16
+        ("cpu", BlockSizes(64, 32, 32, 64, fused_bwd=False), True, 40, jnp.float32),
+        ("cpu", BlockSizes(64, 32, 32, 64, fused_bwd=True), False, None, jnp.float32),
+        ("tpu", BlockSizes(128, 128), True, 130, jnp.float32),
+        ("gpu", BlockSizes(32, 32), True, None, jnp.float32),
+        ("cpu", None, True, None, jnp.bfloat16),
+    ],
+    ids=lambda x: getattr(x, "__name__", str(x)),
+)
+def test_softcap_matches_reference(backend, blocks, causal, window, dtype):
+    """Scores of a few units against a cap of 2: tanh far from linear, and its derivative
+    (1 - tanh^2) in dS; GQA, packed segments, a sequence no block divides."""
+    head_dim = 96 if backend == "gpu" else 64
+    q, k, v, do = _inputs(2, 200 if backend != "tpu" else 384, 4, 2, head_dim, dtype, seed=5)
+    q = (q.astype(jnp.float32) * 3).astype(dtype)
+    seg = _packed_segments(2, q.shape[1])
+    _check_fwd_bwd(
+        q,
+        k,
+        v,
+        do,
+        tol=_tol(dtype),
+        causal=causal,
+        segment_ids=seg,
+        sliding_window=window,
+        softcap=2.0,
+        backend=backend,
+        interpret=True,
+        block_sizes=blocks,
+    )
+
+
+def test_softcap_changes_the_result_and_a_huge_cap_does_not():
+    """The cap is applied (a cap of 2 moves the output) and only through tanh (a cap of 1e6
+    leaves it as without one)."""
+    q, k, v, _ = _inputs(1, 128, 4, 2, 64, jnp.float32)
+    q = q * 3
+    plain = flash_attention(q, k, v, causal=True)
+    assert _rel_err(flash_attention(q, k, v, causal=True, softcap=2.0), plain) > 0.05
+    assert _rel_err(flash_attention(q, k, v, causal=True, softcap=1e6), plain) <= F32_TOL
+
+
+# ---------------------------------------------------------------------------
 # Fused backward (one kernel, 5 matmuls) vs the split dQ + dK/dV kernels (3 + 4).
 # ---------------------------------------------------------------------------
 
@@ -315,6 +366,9 @@ KV = _sds((2, 128, 2, 64))
         ((Q, KV, KV), {"backend": "metal"}, "backend must be one of"),
         ((Q, KV, KV), {"backend": "cpu", "interpret": False}, "interpret"),
         ((Q, KV, KV), {"softmax_scale": float("nan")}, "softmax_scale"),
+        ((Q, KV, KV), {"softcap": 0.0}, "softcap must be a finite float > 0"),
+        ((Q, KV, KV), {"softcap": float("inf")}, "softcap must be a finite float > 0"),
+        ((Q, KV, KV), {"softcap": jnp.float32(3.0) + jnp.zeros(2)}, "softcap must be a static"),
         ((Q, KV, KV), {"block_sizes": (128, 128)}, "block_sizes must be a BlockSizes"),
         ((Q, KV, KV), {"block_sizes": BlockSizes(0, 128)}, "block_sizes.block_q must be a positive"),
         ((Q, KV, KV), {"block_sizes": BlockSizes(128, 128, fused_bwd=1)}, "block_sizes.fused_bwd must be"),

@@ -119,13 +119,14 @@ def test_temp_memory_is_linear_in_seq(target):
 
 @pytest.mark.parametrize("target", ["tpu", "gpu"])
 def test_all_masking_paths_compile(target):
-    """GQA with kv heads sharded on 'tensor', MQA (replicated kv), segments, window,
-    non-causal, a sequence no block divides, head_dim 64: every kernel variant compiles."""
+    """GQA with kv heads sharded on 'tensor', MQA (replicated kv), segments, window, a logit
+    softcap (Gemma 2's local layers), non-causal, a sequence no block divides, head_dim 64:
+    every kernel variant compiles."""
     devices = _devices_or_skip(target)
     mesh = Mesh(np.array(devices).reshape(4, 2), ("data", "tensor"))
     cases = [
-        dict(seq=1024, q_heads=8, kv_heads=2, head_dim=128, causal=True, window=100),
-        dict(seq=200, q_heads=8, kv_heads=1, head_dim=64, causal=False, window=33),
+        dict(seq=1024, q_heads=8, kv_heads=2, head_dim=128, causal=True, window=100, softcap=50.0),
+        dict(seq=200, q_heads=8, kv_heads=1, head_dim=64, causal=False, window=33, softcap=None),
     ]
     for case in cases:
         spec = NamedSharding(mesh, P("data"))
@@ -136,7 +137,13 @@ def test_all_masking_paths_compile(target):
             (BATCH, case["seq"], case["kv_heads"], case["head_dim"]), jnp.bfloat16, sharding=spec
         )
         seg = jax.ShapeDtypeStruct((BATCH, case["seq"]), jnp.int32, sharding=spec)
-        loss = _loss(mesh, head_axes=("tensor",), causal=case["causal"], sliding_window=case["window"])
+        loss = _loss(
+            mesh,
+            head_axes=("tensor",),
+            causal=case["causal"],
+            sliding_window=case["window"],
+            softcap=case["softcap"],
+        )
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile()
         hlo = compiled.as_text()
         assert targets.has_custom_call(hlo, CUSTOM_CALL[target]), case

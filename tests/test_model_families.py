@@ -18,6 +18,7 @@ import pytest
 
 from jaxtrain import sharding
 from jaxtrain.models.hf import HFConversionError, config_from_hf, hf_config
+from jaxtrain.sharding.context import permute_batch
 from jaxtrain.trainer.batches import batch_to_device
 from jaxtrain.trainer.optimizer import decays
 from tests.conftest import program_on_mesh, replace, tiny_config
@@ -67,7 +68,8 @@ def family_cfg(name, **mesh):
 
 def loss_and_grads(cfg):
     with program_on_mesh(cfg) as (program, state, data):
-        batch = batch_to_device(next(data), program.batch_sharding)
+        # in zig-zag order over a context axis, as the trainer feeds it (positions travel along)
+        batch = batch_to_device(permute_batch(next(data), cfg.mesh.context), program.batch_sharding)
         loss, _, grads = program.loss_and_grads(state.params, batch)
         return float(loss), jax.device_get(grads), jax.tree.map(lambda g: g.sharding.spec, grads)
 
@@ -129,14 +131,15 @@ def test_model_feature_values_are_checked():
         ModelConfig(attention_pattern=("local", "local", "global"), sliding_window=4).validate()
     with pytest.raises(ValueError, match="has local layers: expected model.sliding_window"):
         ModelConfig(attention_pattern=("local", "global")).validate()
-    with pytest.raises(ValueError, match="attention_softcap=50.0 with model.attention_impl=pallas"):
-        ModelConfig(attention_softcap=50.0, attention_impl="pallas").validate()
+    with pytest.raises(ValueError, match="attention_softcap=50.0 with model.attention_impl=cudnn"):
+        ModelConfig(attention_softcap=50.0, attention_impl="cudnn", compute_dtype="bfloat16").validate()
+    ModelConfig(attention_softcap=50.0, attention_impl="pallas").validate()
 
 
 def test_gemma_settings_resolve_to_what_runs_them():
-    """An attention softcap runs XLA's attention on every platform (the kernels have none);
-    a final softcap keeps the plain loss (the chunked one has none), and an explicit chunk is
-    refused by name."""
+    """An attention softcap runs the Pallas flash kernel on GPU and TPU (cuDNN's attention has
+    no softcap, and says why it was passed over); a final softcap keeps the plain loss (the
+    chunked one has none), and an explicit chunk is refused by name."""
     from jaxtrain.config import ConfigError, validate
     from jaxtrain.planning.resolve import Placement, resolve
 
@@ -146,10 +149,33 @@ def test_gemma_settings_resolve_to_what_runs_them():
         r = resolve(
             cfg, Placement(platform, {"fsdp": 1}, 80 * 2**30, "", "h100" if platform == "gpu" else "v5p")
         )
-        assert r.config.model.attention_impl == "xla" and r.config.train.loss_chunk == 0
-        assert any("attention_softcap=0.5: the flash kernels take no softcap yet" in n for n in r.notes)
+        assert r.config.model.attention_impl == "pallas" and r.config.train.loss_chunk == 0
+        if platform == "gpu":
+            assert any("not cudnn: a logit softcap" in n for n in r.notes), r.notes
     with pytest.raises(ConfigError, match="train.loss_chunk=1024 with model.final_softcap=2.0"):
         validate(replace(cfg, train=dict(loss_chunk=1024)))
+
+
+@pytest.mark.parametrize(
+    "mesh,attention_impl,context_impl",
+    [
+        (dict(context=2), "xla", "ring"),  # the ring's XLA blocks: windowed pairs at a distance
+        (dict(context=2, fsdp=2), "pallas", "ring"),  # the flash kernels' blocks (interpreted)
+        (dict(fsdp=2), "pallas", "ring"),  # the flash kernel, softcap and window, per shard
+    ],
+)
+def test_gemma2_attention_on_the_kernels_and_the_ring_equals_xla_on_one_device(
+    mesh, attention_impl, context_impl
+):
+    """Gemma 2's local layers (window 5 across the ring's chunks of 8), logit softcap and query
+    scale through the Pallas kernel and ring attention: loss and every gradient equal XLA's
+    attention on one device."""
+    ref_loss, ref_grads, _ = loss_and_grads(family_cfg("gemma2", fsdp=1))
+    cfg = family_cfg("gemma2", **mesh)
+    cfg = replace(cfg, model=dict(attention_impl=attention_impl, context_impl=context_impl))
+    loss, grads, _ = loss_and_grads(cfg)
+    np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
+    jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6), grads, ref_grads)
 
 
 def test_hf_boundary_reads_both_spellings_and_names_what_it_refuses():

@@ -66,6 +66,7 @@ def _check_against_reference(
     with_segments,
     load_balanced,
     sliding_window=None,
+    softcap=None,
     **kwargs,
 ):
     mesh = _mesh(data, context)
@@ -85,12 +86,15 @@ def _check_against_reference(
             load_balanced=load_balanced,
             batch_axes=batch_axes,
             **({"sliding_window": sliding_window} if sliding_window else {}),
+            **({"softcap": softcap} if softcap else {}),
             **kwargs,
         )
         return out[:, inv]
 
     def ref(q, k, v):
-        return reference.attention(q, k, v, causal=causal, segment_ids=seg, sliding_window=sliding_window)
+        return reference.attention(
+            q, k, v, causal=causal, segment_ids=seg, sliding_window=sliding_window, softcap=softcap
+        )
 
     loss = lambda f: lambda *a: jnp.sum(f(*a) * w)
     out, grads = jax.jit(lambda *a: (sharded(*a), jax.grad(loss(sharded), (0, 1, 2))(*a)))(q, k, v)
@@ -147,6 +151,72 @@ def test_ulysses_sliding_window_matches_reference(block_impl):
         sliding_window=6,
         block_impl=block_impl,
     )
+
+
+@pytest.mark.parametrize(
+    "context,balanced,window,softcap,segments,block_impl",
+    [
+        (4, True, 6, None, False, "xla"),  # zig-zag chunks of 4 tokens: the window reaches 2 back
+        (4, False, 3, 2.0, True, "xla"),  # contiguous chunks of 8: it reaches 1; a logit softcap
+        (2, True, 11, 2.0, False, "pallas"),  # the flash kernels' blocks (q_offset), chunks of 8
+    ],
+)
+def test_ring_sliding_window_and_softcap_match_reference(
+    context, balanced, window, softcap, segments, block_impl
+):
+    """Gemma's local layers over a ring: the window crosses shard and chunk boundaries, every
+    pair is taken at its distance in sequence order (a lax.switch in the ring), the pairs
+    the window cannot reach are skipped. (Mostly without segments: packed documents would
+    mask much of what a window reaches across chunks.)"""
+    _check_against_reference(
+        ring_attention,
+        context=context,
+        causal=True,
+        heads=4,
+        kv_heads=2,
+        with_segments=segments,
+        load_balanced=balanced,
+        sliding_window=window,
+        softcap=softcap,
+        block_impl=block_impl,
+    )
+
+
+def test_ulysses_softcap_matches_reference():
+    _check_against_reference(
+        ulysses_attention,
+        context=2,
+        causal=True,
+        heads=4,
+        kv_heads=2,
+        with_segments=True,
+        load_balanced=True,
+        softcap=2.0,
+        block_impl="pallas",
+    )
+
+
+@pytest.mark.parametrize("block_impl", ["xla", "pallas"])
+def test_chunked_attention_with_window_and_softcap_matches_reference(block_impl):
+    """Chunks of 8, window 11: pairs two chunks apart are computed shifted, three apart skipped."""
+    q, k, v, w, seg = _inputs(4, 2, False)
+    kwargs = dict(causal=True, segment_ids=seg, sliding_window=11, softcap=2.0)
+    attn = lambda q, k, v: chunked_attention(q, k, v, chunks=4, block_impl=block_impl, **kwargs)
+    ref = lambda q, k, v: reference.attention(q, k, v, **kwargs)
+    loss = lambda f: lambda *a: jnp.sum(f(*a) * w)
+    np.testing.assert_allclose(attn(q, k, v), ref(q, k, v), atol=TOL, rtol=0)
+    for name, g, gr in zip(
+        "qkv", jax.grad(loss(attn), (0, 1, 2))(q, k, v), jax.grad(loss(ref), (0, 1, 2))(q, k, v)
+    ):
+        np.testing.assert_allclose(g, gr, atol=TOL, rtol=0, err_msg=f"d{name}")
+
+
+def test_chunked_and_ring_windows_are_causal_only():
+    q, k, v, _, _ = _inputs(4, 2, False)
+    with pytest.raises(ValueError, match="sliding_window=4 without causal"):
+        chunked_attention(q, k, v, causal=False, sliding_window=4, chunks=4)
+    with pytest.raises(ValueError, match="sliding_window=4 without causal"):
+        ring_attention(q, k, v, mesh=_mesh(1, 2), causal=False, sliding_window=4, load_balanced=False)
 
 
 @pytest.mark.parametrize(

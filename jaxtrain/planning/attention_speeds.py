@@ -44,8 +44,10 @@ CUDNN_MAX_HEAD_DIM = 128
 CUDNN_DTYPES = ("bfloat16", "float16")
 
 
-def cudnn_cannot(*, chip: str | None, head_dim: int, compute_dtype: str) -> str | None:
+def cudnn_cannot(*, chip: str | None, head_dim: int, compute_dtype: str, softcap: bool = False) -> str | None:
     """Why cuDNN's attention cannot run this case (None: it can)."""
+    if softcap:
+        return "a logit softcap (jax.nn.dot_product_attention's cuDNN path takes none)"
     if chip is None:  # every GPU of the hardware table is Ampere or newer
         return "the GPU is unknown to sharding/hardware.py (cuDNN's attention needs Ampere or newer)"
     if compute_dtype not in CUDNN_DTYPES:
@@ -56,10 +58,10 @@ def cudnn_cannot(*, chip: str | None, head_dim: int, compute_dtype: str) -> str 
 
 
 def choose_gpu_attention(
-    *, chip: str | None, head_dim: int, window: bool, compute_dtype: str
+    *, chip: str | None, head_dim: int, window: bool, compute_dtype: str, softcap: bool = False
 ) -> tuple[str, str]:
     """(impl, why) for a GPU run: the fastest measured implementation that can run the case."""
-    why_not = cudnn_cannot(chip=chip, head_dim=head_dim, compute_dtype=compute_dtype)
+    why_not = cudnn_cannot(chip=chip, head_dim=head_dim, compute_dtype=compute_dtype, softcap=softcap)
     candidates = {"pallas", "xla"} | (set() if why_not else {"cudnn"})
     rows = [s for s in SPEEDS if s.impl in candidates and s.window == window] or [
         s for s in SPEEDS if s.impl in candidates

@@ -168,14 +168,13 @@ def axis_rules(cfg: Config) -> sharding.AxisRules:
 
 def _attention_impl(cfg: Config, p: Placement) -> tuple[str, str]:
     m = cfg.model
-    if m.attention_softcap is not None and p.platform != "cpu":
-        return "xla", f"model.attention_softcap={m.attention_softcap}: the flash kernels take no softcap yet"
     if p.platform == "gpu":
         return choose_gpu_attention(
             chip=p.chip,
             head_dim=m.resolved_head_dim,
             window=m.sliding_window is not None,
             compute_dtype=m.compute_dtype,
+            softcap=m.attention_softcap is not None,
         )
     if p.platform == "tpu":
         return "pallas", "the Pallas flash kernel (Mosaic TPU)"
