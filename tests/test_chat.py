@@ -5,18 +5,21 @@ Oracles: transformers 5's ``apply_chat_template(..., return_assistant_tokens_mas
 and masks, saved by tests/assets/make_chat_assets.py (3 templates x 120 conversations), exact;
 hand-written masks for small cases; numpy's cross-entropy for the loss (rtol 1e-6, float32)."""
 
+import argparse
 import gzip
 import json
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from jaxtrain.data import DataError, encode_chat
+from jaxtrain.data import DataError, encode_chat, make_data_iterator, shards
 from jaxtrain.data.chat import ChatEncoder, overlap_mask
+from jaxtrain.data.tokenize import add_tokenize_parser, run_tokenize, tokenize
 from tests.conftest import REPO
 
 ASSETS = Path(__file__).parent / "assets" / "chat"
@@ -157,3 +160,245 @@ def test_data_package_import_stays_light():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     loaded = set(json.loads(out.stdout))
     assert not {"jax", "flax", "jinja2"} & loaded
+
+
+# --------------------------------------------------------------------------- tokenize --chat, tokens source
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cfg:  # stands in for jaxtrain.config.DataConfig
+    source: str = "tokens"
+    paths: tuple = ()
+    tokenizer: str = "byte"
+    shuffle: bool = False
+    weights: tuple = ()
+
+
+def parse(*argv):
+    p = argparse.ArgumentParser(prog="jaxtrain")
+    add_tokenize_parser(p.add_subparsers(dest="command"))
+    return p.parse_args(["tokenize", *map(str, argv)])
+
+
+def write_rows(path, conversations):
+    """{"messages": [...]} per line, with a blank line and an empty conversation (both skipped)."""
+    lines = [json.dumps({"id": i, "messages": c}, ensure_ascii=False) for i, c in enumerate(conversations)]
+    lines[1:1] = ["", json.dumps({"messages": []})]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory, expected):
+    """20 chatml conversations tokenized with 64-token shards, and what encode_chat makes of them."""
+    d = tmp_path_factory.mktemp("chat")
+    conversations = expected["conversations"][:20]
+    rows = write_rows(d / "rows.jsonl", conversations)
+    out = d / "out"
+    args = parse(rows, "--chat", "--tokenizer", ASSETS / "chatml", "--out", out, "--shard-tokens", 64)
+    assert run_tokenize(args) == 0
+    encoded = [encode_chat(c, ASSETS / "chatml") for c in conversations]
+    return out, encoded, rows
+
+
+def test_tokenize_chat_writes_conversations_and_masks(chat_dir):
+    out, encoded, _ = chat_dir
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["version"] == shards.MASK_VERSION and manifest["chat"]["mask"] == "generation"
+    assert manifest["text_field"] == "messages"
+    assert (out / "tokenizer_config.json").read_bytes() == (
+        ASSETS / "chatml" / "tokenizer_config.json"
+    ).read_bytes()
+    info = manifest["splits"]["train"]
+    assert info["documents"] == 20 and len(info["shards"]) > 3
+    dtype = shards.TOKEN_DTYPES[manifest["dtype"]]
+    tokens = np.concatenate([np.fromfile(out / s["tokens_file"], dtype=dtype) for s in info["shards"]])
+    masks = np.concatenate([np.fromfile(out / s["mask_file"], dtype=np.uint8) for s in info["shards"]])
+    ends = np.concatenate([np.fromfile(out / s["docs_file"], dtype="<u8") for s in info["shards"]])
+    assert tokens.tolist() == np.concatenate([i for i, _ in encoded]).tolist()  # no EOS appended
+    assert masks.tolist() == np.concatenate([m for _, m in encoded]).tolist()
+    assert ends.tolist() == np.cumsum([i.size for i, _ in encoded]).tolist()
+    shards.TokenShards(out).verify()
+
+
+def expected_windows(encoded, seq_len):
+    """Window w of the stream by the documented rule, and its batch fields, by hand."""
+    stream = np.concatenate([i for i, _ in encoded])
+    mask = np.concatenate([m for _, m in encoded])
+    doc = np.repeat(np.arange(1, len(encoded) + 1), [i.size for i, _ in encoded])
+    n = -(-(stream.size - 1) // seq_len)
+    rows = []
+    for w in range(n):
+        lo, hi = w * seq_len, min(w * seq_len + seq_len + 1, stream.size)
+        t, d, m = (np.zeros(seq_len + 1, np.int64) for _ in range(3))
+        t[: hi - lo], d[: hi - lo], m[: hi - lo] = stream[lo:hi], doc[lo:hi], mask[lo:hi]
+        real = d[:-1] > 0
+        rows.append(
+            {
+                "inputs": t[:-1],
+                "targets": t[1:],
+                # conversations are consecutive numbers: the first one in the row is segment 1
+                "segment_ids": np.where(real, d[:-1] - d[0] + 1, 0),
+                "loss_mask": (real & (d[:-1] == d[1:]) & (m[1:] == 1)).astype(np.float32),
+            }
+        )
+    return rows
+
+
+def test_tokens_source_masks_the_loss_and_keeps_conversations_apart(chat_dir):
+    out, encoded, _ = chat_dir
+    seq_len = 48
+    want = expected_windows(encoded, seq_len)
+    it = make_data_iterator(
+        Cfg(paths=(str(out),)), vocab_size=512, seq_len=seq_len, global_batch_size=len(want), seed=0
+    )
+    batch = it.batch_at(0)  # no shuffle: row w is window w; every window once
+    for w, row in enumerate(want):
+        for key, value in row.items():
+            assert batch[key][w].tolist() == value.tolist(), (w, key)
+    # the mask is the assistant's: some targets of real tokens are left out, none outside a turn
+    assert 0 < batch["loss_mask"].sum() < (batch["segment_ids"] > 0).sum()
+    # per-process rows and resume read the same masks
+    shuffled = Cfg(paths=(str(out),), shuffle=True)
+    one = make_data_iterator(shuffled, vocab_size=512, seq_len=seq_len, global_batch_size=4, seed=3)
+    halves = [
+        make_data_iterator(
+            shuffled,
+            vocab_size=512,
+            seq_len=seq_len,
+            global_batch_size=4,
+            seed=3,
+            process_index=p,
+            process_count=2,
+        ).batch_at(5)  # fmt: skip
+        for p in range(2)
+    ]
+    whole = one.batch_at(5)
+    for key in whole:
+        assert np.array_equal(np.concatenate([h[key] for h in halves]), whole[key]), key
+    one.set_state({"source": "tokens", "batch": 5})
+    assert all(np.array_equal(v, whole[k]) for k, v in next(one).items())
+
+
+def test_chat_mixed_with_plain_text_counts_every_plain_target(chat_dir, tmp_path):
+    out, _, _ = chat_dir
+    (tmp_path / "plain.jsonl").write_text(json.dumps({"text": "hello world " * 40}) + "\n")
+    plain = tmp_path / "plain"
+    tokenize(
+        [str(tmp_path / "plain.jsonl")], str(plain), str(ASSETS / "chatml" / "tokenizer.json"), log=print
+    )
+    it = make_data_iterator(
+        Cfg(paths=(str(plain), str(out)), weights=(1, 1)),
+        vocab_size=512,
+        seq_len=16,
+        global_batch_size=2,
+        seed=0,
+    )
+    batch = it.batch_at(0)
+    sources = [it.window(s) for s in range(2)]
+    assert sorted(c for c, _ in sources) == [0, 1] and all(w == 0 for _, w in sources)
+    plain_row = [c for c, _ in sources].index(0)
+    assert batch["loss_mask"][plain_row].sum() == 16  # plain window 0: every target counts
+    assert batch["loss_mask"][1 - plain_row].sum() < 16  # chat window 0 opens with a system turn
+
+
+def test_tokenize_chat_resumes_after_a_crash_byte_identical(chat_dir, tmp_path, monkeypatch, capsys):
+    _, _, rows = chat_dir
+    opts = ["--chat", "--tokenizer", ASSETS / "chatml", "--shard-tokens", 64, "--batch-mb", 0.0005]
+    opts += ["--eval-fraction", 0.3]
+    reference = tmp_path / "reference"
+    assert run_tokenize(parse(rows, "--out", reference, *opts)) == 0
+    write, written = shards.SplitWriter._write_shard, []
+
+    def write_then_die(self, tokens, mask=None):  # dies after the 8th train shard, mid-batch
+        write(self, tokens, mask)
+        written.append(self.split)
+        if written.count("train") == 8:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(shards.SplitWriter, "_write_shard", write_then_die)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        run_tokenize(parse(rows, "--out", out, *opts))
+    capsys.readouterr()
+    progress = json.loads((out / "progress.json").read_text())
+    assert 0 < len(progress["splits"]["train"]["state"]["shards"]) < 8
+    assert progress["splits"]["train"]["tail"]["mask_file"].endswith(".mask")
+    monkeypatch.setattr(shards.SplitWriter, "_write_shard", write)
+    assert run_tokenize(parse(rows, "--out", out, *opts)) == 0
+    assert "resuming at input 1/1 after" in capsys.readouterr().out
+    snapshot = lambda d: {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+    assert snapshot(out) == snapshot(reference)
+    assert json.loads((out / "manifest.json").read_text())["splits"]["eval"]["documents"] > 0
+
+
+def test_tokenize_chat_errors_name_the_row(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "a"}]})
+        + "\n"
+        + json.dumps({"messages": [{"role": "tool", "content": "b"}]})
+        + "\n"
+    )
+    args = ["--chat", "--tokenizer", ASSETS / "chatml", "--out", tmp_path / "out"]
+    assert run_tokenize(parse(rows, *args)) == 2
+    assert f"{rows}:2: " in capsys.readouterr().err
+    rows.write_text(json.dumps({"messages": "hi"}) + "\n")
+    assert run_tokenize(parse(rows, *args, "--force")) == 2
+    assert f"{rows}:1: expected an object with a 'messages' field holding a list" in capsys.readouterr().err
+    args = ["--chat", "--tokenizer", ASSETS / "chatml" / "tokenizer.json", "--out", tmp_path / "o2"]
+    assert run_tokenize(parse(rows, *args)) == 2
+    assert "--chat expects a Hugging Face tokenizer directory" in capsys.readouterr().err
+    (tmp_path / "a.txt").write_text("x")
+    assert (
+        run_tokenize(
+            parse(tmp_path / "a.txt", "--chat", "--tokenizer", ASSETS / "chatml", "--out", tmp_path / "o3")
+        )
+        == 2
+    )
+    assert "--chat reads .jsonl files" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the loss
+
+
+def test_step_loss_is_the_mean_over_masked_in_targets(chat_dir):
+    """One train program (data=2 mesh, 2 microbatches) on a chat batch: its loss equals numpy's
+    cross-entropy of the model's own logits, averaged over the targets whose mask is 1 (rtol 1e-5,
+    float32), and differs from the mean over all targets of the same documents."""
+    import jax
+
+    from jaxtrain import models
+    from jaxtrain.trainer.batches import batch_to_device
+    from tests.conftest import program_on_mesh, tiny_config
+
+    out, _, _ = chat_dir
+    cfg = tiny_config(
+        None,
+        "model.d_model=32",
+        "model.mlp_dim=64",
+        "model.n_layers=1",
+        "model.vocab_size=320",
+        "train.seq_len=32",
+        "train.global_batch_size=4",
+        "train.microbatches=2",
+        "mesh.data=2",
+        "data.source=tokens",
+        f"data.paths=[{out}]",
+    )
+    with program_on_mesh(cfg) as (program, state, data):
+        rows = next(data)
+        loss, count, _ = program.loss_and_grads(state.params, batch_to_device(rows, program.batch_sharding))
+        model = models.merge(program.graphdef, program.abstract_params, state.params)
+        logits = model(
+            jax.numpy.asarray(rows["inputs"]), positions=rows["positions"], segment_ids=rows["segment_ids"]
+        )
+    logits = np.asarray(jax.device_get(logits), np.float64)
+    log_probs = logits - logits.max(-1, keepdims=True)
+    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+    ce = -np.take_along_axis(log_probs, rows["targets"][..., None], -1)[..., 0]
+    mask = rows["loss_mask"]
+    assert float(count) == mask.sum() > 0
+    np.testing.assert_allclose(float(loss), (ce * mask).sum() / mask.sum(), rtol=1e-5)
+    real = rows["segment_ids"] > 0
+    assert mask.sum() < real.sum() and abs(float(loss) - (ce * real).sum() / real.sum()) > 1e-4

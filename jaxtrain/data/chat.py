@@ -349,8 +349,8 @@ class ChatEncoder:
             raise DataError(f"{self.where}: not a valid Jinja template ({type(e).__name__}: {e})") from e
         self.tokenizer = HFTokenizer(storage.join(self.directory, TOKENIZER))
 
-    def render(self, messages: Any) -> tuple[str, list[tuple[int, int]], list[dict]]:
-        """(text, spans whose tokens the mask marks, the normalized messages)."""
+    def render(self, messages: Any) -> tuple[str, list[tuple[int, int]]]:
+        """(text, the character spans whose tokens the mask marks)."""
         messages = _messages(messages)
         try:
             text, spans = render(self.template, messages, self.variables)
@@ -360,7 +360,10 @@ class ChatEncoder:
 
     def encode_batch(self, conversations: Sequence[Any]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each conversation's ``(ids int64, mask uint8)``; tokenized as one batch (all cores)."""
-        rendered = [self.render(c) for c in conversations]
+        return self.encode_rendered([self.render(c) for c in conversations])
+
+    def encode_rendered(self, rendered: Sequence[tuple[str, list]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """`render`'s ``(text, spans)`` pairs -> ``(ids, mask)`` each, tokenized as one batch."""
         encodings = self.tokenizer.encode_with_offsets([text for text, _ in rendered])
         return [
             (np.asarray(e.ids, dtype=np.int64), overlap_mask(e.offsets, spans))
