@@ -402,3 +402,17 @@ def test_step_loss_is_the_mean_over_masked_in_targets(chat_dir):
     np.testing.assert_allclose(float(loss), (ce * mask).sum() / mask.sum(), rtol=1e-5)
     real = rows["segment_ids"] > 0
     assert mask.sum() < real.sum() and abs(float(loss) - (ce * real).sum() / real.sum()) > 1e-4
+
+
+def test_masks_read_by_range_equal_memory_mapped(chat_dir, monkeypatch):
+    """Remote directories (gs://) read shards by range instead of memory maps: same rows, same masks."""
+    out, _, _ = chat_dir
+    n = shards.TokenShards(out).num_tokens
+    starts, length = np.array([0, 50, 63, 300, n - 10]), 40  # inside a shard, across shards, past the end
+    mapped = shards.TokenShards(out).read_rows(starts, length)
+    monkeypatch.setattr(shards.storage, "is_local", lambda _: False)
+    ranged = shards.TokenShards(out)
+    assert not ranged.local
+    for a, b in zip(ranged.read_rows(starts, length), mapped):
+        assert np.array_equal(a, b)
+    assert mapped[2].any() and not mapped[2][-1, 10:].any()  # masks read; padding masked out
