@@ -5,13 +5,11 @@ Oracles: transformers 5's ``apply_chat_template(..., return_assistant_tokens_mas
 and masks, saved by tests/assets/make_chat_assets.py (3 templates x 120 conversations), exact;
 hand-written masks for small cases; numpy's cross-entropy for the loss (rtol 1e-6, float32)."""
 
-import argparse
 import gzip
 import json
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +17,10 @@ import pytest
 
 from jaxtrain.data import DataError, encode_chat, make_data_iterator, shards
 from jaxtrain.data.chat import ChatEncoder, overlap_mask
-from jaxtrain.data.tokenize import add_tokenize_parser, run_tokenize, tokenize
+from jaxtrain.data.tokenize import run_tokenize, tokenize
 from tests.conftest import REPO
+from tests.test_tokenize import parse
+from tests.test_tokens_data import Cfg
 
 ASSETS = Path(__file__).parent / "assets" / "chat"
 TEMPLATES = ("chatml", "llama3", "gemma")
@@ -165,21 +165,6 @@ def test_data_package_import_stays_light():
 # --------------------------------------------------------------------------- tokenize --chat, tokens source
 
 
-@dataclass(frozen=True, kw_only=True)
-class Cfg:  # stands in for jaxtrain.config.DataConfig
-    source: str = "tokens"
-    paths: tuple = ()
-    tokenizer: str = "byte"
-    shuffle: bool = False
-    weights: tuple = ()
-
-
-def parse(*argv):
-    p = argparse.ArgumentParser(prog="jaxtrain")
-    add_tokenize_parser(p.add_subparsers(dest="command"))
-    return p.parse_args(["tokenize", *map(str, argv)])
-
-
 def write_rows(path, conversations):
     """{"messages": [...]} per line, with a blank line and an empty conversation (both skipped)."""
     lines = [json.dumps({"id": i, "messages": c}, ensure_ascii=False) for i, c in enumerate(conversations)]
@@ -250,7 +235,11 @@ def test_tokens_source_masks_the_loss_and_keeps_conversations_apart(chat_dir):
     seq_len = 48
     want = expected_windows(encoded, seq_len)
     it = make_data_iterator(
-        Cfg(paths=(str(out),)), vocab_size=512, seq_len=seq_len, global_batch_size=len(want), seed=0
+        Cfg(paths=(str(out),), shuffle=False),
+        vocab_size=512,
+        seq_len=seq_len,
+        global_batch_size=len(want),
+        seed=0,
     )
     batch = it.batch_at(0)  # no shuffle: row w is window w; every window once
     for w, row in enumerate(want):
@@ -288,7 +277,7 @@ def test_chat_mixed_with_plain_text_counts_every_plain_target(chat_dir, tmp_path
         [str(tmp_path / "plain.jsonl")], str(plain), str(ASSETS / "chatml" / "tokenizer.json"), log=print
     )
     it = make_data_iterator(
-        Cfg(paths=(str(plain), str(out)), weights=(1, 1)),
+        Cfg(paths=(str(plain), str(out)), weights=(1, 1), shuffle=False),
         vocab_size=512,
         seq_len=16,
         global_batch_size=2,
