@@ -2,7 +2,8 @@
 the masked loss.
 
 Oracles: transformers 5's ``apply_chat_template(..., return_assistant_tokens_mask=True)`` ids
-and masks, saved by tests/assets/make_chat_assets.py (3 templates x 120 conversations), exact;
+and masks, saved by tests/assets/make_chat_assets.py (3 templates x 120 conversations, and a
+tool-calling template x 60), exact;
 hand-written masks for small cases; numpy's cross-entropy for the loss (rtol 1e-6, float32)."""
 
 import gzip
@@ -23,7 +24,7 @@ from tests.test_tokenize import parse
 from tests.test_tokens_data import Cfg
 
 ASSETS = Path(__file__).parent / "assets" / "chat"
-TEMPLATES = ("chatml", "llama3", "gemma")
+TEMPLATES = ("chatml", "llama3", "gemma", "tools")
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +39,9 @@ def mask_text(mask) -> str:
 
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_encode_chat_equals_transformers(expected, name):
-    conversations, rows = expected["conversations"], expected["encoded"][name]
-    assert len(conversations) == len(rows) == 120
+    conversations = expected["tool_conversations" if name == "tools" else "conversations"]
+    rows = expected["encoded"][name]
+    assert len(conversations) == len(rows) == (60 if name == "tools" else 120)
     for messages, row in zip(conversations, rows):
         ids, mask = encode_chat(messages, ASSETS / name)
         assert ids.tolist() == row["ids"], messages

@@ -5,9 +5,11 @@ Needs transformers, which the project does not depend on (see make_hf_assets.py 
 Writes three tokenizer directories (tokenizer.json + tokenizer_config.json), each with a chat
 template that marks the assistant turns with {% generation %}: ``chatml`` (Qwen-style
 <|im_start|>/<|im_end|>, a default system prompt), ``llama3`` (header ids, bos, ``| trim``; its
-template is the list form [{name, template}] and its special tokens AddedToken dicts) and
+template is the list form [{name, template}] and its special tokens AddedToken dicts),
 ``gemma`` (<start_of_turn>/<end_of_turn>, bos, the system prompt folded into the first user
-turn, a Metaspace BPE with <unk>). Then ``expected.json.gz``: seeded random conversations and,
+turn, a Metaspace BPE with <unk>) and ``tools`` (ChatML with tool calls through ``tojson``,
+tool results, reasoning, ``namespace`` and ``break``; its own conversations). Then
+``expected.json.gz``: seeded random conversations and,
 per directory, transformers' ``apply_chat_template(tokenize=True, return_dict=True,
 return_assistant_tokens_mask=True)`` ids and assistant masks (a mask as a string of 0/1).
 tests/test_chat.py compares `jaxtrain.data.encode_chat` with them, exactly.
@@ -24,6 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 OUT = Path(__file__).parent / "chat"
 CONVERSATIONS = 120
+TOOL_CONVERSATIONS = 60
 
 CHATML = (
     "{%- if messages[0]['role'] != 'system' %}"
@@ -81,6 +84,35 @@ GEMMA = (
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}\n"
 )
 
+TOOLS = (
+    "{%- set ns = namespace(last_user=0) %}\n"
+    "{%- for message in messages[::-1] %}\n"
+    "{%- if message.role == 'user' %}{%- set ns.last_user = messages | length - 1 - loop.index0 %}"
+    "{%- break %}{%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- for message in messages %}\n"
+    "{%- if message.role in ['system', 'user'] %}\n"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}\n"
+    "{%- elif message.role == 'assistant' %}\n"
+    "{{- '<|im_start|>assistant\\n' }}\n"
+    "{%- generation %}\n"
+    "{%- if message.reasoning_content is defined and loop.index0 > ns.last_user %}\n"
+    "{{- '<think>\\n' + message.reasoning_content | trim + '\\n</think>\\n\\n' }}\n"
+    "{%- endif %}\n"
+    "{{- message.content }}\n"
+    "{%- for call in message.tool_calls or [] %}\n"
+    "{{- '\\n<tool_call>\\n' + call.function | tojson + '\\n</tool_call>' }}\n"
+    "{%- endfor %}\n"
+    "{{- '<|im_end|>' }}\n"
+    "{%- endgeneration %}\n"
+    "{{- '\\n' }}\n"
+    "{%- elif message.role == 'tool' %}\n"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}\n"
+    "{%- else %}{{- raise_exception('unknown role ' + message.role) }}\n"
+    "{%- endif %}\n"
+    "{%- endfor %}\n"
+)
+
 WORDS = [
     "the", "model", "answer", "question", "hello", "world", "token", "mask", "train", "data",
     "δέλτα", "naïve", "日本語", "🙂", "über", "ça", "a\nb", "tab\tx", "  spaced  ", "c\r\nd", "x",
@@ -116,6 +148,31 @@ def conversations(n: int, seed: int = 0) -> list[list[dict]]:
         for _ in range(rng.randint(1, 4)):
             messages.append({"role": "user", "content": text(rng, specials)})
             messages.append({"role": "assistant", "content": text(rng, specials)})
+        out.append(messages)
+    return out
+
+
+def tool_conversations(n: int, seed: int = 2) -> list[list[dict]]:
+    """Tool calls (arguments through tojson, non-ASCII kept), tool results, reasoning under its
+    three names (transformers aliases them), None values (transformers drops the key)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        messages = [{"role": "system", "content": text(rng, ["<tool_call>"])}] if rng.random() < 0.5 else []
+        for _ in range(rng.randint(1, 3)):
+            messages.append({"role": "user", "content": text(rng, ["<|im_end|>"])})
+            reply = {"role": "assistant", "content": text(rng, ["<think>"])}
+            if rng.random() < 0.5:
+                reply[rng.choice(["reasoning_content", "reasoning", "thinking"])] = text(rng, ["<think>"])
+            if rng.random() < 0.4:
+                city = rng.choice(["Zürich", "東京", "Paris"])
+                args = {"city": city, "days": rng.randint(1, 9), "units": rng.choice(["°C", None])}
+                call = {"type": "function", "function": {"name": "weather", "arguments": args}}
+                reply["tool_calls"] = [call]
+                reply["content"] = rng.choice([None, "", "Let me check."])
+                messages += [reply, {"role": "tool", "content": f"{city}: {rng.randint(-5, 30)}"}]
+                reply = {"role": "assistant", "content": text(rng, ["<think>"]), "tool_calls": None}
+            messages.append(reply)
         out.append(messages)
     return out
 
@@ -204,11 +261,22 @@ def main() -> None:
             },
         ),
     }
-    expected = {"transformers": transformers.__version__, "conversations": convs, "encoded": {}}
+    dirs["tools"] = write_dir(
+        "tools",
+        Tokenizer.from_file(str(dirs["chatml"] / "tokenizer.json")),
+        {**cls, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": TOOLS},
+    )
+    conversations_of = {name: "conversations" for name in dirs} | {"tools": "tool_conversations"}
+    expected = {
+        "transformers": transformers.__version__,
+        "conversations": convs,
+        "tool_conversations": tool_conversations(TOOL_CONVERSATIONS),
+        "encoded": {},
+    }
     for name, d in dirs.items():
         tok = transformers.AutoTokenizer.from_pretrained(str(d))
         rows = []
-        for messages in convs:
+        for messages in expected[conversations_of[name]]:
             out = tok.apply_chat_template(
                 messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
             )
