@@ -285,8 +285,8 @@ def main() -> None:
             rows.append({"ids": list(out["input_ids"]), "mask": mask})
         expected["encoded"][name] = rows
         print(f"{name}: {type(tok).__name__}, {sum(len(r['ids']) for r in rows)} tokens")
-    with gzip.open(OUT / "expected.json.gz", "wt", encoding="utf-8") as f:
-        json.dump(expected, f, ensure_ascii=False, separators=(",", ":"))
+    with gzip.GzipFile(OUT / "expected.json.gz", "wb", mtime=0) as f:  # mtime 0: the same bytes each run
+        f.write(json.dumps(expected, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
 
 
 if __name__ == "__main__":
