@@ -28,7 +28,9 @@ analytic memory and step-time model and confirms the best N by deviceless compil
 weights tensor by tensor (jaxtrain/interchange/convert.py); `train.init_from=OUT_DIR` trains from them.
 
 `jaxtrain tokenize INPUT... --out DIR --tokenizer byte|tokenizer.json` streams a corpus into
-token shards for `data.source: tokens` (jaxtrain/data/tokenize.py).
+token shards for `data.source: tokens` (jaxtrain/data/tokenize.py); with `--chat --tokenizer
+HF_DIR`, conversations rendered with the directory's chat template, and a mask of the
+assistant's tokens that the loss then counts alone (jaxtrain/data/chat.py).
 
 `jaxtrain generate SOURCE --prompt TEXT [overrides]` samples from a run config, a training
 or converted checkpoint or an HF directory on the configured mesh and streams the text

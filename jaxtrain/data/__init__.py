@@ -14,6 +14,11 @@ Each batch is a dict of numpy arrays, all ``[local_batch_size, seq_len]``:
 ``loss_mask`` (float32, 1 where the target is the next token of the same
 document).
 
+Chat data: ``encode_chat(messages, tokenizer_dir)`` renders a Hugging Face chat template and
+returns ``(ids, mask)``, mask 1 on the assistant's tokens (chat.py); ``jaxtrain tokenize --chat``
+writes such conversations as token directories with a mask, and the ``tokens`` source then
+counts the loss only where the mask is 1.
+
 Sources (``data.source``): ``synthetic`` (core.py), ``text`` (raw files tokenized at
 start, text.py) and ``tokens`` (token directories written by ``jaxtrain tokenize``,
 memory-mapped or read by range, mixed by ``data.weights``: tokens.py, shards.py,
@@ -26,14 +31,17 @@ from __future__ import annotations
 
 import types
 
+from .chat import ChatEncoder, encode_chat
 from .core import DataError, DataIterator, SyntheticIterator
 from .text import TextIterator, expand_paths, read_documents
 from .tokenizers import BYTE_EOS_ID, EOS_TOKEN_CANDIDATES, ByteTokenizer, HFTokenizer, load_tokenizer
 from .tokens import TokenIterator
 
 __all__ = [
+    "ChatEncoder",
     "DataError",
     "DataIterator",
+    "encode_chat",
     "SyntheticIterator",
     "TextIterator",
     "TokenIterator",

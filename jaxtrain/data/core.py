@@ -23,12 +23,15 @@ def check_int(name: str, value: Any, *, minimum: int) -> int:
     return int(value)
 
 
-def batch_from_windows(tokens: np.ndarray, doc_ids: np.ndarray) -> dict[str, np.ndarray]:
+def batch_from_windows(
+    tokens: np.ndarray, doc_ids: np.ndarray, mask: np.ndarray | None = None
+) -> dict[str, np.ndarray]:
     """Windows of ``seq_len + 1`` tokens -> a batch.
 
     ``doc_ids`` has the same shape as ``tokens``: a non-decreasing document number per
     token, 0 for padding (padding only at a row's end). A target counts (loss_mask 1)
-    when its token belongs to the same document as the input token.
+    when its token belongs to the same document as the input token and, given ``mask``
+    (same shape, 0/1 per token: chat data's assistant tokens), when the target's mask is 1.
     """
     in_docs, tgt_docs = doc_ids[:, :-1], doc_ids[:, 1:]
     seq_len = in_docs.shape[1]
@@ -42,7 +45,9 @@ def batch_from_windows(tokens: np.ndarray, doc_ids: np.ndarray) -> dict[str, np.
         "targets": tokens[:, 1:].astype(np.int32),
         "segment_ids": np.where(real, np.cumsum(starts, axis=1), 0).astype(np.int32),
         "positions": np.where(real, t - start_index, 0).astype(np.int32),
-        "loss_mask": (real & (in_docs == tgt_docs)).astype(np.float32),
+        "loss_mask": (real & (in_docs == tgt_docs) & (True if mask is None else mask[:, 1:] > 0)).astype(
+            np.float32
+        ),
     }
 
 

@@ -6,6 +6,10 @@ anything else is plain text: the whole file is one document, or, with a separato
 the pieces between separators are. ``.gz``, ``.zst``, ``.bz2`` and ``.xz`` after the
 format's suffix are decompressed on the fly (``corpus.jsonl.zst``, ``book.txt.gz``).
 
+Chat rows (``chat=True``, ``.jsonl`` only): the field holds a conversation, a list of
+messages, yielded as its JSON text (``json.dumps(messages, ensure_ascii=False)``, key order
+kept) so that everything downstream still handles strings; an empty list is skipped.
+
 Documents are yielded one at a time, so memory holds one document (text) or one
 parquet row batch, never a file. Empty documents are skipped; blank ``.jsonl`` lines
 too. A bad record raises `DataError` naming ``file:line`` (``file:row N`` in parquet).
@@ -90,10 +94,17 @@ class DocumentReader:
     ``bytes_read`` is how far into the (compressed) file reading has got, for progress.
     """
 
-    def __init__(self, path: str, *, text_field: str = "text", separator: str | None = None):
+    def __init__(
+        self, path: str, *, text_field: str = "text", separator: str | None = None, chat: bool = False
+    ):
         self.path = str(path)
         self.format, self.compression = split_name(self.path)
+        if chat and self.format != "jsonl":
+            raise DataError(
+                f'{self.path}: chat data is read from .jsonl files (one {{"messages": [...]}} per line)'
+            )
         self.text_field = text_field
+        self.chat = chat
         if separator == "":
             raise DataError("separator='': expected a non-empty string or None (one document per file)")
         self.separator = separator
@@ -148,6 +159,15 @@ class DocumentReader:
             except json.JSONDecodeError as e:
                 raise DataError(f"{self.path}:{lineno}: invalid JSON ({e.msg})") from e
             text = record.get(field) if isinstance(record, dict) else None
+            if self.chat:
+                if not isinstance(text, list):
+                    raise DataError(
+                        f"{self.path}:{lineno}: expected an object with a {field!r} field holding a list of "
+                        "messages ({'role': ..., 'content': ...})"
+                    )
+                if text:
+                    yield lineno, json.dumps(text, ensure_ascii=False)
+                continue
             if not isinstance(text, str):
                 raise DataError(f"{self.path}:{lineno}: expected an object with a string {field!r} field")
             if text:

@@ -18,6 +18,14 @@ input (unreadable file, malformed line, missing field, an id >= vocab size) stop
 run with ``file:line``, after saving progress up to the last good document; fix that
 line and rerun to go on.
 
+Chat (``--chat``, ``--tokenizer`` a Hugging Face tokenizer directory): each ``.jsonl`` row's
+``messages`` (``--text-field``) is one conversation, rendered with the directory's chat
+template and masked by jaxtrain/data/chat.py; a conversation is one document (its ids as the
+template writes them, no EOS appended: the template ends each turn), and the mask goes to a
+``.mask`` file beside each token shard (jaxtrain/data/shards.py). ``--mask-by-role`` masks
+the assistant messages' content, for templates without ``{% generation %}`` blocks. The
+directory also keeps a copy of ``tokenizer_config.json`` (the template).
+
 The output directory is complete when ``manifest.json`` exists (written last).
 """
 
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import hashlib
 import json
 import os
 import queue
@@ -36,15 +45,17 @@ from collections.abc import Callable
 import numpy as np
 
 from . import shards, storage
+from .chat import CONFIG as CHAT_CONFIG
+from .chat import ChatEncoder
 from .core import DataError
-from .documents import DocumentReader
+from .documents import DocumentReader, split_name
 from .tokenizers import tokenizer_from_spec
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB per shard at uint16
 DEFAULT_BATCH_MB = 4.0
 PROGRESS = "progress.json"
-_OURS_SUFFIXES = (".tokens", ".docs", ".tmp")
-_OURS_NAMES = (shards.MANIFEST, PROGRESS, shards.TOKENIZER_COPY)
+_OURS_SUFFIXES = (".tokens", ".docs", ".mask", ".tmp")
+_OURS_NAMES = (shards.MANIFEST, PROGRESS, shards.TOKENIZER_COPY, CHAT_CONFIG)
 
 
 def cores() -> int:
@@ -89,10 +100,11 @@ class _Batch:
 class _Reader(threading.Thread):
     """Parses documents into batches on a queue (two at most), from a resume position."""
 
-    def __init__(self, files, sizes, start, *, batch_bytes, text_field, separator):
+    def __init__(self, files, sizes, start, *, batch_bytes, text_field, separator, chat=False):
         super().__init__(daemon=True, name="jaxtrain-tokenize-reader")
         self.files, self.sizes, self.start_at = files, sizes, start
         self.batch_bytes, self.text_field, self.separator = batch_bytes, text_field, separator
+        self.chat = chat
         self.out: queue.Queue = queue.Queue(maxsize=2)
         self.stopped = threading.Event()
 
@@ -112,7 +124,9 @@ class _Reader(threading.Thread):
         done = sum(self.sizes[:first])
         try:
             for fi in range(first, len(self.files)):
-                reader = DocumentReader(self.files[fi], text_field=self.text_field, separator=self.separator)
+                reader = DocumentReader(
+                    self.files[fi], text_field=self.text_field, separator=self.separator, chat=self.chat
+                )
                 n = 0
                 for line, text in reader:
                     n += 1
@@ -191,9 +205,28 @@ def _with_eos(ids: np.ndarray, lengths: np.ndarray, eos: int, dtype: np.dtype) -
     return out
 
 
-def _encode(tok, batch: _Batch, files: list[str], eval_fraction: float) -> dict | DataError:
-    """A batch's documents -> ``{split: (ids, lengths)}``, or the error naming the first
-    document with an id >= the vocab size (checked before anything is written)."""
+def _encode_chat(chat: ChatEncoder, texts: list[str], where: list[tuple[int, int]], files: list[str]):
+    """Conversations (JSON text) -> (ids, lengths, mask, which conversations are kept: those of
+    at least one token); or the error naming the first one the template refuses."""
+    rendered = []
+    for text, (fi, line) in zip(texts, where):
+        try:
+            rendered.append(chat.render(json.loads(text)))
+        except DataError as e:
+            return DataError(f"{files[fi]}:{line}: {e}")
+    encoded = chat.encode_rendered(rendered)
+    kept = np.array([i for i, (ids, _) in enumerate(encoded) if ids.size], dtype=np.int64)
+    lengths = np.array([encoded[i][0].size for i in kept], dtype=np.int64)
+    if not kept.size:
+        return np.zeros(0, np.int64), lengths, np.zeros(0, np.uint8), kept
+    ids = np.concatenate([encoded[i][0] for i in kept])
+    return ids, lengths, np.concatenate([encoded[i][1] for i in kept]), kept
+
+
+def _encode(tok, batch: _Batch, files: list[str], eval_fraction: float, chat=None) -> dict | DataError:
+    """A batch's documents -> ``{split: (ids, lengths, mask or None)}``, or the error naming the
+    first document with an id >= the vocab size (checked before anything is written) or, with
+    ``chat`` (a ChatEncoder), the first conversation its template refuses."""
     if eval_fraction > 0:
         route = np.fromiter((shards.to_eval(t, eval_fraction) for t in batch.texts), bool, len(batch.texts))
     else:
@@ -203,7 +236,15 @@ def _encode(tok, batch: _Batch, files: list[str], eval_fraction: float) -> dict 
         index = np.flatnonzero(selected)
         if not index.size:
             continue
-        ids, lengths = tok.encode_flat([batch.texts[i] for i in index])
+        texts, mask = [batch.texts[i] for i in index], None
+        if chat is None:
+            ids, lengths = tok.encode_flat(texts)
+        else:
+            got = _encode_chat(chat, texts, [batch.where[i] for i in index], files)
+            if isinstance(got, DataError):
+                return got
+            ids, lengths, mask, kept = got
+            index = index[kept]
         if ids.size and int(ids.max()) >= tok.vocab_size:
             bad = int(np.argmax(ids >= tok.vocab_size))
             fi, line = batch.where[int(index[np.searchsorted(np.cumsum(lengths), bad, side="right")])]
@@ -211,7 +252,7 @@ def _encode(tok, batch: _Batch, files: list[str], eval_fraction: float) -> dict 
                 f"{files[fi]}:{line}: tokenizer {tok.name!r} produced id {int(ids[bad])} "
                 f">= its vocab size {tok.vocab_size}"
             )
-        encoded[split] = (ids, lengths)
+        encoded[split] = (ids, lengths, mask)
     return encoded
 
 
@@ -220,7 +261,9 @@ def tokenize(
     out: str,
     tokenizer: str,
     *,
-    text_field: str = "text",
+    chat: bool = False,
+    mask_by_role: bool = False,
+    text_field: str | None = None,
     separator: str | None = None,
     eval_fraction: float = 0.0,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
@@ -230,18 +273,25 @@ def tokenize(
     log: Callable[[str], None] = print,
 ) -> dict:
     """Tokenize ``inputs`` into the token directory ``out``; returns its manifest plus a
-    ``"run"`` entry (seconds, bytes and tokens this run, cores). See the module docstring."""
+    ``"run"`` entry (seconds, bytes and tokens this run, cores). See the module docstring.
+    ``chat``: rows of conversations, ``tokenizer`` a Hugging Face tokenizer directory;
+    ``text_field`` defaults to ``"messages"`` then, else ``"text"``."""
+    if text_field is None:
+        text_field = "messages" if chat else "text"
     _check_options(eval_fraction, shard_tokens, batch_bytes, text_field)
+    if mask_by_role and not chat:
+        raise DataError("--mask-by-role: masks conversations; expected --chat too")
     files = expand_inputs(inputs)
     sizes = [storage.file_size(f) for f in files]
-    tok = tokenizer_from_spec(tokenizer)
+    encoder = _chat_encoder(tokenizer, files, mask_by_role) if chat else None
+    tok = encoder.tokenizer if encoder is not None else tokenizer_from_spec(tokenizer)
     if not 0 <= tok.eos_id < tok.vocab_size:
         raise DataError(
             f"--tokenizer={tokenizer!r}: EOS id {tok.eos_id} outside its vocab size {tok.vocab_size}"
         )
     fingerprint = {
         "format": shards.FORMAT,
-        "version": shards.VERSION,
+        "version": shards.MASK_VERSION if chat else shards.VERSION,
         "tokenizer": {
             "name": tok.name,
             "sha256": tok.sha256,
@@ -254,6 +304,7 @@ def tokenize(
         "separator": separator,
         "eval_fraction": float(eval_fraction),
         "inputs": [{"path": f, "bytes": s} for f, s in zip(files, sizes)],
+        "chat": _chat_fingerprint(encoder, tokenizer) if encoder is not None else None,
     }
     resume = _prepare_out(out, fingerprint, force=force, log=log)
     if resume == "complete":
@@ -262,6 +313,9 @@ def tokenize(
         return {**manifest, "run": {"seconds": 0.0, "bytes": 0, "tokens": 0, "cores": cores()}}
     if getattr(tok, "json_bytes", None) is not None:
         storage.write_atomic(storage.join(out, shards.TOKENIZER_COPY), tok.json_bytes)
+    if encoder is not None:
+        config = storage.read_bytes(storage.join(tokenizer, CHAT_CONFIG))
+        storage.write_atomic(storage.join(out, CHAT_CONFIG), config)
     splits = _Splits(out, fingerprint)
     if isinstance(resume, dict):
         splits.restore(resume)
@@ -272,9 +326,16 @@ def tokenize(
     run_start, start_tokens = time.perf_counter(), splits.total_tokens
     start_bytes = sum(sizes[: splits.position[0]])
     reader = _Reader(
-        files, sizes, splits.position, batch_bytes=batch_bytes, text_field=text_field, separator=separator
+        files,
+        sizes,
+        splits.position,
+        batch_bytes=batch_bytes,
+        text_field=text_field,
+        separator=separator,
+        chat=chat,
     )
-    _encode_all(reader, splits, tok, files, eval_fraction, _Progress(progress, sum(sizes)), start_bytes)
+    bar = _Progress(progress, sum(sizes))
+    _encode_all(reader, splits, tok, files, eval_fraction, bar, start_bytes, encoder)
     seconds = time.perf_counter() - run_start
     run = {
         "seconds": seconds,
@@ -285,6 +346,28 @@ def tokenize(
     manifest = _write_manifest(out, fingerprint, splits, len(files))
     log(_summary(manifest, run, len(files), out))
     return {**manifest, "run": run}
+
+
+def _chat_encoder(tokenizer: str, files: list[str], mask_by_role: bool) -> ChatEncoder:
+    for f in files:
+        if split_name(f)[0] != "jsonl":
+            raise DataError(f'{f}: --chat reads .jsonl files (one {{"messages": [...]}} per line)')
+    if not storage.is_dir(tokenizer):
+        raise DataError(
+            f"--tokenizer={tokenizer!r}: --chat expects a Hugging Face tokenizer directory "
+            f"({CHAT_CONFIG} with a chat_template, and tokenizer.json)"
+        )
+    return ChatEncoder(tokenizer, mask_by_role=mask_by_role)
+
+
+def _chat_fingerprint(encoder: ChatEncoder, tokenizer: str) -> dict:
+    """What, besides tokenizer.json, decides a chat directory's ids and masks."""
+    config = storage.read_bytes(storage.join(tokenizer, CHAT_CONFIG))
+    return {
+        "tokenizer_config_sha256": hashlib.sha256(config).hexdigest(),
+        "template_sha256": hashlib.sha256(encoder.source.encode("utf-8")).hexdigest(),
+        "mask": "role" if encoder.mask_by_role else "generation",
+    }
 
 
 def _summary(manifest: dict, run: dict, n_files: int, out: str) -> str:
@@ -320,8 +403,9 @@ class _Splits:
     def __init__(self, out: str, fingerprint: dict):
         self.out, self.fingerprint = out, fingerprint
         dtype, shard_tokens = fingerprint["dtype"], fingerprint["shard_tokens"]
+        self.chat = fingerprint.get("chat") is not None
         self.writers = {
-            split: shards.SplitWriter(out, split, dtype=dtype, shard_tokens=shard_tokens)
+            split: shards.SplitWriter(out, split, dtype=dtype, shard_tokens=shard_tokens, masked=self.chat)
             for split in shards.SPLITS
         }
         self.np_dtype = shards.TOKEN_DTYPES[dtype]
@@ -337,11 +421,16 @@ class _Splits:
             w.restore(resume["splits"][split]["state"], resume["splits"][split]["tail"])
 
     def add(self, encoded: dict, eos_id: int) -> int:
-        """Append each split's documents (EOS after each); returns the shards written."""
-        return sum(
-            self.writers[split].add(_with_eos(ids, lengths, eos_id, self.np_dtype), lengths + 1)
-            for split, (ids, lengths) in encoded.items()
-        )
+        """Append each split's documents (EOS after each; a conversation as it is, with its
+        mask); returns the shards written."""
+        written = 0
+        for split, (ids, lengths, mask) in encoded.items():
+            if mask is None:
+                docs = _with_eos(ids, lengths, eos_id, self.np_dtype)
+                written += self.writers[split].add(docs, lengths + 1)
+            else:
+                written += self.writers[split].add(ids.astype(self.np_dtype), lengths, mask)
+        return written
 
     def checkpoint(self, at: tuple[int, int]) -> None:
         self.generation += 1
@@ -358,7 +447,7 @@ class _Splits:
         _remove_stale_tails(self.out, keep=self.generation)
 
 
-def _encode_all(reader: _Reader, splits: _Splits, tok, files, eval_fraction, bar, start_bytes) -> None:
+def _encode_all(reader: _Reader, splits: _Splits, tok, files, eval_fraction, bar, start_bytes, chat) -> None:
     """Tokenize every batch the reader thread yields into the splits, checkpointing after
     each batch that wrote a shard; on an input error, checkpoint the last good batch and raise."""
     start_tokens = splits.total_tokens
@@ -366,7 +455,7 @@ def _encode_all(reader: _Reader, splits: _Splits, tok, files, eval_fraction, bar
     try:
         while (batch := reader.out.get()) is not None:
             if batch.texts:
-                encoded = _encode(tok, batch, files, eval_fraction)
+                encoded = _encode(tok, batch, files, eval_fraction, chat)
                 if isinstance(encoded, DataError):
                     splits.checkpoint(splits.position)  # the last batch fully processed
                     raise encoded
@@ -478,8 +567,27 @@ def add_tokenize_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument(
         "--out", required=True, help="output directory (new, empty, or this command's own to resume)"
     )
-    t.add_argument("--tokenizer", required=True, help="'byte' or a Hugging Face tokenizer.json (path or URL)")
-    t.add_argument("--text-field", default="text", help="the document's field in .jsonl / column in .parquet")
+    t.add_argument(
+        "--tokenizer",
+        required=True,
+        help="'byte' or a Hugging Face tokenizer.json (path or URL); with --chat, the tokenizer directory",
+    )
+    t.add_argument(
+        "--chat",
+        action="store_true",
+        help='.jsonl rows {"messages": [{"role", "content"}, ...]}: render the tokenizer directory\'s chat '
+        "template; the loss counts only the assistant's tokens ({% generation %} blocks)",
+    )
+    t.add_argument(
+        "--mask-by-role",
+        action="store_true",
+        help="with --chat: mask the assistant messages' content (for templates without {% generation %})",
+    )
+    t.add_argument(
+        "--text-field",
+        default=None,
+        help="the document's field in .jsonl / column in .parquet (default 'text'; 'messages' with --chat)",
+    )
     t.add_argument(
         "--separator",
         default=None,
@@ -515,7 +623,9 @@ def run_tokenize(args: argparse.Namespace) -> int:
             args.inputs,
             args.out,
             args.tokenizer,
-            text_field=getattr(args, "text_field", "text"),
+            chat=getattr(args, "chat", False),
+            mask_by_role=getattr(args, "mask_by_role", False),
+            text_field=getattr(args, "text_field", None),
             separator=separator,
             eval_fraction=getattr(args, "eval_fraction", 0.0),
             shard_tokens=getattr(args, "shard_tokens", DEFAULT_SHARD_TOKENS),

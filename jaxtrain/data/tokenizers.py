@@ -89,14 +89,23 @@ class HFTokenizer:
                 f"{list(EOS_TOKEN_CANDIDATES)}"
             )
 
-    def _encode(self, texts: list[str]):
-        # encode_batch_fast (tokenizers >= 0.21) skips the character offsets we never use;
-        # both run over all cores (Rust threads, outside the GIL).
-        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+    def _encode(self, texts: list[str], *, offsets: bool = False):
+        # encode_batch_fast (tokenizers >= 0.21) skips the character offsets that only chat
+        # masks use; both run over all cores (Rust threads, outside the GIL).
+        encode = (
+            self._tok.encode_batch
+            if offsets
+            else getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        )
         try:
             return encode(texts, add_special_tokens=False)
         except TypeError:  # what the Rust side raises for a str UTF-8 cannot hold
             return encode(_scrubbed(texts), add_special_tokens=False)
+
+    def encode_with_offsets(self, texts: list[str]) -> list:
+        """`tokenizers` Encodings: ``.ids`` and ``.offsets``, each token's ``(start, end)`` in
+        characters of its text (a lone surrogate, scrubbed to U+FFFD, keeps its one character)."""
+        return self._encode(texts, offsets=True)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(e.ids, dtype=np.int64) for e in self._encode(texts)]

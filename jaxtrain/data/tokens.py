@@ -16,6 +16,12 @@ process count. Slot ``s`` goes to component ``c`` as its ``j``-th visit (`Mixtur
 shuffling needs no index in memory, and each epoch visits every window once in a fresh
 order. Batch ``k`` is a pure function of ``(seed, k)`` and the data: the checkpointed
 position is ``{"source": "tokens", "batch": k}`` and resuming reads nothing twice.
+
+Chat directories (`jaxtrain tokenize --chat`) carry a mask per token at the same positions:
+a target counts in the loss only where its mask is 1 (the assistant's tokens), read with the
+window's tokens, so the position ``k`` covers masks too. A conversation is one document, so
+packing gives it a segment of its own and attention never crosses into its neighbours.
+Directories without masks mixed with chat ones count every target, as before.
 """
 
 from __future__ import annotations
@@ -172,6 +178,7 @@ class TokenIterator(DataIterator):
                     f"model.vocab_size={self.vocab_size}; expected ids < model.vocab_size"
                 )
         self.eos_id = first.eos_id
+        self.masked = any(c.masked for c in self.components)  # chat data: loss on masked-in targets only
         weights = tuple(getattr(data_cfg, "weights", ()) or ())
         if weights and len(weights) != len(paths):
             raise DataError(
@@ -217,12 +224,13 @@ class TokenIterator(DataIterator):
         components, windows = self.windows(self.local_slots(k))
         tokens = np.empty((windows.size, self.seq_len + 1), dtype=np.int32)
         doc_ids = np.empty_like(tokens)
+        mask = np.empty(tokens.shape, dtype=np.uint8)
         for c in np.unique(components):
             rows = np.flatnonzero(components == c)
-            tokens[rows], doc_ids[rows] = self.components[c].read_rows(
+            tokens[rows], doc_ids[rows], mask[rows] = self.components[c].read_rows(
                 windows[rows] * self.seq_len, self.seq_len + 1
             )
-        return batch_from_windows(tokens, doc_ids)
+        return batch_from_windows(tokens, doc_ids, mask if self.masked else None)
 
     def close(self) -> None:
         for comp in self.components:
