@@ -40,6 +40,52 @@ MOE_SCORINGS = ("softmax", "sigmoid")
 MOE_DISPATCHES = ("capacity", "dropless")
 MOE_EXCHANGES = ("auto", "padded", "ragged")
 MOE_GROUPED_MATMULS = ("auto", "ragged_dot", "megablox")
+# `model.lora.targets`: the matmul weights an adapter may sit on (models/lora.py); on an MoE
+# layer w_gate / w_up / w_down are its experts' (one adapter per expert)
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """Low-rank adapters (models/lora.py; Hu et al. 2021, as PEFT's LoRA): each targeted weight
+    W computes W x + (alpha / rank) B (A x), A [rank, in] kaiming-uniform as torch's Linear
+    (PEFT's default), B [out, rank] zeros, so a fresh adapter starts as the base. Only A and
+    B train; the base (train.init_from) is frozen and holds no gradients or optimizer state."""
+
+    rank: int = 8  # r
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    targets: tuple[str, ...] = ("wq", "wk", "wv", "wo")  # LORA_TARGETS
+    dropout: float = 0.0  # on the adapter's input only (PEFT's lora_dropout), training steps only
+    # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start from;
+    # null: fresh adapters
+    init_from: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.targets, (list, str)):  # YAML gives a list (or one name)
+            object.__setattr__(
+                self, "targets", (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
+            )
+
+    def validate(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"model.lora.rank={self.rank}: expected a positive integer")
+        if not self.alpha > 0:
+            raise ValueError(f"model.lora.alpha={self.alpha}: expected a positive number")
+        if not self.targets:
+            raise ValueError(f"model.lora.targets=[]: expected some of {LORA_TARGETS}")
+        for t in self.targets:
+            if t not in LORA_TARGETS:
+                raise ValueError(
+                    f"model.lora.targets: {t!r} is not a target; expected some of {LORA_TARGETS}"
+                )
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"model.lora.targets={list(self.targets)}: a target appears twice")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"model.lora.dropout={self.dropout}: expected a value in [0, 1)")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -202,6 +248,8 @@ class ModelConfig:
     cpu_tuning: bool | str = "auto"
     context_impl: str = "ring"  # ring | ulysses: attention when the mesh has context > 1
     moe: MoEConfig | None = None  # mixture of experts (models/moe.py); None: dense
+    # low-rank adapters on a frozen base (models/lora.py); None: every weight trains
+    lora: LoRAConfig | None = None
 
     def __post_init__(self):
         # A mapping (Python callers, YAML) or pairs in any order -> sorted (name, mode) pairs.
@@ -301,6 +349,15 @@ class ModelConfig:
             )
         if self.moe is not None:
             self.moe.validate(self)
+        if self.lora is not None:
+            self.lora.validate()
+            experts = [t for t in self.lora.targets if t in ("w_gate", "w_up", "w_down")]
+            if self.moe is not None and experts and self.lora.dropout:
+                raise ValueError(
+                    f"model.lora.dropout={self.lora.dropout} with model.lora.targets {experts} on an MoE "
+                    "model: expert adapters are folded into the expert weights, which has no input "
+                    "dropout; expected dropout 0, or attention targets only"
+                )
 
     def _validate_gemma_features(self) -> None:
         """The features Gemma 2 and 3 need (norm offset, softcaps, layer pattern, GeGLU)."""
@@ -367,6 +424,7 @@ class ModelConfig:
         embed = self.vocab_size * d
         head = 0 if self.tie_embeddings else self.vocab_size * d
         total = L * per_layer + d + head + (embed if include_embedding else 0)
+        total += self.adapter_param_count()
         if self.moe is not None:
             m, f = self.moe, self.moe.mlp_dim(self)
             moe_mlp = (
@@ -376,6 +434,20 @@ class ModelConfig:
             )
             total += m.num_moe_layers(self) * (moe_mlp - mlp)
         return total
+
+    def adapter_param_count(self) -> int:
+        """Parameters of the LoRA adapters (model.lora; 0 without): r x (fan_in + fan_out) per
+        targeted weight, per expert on MoE layers."""
+        if self.lora is None:
+            return 0
+        d, hd, r, t = self.d_model, self.resolved_head_dim, self.lora.rank, self.lora.targets
+        qo, kv = self.n_heads * hd, self.n_kv_heads * hd
+        attn = sum(r * (d + n) for name, n in (("wq", qo), ("wk", kv), ("wv", kv), ("wo", qo)) if name in t)
+        mlp_targets = sum(name in t for name in ("w_gate", "w_up", "w_down"))
+        n_moe = 0 if self.moe is None else self.moe.num_moe_layers(self)
+        dense = self.n_layers - n_moe
+        per_expert = 0 if self.moe is None else self.moe.num_experts * r * (d + self.moe.mlp_dim(self))
+        return self.n_layers * attn + mlp_targets * (dense * r * (d + self.mlp_dim) + n_moe * per_expert)
 
     def active_param_count(self, *, include_embedding: bool = True) -> int:
         """Parameters one token uses (MoE: top_k routed + shared experts; dense: all)."""

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.models import cpu_tuning
+from jaxtrain.models import cpu_tuning, lora
 from jaxtrain.models import fp8 as fp8_ops
 from jaxtrain.models.attention import attend
 from jaxtrain.models.config import ModelConfig
@@ -143,6 +143,11 @@ class Attention(nnx.Module):
         self.wo = p(
             (cfg.n_heads, hd, d), ("heads", "head_dim", "embed"), cfg.init_std / (2 * cfg.n_layers) ** 0.5
         )
+        q, kv = [(cfg.n_heads, "heads"), (hd, "head_dim")], [(cfg.n_kv_heads, "kv_heads"), (hd, "head_dim")]
+        lora.adapter(self, "wq", cfg, rngs, inputs=[(d, "embed")], outputs=q)
+        lora.adapter(self, "wk", cfg, rngs, inputs=[(d, "embed")], outputs=kv)
+        lora.adapter(self, "wv", cfg, rngs, inputs=[(d, "embed")], outputs=kv)
+        lora.adapter(self, "wo", cfg, rngs, inputs=q, outputs=[(d, "embed")])
         if cfg.qkv_bias:  # split with their heads; "bias": never weight-decayed
             self.bq = p((cfg.n_heads, hd), ("heads", "bias"), 0)
             self.bk = p((cfg.n_kv_heads, hd), ("kv_heads", "bias"), 0)
@@ -183,8 +188,13 @@ class Attention(nnx.Module):
         (shared with the KV-cache decode in models/generation.py). `fp8`: this layer's
         fp8 state (models/fp8.py); None: matmuls in the compute dtype."""
         cfg = self.cfg
-        proj = lambda w, axes, name: weight_matmul(
-            "bsd,dhk->bshk", x, matmul_weight(w[...], axes, cfg), cfg, None if fp8 is None else fp8[name]
+        proj = lambda w, axes, name: lora.add(
+            self,
+            name,
+            x,
+            weight_matmul(
+                "bsd,dhk->bshk", x, matmul_weight(w[...], axes, cfg), cfg, None if fp8 is None else fp8[name]
+            ),
         )
         q = proj(self.wq, ("embed", "heads", "head_dim"), "wq")
         k = proj(self.wk, ("embed", "kv_heads", "head_dim"), "wk")
@@ -205,8 +215,8 @@ class Attention(nnx.Module):
         """Attention output [b, s, heads, hd] -> [b, s, d]."""
         out = checkpoint_name(constrain(out, ("batch", "seq", "act_heads", None)), "context")
         wo = matmul_weight(self.wo[...], ("heads", "head_dim", "embed"), self.cfg)
-        out = weight_matmul("bshk,hkd->bsd", out, wo, self.cfg, None if fp8 is None else fp8["wo"])
-        return checkpoint_name(out, "out_proj")
+        y = weight_matmul("bshk,hkd->bsd", out, wo, self.cfg, None if fp8 is None else fp8["wo"])
+        return checkpoint_name(lora.add(self, "wo", out, y), "out_proj")
 
 
 class MLP(nnx.Module):
@@ -218,17 +228,29 @@ class MLP(nnx.Module):
         self.w_gate = p((d, f), ("embed", "mlp"), cfg.init_std)
         self.w_up = p((d, f), ("embed", "mlp"), cfg.init_std)
         self.w_down = p((f, d), ("mlp", "embed"), cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        for name, (fan_in, fan_out) in {
+            "w_gate": ((d, "embed"), (f, "mlp")),
+            "w_up": ((d, "embed"), (f, "mlp")),
+            "w_down": ((f, "mlp"), (d, "embed")),
+        }.items():
+            lora.adapter(self, name, cfg, rngs, inputs=[fan_in], outputs=[fan_out])
         self.cfg = cfg
 
     def __call__(self, x, fp8=None):
-        return swiglu(x, self.w_gate[...], self.w_up[...], self.w_down[...], self.cfg, fp8)
+        return swiglu(x, self.w_gate[...], self.w_up[...], self.w_down[...], self.cfg, fp8, adapters=self)
 
 
-def swiglu(x, w_gate, w_up, w_down, cfg: ModelConfig, fp8=None):
+def swiglu(x, w_gate, w_up, w_down, cfg: ModelConfig, fp8=None, adapters=None):
     """act(x @ w_gate) * (x @ w_up) @ w_down in the compute dtype (fp8: its sites, or None);
-    act is silu (SwiGLU) or the tanh approximation of GELU (GeGLU, `model.mlp_activation`)."""
-    mm = lambda a, w, axes, name: weight_matmul(
-        "...d,df->...f", a, matmul_weight(w, axes, cfg), cfg, None if fp8 is None else fp8[name]
+    act is silu (SwiGLU) or the tanh approximation of GELU (GeGLU, `model.mlp_activation`).
+    `adapters`: the module whose LoRA adapters (models/lora.py) add to the three matmuls."""
+    mm = lambda a, w, axes, name: lora.add(
+        adapters,
+        name,
+        a,
+        weight_matmul(
+            "...d,df->...f", a, matmul_weight(w, axes, cfg), cfg, None if fp8 is None else fp8[name]
+        ),
     )
     gate = checkpoint_name(mm(x, w_gate, ("embed", "mlp"), "w_gate"), "mlp_in")
     up = checkpoint_name(mm(x, w_up, ("embed", "mlp"), "w_up"), "mlp_in")

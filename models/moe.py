@@ -65,6 +65,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain import sharding
 from jaxtrain.models import fp8 as fp8_ops
+from jaxtrain.models import lora
 from jaxtrain.models.config import ModelConfig, MoEConfig
 from jaxtrain.models.layers import (
     REGION_INPUT_AXES,
@@ -95,6 +96,12 @@ class MoE(nnx.Module):
         self.w_gate = p((e, d, f), ("expert", "embed", "mlp"), cfg.init_std)
         self.w_up = p((e, d, f), ("expert", "embed", "mlp"), cfg.init_std)
         self.w_down = p((e, f, d), ("expert", "mlp", "embed"), out_std)
+        for name, (fan_in, fan_out) in {
+            "w_gate": ((d, "embed"), (f, "mlp")),
+            "w_up": ((d, "embed"), (f, "mlp")),
+            "w_down": ((f, "mlp"), (d, "embed")),
+        }.items():  # one adapter per expert, folded into its weight (models/lora.py)
+            lora.adapter(self, name, cfg, rngs, inputs=[fan_in], outputs=[fan_out], lead=[(e, "expert")])
         if m.num_shared_experts:
             fs = m.num_shared_experts * f
             self.shared_gate = p((d, fs), ("embed", "mlp"), cfg.init_std)
@@ -113,9 +120,9 @@ class MoE(nnx.Module):
             x,
             self.w_router[...],
             bias,
-            self.w_gate[...].astype(dt),
-            self.w_up[...].astype(dt),
-            self.w_down[...].astype(dt),
+            lora.effective_weight(self, "w_gate", self.w_gate[...]).astype(dt),
+            lora.effective_weight(self, "w_up", self.w_up[...]).astype(dt),
+            lora.effective_weight(self, "w_down", self.w_down[...]).astype(dt),
             self.moe,
             fp8=None if fp8 is None else fp8["experts"],
         )

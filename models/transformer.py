@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain.models import cpu_tuning
+from jaxtrain.models import cpu_tuning, lora
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.layers import REGION_INPUT_AXES, RESIDUAL_AXES, Block, PatternGroup, RMSNorm, param
 from jaxtrain.models.masks import softcapped
@@ -98,6 +98,7 @@ class Transformer(nnx.Module):
         return_aux: bool = False,
         fp8: dict | None = None,
         pipeline: PipelineSchedule | None = None,
+        lora_key: jax.Array | None = None,
     ):
         """tokens int [batch, seq] -> logits [batch, seq, vocab] (compute dtype).
 
@@ -111,8 +112,17 @@ class Transformer(nnx.Module):
         train state's); None: every matmul in the compute dtype.
         `pipeline` (mesh.stage > 1): run each layer stack as that pipeline schedule
         (sharding/pipeline.py); embedding and head stay outside it. Not with `fp8`.
+        `lora_key`: a PRNG key that turns on the adapters' dropout (model.lora.dropout; training
+        steps); None: no dropout.
         """
-        x, aux = self.hidden(tokens, positions=positions, segment_ids=segment_ids, fp8=fp8, pipeline=pipeline)
+        x, aux = self.hidden(
+            tokens,
+            positions=positions,
+            segment_ids=segment_ids,
+            fp8=fp8,
+            pipeline=pipeline,
+            lora_key=lora_key,
+        )
         logits = self.project(x)
         return (logits, aux) if return_aux else logits
 
@@ -124,6 +134,7 @@ class Transformer(nnx.Module):
         segment_ids: jax.Array | None = None,
         fp8: dict | None = None,
         pipeline: PipelineSchedule | None = None,
+        lora_key: jax.Array | None = None,
     ) -> tuple[jax.Array, dict]:
         """(final-normed activations [batch, seq, d_model] (compute dtype), aux): the model
         up to the output projection, for losses that apply the head themselves
@@ -140,12 +151,14 @@ class Transformer(nnx.Module):
             segment_ids = jnp.ones((b, s), jnp.int32)
         x = self.embed(tokens)
 
-        def run(stack, x, meta):
+        def run(stack, x, meta, key):
             graphdef, layer_state = nnx.split(stack)
             n = jax.tree.leaves(layer_state)[0].shape[0]
+            keys = None if key is None else jax.random.split(key, n)  # one per scanned layer
 
-            def layer(state, meta, x, positions, segment_ids):
-                out = nnx.merge(graphdef, state)(x, positions, segment_ids, meta)
+            def layer(state, meta, x, positions, segment_ids, key=None):
+                with lora.dropout_keys(key):
+                    out = nnx.merge(graphdef, state)(x, positions, segment_ids, meta)
                 return out if isinstance(out, tuple) else (out, None)
 
             if remat_policy(cfg) is not None:
@@ -164,15 +177,18 @@ class Transformer(nnx.Module):
                     (positions, segment_ids),
                     x_spec=_rows_spec(x, pipeline.microbatches),
                 )
-            step = lambda x, xs: layer(*xs, x, positions, segment_ids)
-            return jax.lax.scan(step, x, (layer_state, meta), unroll=1 if cfg.scan_layers else n)
+            step = lambda x, xs: layer(*xs[:2], x, positions, segment_ids, xs[2])
+            return jax.lax.scan(step, x, (layer_state, meta, keys), unroll=1 if cfg.scan_layers else n)
 
+        if pipeline is not None and lora_key is not None:
+            raise ValueError("pipeline: LoRA dropout is not supported inside a pipeline")
         meta = fp8 or {}
         aux = {}
+        stack_keys = (None, None) if lora_key is None else tuple(jax.random.split(lora_key))
         if hasattr(self, "blocks"):
-            x, _ = run(self.blocks, x, meta.get("blocks"))
+            x, _ = run(self.blocks, x, meta.get("blocks"), stack_keys[0])
         if cfg.moe is not None:
-            x, stats = run(self.moe_blocks, x, meta.get("moe_blocks"))
+            x, stats = run(self.moe_blocks, x, meta.get("moe_blocks"), stack_keys[1])
             if pipeline is None:
                 stats = jax.tree.map(lambda v: v[:, None], stats)  # [layers, 1 microbatch, ...]
             # Per microbatch: mean over layers (max for max_load); then mean over microbatches,

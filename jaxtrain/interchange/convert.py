@@ -55,6 +55,7 @@ RUNTIME_FIELDS = (
     "cpu_tuning",
     "context_impl",
     "init_std",
+    "lora",  # adapters on the weights, not the weights (a LoRA run's base is a plain model)
 )
 # Inside model.moe: how the layer runs on a backend (planning/resolve.py), not what it holds.
 MOE_RUNTIME_FIELDS = ("exchange", "grouped_matmul")

@@ -5,7 +5,12 @@ One checkpoint is a step directory `{dir}/{step}` with three items:
          float16 compute, the fp8 amax histories and scales with model.fp8) as sharded
          arrays (OCDBT/zarr)
   data   the data iterator's position (`DataIterator.get_state()`: a batch index)
-  meta   the resolved config, the fault monitor's state and the seed
+  meta   the resolved config, the fault monitor's state and the seed (model.lora: the
+         frozen base's `fingerprint`, under "lora_base")
+
+With model.lora the state's `params` are the adapters and its `frozen` base is never saved:
+a resumed run reads the base from train.init_from again and refuses one whose fingerprint
+differs from the checkpoint's.
 
 The model has no random state of its own (no dropout); the data order is a pure
 function of (seed, batch index), so `data` and `seed` are the whole RNG state.
@@ -180,6 +185,39 @@ def abstract_state(program: TrainProgram) -> TrainState:
     )
 
 
+def fingerprint(params: dict | None) -> str | None:
+    """A short hex digest of a parameter tree's exact values and shapes (None for None): per
+    leaf, a position-weighted wrapping sum of its float32 bits, computed where the arrays
+    live (one pass; only a few integers come to the host). It tells a checkpoint's LoRA base
+    from another, not an adversary's forgery."""
+    if params is None:
+        return None
+
+    @jax.jit
+    def sums(tree):
+        def one(x):
+            bits = jax.lax.bitcast_convert_type(x.astype(np.float32), np.uint32).reshape(-1)
+            weights = jax.lax.iota(np.uint32, bits.size) * np.uint32(2654435761) + np.uint32(1)
+            return jax.numpy.sum(bits * weights, dtype=np.uint32)
+
+        return jax.tree.map(one, tree)
+
+    flat = jax.tree_util.tree_flatten_with_path(jax.device_get(sums(params)))[0]
+    digest = 0
+    for path, v in flat:
+        for item in (jax.tree_util.keystr(path), int(v)):
+            digest = (digest * 1000003 + hash_text(str(item))) % 2**64
+    return f"{digest:016x}"
+
+
+def hash_text(text: str) -> int:
+    """A stable 64-bit hash of `text` (Python's hash() is salted per process)."""
+    h = 1469598103934665603
+    for byte in text.encode():
+        h = ((h ^ byte) * 1099511628211) % 2**64
+    return h
+
+
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     """Nested dicts -> {"a/b/c": leaf}, in sorted key order."""
     if isinstance(tree, dict):
@@ -317,6 +355,7 @@ class Checkpointer:
         if step in self.manager.all_steps():
             return None
         jax.block_until_ready(state)  # time the save, not the step still running
+        state = state._replace(frozen=None)  # model.lora's base: train.init_from has it
         t0 = time.perf_counter()
         self.manager.save(
             step,
@@ -409,7 +448,9 @@ class Checkpointer:
         return restored
 
     def restore(self, step: int, target: TrainState) -> Restored:
-        """Restore checkpoint `step` onto `target` (raises CheckpointError if unreadable)."""
+        """Restore checkpoint `step` onto `target` (raises CheckpointError if unreadable).
+        The restored state's `frozen` (model.lora's base) is None: the caller supplies it."""
+        target = target._replace(frozen=None)
         self._check_fits(step, target)
         items = self.manager.restore(
             step,

@@ -47,13 +47,22 @@ from jaxtrain import host, sharding
 from jaxtrain.config import Config, to_dict
 from jaxtrain.data import make_data_iterator, make_eval_iterator, storage
 from jaxtrain.interchange.convert import load_params
+from jaxtrain.interchange.peft import read_adapter
+from jaxtrain.models import lora
 from jaxtrain.metrics import MetricsWriter
 from jaxtrain.observe import goodput
 from jaxtrain.observe.profiler import ProfileWindow
 from jaxtrain.observe.stragglers import StragglerReport
 from jaxtrain.planning.flops import flops_per_token, mesh_peak_flops
 from jaxtrain.planning.resolve import agreed, axis_rules, placement_of_devices, resolve
-from jaxtrain.recovery.checkpoint import Checkpointer, CheckpointError, abstract_state, retry_delays
+from jaxtrain.recovery.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointMismatchError,
+    abstract_state,
+    fingerprint,
+    retry_delays,
+)
 from jaxtrain.recovery.distributed import describe_topology
 from jaxtrain.recovery.faults import FaultMonitor
 from jaxtrain.trainer.batches import BatchFeeder
@@ -89,11 +98,28 @@ def make_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
 def initial_state(cfg: Config, program: TrainProgram, target: TrainState, log) -> TrainState:
     """A fresh state: random init, or `train.init_from`'s weights, read straight into the run's
     shardings and wrapped without a random initialisation (one copy of the parameters at any
-    time); the optimizer state starts empty either way."""
-    if not cfg.train.init_from:
-        return program.init()
-    log(f"initialising parameters from {cfg.train.init_from}")
-    return program.init_with(load_params(cfg.train.init_from, cfg.model, target.params))
+    time); the optimizer state starts empty either way. model.lora: the base as above (frozen),
+    the adapters fresh or read from model.lora.init_from (a PEFT adapter directory)."""
+    lo = cfg.model.lora
+    if lo is None:
+        if not cfg.train.init_from:
+            return program.init()
+        log(f"initialising parameters from {cfg.train.init_from}")
+        return program.init_with(load_params(cfg.train.init_from, cfg.model, target.params))
+    if cfg.train.init_from:
+        state = program.init_with(lora.join(load_base(cfg, target, log), program.init_adapters()))
+    else:
+        state = program.init()  # a random base: for tests and trials
+    if lo.init_from:
+        log(f"LoRA adapters from {lo.init_from}")
+        state = state._replace(params=read_adapter(lo.init_from, cfg.model, target.params))
+    return state
+
+
+def load_base(cfg: Config, target: TrainState, log) -> dict:
+    """model.lora's frozen base, train.init_from's weights, read into the run's shardings."""
+    log(f"LoRA base (frozen) from {cfg.train.init_from}")
+    return load_params(cfg.train.init_from, cfg.model, target.frozen)
 
 
 class _ProcessLog:
@@ -191,11 +217,11 @@ def train(cfg: Config, *, devices=None) -> TrainResult:
                 restored = _resume(run)
             # Accepted (data readable, checkpoints fit the model): only now touch output_dir.
             _record_start(run, restored)
-            state = (
-                restored.state
-                if restored is not None
-                else initial_state(cfg, run.program, run.target, run.writer.log)
-            )
+            if restored is None:
+                state = initial_state(cfg, run.program, run.target, run.writer.log)
+            else:
+                state = _with_base(run, restored)
+            run.base_fingerprint = fingerprint(state.frozen)
             step = clock.first_step = int(jax.device_get(state.step))
             result = TrainResult(
                 metrics=[],
@@ -273,7 +299,9 @@ def _loop(run: _Run, result: TrainResult, step_fn, state, step: int, first_batch
         action, newest = _process_pending(pending, run.monitor)
         if action == "rollback":
             with clock.phase("restore"):
+                frozen = state.frozen  # model.lora's base: not in checkpoints, unchanged by steps
                 state, step, (batch, batch_index) = _rollback(run, step)
+                state = state._replace(frozen=frozen)
             timer.reset(step)
             stragglers.reset()
             continue
@@ -346,6 +374,7 @@ class _Run:
     stragglers: StragglerReport
     profile: ProfileWindow
     evaluator: Evaluator | None = None  # `eval.every` > 0
+    base_fingerprint: str | None = None  # model.lora: the frozen base's (checkpoint meta)
 
     def save_due(self, step: int, stop: bool) -> bool:
         every = self.cfg.checkpoint.every
@@ -364,6 +393,8 @@ class _Run:
             "process_count": jax.process_count(),
             "mesh": dict(self.mesh.shape),
         }
+        if self.base_fingerprint is not None:
+            meta["lora_base"] = self.base_fingerprint
         blocked = self.checkpointer.save(step, state, data_state, meta)
         if blocked is not None:
             result.checkpoint_step = step
@@ -655,6 +686,27 @@ def _resume(run: _Run):
     if changes:
         run.writer.log("config changed since that checkpoint: " + "; ".join(changes))
     return restored
+
+
+def _with_base(run: _Run, restored) -> TrainState:
+    """The restored state, with model.lora's frozen base read again from train.init_from
+    (checkpoints hold only the adapters), refused if it is not the base the checkpoint was
+    trained on (its fingerprint in the checkpoint's meta)."""
+    cfg = run.cfg
+    if cfg.model.lora is None:
+        return restored.state
+    if cfg.train.init_from:
+        frozen = load_base(cfg, run.target, run.writer.log)
+    else:  # the seed's random base, made again
+        frozen = run.program.init().frozen
+    saved, have = restored.meta.get("lora_base"), fingerprint(frozen)
+    if saved != have:
+        raise CheckpointMismatchError(
+            f"checkpoint {run.checkpointer.directory / str(restored.step)}: its LoRA adapters were "
+            f"trained on a base with fingerprint {saved}, but train.init_from={cfg.train.init_from!r} "
+            f"has {have}; expected the same base weights (or train into a new output_dir)"
+        )
+    return restored.state._replace(frozen=frozen)
 
 
 def _rollback(run: _Run, step: int):

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain import models, sharding
 from jaxtrain.config import Config, ConfigError
+from jaxtrain.models import lora
 from jaxtrain.models.fp8 import model_meta as fp8_model_meta
 from jaxtrain.planning.resolve import axis_rules, check_resolved
 from jaxtrain.trainer import step as steps
@@ -39,7 +40,7 @@ class TrainProgram:
 
     graphdef: nnx.GraphDef
     abstract_params: nnx.State  # ShapeDtypeStructs with Variable metadata
-    param_axes: dict  # logical axes per parameter
+    param_axes: dict  # logical axes per parameter (the whole model: base and adapters)
     state_shardings: TrainState
     batch_sharding: NamedSharding
     init: Callable[[], TrainState]  # jitted; creates the state already sharded
@@ -51,6 +52,10 @@ class TrainProgram:
     optimizer: optax.GradientTransformation
     # jitted (state, batch) -> (CE sum, counted tokens), f32; state not donated (`eval.*`)
     eval_step: Callable | None = None
+    # model.lora: jitted () -> fresh adapters (A kaiming-uniform, B zero), sharded, for a run
+    # that starts from train.init_from's base without model.lora.init_from; None without LoRA
+    init_adapters: Callable | None = None
+    param_shardings: dict | None = None  # the whole parameter tree's (base and adapters)
 
 
 def pipeline_schedule(cfg: Config) -> sharding.PipelineSchedule | None:
@@ -73,8 +78,16 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules | None = No
     param_axes = models.logical_axes(abstract_params)
     param_shapes = nnx.to_pure_dict(abstract_params)
     param_shardings = sharding.tree_shardings(param_axes, rules, mesh, shapes=param_shapes)
-    tx = make_optimizer(cfg.optimizer, cfg.train.steps, param_axes=param_axes)
-    layout = state_layout(cfg, mesh, tx, param_shapes, param_shardings)
+    # What trains: every parameter, or with model.lora the adapters alone; the optimizer (its
+    # state, weight decay, clipping) sees only that.
+    train_axes, train_shapes, train_shardings = param_axes, param_shapes, param_shardings
+    frozen_shardings = None
+    if cfg.model.lora is not None:
+        train_axes = lora.split(param_axes)[1]
+        train_shapes = lora.split(param_shapes)[1]
+        frozen_shardings, train_shardings = lora.split(param_shardings)
+    tx = make_optimizer(cfg.optimizer, cfg.train.steps, param_axes=train_axes)
+    layout = state_layout(cfg, mesh, tx, train_shapes, train_shardings, frozen_shardings)
     to_device, to_host = offload_moves(mesh, cfg.optimizer.offload or cfg.optimizer.offload_params)
     spec = StepSpec(
         cfg=cfg,
@@ -86,8 +99,8 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules | None = No
         offload=Offload(
             params=cfg.optimizer.offload_params,
             opt_state=cfg.optimizer.offload,
-            param_shardings=param_shardings,
-            opt_shardings=opt_state_shardings(mesh, tx, param_shapes, layout.opt_device),
+            param_shardings=train_shardings,
+            opt_shardings=opt_state_shardings(mesh, tx, train_shapes, layout.opt_device),
             to_device=to_device,
             to_host=to_host,
         ),
@@ -107,7 +120,7 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules | None = No
         ),
         init_with=jax.jit(
             sharding.with_rules(lambda params: init_state(cfg, params, tx), rules),
-            in_shardings=(layout.state.params,),
+            in_shardings=(param_shardings,),
             out_shardings=layout.state,
             donate_argnums=0,
         ),
@@ -120,7 +133,7 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules | None = No
         loss_and_grads=jax.jit(
             sharding.with_rules(functools.partial(steps.loss_and_grads, spec), rules),
             in_shardings=(param_shardings, batch_sharding),
-            out_shardings=(replicated, replicated, param_shardings),
+            out_shardings=(replicated, replicated, train_shardings),
         ),
         optimizer=tx,
         eval_step=jax.jit(
@@ -128,6 +141,13 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules | None = No
             in_shardings=(layout.state, batch_sharding),
             out_shardings=(replicated, replicated),
         ),
+        init_adapters=None
+        if cfg.model.lora is None
+        else jax.jit(
+            sharding.with_rules(lambda: lora.split(fresh_params(make_model))[1], rules),
+            out_shardings=train_shardings,
+        ),
+        param_shardings=param_shardings,
     )
 
 
@@ -143,8 +163,12 @@ def fresh_params(make_model: Callable) -> dict:
 
 
 def init_state(cfg: Config, params: dict, tx: optax.GradientTransformation) -> TrainState:
-    """A fresh train state around `params`: empty optimizer state and loss window (jitted
-    with the state's shardings, so it is created already sharded)."""
+    """A fresh train state around `params` (the whole tree): empty optimizer state and loss
+    window (jitted with the state's shardings, so it is created already sharded). With
+    model.lora the base goes to `frozen` and the adapters alone to `params`."""
+    frozen = None
+    if cfg.model.lora is not None:
+        frozen, params = lora.split(params)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
@@ -154,6 +178,7 @@ def init_state(cfg: Config, params: dict, tx: optax.GradientTransformation) -> T
         if cfg.model.compute_dtype == "float16"
         else None,
         fp8=fp8_model_meta(cfg.model) if cfg.model.fp8 else None,
+        frozen=frozen,
     )
 
 
@@ -163,8 +188,16 @@ class StateLayout:
     opt_device: dict  # the param-shaped optimizer leaves' shardings on the device
 
 
-def state_layout(cfg: Config, mesh: Mesh, tx, param_shapes: dict, param_shardings: dict) -> StateLayout:
-    """Where each part of the train state lives. optimizer.shard_state (ZeRO-1): the moments
+def state_layout(
+    cfg: Config,
+    mesh: Mesh,
+    tx,
+    param_shapes: dict,
+    param_shardings: dict,
+    frozen_shardings: dict | None = None,
+) -> StateLayout:
+    """Where each part of the train state lives (`param_*`: the trained parameters; with
+    model.lora the adapters, `frozen_shardings` the base's, in device memory). optimizer.shard_state (ZeRO-1): the moments
     are laid out as their params and then split over `data` too; XLA reduce-scatters the
     gradients into them and all-gathers the updates. optimizer.offload(_params): the moments
     (master weights) in pinned host memory; the step brings them to the device and its
@@ -188,6 +221,7 @@ def state_layout(cfg: Config, mesh: Mesh, tx, param_shapes: dict, param_sharding
         else None,
         # model.fp8: scales and amax histories, replicated (a few KB per layer)
         fp8=jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: fp8_model_meta(m))) if m.fp8 else None,
+        frozen=frozen_shardings,
     )
     return StateLayout(state=state, opt_device=moments)
 

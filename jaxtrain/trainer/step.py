@@ -21,6 +21,7 @@ from flax import nnx
 
 from jaxtrain import models, sharding
 from jaxtrain.config import Config
+from jaxtrain.models import lora
 from jaxtrain.models.fp8 import combine as fp8_combine
 from jaxtrain.models.moe import update_router_bias
 from jaxtrain.recovery.faults import FAULT_NONE, FAULT_NONFINITE, FAULT_SPIKE
@@ -38,6 +39,9 @@ class TrainState(NamedTuple):
     loss_scale: dict | None = None
     # model.fp8: delayed-scaling state of every fp8 matmul (models/fp8.py); None otherwise
     fp8: dict | None = None
+    # model.lora: the frozen base (`params` then holds the adapters alone, which are all that
+    # is differentiated and optimized); never checkpointed: train.init_from gives it again
+    frozen: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,11 +113,14 @@ class Gradients(NamedTuple):
 # --- the forward pass and the loss ------------------------------------------------------------
 
 
-def model_loss(model, micro: dict, fp8: dict | None, spec: StepSpec) -> tuple[jax.Array, jax.Array, dict]:
+def model_loss(
+    model, micro: dict, fp8: dict | None, spec: StepSpec, dropout_key=None
+) -> tuple[jax.Array, jax.Array, dict]:
     """(CE sum, counted tokens, aux) of `model` on one (micro)batch. With `train.loss_chunk`
     > 0 the loss runs over that many positions at a time and the full logits are never
     formed (trainer/loss.py); 0, the plain loss over them. `spec.pipeline`: the layer
-    stacks' pipeline schedule (mesh.stage > 1), else None."""
+    stacks' pipeline schedule (mesh.stage > 1), else None. `dropout_key`: model.lora's
+    adapter dropout on (`lora_dropout_key`), None: off."""
     chunk, pipeline = spec.cfg.train.loss_chunk, spec.pipeline
     # The named scopes label the ops in a profile (profile.steps): the backward pass shows
     # as transpose(jvp(forward)) and transpose(jvp(loss)).
@@ -124,6 +131,7 @@ def model_loss(model, micro: dict, fp8: dict | None, spec: StepSpec) -> tuple[ja
             segment_ids=micro["segment_ids"] if spec.packs_documents else None,
             fp8=fp8,
             pipeline=pipeline,
+            lora_key=dropout_key,
         )
     with jax.named_scope("loss"):
         if chunk:
@@ -135,13 +143,28 @@ def model_loss(model, micro: dict, fp8: dict | None, spec: StepSpec) -> tuple[ja
     return total, count, aux
 
 
-def objective(spec: StepSpec, params: dict, micro: dict, fp8: dict | None, scale):
+def whole_params(params: dict, frozen: dict | None) -> dict:
+    """The model's whole parameter tree: `params` itself, or with model.lora the adapters
+    joined to the frozen base (models/lora.py)."""
+    return params if frozen is None else lora.join(frozen, params)
+
+
+def lora_dropout_key(spec: StepSpec, step) -> jax.Array | None:
+    """The key of this step's adapter dropout (model.lora.dropout > 0), a function of the seed
+    and the step alone, so a resumed run drops exactly what an uninterrupted one does."""
+    m = spec.cfg.model
+    if m.lora is None or not m.lora.dropout:
+        return None
+    return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(spec.cfg.seed), 0x10A), step)
+
+
+def objective(spec: StepSpec, params: dict, micro: dict, fp8: dict | None, scale, dropout_key=None):
     """(what the backward pass differentiates, (CE sum, counted tokens, MoE stats)). The
     objective is the CE sum, plus for MoE models count x (weighted router losses), so that
     after the division by the batch's token count the router losses enter as their
     token-weighted mean over microbatches; times `scale` under loss scaling."""
     model = models.merge(spec.graphdef, spec.abstract_params, params)
-    total, count, stats = model_loss(model, micro, fp8, spec)
+    total, count, stats = model_loss(model, micro, fp8, spec, dropout_key)
     value = total
     moe = spec.cfg.model.moe
     if moe is not None:
@@ -156,11 +179,21 @@ def objective(spec: StepSpec, params: dict, micro: dict, fp8: dict | None, scale
 # --- gradients over microbatches ------------------------------------------------------------
 
 
-def micro_gradients(spec: StepSpec, params: dict, micro: dict, scale=None, fp8: dict | None = None):
+def micro_gradients(
+    spec: StepSpec,
+    params: dict,
+    micro: dict,
+    scale=None,
+    fp8: dict | None = None,
+    frozen: dict | None = None,
+    dropout_key=None,
+):
     """(CE sum, token count, gradients of the objective, MoE stats, next fp8 state) of one
     microbatch. `fp8`: the state the matmuls quantize with; its "gradient" is its next
-    value (models/fp8.py), so it is differentiated alongside the parameters."""
-    loss = lambda p, meta: objective(spec, p, micro, meta, scale)
+    value (models/fp8.py), so it is differentiated alongside the parameters. `frozen`:
+    model.lora's base, joined to `params` (the adapters) but not differentiated: no
+    gradient of a base weight is formed. `dropout_key`: the adapters' dropout, or None."""
+    loss = lambda p, meta: objective(spec, whole_params(p, frozen), micro, meta, scale, dropout_key)
     if fp8 is None:
         (_, (total, count, stats)), grads = jax.value_and_grad(loss, has_aux=True)(params, None)
         return total, count, grads, stats, None
@@ -180,14 +213,19 @@ def split_microbatches(batch: dict, n: int) -> dict:
     return jax.tree.map(split, batch)
 
 
-def _accumulated(spec: StepSpec, params: dict, batch: dict, scale, fp8: dict | None):
+def _accumulated(
+    spec: StepSpec, params: dict, batch: dict, scale, fp8: dict | None, frozen=None, dropout_key=None
+):
     """micro_gradients summed over `train.microbatches` slices in a scan (stats averaged,
-    fp8 next states combined by max: models/fp8.py `combine`)."""
+    fp8 next states combined by max: models/fp8.py `combine`; the dropout key folded with
+    the microbatch's index)."""
     n = spec.cfg.train.microbatches
 
-    def add(carry, micro):
+    def add(carry, xs):
+        micro, i = xs
         micro = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), micro)
-        total, count, grads, stats, new_fp8 = micro_gradients(spec, params, micro, scale, fp8)
+        key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
+        total, count, grads, stats, new_fp8 = micro_gradients(spec, params, micro, scale, fp8, frozen, key)
         acc_total, acc_count, acc_grads, acc_stats, acc_fp8 = carry
         return (
             acc_total + total,
@@ -198,7 +236,7 @@ def _accumulated(spec: StepSpec, params: dict, batch: dict, scale, fp8: dict | N
         ), None
 
     one_micro = jax.tree.map(lambda x: x[::n], batch)
-    stats_shape = jax.eval_shape(lambda: micro_gradients(spec, params, one_micro)[3])
+    stats_shape = jax.eval_shape(lambda: micro_gradients(spec, params, one_micro, frozen=frozen)[3])
     zero = jnp.zeros((), jnp.float32)
     init = (
         zero,
@@ -207,23 +245,34 @@ def _accumulated(spec: StepSpec, params: dict, batch: dict, scale, fp8: dict | N
         jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape),
         None if fp8 is None else jax.tree.map(lambda x: jnp.full_like(x, -jnp.inf), fp8),
     )
-    return jax.lax.scan(add, init, split_microbatches(batch, n))[0]
+    return jax.lax.scan(add, init, (split_microbatches(batch, n), jnp.arange(n)))[0]
 
 
 def batch_gradients(
-    spec: StepSpec, params: dict, batch: dict, scale=None, fp8: dict | None = None
+    spec: StepSpec,
+    params: dict,
+    batch: dict,
+    scale=None,
+    fp8: dict | None = None,
+    frozen: dict | None = None,
+    dropout_key=None,
 ) -> Gradients:
     """Mean loss over the counted tokens, their number and the mean-loss gradients,
     accumulated over `train.microbatches` (sums first, one division at the end, so the
     result does not depend on how the batch is split). `scale`: the loss scale the
-    backward pass runs at; the gradients come back unscaled."""
+    backward pass runs at; the gradients come back unscaled. `frozen`, `dropout_key`:
+    model.lora's base and adapter dropout (`micro_gradients`)."""
     per_token = None
     if scale is not None:  # the objective is a sum over tokens: scale / their number
         per_token = scale / jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
     if spec.cfg.train.microbatches == 1:
-        total, count, grads, stats, new_fp8 = micro_gradients(spec, params, batch, per_token, fp8)
+        total, count, grads, stats, new_fp8 = micro_gradients(
+            spec, params, batch, per_token, fp8, frozen, dropout_key
+        )
     else:
-        total, count, grads, stats, new_fp8 = _accumulated(spec, params, batch, per_token, fp8)
+        total, count, grads, stats, new_fp8 = _accumulated(
+            spec, params, batch, per_token, fp8, frozen, dropout_key
+        )
     denom = jnp.maximum(count, 1.0)
     grad_denom = denom if scale is None else scale
     grads = jax.tree.map(lambda g, p: (g / grad_denom).astype(p.dtype), grads, params)
@@ -329,7 +378,9 @@ def train_step(spec: StepSpec, state: TrainState, batch: dict) -> tuple[TrainSta
     """(next state, metrics): gradients, optimizer update, the guard's verdict, metrics."""
     params, opt_state = spec.offload.fetch(state)  # offloaded state comes to the device
     scale = state.loss_scale["scale"] if spec.loss_scaling else None
-    g = batch_gradients(spec, params, batch, scale, state.fp8)
+    g = batch_gradients(
+        spec, params, batch, scale, state.fp8, state.frozen, lora_dropout_key(spec, state.step)
+    )
     with jax.named_scope("optimizer"):
         grad_norm = optax.tree.norm(g.grads)
         new_params, new_opt = optimizer_update(spec, params, opt_state, g)
@@ -349,14 +400,19 @@ def train_step(spec: StepSpec, state: TrainState, batch: dict) -> tuple[TrainSta
         loss_window=verdict.window,
         loss_scale=verdict.loss_scale,
         fp8=new_fp8,
+        frozen=state.frozen,
     )
     return next_state, step_metrics(spec, state, g, grad_norm, verdict)
 
 
 def loss_and_grads(spec: StepSpec, params: dict, batch: dict):
     """(mean loss, counted tokens, gradients) without the update (tests and tools; model.fp8:
-    without fp8, which has no state here)."""
-    return batch_gradients(spec, params, batch)[:3]
+    without fp8, which has no state here). `params`: the whole tree; with model.lora the
+    gradients are the adapters' alone."""
+    if spec.cfg.model.lora is None:
+        return batch_gradients(spec, params, batch)[:3]
+    base, adapters = lora.split(params)
+    return batch_gradients(spec, adapters, batch, frozen=base)[:3]
 
 
 def eval_sums(spec: StepSpec, state: TrainState, batch: dict):
@@ -365,7 +421,7 @@ def eval_sums(spec: StepSpec, state: TrainState, batch: dict):
     takes them (so its peak memory stays below the step's); model.fp8: quantized with the
     state's fp8 scales, which it leaves as they are. Nothing is donated."""
     params, _ = dataclasses.replace(spec.offload, opt_state=False).fetch(state)
-    model = models.merge(spec.graphdef, spec.abstract_params, params)
+    model = models.merge(spec.graphdef, spec.abstract_params, whole_params(params, state.frozen))
     sums = lambda micro: model_loss(model, micro, state.fp8, spec)[:2]
     n = spec.cfg.train.microbatches
     if n == 1:
