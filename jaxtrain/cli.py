@@ -169,6 +169,11 @@ def _convert_parser(sub) -> None:
         "(default: from the model)",
     )
     v.add_argument("--force", action="store_true", help="write into a non-empty output directory")
+    v.add_argument(
+        "--adapter",
+        action="store_true",
+        help="ckpt-to-hf of a LoRA run: its adapters as a PEFT adapter directory (default: the merged model)",
+    )
 
 
 def _generate_parser(sub) -> None:
@@ -457,8 +462,11 @@ def _convert(args) -> int:
                 f"train from it with train.init_from={args.dest}"
             )
         else:
-            out = convert.ckpt_to_hf(args.source, args.dest, architecture=args.architecture, force=args.force)
-            print(f"converted {args.source} -> {out} (Hugging Face safetensors)")
+            out = convert.ckpt_to_hf(
+                args.source, args.dest, architecture=args.architecture, force=args.force, adapter=args.adapter
+            )
+            kind = "a PEFT LoRA adapter" if args.adapter else "Hugging Face safetensors"
+            print(f"converted {args.source} -> {out} ({kind})")
     except (HFConversionError, FileNotFoundError) as e:
         return _fail(str(e))
     return 0

@@ -230,3 +230,78 @@ def test_fresh_adapter_is_the_base_and_disabled_adapters_give_the_base(base_ckpt
     # merged weights (W + alpha/r A B) give the adapted logits
     merged = models.merge(g, abstract, lora.merged(lora.join(base, noisy), cfg))
     np.testing.assert_allclose(merged(tokens), adapted(tokens), atol=2e-5)
+
+
+def test_run_resumes_exactly_exports_and_generates_as_the_merged_model(tmp_path, base_ckpt):
+    """A LoRA run through `jaxtrain train`'s loop (adapter dropout on): a checkpoint holds the
+    adapters alone and a run resumed from it repeats the uninterrupted losses and adapters
+    exactly; a different base or adapter shape is refused; `ckpt-to-hf --adapter` writes
+    the adapters, `ckpt-to-hf` the merged model, which generates what the run's model does."""
+    import orbax.checkpoint as ocp
+
+    from jaxtrain.interchange import generate as gen
+    from jaxtrain.interchange.convert import ckpt_to_hf
+    from jaxtrain.recovery.checkpoint import CheckpointMismatchError
+    from jaxtrain.trainer.loop import train
+
+    run = [
+        "model.lora.dropout=0.1",
+        "checkpoint.every=2",
+        "checkpoint.async_save=false",
+        "data.source=synthetic",
+    ]
+    whole = train(lora_config(tmp_path / "whole", base_ckpt, *run), devices=jax.devices()[:4])
+    assert not any("frozen" in str(p) for p in (tmp_path / "whole" / "checkpoints" / "4" / "state").iterdir())
+    first = train(
+        lora_config(tmp_path / "split", base_ckpt, *run, "train.steps=2"), devices=jax.devices()[:4]
+    )
+    second = train(lora_config(tmp_path / "split", base_ckpt, *run), devices=jax.devices()[:4])
+    assert second.start_step == 2
+    losses = lambda r: [m["loss"] for m in r.metrics]
+    assert losses(first) + losses(second) == losses(whole)
+    for a, b in zip(
+        jax.tree.leaves(jax.device_get(second.state.params)),
+        jax.tree.leaves(jax.device_get(whole.state.params)),
+    ):
+        np.testing.assert_array_equal(a, b)
+
+    # another base (one value changed) or another adapter shape: refused, checkpoint untouched
+    other = tmp_path / "other_base"
+    params = ocp.StandardCheckpointer().restore(Path(base_ckpt) / "params")
+    params["final_norm"]["scale"] = np.asarray(params["final_norm"]["scale"]).copy()
+    params["final_norm"]["scale"][0] += 1e-3
+    ocp.StandardCheckpointer().save((other / "params").absolute(), params)
+    (other / "model.yaml").write_text((Path(base_ckpt) / "model.yaml").read_text())
+    with pytest.raises(CheckpointMismatchError, match="fingerprint"):
+        train(
+            lora_config(tmp_path / "split", base_ckpt, *run, f"train.init_from={other}"),
+            devices=jax.devices()[:4],
+        )
+    with pytest.raises(CheckpointMismatchError, match="wk_lora.*in the checkpoint but"):
+        train(
+            lora_config(
+                tmp_path / "split", base_ckpt, *run, "model.lora.rank=8", "model.lora.init_from=null"
+            ),
+            devices=jax.devices()[:4],
+        )
+
+    cfg = lora_config(tmp_path / "whole", base_ckpt, *run)
+    ckpt_to_hf(tmp_path / "whole", tmp_path / "adapter", adapter=True)
+    exported = read_adapter(tmp_path / "adapter", cfg.model)
+    for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(jax.device_get(whole.state.params))):
+        np.testing.assert_array_equal(a, b)
+    ckpt_to_hf(tmp_path / "whole", tmp_path / "merged")
+    merged = models.from_hf(tmp_path / "merged")
+
+    src = gen.open_source(str(tmp_path / "whole"), ["mesh.data=1", "mesh.fsdp=2"])
+    mesh = gen.make_mesh(src.cfg)
+    run_cfg = resolve_for_mesh(src.cfg, mesh)
+    prompt = np.asarray([[5, 17, 99, 3, 42, 7]], np.int32)
+    with jax.set_mesh(mesh), sharding.axis_rules(axis_rules(run_cfg)):
+        model = gen.load_model(src, mesh, run_cfg)
+        assert model.cfg.lora is not None  # the adapters run beside the base weights
+        adapted = np.asarray(models.generate(model, prompt, max_new_tokens=12))
+        logits = np.asarray(model(prompt))
+    src.close()
+    np.testing.assert_allclose(logits, np.asarray(merged(prompt)), atol=2e-5)
+    np.testing.assert_array_equal(adapted, np.asarray(models.generate(merged, prompt, max_new_tokens=12)))

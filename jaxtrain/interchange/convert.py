@@ -31,6 +31,7 @@ from etils import epath
 
 from jaxtrain.config import ConfigError, _build
 from jaxtrain.data import storage
+from jaxtrain.models import lora
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.hf import (
     HFConversionError,
@@ -267,6 +268,22 @@ def resolve_checkpoint(path: str | Path) -> CheckpointSource:
     raise HFConversionError(f"{path}: not a checkpoint; {EXPECTED_SOURCES}")
 
 
+def lora_base_of(src: CheckpointSource) -> str:
+    """The train.init_from a LoRA run's checkpoint was trained on (its base's weights)."""
+    try:
+        base = src.reader.read_meta(src.step)["config"]["train"].get("init_from")
+    except Exception as e:  # noqa: BLE001 - a missing/unreadable meta item surfaces as many types
+        raise HFConversionError(
+            f"checkpoint {src}: its saved config is unreadable ({type(e).__name__})"
+        ) from e
+    if not base:
+        raise HFConversionError(
+            f"checkpoint {src}: a LoRA run without train.init_from (a random base); only adapters on "
+            "a base read from train.init_from can be exported"
+        )
+    return base
+
+
 def ckpt_to_hf(
     source: str | Path,
     out_dir: str | Path,
@@ -274,16 +291,35 @@ def ckpt_to_hf(
     architecture: str | None = None,
     max_shard_bytes: int = 2 * 2**30,
     force: bool = False,
+    adapter: bool = False,
 ) -> Path:
     """Write `source` (see `resolve_checkpoint`: a converted or a training checkpoint) as an
     HF directory. Holds one float32-or-stored-dtype copy of the parameters on the host
     (a training checkpoint's optimizer state is not read) plus one output shard. A remote
     OUT_DIR (gs://...) is written locally to a temporary directory, then copied file by file.
-    A non-empty OUT_DIR (a user's config.json, an earlier export) is refused unless `force`."""
+    A non-empty OUT_DIR (a user's config.json, an earlier export) is refused unless `force`.
+
+    A LoRA run (model.lora): with `adapter`, its adapters as a PEFT adapter directory
+    (interchange/peft.py) for the base it was trained on; without, the merged model
+    (W + alpha / r A B for every adapted weight, its base read from the run's train.init_from)."""
     check_destination(out_dir, force=force)
     with contextlib.closing(resolve_checkpoint(source)) as src:
         cfg = src.model_config()
+        if adapter and cfg.lora is None:
+            raise HFConversionError(f"--adapter: {source} is not a LoRA run (its model.lora is null)")
         params = src.restore_params()
+        base_dir = lora_base_of(src) if cfg.lora is not None else None
+    if cfg.lora is not None:
+        if adapter:
+            from jaxtrain.interchange.peft import write_adapter
+
+            if not storage.is_local(out_dir):
+                raise HFConversionError(f"--adapter: {out_dir}: expected a local output folder")
+            return write_adapter(params, cfg, out_dir, base=base_dir)
+        with contextlib.closing(resolve_checkpoint(base_dir)) as base_src:
+            base = base_src.restore_params()
+        params = lora.merged(lora.join(base, params), cfg)
+        cfg = dataclasses.replace(cfg, lora=None)
 
     def write(directory):
         return write_hf_dir(

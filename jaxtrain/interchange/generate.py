@@ -72,6 +72,7 @@ from jaxtrain.interchange.convert import (
     read_model_config,
     resolve_checkpoint,
 )
+from jaxtrain.models import lora
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.generation import stream
 from jaxtrain.models.hf import HFConversionError, config_from_hf, load_hf_params, read_hf_config
@@ -406,7 +407,17 @@ def load_model(src: Source, mesh, cfg: Config | None = None):
         target = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
         )
-        params = load_params(src.checkpoint, mcfg, target, what=f"generate {src.path}")
+        if mcfg.lora is None:
+            params = load_params(src.checkpoint, mcfg, target, what=f"generate {src.path}")
+        else:  # a LoRA run's checkpoint holds the adapters; its base is its train.init_from
+            base_target, adapter_target = lora.split(target)
+            if not cfg.train.init_from:
+                raise GenerateError(
+                    f"{src.path}: a LoRA run without train.init_from: no base to generate with"
+                )
+            base = load_params(cfg.train.init_from, mcfg, base_target, what=f"generate {src.path} (base)")
+            adapters = load_params(src.checkpoint, mcfg, adapter_target, what=f"generate {src.path}")
+            params = lora.join(base, adapters)
     return models.merge(graphdef, abstract, params)
 
 

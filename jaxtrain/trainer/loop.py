@@ -48,8 +48,8 @@ from jaxtrain.config import Config, to_dict
 from jaxtrain.data import make_data_iterator, make_eval_iterator, storage
 from jaxtrain.interchange.convert import load_params
 from jaxtrain.interchange.peft import read_adapter
-from jaxtrain.models import lora
 from jaxtrain.metrics import MetricsWriter
+from jaxtrain.models import lora
 from jaxtrain.observe import goodput
 from jaxtrain.observe.profiler import ProfileWindow
 from jaxtrain.observe.stragglers import StragglerReport
