@@ -305,3 +305,19 @@ def test_run_resumes_exactly_exports_and_generates_as_the_merged_model(tmp_path,
     src.close()
     np.testing.assert_allclose(logits, np.asarray(merged(prompt)), atol=2e-5)
     np.testing.assert_array_equal(adapted, np.asarray(models.generate(merged, prompt, max_new_tokens=12)))
+
+
+def test_plan_memory_model_counts_no_base_gradients_or_moments():
+    """`jaxtrain plan`'s state term: with model.lora the base holds 4 bytes a parameter (f32
+    weights alone), the adapters 16 (weights, gradients, Adam's two moments)."""
+    from jaxtrain.planning.footprint import estimate, lower_bound
+
+    full = replace(tiny_config(), train=dict(loss_chunk=0), model=dict(remat="none"))
+    lo = replace(full, model=dict(lora=models.config.LoRAConfig(rank=8, targets=("wq", "wv", "w_up"))))
+    mesh = {"data": 1, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1}
+    n, a = lo.model.param_count(), lo.model.adapter_param_count()
+    # r x (in + out) per weight, 2 layers: wq 128 -> 4 x 32, wv 128 -> 2 x 32, w_up 128 -> 512
+    assert a == 2 * 8 * ((128 + 128) + (128 + 64) + (128 + 512))
+    assert estimate(full, mesh).state == 16 * full.model.param_count()
+    assert estimate(lo, mesh).state == 4 * (n - a) + 16 * a
+    assert lower_bound(lo, mesh).state == 4 * (n - a) + 16 * a

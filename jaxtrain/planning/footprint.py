@@ -7,7 +7,8 @@ compiling, starting the progress bar and dying allocating tens of GiB (or leavin
 empty run folder behind).
 
 It is deliberately a LOWER bound, so it never refuses a config that fits. Per device:
-- state: parameters, gradients and the two AdamW moments (not with optimizer.offload, which
+- state: parameters, gradients and the two AdamW moments (with model.lora, the adapters'
+  alone: the frozen base holds only its weights; not with optimizer.offload, which
   keeps them in host memory), in the parameter dtype, sharded over the axes that shard
   parameters (fsdp x tensor x expert), the moments also over data with
   optimizer.shard_state (ZeRO-1), the layers' parameters also over pipeline stages
@@ -87,7 +88,7 @@ def lower_bound(cfg: Config, mesh_sizes: dict[str, int]) -> Footprint:
     per_param = 2 * p + (0 if o.offload else 2 * p / _moment_shards(cfg, size))
     stack = layer_stack_params(m)
     params = stack // size("stage") + m.param_count() - stack
-    state = int(per_param * params) // size("fsdp", "tensor", "expert")
+    state = int(per_param * params * lora_share(m, per_param, p)) // size("fsdp", "tensor", "expert")
     rows, seq = microbatch_shape(cfg, size)
     tokens = rows * seq
     # a stage keeps one [tokens, d_model] input per pipeline iteration, at least `tokens` of them
@@ -339,6 +340,17 @@ class Estimate:
         return self.state + self.saved + max(self.working, self.logits)
 
 
+def lora_share(m, per_param: float, p: int) -> float:
+    """The state's bytes with model.lora over what they would be if every parameter trained:
+    the base holds its weights alone (`p` bytes each: no gradient, no moments), the adapters
+    `per_param` each (taken as spread over the mesh like the whole; they are a few percent of
+    it). 1.0 without LoRA."""
+    if m.lora is None:
+        return 1.0
+    total, adapters = m.param_count(), m.adapter_param_count()
+    return (p * (total - adapters) + per_param * adapters) / (per_param * total)
+
+
 def expert_params(m) -> int:
     """Parameters of the routed experts (sharded over mesh.expert; 0 for dense models)."""
     if m.moe is None:
@@ -371,6 +383,7 @@ def estimate(cfg: Config, mesh_sizes: dict[str, int]) -> Estimate:
     # the routed experts shard over expert too; every other parameter only over fsdp x tensor
     state = (stack - experts) / stages + m.param_count() - stack
     state = (state + experts / (stages * size("expert"))) * per_param / size("fsdp", "tensor")
+    state *= lora_share(m, per_param, p)
     saved, working, att_rows = activation_bytes(cfg, mesh_sizes)
     rows, seq = microbatch_shape(cfg, size)
     tp, a = size("tensor"), _BYTES.get(m.compute_dtype, 4)

@@ -198,10 +198,11 @@ def state_layout(
 ) -> StateLayout:
     """Where each part of the train state lives (`param_*`: the trained parameters; with
     model.lora the adapters, `frozen_shardings` the base's, in device memory).
-    optimizer.shard_state (ZeRO-1): the moments are laid out as their params and then split over `data` too; XLA reduce-scatters the
-    gradients into them and all-gathers the updates. optimizer.offload(_params): the moments
-    (master weights) in pinned host memory; the step brings them to the device and its
-    output shardings send the new values back, into the donated host buffers."""
+    optimizer.shard_state (ZeRO-1): the moments are laid out as their params and then split
+    over `data` too; XLA reduce-scatters the gradients into them and all-gathers the updates.
+    optimizer.offload(_params): the moments (master weights) in pinned host memory; the step
+    brings them to the device and its output shardings send the new values back, into the
+    donated host buffers."""
     o, m = cfg.optimizer, cfg.model
     moments = param_shardings
     if o.shard_state:
