@@ -119,7 +119,7 @@ def trained(tmp_path_factory, base_ckpt):
         for rows in oracle_batches():
             state, metrics = program.step(state, batch_to_device(rows, program.batch_sharding))
             losses.append(float(metrics["loss"]))
-        yield cfg, mesh, program, state, losses
+    return cfg, mesh, program, state, losses  # outside the mesh: later tests set their own
 
 
 def test_losses_and_final_adapters_equal_torch_peft(trained):
