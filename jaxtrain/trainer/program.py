@@ -25,7 +25,8 @@ from jaxtrain.config import Config, ConfigError
 from jaxtrain.models.fp8 import model_meta as fp8_model_meta
 from jaxtrain.planning.resolve import axis_rules, check_resolved
 from jaxtrain.trainer import step as steps
-from jaxtrain.trainer.batches import BATCH_AXES
+from jaxtrain.trainer.batches import batch_axes
+from jaxtrain.trainer.dpo import holds_reference_copy
 from jaxtrain.trainer.optimizer import learning_rate_schedule, make_optimizer
 from jaxtrain.trainer.precision import init_loss_scale
 from jaxtrain.trainer.step import Offload, StepSpec, TrainState
@@ -93,7 +94,7 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules | None = No
         ),
     )
     replicated = NamedSharding(mesh, PartitionSpec())
-    batch_sharding = sharding.named_sharding(BATCH_AXES, rules, mesh)
+    batch_sharding = sharding.named_sharding(batch_axes(cfg), rules, mesh)
     return TrainProgram(
         graphdef=graphdef,
         abstract_params=abstract_params,
@@ -144,7 +145,8 @@ def fresh_params(make_model: Callable) -> dict:
 
 def init_state(cfg: Config, params: dict, tx: optax.GradientTransformation) -> TrainState:
     """A fresh train state around `params`: empty optimizer state and loss window (jitted
-    with the state's shardings, so it is created already sharded)."""
+    with the state's shardings, so it is created already sharded); train.objective=dpo: the
+    frozen reference, a copy of `params` (trainer/dpo.py)."""
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
@@ -154,6 +156,7 @@ def init_state(cfg: Config, params: dict, tx: optax.GradientTransformation) -> T
         if cfg.model.compute_dtype == "float16"
         else None,
         fp8=fp8_model_meta(cfg.model) if cfg.model.fp8 else None,
+        reference=jax.tree.map(jnp.copy, params) if holds_reference_copy(cfg) else None,
     )
 
 
@@ -188,6 +191,10 @@ def state_layout(cfg: Config, mesh: Mesh, tx, param_shapes: dict, param_sharding
         else None,
         # model.fp8: scales and amax histories, replicated (a few KB per layer)
         fp8=jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: fp8_model_meta(m))) if m.fp8 else None,
+        # train.objective=dpo: the frozen reference, laid out (and offloaded) as the parameters
+        reference=_in_memory(param_shardings, HOST if o.offload_params else None)
+        if holds_reference_copy(cfg)
+        else None,
     )
     return StateLayout(state=state, opt_device=moments)
 
