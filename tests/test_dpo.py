@@ -295,12 +295,11 @@ def test_dpo_training_resumes_with_identical_losses(tmp_path, pair_dirs):
         "data.source=tokens",
         f"data.paths=[{pair_dirs['chat']}, {pair_dirs['plain']}]",
         "checkpoint.every=2",
-        "mesh.fsdp=2",
     )
-    first = train(cfg, devices=jax.devices()[:2])
+    first = train(cfg, devices=jax.devices()[:1])
     assert abs(first.metrics[0]["loss"] - math.log(2)) < 1e-6
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "4")
-    second = train(cfg, devices=jax.devices()[:2])
+    second = train(cfg, devices=jax.devices()[:1])
     assert second.start_step == 2
     keys = ("loss", "grad_norm", *dpo.METRICS)
     want = {r["step"]: tuple(r[k] for k in keys) for r in first.metrics}
@@ -360,8 +359,10 @@ def _random_pairs(rng, pairs, seq, vocab):
 
 def test_dpo_on_tensor_context_and_pipeline_meshes_equals_one_device(tmp_path):
     """Two DPO steps from the seed's weights give the same losses, gradient norms and rewards
-    on a pipeline x context (ring attention, zig-zag order) x tensor mesh as on one
-    device (rtol 1e-5; rewards atol 1e-5)."""
+    on a pipeline x context (ring attention, zig-zag order) x tensor mesh, and with two
+    microbatches, as on one device in one batch (rtol 1e-5; rewards atol 1e-5). The second
+    batch has a pair whose response was cut off: it is left out, and the microbatches then
+    count 2 and 1 pairs (means over pairs, not over microbatches)."""
     from jaxtrain.sharding.context import permute_batch
 
     cfg = tiny_config(
@@ -379,9 +380,10 @@ def test_dpo_on_tensor_context_and_pipeline_meshes_equals_one_device(tmp_path):
     )
     rng = np.random.default_rng(1)
     batches = [_random_pairs(rng, 4, 16, cfg.model.vocab_size) for _ in range(2)]
+    batches[1]["loss_mask"][1, 1] = 0
 
-    def run(**mesh):
-        c = replace(cfg, mesh=mesh)
+    def run(microbatches=1, **mesh):
+        c = replace(cfg, mesh=mesh, train=dict(microbatches=microbatches))
         n = math.prod(c.mesh.sizes().values())
         m = sharding.make_mesh(c.mesh.sizes(), jax.devices()[:n])
         c = resolve_for_mesh(c, m)
@@ -398,7 +400,8 @@ def test_dpo_on_tensor_context_and_pipeline_meshes_equals_one_device(tmp_path):
 
     want = run()
     assert abs(float(want[0]["loss"]) - math.log(2)) < 1e-6
-    for mesh in (dict(stage=2, context=2, tensor=2),):
+    assert [float(m["tokens"]) for m in want] == [4, 3]  # counted pairs
+    for mesh in (dict(stage=2, context=2, tensor=2), dict(microbatches=2)):
         for step, (w, g) in enumerate(zip(want, run(**mesh)), start=1):
             for key in ("loss", "grad_norm"):
                 np.testing.assert_allclose(
