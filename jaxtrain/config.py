@@ -65,6 +65,24 @@ class TrainConfig:
     # [tokens, vocab] logits are never formed at once; 0: the plain loss over all of them;
     # auto: 4 chunks when the logits reach 16 MiB per device (jaxtrain/planning/resolve.py)
     loss_chunk: int | str = "auto"
+    # what the step minimises: lm (next-token cross-entropy over the loss mask) or dpo (direct
+    # preference optimisation on `jaxtrain tokenize --preference` pairs; the `dpo` section)
+    objective: str = "lm"
+
+
+OBJECTIVES = ("lm", "dpo")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPOConfig:
+    """Direct preference optimisation (train.objective=dpo; jaxtrain/trainer/dpo.py), TRL's
+    sigmoid loss: per pair, z = (logp_chosen - ref_chosen) - (logp_rejected - ref_rejected)
+    with log-probs summed over the response tokens, loss = -(1 - label_smoothing) x
+    log sigmoid(beta z) - label_smoothing x log sigmoid(-beta z), the mean over the batch's
+    pairs. The reference is the initial weights, frozen (train.init_from, or the seed's)."""
+
+    beta: float = 0.1  # how far the policy may move from the reference (KL strength)
+    label_smoothing: float = 0.0  # the chance a preference label is flipped (cDPO); 0: plain DPO
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -251,6 +269,7 @@ class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)  # train.objective=dpo
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -475,6 +494,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _validate_pipeline(cfg)
     _validate_context(cfg)
     _validate_train(cfg)
+    _validate_dpo(cfg)
     if num_devices is not None:
         _validate_devices(cfg, num_devices)
     elif cfg.train.global_batch_size % cfg.train.microbatches:
@@ -574,6 +594,36 @@ def _validate_train(cfg: Config) -> None:
         raise ConfigError(f"train.microbatches={t.microbatches}: expected a positive integer")
     if t.global_batch_size < 1:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size}: expected a positive integer")
+
+
+def _validate_dpo(cfg: Config) -> None:
+    t, d = cfg.train, cfg.dpo
+    if t.objective not in OBJECTIVES:
+        raise ConfigError(f"train.objective={t.objective!r}: expected one of {', '.join(OBJECTIVES)}")
+    if not (math.isfinite(d.beta) and d.beta > 0):
+        raise ConfigError(f"dpo.beta={d.beta}: expected a positive number")
+    if not 0 <= d.label_smoothing < 0.5:
+        raise ConfigError(
+            f"dpo.label_smoothing={d.label_smoothing}: expected a number in [0, 0.5) (the chance a "
+            "preference label is flipped)"
+        )
+    if t.objective != "dpo":
+        return
+    if cfg.data.source != "tokens":
+        raise ConfigError(
+            f"train.objective=dpo with data.source={cfg.data.source!r}: DPO trains on preference pairs; "
+            "expected data.source=tokens with directories written by `jaxtrain tokenize --preference`"
+        )
+    if isinstance(t.loss_chunk, int) and t.loss_chunk > 0:
+        raise ConfigError(
+            f"train.loss_chunk={t.loss_chunk} with train.objective=dpo: DPO needs each sequence's "
+            "log-probability, which the chunked loss does not give; expected 0 or auto"
+        )
+    if cfg.eval.every:
+        raise ConfigError(
+            f"eval.every={cfg.eval.every} with train.objective=dpo: held-out evaluation measures the LM "
+            "loss; expected eval.every=0 (the dpo/* training metrics track the preference fit)"
+        )
 
 
 def _validate_devices(cfg: Config, num_devices: int) -> None:

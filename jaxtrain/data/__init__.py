@@ -19,6 +19,11 @@ returns ``(ids, mask)``, mask 1 on the assistant's tokens (chat.py); ``jaxtrain 
 writes such conversations as token directories with a mask, and the ``tokens`` source then
 counts the loss only where the mask is 1.
 
+Preference pairs (train.objective=dpo): ``jaxtrain tokenize --preference`` writes
+``{"prompt", "chosen", "rejected"}`` rows as two sequences each (preference.py), and
+``make_data_iterator(..., pairs=True)`` yields one pair per row, every field ``[local_batch_size,
+2, seq_len]`` (index 0 chosen), ``loss_mask`` 1 on the response tokens (pairs.py).
+
 Sources (``data.source``): ``synthetic`` (core.py), ``text`` (raw files tokenized at
 start, text.py) and ``tokens`` (token directories written by ``jaxtrain tokenize``,
 memory-mapped or read by range, mixed by ``data.weights``: tokens.py, shards.py,
@@ -33,6 +38,7 @@ import types
 
 from .chat import ChatEncoder, encode_chat
 from .core import DataError, DataIterator, SyntheticIterator
+from .pairs import PairIterator
 from .text import TextIterator, expand_paths, read_documents
 from .tokenizers import BYTE_EOS_ID, EOS_TOKEN_CANDIDATES, ByteTokenizer, HFTokenizer, load_tokenizer
 from .tokens import TokenIterator
@@ -45,6 +51,7 @@ __all__ = [
     "SyntheticIterator",
     "TextIterator",
     "TokenIterator",
+    "PairIterator",
     "make_data_iterator",
     "make_eval_iterator",
     "load_tokenizer",
@@ -69,8 +76,10 @@ def make_data_iterator(
     seed: int,
     process_index: int = 0,
     process_count: int = 1,
+    pairs: bool = False,
 ) -> DataIterator:
-    """Build the iterator for ``data_cfg.source`` (``"synthetic"``, ``"text"`` or ``"tokens"``)."""
+    """Build the iterator for ``data_cfg.source`` (``"synthetic"``, ``"text"`` or ``"tokens"``);
+    ``pairs``: preference pairs (train.objective=dpo), from ``tokens`` directories only."""
     kwargs = dict(
         vocab_size=vocab_size,
         seq_len=seq_len,
@@ -80,6 +89,13 @@ def make_data_iterator(
         process_count=process_count,
     )
     source = getattr(data_cfg, "source", None)
+    if pairs:
+        if source != "tokens":
+            raise DataError(
+                f"data.source={source!r}: preference pairs come from data.source=tokens (directories "
+                "written by `jaxtrain tokenize --preference`)"
+            )
+        return PairIterator(data_cfg, **kwargs)
     if source == "synthetic":
         return SyntheticIterator(**kwargs)
     if source == "text":

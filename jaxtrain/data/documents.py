@@ -9,6 +9,8 @@ format's suffix are decompressed on the fly (``corpus.jsonl.zst``, ``book.txt.gz
 Chat rows (``chat=True``, ``.jsonl`` only): the field holds a conversation, a list of
 messages, yielded as its JSON text (``json.dumps(messages, ensure_ascii=False)``, key order
 kept) so that everything downstream still handles strings; an empty list is skipped.
+Preference rows (``preference=True``, ``.jsonl`` only): the object's ``prompt``, ``chosen`` and
+``rejected`` (jaxtrain/data/preference.py), yielded as their JSON text.
 
 Documents are yielded one at a time, so memory holds one document (text) or one
 parquet row batch, never a file. Empty documents are skipped; blank ``.jsonl`` lines
@@ -31,6 +33,7 @@ from typing import IO
 
 from . import storage
 from .core import DataError
+from .preference import check_row, row_text
 
 COMPRESSIONS = (".gz", ".zst", ".bz2", ".xz")
 _TEXT_CHUNK = 1 << 20  # characters read at a time when splitting text by a separator
@@ -95,7 +98,13 @@ class DocumentReader:
     """
 
     def __init__(
-        self, path: str, *, text_field: str = "text", separator: str | None = None, chat: bool = False
+        self,
+        path: str,
+        *,
+        text_field: str = "text",
+        separator: str | None = None,
+        chat: bool = False,
+        preference: bool = False,
     ):
         self.path = str(path)
         self.format, self.compression = split_name(self.path)
@@ -103,8 +112,14 @@ class DocumentReader:
             raise DataError(
                 f'{self.path}: chat data is read from .jsonl files (one {{"messages": [...]}} per line)'
             )
+        if preference and self.format != "jsonl":
+            raise DataError(
+                f'{self.path}: preference pairs are read from .jsonl files (one {{"prompt", "chosen", '
+                '"rejected"}} per line)'
+            )
         self.text_field = text_field
         self.chat = chat
+        self.preference = preference
         if separator == "":
             raise DataError("separator='': expected a non-empty string or None (one document per file)")
         self.separator = separator
@@ -158,6 +173,12 @@ class DocumentReader:
                 record = json.loads(self._decode(line, None, lineno))
             except json.JSONDecodeError as e:
                 raise DataError(f"{self.path}:{lineno}: invalid JSON ({e.msg})") from e
+            if self.preference:
+                try:
+                    yield lineno, row_text(check_row(record))
+                except DataError as e:
+                    raise DataError(f"{self.path}:{lineno}: {e}") from None
+                continue
             text = record.get(field) if isinstance(record, dict) else None
             if self.chat:
                 if not isinstance(text, list):

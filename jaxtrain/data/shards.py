@@ -30,6 +30,9 @@ jaxtrain/data/chat.py), so a mask is read at exactly the positions of its tokens
     inputs [{path, bytes}]                         what was read, in order
     chat null | {tokenizer_config_sha256, template_sha256, mask}   conversations, masked by
                                          "generation" blocks or by "role"; then every shard has a mask
+    preference (version 3 only) {format "pairs", sequences, files_sha256, mask}: documents 2i
+                                         and 2i + 1 are pair i's chosen and rejected sequences,
+                                         the mask 1 on their responses (jaxtrain/data/preference.py)
     splits {train|eval: {tokens, documents, shards: [{tokens_file, docs_file, tokens,
             documents, first_token, sha256, docs_sha256[, mask_file, mask_sha256]}]}}
 
@@ -54,6 +57,7 @@ from .core import DataError
 FORMAT = "jaxtrain-tokens"
 VERSION = 1
 MASK_VERSION = 2  # a directory with masks: older readers, which would ignore them, refuse it
+PAIR_VERSION = 3  # preference pairs (`tokenize --preference`): older readers would take them as text
 MANIFEST = "manifest.json"
 TOKENIZER_COPY = "tokenizer.json"
 DOC_DTYPE = np.dtype("<u8")
@@ -258,10 +262,10 @@ def read_manifest(directory: str) -> dict:
         raise DataError(f"{path}: not valid JSON ({e})") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DataError(f"{path}: format={manifest.get('format')!r}; expected {FORMAT!r}")
-    if manifest.get("version") not in (VERSION, MASK_VERSION):
+    if manifest.get("version") not in (VERSION, MASK_VERSION, PAIR_VERSION):
         raise DataError(
             f"{path}: version={manifest.get('version')!r}; this jaxtrain reads versions "
-            f"{VERSION} and {MASK_VERSION}"
+            f"{VERSION}, {MASK_VERSION} and {PAIR_VERSION}"
         )
     if manifest.get("dtype") not in TOKEN_DTYPES:
         raise DataError(f"{path}: dtype={manifest.get('dtype')!r}; expected one of {list(TOKEN_DTYPES)}")
@@ -297,7 +301,9 @@ class TokenShards:
             raise DataError(
                 f"{self.directory}/{MANIFEST}: {split} shards do not add up to {self.num_tokens} tokens"
             )
-        self.masked = self.manifest.get("chat") is not None
+        # preference pairs (`tokenize --preference`): documents 2i, 2i + 1 are pair i's sequences
+        self.pairs = self.manifest.get("preference") is not None
+        self.masked = self.manifest.get("chat") is not None or self.pairs
         if self.masked and any("mask_file" not in s for s in self.shards):
             raise DataError(
                 f"{self.directory}/{MANIFEST}: a chat directory whose {split} shards lack mask_file"
@@ -369,6 +375,20 @@ class TokenShards:
             ends.append(np.asarray(shard_ends[a:b], dtype=np.int64))
         tokens = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         return tokens.astype(np.int32), np.concatenate(ends)
+
+    def document_ends(self) -> np.ndarray:
+        """Every document's end offset in the split (int64, ascending), from the .docs files."""
+        ends = [
+            np.frombuffer(storage.read_bytes(storage.join(self.directory, s["docs_file"])), dtype=DOC_DTYPE)
+            for s in self.shards
+        ]
+        out = np.concatenate(ends).astype(np.int64) if ends else np.zeros(0, np.int64)
+        if out.size != self.num_documents:
+            raise DataError(
+                f"{self.directory}: {out.size} document ends in the {self.split} .docs files; "
+                f"{MANIFEST} says {self.num_documents}"
+            )
+        return out
 
     def read_mask(self, start: int, stop: int) -> np.ndarray:
         """Mask bytes ``[start, stop)`` of the split (all 1 when it has no masks), as uint8."""

@@ -26,6 +26,12 @@ template writes them, no EOS appended: the template ends each turn), and the mas
 the assistant messages' content, for templates without ``{% generation %}`` blocks. The
 directory also keeps a copy of ``tokenizer_config.json`` (the template).
 
+Preference pairs (``--preference``): each ``.jsonl`` row ``{"prompt", "chosen", "rejected"}``
+(plain strings, or lists of messages rendered with the directory's chat template) becomes two
+documents in a row, the chosen sequence then the rejected one, each with a mask that is 1 on
+its response tokens (jaxtrain/data/preference.py); the manifest's ``preference`` entry marks
+the directory as pairs (version 3), which only ``train.objective: dpo`` reads.
+
 The output directory is complete when ``manifest.json`` exists (written last).
 """
 
@@ -49,6 +55,7 @@ from .chat import CONFIG as CHAT_CONFIG
 from .chat import ChatEncoder
 from .core import DataError
 from .documents import DocumentReader, split_name
+from .preference import PreferenceEncoder
 from .tokenizers import tokenizer_from_spec
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB per shard at uint16
@@ -100,11 +107,13 @@ class _Batch:
 class _Reader(threading.Thread):
     """Parses documents into batches on a queue (two at most), from a resume position."""
 
-    def __init__(self, files, sizes, start, *, batch_bytes, text_field, separator, chat=False):
+    def __init__(
+        self, files, sizes, start, *, batch_bytes, text_field, separator, chat=False, preference=False
+    ):
         super().__init__(daemon=True, name="jaxtrain-tokenize-reader")
         self.files, self.sizes, self.start_at = files, sizes, start
         self.batch_bytes, self.text_field, self.separator = batch_bytes, text_field, separator
-        self.chat = chat
+        self.chat, self.preference = chat, preference
         self.out: queue.Queue = queue.Queue(maxsize=2)
         self.stopped = threading.Event()
 
@@ -125,7 +134,11 @@ class _Reader(threading.Thread):
         try:
             for fi in range(first, len(self.files)):
                 reader = DocumentReader(
-                    self.files[fi], text_field=self.text_field, separator=self.separator, chat=self.chat
+                    self.files[fi],
+                    text_field=self.text_field,
+                    separator=self.separator,
+                    chat=self.chat,
+                    preference=self.preference,
                 )
                 n = 0
                 for line, text in reader:
@@ -223,10 +236,33 @@ def _encode_chat(chat: ChatEncoder, texts: list[str], where: list[tuple[int, int
     return ids, lengths, np.concatenate([encoded[i][1] for i in kept]), kept
 
 
+def _encode_pairs(
+    encoder: PreferenceEncoder, texts: list[str], where: list[tuple[int, int]], files: list[str]
+):
+    """Preference rows (JSON text) -> (ids, lengths, mask, kept rows): two documents per row,
+    the chosen sequence then the rejected one; or the error naming the first bad row."""
+    rows = [json.loads(t) for t in texts]
+    try:
+        encoded = encoder.encode(rows)
+    except DataError:  # find the row (one at a time only on this error path)
+        for row, (fi, line) in zip(rows, where):
+            try:
+                encoder.encode([row])
+            except DataError as e:
+                return DataError(f"{files[fi]}:{line}: {e}")
+        raise
+    sequences = [seq for pair in encoded for seq in pair]
+    lengths = np.array([ids.size for ids, _ in sequences], dtype=np.int64)
+    ids = np.concatenate([ids for ids, _ in sequences]) if sequences else np.zeros(0, np.int64)
+    mask = np.concatenate([m for _, m in sequences]) if sequences else np.zeros(0, np.uint8)
+    return ids, lengths, mask, np.arange(len(rows), dtype=np.int64)
+
+
 def _encode(tok, batch: _Batch, files: list[str], eval_fraction: float, chat=None) -> dict | DataError:
     """A batch's documents -> ``{split: (ids, lengths, mask or None)}``, or the error naming the
     first document with an id >= the vocab size (checked before anything is written) or, with
-    ``chat`` (a ChatEncoder), the first conversation its template refuses."""
+    ``chat`` (a ChatEncoder), the first conversation its template refuses (a
+    PreferenceEncoder: the first preference row it refuses)."""
     if eval_fraction > 0:
         route = np.fromiter((shards.to_eval(t, eval_fraction) for t in batch.texts), bool, len(batch.texts))
     else:
@@ -240,11 +276,14 @@ def _encode(tok, batch: _Batch, files: list[str], eval_fraction: float, chat=Non
         if chat is None:
             ids, lengths = tok.encode_flat(texts)
         else:
-            got = _encode_chat(chat, texts, [batch.where[i] for i in index], files)
+            encode = _encode_pairs if isinstance(chat, PreferenceEncoder) else _encode_chat
+            got = encode(chat, texts, [batch.where[i] for i in index], files)
             if isinstance(got, DataError):
                 return got
             ids, lengths, mask, kept = got
             index = index[kept]
+            if isinstance(chat, PreferenceEncoder):  # two documents per row
+                index = np.repeat(index, 2)
         if ids.size and int(ids.max()) >= tok.vocab_size:
             bad = int(np.argmax(ids >= tok.vocab_size))
             fi, line = batch.where[int(index[np.searchsorted(np.cumsum(lengths), bad, side="right")])]
@@ -262,6 +301,7 @@ def tokenize(
     tokenizer: str,
     *,
     chat: bool = False,
+    preference: bool = False,
     mask_by_role: bool = False,
     text_field: str | None = None,
     separator: str | None = None,
@@ -275,15 +315,24 @@ def tokenize(
     """Tokenize ``inputs`` into the token directory ``out``; returns its manifest plus a
     ``"run"`` entry (seconds, bytes and tokens this run, cores). See the module docstring.
     ``chat``: rows of conversations, ``tokenizer`` a Hugging Face tokenizer directory;
-    ``text_field`` defaults to ``"messages"`` then, else ``"text"``."""
+    ``text_field`` defaults to ``"messages"`` then, else ``"text"``. ``preference``: rows of
+    preference pairs (module docstring)."""
     if text_field is None:
         text_field = "messages" if chat else "text"
     _check_options(eval_fraction, shard_tokens, batch_bytes, text_field)
-    if mask_by_role and not chat:
-        raise DataError("--mask-by-role: masks conversations; expected --chat too")
+    if chat and preference:
+        raise DataError(
+            "--chat with --preference: --preference reads {prompt, chosen, rejected} rows, rendering "
+            "lists of messages with the chat template itself; drop --chat"
+        )
+    if mask_by_role and not (chat or preference):
+        raise DataError("--mask-by-role: masks conversations; expected --chat or --preference too")
     files = expand_inputs(inputs)
     sizes = [storage.file_size(f) for f in files]
-    encoder = _chat_encoder(tokenizer, files, mask_by_role) if chat else None
+    if preference:
+        encoder = _preference_encoder(tokenizer, files, mask_by_role)
+    else:
+        encoder = _chat_encoder(tokenizer, files, mask_by_role) if chat else None
     tok = encoder.tokenizer if encoder is not None else tokenizer_from_spec(tokenizer)
     if not 0 <= tok.eos_id < tok.vocab_size:
         raise DataError(
@@ -291,7 +340,7 @@ def tokenize(
         )
     fingerprint = {
         "format": shards.FORMAT,
-        "version": shards.MASK_VERSION if chat else shards.VERSION,
+        "version": shards.PAIR_VERSION if preference else shards.MASK_VERSION if chat else shards.VERSION,
         "tokenizer": {
             "name": tok.name,
             "sha256": tok.sha256,
@@ -304,8 +353,10 @@ def tokenize(
         "separator": separator,
         "eval_fraction": float(eval_fraction),
         "inputs": [{"path": f, "bytes": s} for f, s in zip(files, sizes)],
-        "chat": _chat_fingerprint(encoder, tokenizer) if encoder is not None else None,
+        "chat": _chat_fingerprint(encoder, tokenizer) if chat else None,
     }
+    if preference:
+        fingerprint["preference"] = encoder.fingerprint()
     resume = _prepare_out(out, fingerprint, force=force, log=log)
     if resume == "complete":
         manifest = shards.read_manifest(out)
@@ -313,7 +364,7 @@ def tokenize(
         return {**manifest, "run": {"seconds": 0.0, "bytes": 0, "tokens": 0, "cores": cores()}}
     if getattr(tok, "json_bytes", None) is not None:
         storage.write_atomic(storage.join(out, shards.TOKENIZER_COPY), tok.json_bytes)
-    if encoder is not None:
+    if encoder is not None and storage.is_file(storage.join(tokenizer, CHAT_CONFIG)):
         config = storage.read_bytes(storage.join(tokenizer, CHAT_CONFIG))
         storage.write_atomic(storage.join(out, CHAT_CONFIG), config)
     splits = _Splits(out, fingerprint)
@@ -333,6 +384,7 @@ def tokenize(
         text_field=text_field,
         separator=separator,
         chat=chat,
+        preference=preference,
     )
     bar = _Progress(progress, sum(sizes))
     _encode_all(reader, splits, tok, files, eval_fraction, bar, start_bytes, encoder)
@@ -358,6 +410,15 @@ def _chat_encoder(tokenizer: str, files: list[str], mask_by_role: bool) -> ChatE
             f"({CHAT_CONFIG} with a chat_template, and tokenizer.json)"
         )
     return ChatEncoder(tokenizer, mask_by_role=mask_by_role)
+
+
+def _preference_encoder(tokenizer: str, files: list[str], mask_by_role: bool) -> PreferenceEncoder:
+    for f in files:
+        if split_name(f)[0] != "jsonl":
+            raise DataError(
+                f'{f}: --preference reads .jsonl files (one {{"prompt", "chosen", "rejected"}} per line)'
+            )
+    return PreferenceEncoder(tokenizer, mask_by_role=mask_by_role)
 
 
 def _chat_fingerprint(encoder: ChatEncoder, tokenizer: str) -> dict:
@@ -403,7 +464,7 @@ class _Splits:
     def __init__(self, out: str, fingerprint: dict):
         self.out, self.fingerprint = out, fingerprint
         dtype, shard_tokens = fingerprint["dtype"], fingerprint["shard_tokens"]
-        self.chat = fingerprint.get("chat") is not None
+        self.chat = fingerprint.get("chat") is not None or fingerprint.get("preference") is not None
         self.writers = {
             split: shards.SplitWriter(out, split, dtype=dtype, shard_tokens=shard_tokens, masked=self.chat)
             for split in shards.SPLITS
@@ -579,9 +640,16 @@ def add_tokenize_parser(subparsers) -> argparse.ArgumentParser:
         "template; the loss counts only the assistant's tokens ({% generation %} blocks)",
     )
     t.add_argument(
+        "--preference",
+        action="store_true",
+        help='.jsonl rows {"prompt", "chosen", "rejected"} (strings, or lists of messages rendered with '
+        "the tokenizer directory's chat template): preference pairs for train.objective=dpo",
+    )
+    t.add_argument(
         "--mask-by-role",
         action="store_true",
-        help="with --chat: mask the assistant messages' content (for templates without {% generation %})",
+        help="with --chat or --preference: mask the assistant messages' content (for templates "
+        "without {% generation %})",
     )
     t.add_argument(
         "--text-field",
@@ -624,6 +692,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
             args.out,
             args.tokenizer,
             chat=getattr(args, "chat", False),
+            preference=getattr(args, "preference", False),
             mask_by_role=getattr(args, "mask_by_role", False),
             text_field=getattr(args, "text_field", None),
             separator=separator,

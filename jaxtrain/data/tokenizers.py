@@ -89,6 +89,11 @@ class HFTokenizer:
                 f"{list(EOS_TOKEN_CANDIDATES)}"
             )
 
+    def token_id(self, token: str) -> int | None:
+        """The id of `token` (a vocabulary or added token), or None when it has none."""
+        found = self._tok.token_to_id(token)
+        return None if found is None else int(found)
+
     def _encode(self, texts: list[str], *, offsets: bool = False):
         # encode_batch_fast (tokenizers >= 0.21) skips the character offsets that only chat
         # masks use; both run over all cores (Rust threads, outside the GIL).

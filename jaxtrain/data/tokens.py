@@ -177,6 +177,7 @@ class TokenIterator(DataIterator):
                     f"data.paths: {comp.directory!r} has tokenizer vocab size {comp.vocab_size} > "
                     f"model.vocab_size={self.vocab_size}; expected ids < model.vocab_size"
                 )
+        self._check_kind()
         self.eos_id = first.eos_id
         self.masked = any(c.masked for c in self.components)  # chat data: loss on masked-in targets only
         weights = tuple(getattr(data_cfg, "weights", ()) or ())
@@ -187,6 +188,15 @@ class TokenIterator(DataIterator):
         self.mixture = Mixture(weights or [c.num_tokens for c in self.components])
         self.num_windows = [max(1, -(-(c.num_tokens - 1) // self.seq_len)) for c in self.components]
         self._keys: dict[tuple[int, int], np.ndarray] = {}
+
+    def _check_kind(self) -> None:
+        """Text and chat directories only: preference pairs are read by the pairs iterator."""
+        for comp in self.components:
+            if comp.pairs:
+                raise DataError(
+                    f"data.paths: {comp.directory!r} holds preference pairs (`jaxtrain tokenize "
+                    "--preference`); they train with train.objective=dpo"
+                )
 
     def _keys_for(self, component: int, epoch: int) -> np.ndarray:
         keys = self._keys.get((component, epoch))

@@ -13,7 +13,8 @@ It is deliberately a LOWER bound, so it never refuses a config that fits. Per de
   parameters (fsdp x tensor x expert), the moments also over data with
   optimizer.shard_state (ZeRO-1), the layers' parameters also over pipeline stages
   (mesh.stage); optimizer.offload_params still counts the parameters, which the step brings
-  to the device for the forward pass;
+  to the device for the forward pass; train.objective=dpo adds the frozen reference copy of
+  the parameters (trainer/dpo.py), sharded as they are;
 - activations: what the backward pass must keep, at least one [tokens, d_model]
   tensor per layer (remat full keeps only the layer inputs), in the compute dtype;
   with pipeline stages, at least one in all (each stage keeps its iterations' inputs);
@@ -21,8 +22,9 @@ It is deliberately a LOWER bound, so it never refuses a config that fits. Per de
   vocab sharded over tensor; one chunk of positions with train.loss_chunk (its `auto` may
   chunk, so it counts as seq_len / LOSS_AUTO_CHUNKS).
 with tokens = per-device batch (global batch / (data x fsdp x expert x microbatches))
-x seq_len / context. Compiled programs need more (attention scores, MLP
-intermediates, temporaries), which is why the real verdict is `jaxtrain compile`.
+x seq_len / context (a DPO batch row is a pair: two sequences). Compiled programs need more
+(attention scores, MLP intermediates, temporaries), which is why the real verdict is
+`jaxtrain compile`.
 """
 
 from __future__ import annotations
@@ -69,11 +71,21 @@ def _moment_shards(cfg: Config, size) -> int:
     return size("data") if cfg.optimizer.shard_state else 1
 
 
+def sequences_per_row(cfg: Config) -> int:
+    """Sequences the model runs per batch row: 2 for DPO's pairs (chosen, rejected), else 1."""
+    return 2 if cfg.train.objective == "dpo" else 1
+
+
+def reference_copies(cfg: Config) -> int:
+    """Extra copies of the parameters the train state holds: DPO's frozen reference (trainer/dpo.py)."""
+    return 1 if cfg.train.objective == "dpo" else 0
+
+
 def microbatch_shape(cfg: Config, size) -> tuple[int, int]:
-    """(rows, seq) of one microbatch on one device."""
+    """(rows, seq) of one microbatch on one device; rows are sequences (a DPO pair is two)."""
     t = cfg.train
     rows = max(1, t.global_batch_size // (size("data", "fsdp", "expert") * t.microbatches))
-    return rows, max(1, t.seq_len // size("context"))
+    return rows * sequences_per_row(cfg), max(1, t.seq_len // size("context"))
 
 
 def lower_bound(cfg: Config, mesh_sizes: dict[str, int]) -> Footprint:
@@ -85,7 +97,7 @@ def lower_bound(cfg: Config, mesh_sizes: dict[str, int]) -> Footprint:
     # parameters and gradients (clipping needs all of them before the update), then the two
     # moments unless offload keeps them on the host (ZeRO-1, optimizer.shard_state: split over
     # data too); pipeline stages split the layers' parameters (not the embedding and head)
-    per_param = 2 * p + (0 if o.offload else 2 * p / _moment_shards(cfg, size))
+    per_param = (2 + reference_copies(cfg)) * p + (0 if o.offload else 2 * p / _moment_shards(cfg, size))
     stack = layer_stack_params(m)
     params = stack // size("stage") + m.param_count() - stack
     state = int(per_param * params * lora_share(m, per_param, p)) // size("fsdp", "tensor", "expert")
@@ -163,6 +175,9 @@ def _gib(n: int) -> str:
 #                  (MoE: the routed experts' parameters over shards, the rest over fsdp x tensor)
 #                  (data_zero1: mesh data with optimizer.shard_state (ZeRO-1), else 1)
 #                  (+ P x 4 / shards for the gradient accumulator when microbatches > 1)
+#                  (+ P x p / shards for DPO's frozen reference copy, train.objective=dpo; its
+#                  forward pass runs before the policy's and keeps nothing for a backward, so
+#                  it adds no activations; T counts both sequences of each pair)
 #                  (optimizer.offload(_params) changes nothing here: the step brings the state to
 #                  the device for the update, and XLA starts those copies during the backward;
 #                  compiled, offload moved the peak by -6.2 to +3.2 GiB on the presets, with
@@ -378,7 +393,8 @@ def estimate(cfg: Config, mesh_sizes: dict[str, int]) -> Estimate:
     size = mesh_product(mesh_sizes)
     stages = size("stage")
     p = _BYTES.get(m.param_dtype, 4)
-    per_param = 2 * p + 2 * p / _moment_shards(cfg, size) + (4 if t.microbatches > 1 else 0)
+    per_param = (2 + reference_copies(cfg)) * p + 2 * p / _moment_shards(cfg, size)
+    per_param += 4 if t.microbatches > 1 else 0
     stack, experts = layer_stack_params(m), expert_params(m)
     # the routed experts shard over expert too; every other parameter only over fsdp x tensor
     state = (stack - experts) / stages + m.param_count() - stack

@@ -40,7 +40,9 @@ from jaxtrain.planning.footprint import (
     expert_params,
     layer_stack_params,
     moe_row_factor,
+    reference_copies,
     remat_policies,
+    sequences_per_row,
 )
 from jaxtrain.planning.resolve import REMAT_HEADROOM, Placement, head_rows_per_device, resolve
 from jaxtrain.sharding import hardware
@@ -323,8 +325,9 @@ def analytic_step(cfg: Config, mesh: dict[str, int], chip, per_host: int) -> dic
     peak = chip.peak_flops("bfloat16" if m.compute_dtype != "float32" else "float32") or chip.bf16_flops
     bw = lambda ax: _axis_bandwidth(chip, mesh, ax, per_host)
     pipe = _pipeline_terms(cfg, mesh.get("stage", 1))
-    tokens_dev = t.global_batch_size * t.seq_len / math.prod(mesh.values())
-    model = flops_per_token(m, t.seq_len) * tokens_dev
+    # a DPO row is two sequences, and the frozen reference adds a forward pass (a third of the step)
+    tokens_dev = t.global_batch_size * sequences_per_row(cfg) * t.seq_len / math.prod(mesh.values())
+    model = flops_per_token(m, t.seq_len) * tokens_dev * (1 + reference_copies(cfg) / 3)
     compute = (model + _extra_flops_per_token(cfg, mesh, pipe) * tokens_dev) * pipe.inflate / peak
     comm = {**_weight_traffic(cfg, mesh, bw, pipe), **_activation_traffic(cfg, mesh, bw, pipe)}
     step = max(compute, comm["fsdp"] + comm["data"] + comm["context"])
@@ -402,7 +405,8 @@ def _activation_traffic(cfg: Config, mesh: dict[str, int], bw, pipe: _Pipe) -> d
     a = {"float32": 4, "bfloat16": 2, "float16": 2}[m.compute_dtype]
     mb = t.microbatches
     layers = m.n_layers / pipe.stages * pipe.inflate  # layer passes per device, per microbatch
-    tok_mb = t.global_batch_size * t.seq_len / (g("data") * g("fsdp") * g("expert") * g("context") * mb)
+    rows = t.global_batch_size * sequences_per_row(cfg)
+    tok_mb = rows * t.seq_len / (g("data") * g("fsdp") * g("expert") * g("context") * mb)
     tp, c, e = g("tensor"), g("context"), g("expert")
     moe_layers = (m.moe.num_moe_layers(m) if m.moe else 0) * layers / m.n_layers
     kv = 2 * m.n_kv_heads * m.resolved_head_dim

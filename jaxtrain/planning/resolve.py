@@ -38,7 +38,13 @@ from jax.experimental import multihost_utils
 from jaxtrain import sharding
 from jaxtrain.config import Config
 from jaxtrain.planning.attention_speeds import choose_gpu_attention
-from jaxtrain.planning.footprint import LOSS_AUTO_CHUNKS, device_memory_bytes, estimate, remat_policies
+from jaxtrain.planning.footprint import (
+    LOSS_AUTO_CHUNKS,
+    device_memory_bytes,
+    estimate,
+    remat_policies,
+    sequences_per_row,
+)
 from jaxtrain.planning.remat_cost import policy_cost
 from jaxtrain.sharding import hardware
 from jaxtrain.sharding.mesh import mesh_shape_from_sizes
@@ -204,7 +210,8 @@ def head_rows_per_device(cfg: Config, mesh_shape: Mapping[str, int]) -> int:
     (gathered over fsdp; still split over data, expert and context)."""
     t = cfg.train
     split = mesh_shape.get("data", 1) * mesh_shape.get("expert", 1) * mesh_shape.get("context", 1)
-    return t.global_batch_size * t.seq_len // (max(1, t.microbatches) * split)
+    rows = t.global_batch_size * sequences_per_row(cfg)  # a DPO row is two sequences
+    return rows * t.seq_len // (max(1, t.microbatches) * split)
 
 
 def _head_sharding(cfg: Config, p: Placement) -> tuple[str, str]:
@@ -246,6 +253,8 @@ def _loss_chunk(cfg: Config, p: Placement) -> tuple[int, str]:
     (trainer/loss.py) only one chunk of them. Four chunks were faster as well as smaller once
     the logits are large (two gained less, eight no more); below LOSS_AUTO_MIN_MIB a small
     model's logits are not worth the scan."""
+    if cfg.train.objective == "dpo":
+        return 0, "the plain loss: train.objective=dpo needs each sequence's log-probability"
     if cfg.model.final_softcap is not None:
         return 0, f"the plain loss: model.final_softcap={cfg.model.final_softcap} (the chunked loss has none)"
     seq, mib = cfg.train.seq_len, logits_mib_per_device(cfg, p.mesh_shape)

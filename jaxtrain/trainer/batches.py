@@ -1,5 +1,8 @@
 """Batches on the mesh: this process's numpy rows -> global `jax.Array`s sharded on the
-batch axes, in the step's sequence order, and their abstract shapes for AOT compiles."""
+batch axes, in the step's sequence order, and their abstract shapes for AOT compiles.
+
+A batch is `[batch, seq]` per field; with train.objective=dpo it is `[pairs, 2, seq]`
+(chosen, rejected: trainer/dpo.py), sharded on the pairs and never across a pair."""
 
 from __future__ import annotations
 
@@ -13,6 +16,17 @@ from jaxtrain.sharding.context import permute_batch
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 BATCH_AXES = ("batch", "seq")
+PAIR_AXES = ("batch", None, "seq")  # train.objective=dpo: [pairs, 2, seq]
+
+
+def batch_axes(cfg: Config) -> tuple:
+    """The logical axes of the run's batch fields."""
+    return PAIR_AXES if cfg.train.objective == "dpo" else BATCH_AXES
+
+
+def rows_axes(x) -> tuple:
+    """The logical axes of one batch field, by its rank ([batch, seq] or [pairs, 2, seq])."""
+    return PAIR_AXES if x.ndim == 3 else BATCH_AXES
 
 
 def batch_to_device(batch: dict, batch_sharding: NamedSharding) -> dict:
@@ -22,7 +36,8 @@ def batch_to_device(batch: dict, batch_sharding: NamedSharding) -> dict:
 
 def abstract_batch(cfg: Config, batch_sharding: NamedSharding) -> dict:
     """ShapeDtypeStructs of one global batch (for AOT compiles)."""
-    shape = (cfg.train.global_batch_size, cfg.train.seq_len)
+    t = cfg.train
+    shape = (t.global_batch_size, 2, t.seq_len) if t.objective == "dpo" else (t.global_batch_size, t.seq_len)
     dtypes = {"loss_mask": jnp.float32}
     return {
         k: jax.ShapeDtypeStruct(shape, dtypes.get(k, jnp.int32), sharding=batch_sharding) for k in BATCH_KEYS
@@ -50,7 +65,8 @@ class BatchFeeder:
 
     def place(self, rows: dict) -> dict:
         """This process's rows -> the global device batch, in the step's sequence order."""
-        return batch_to_device(permute_batch(rows, self.context), self.batch_sharding)
+        seq_axis = rows["inputs"].ndim - 1  # [batch, seq] or [pairs, 2, seq]
+        return batch_to_device(permute_batch(rows, self.context, axis=seq_axis), self.batch_sharding)
 
     def data_state(self) -> dict:
         """The data position (of the next batch `next` returns), as checkpoints store it."""

@@ -350,10 +350,13 @@ class _Rates:
     @classmethod
     def for_run(cls, cfg: Config, mesh: jax.sharding.Mesh) -> _Rates:
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
+        flops = flops_per_token(cfg.model, cfg.train.seq_len) * tokens
+        if cfg.train.objective == "dpo":  # two sequences per row, and the reference's forward pass
+            tokens, flops = 2 * tokens, 2 * flops * 4 / 3
         total, source = mesh_peak_flops(
             mesh.devices.flat[0], mesh.size, cfg.logging.peak_flops_per_device, dtype=cfg.model.compute_dtype
         )
-        return cls(tokens, flops_per_token(cfg.model, cfg.train.seq_len) * tokens, total, source)
+        return cls(tokens, flops, total, source)
 
 
 @dataclasses.dataclass
@@ -493,7 +496,12 @@ def _open_data(cfg: Config):
         process_index=jax.process_index(),
         process_count=jax.process_count(),
     )
-    data = make_data_iterator(cfg.data, global_batch_size=cfg.train.global_batch_size, **data_args)
+    data = make_data_iterator(
+        cfg.data,
+        global_batch_size=cfg.train.global_batch_size,
+        pairs=cfg.train.objective == "dpo",
+        **data_args,
+    )
     if not cfg.eval.every:
         return data, None
     eval_rows = cfg.eval.batch_size or cfg.train.global_batch_size
@@ -610,8 +618,8 @@ def _metrics_record(run: _Run, step: int, m: dict, step_time: float, blocked: fl
     pp = pipeline_schedule(run.cfg)
     if pp is not None:
         record["pipeline_bubble"] = pp.bubble
-    # Extra scalar metrics of the step (MoE router losses and load).
-    record.update({k: float(v) for k, v in m.items() if k.startswith("moe_")})
+    # Extra scalar metrics of the step (MoE router losses and load; DPO's rewards and accuracy).
+    record.update({k: float(v) for k, v in m.items() if k.startswith(("moe_", "dpo/"))})
     if "loss_scale" in m:  # float16: the scale the step ran at; overflow skips, apart from `skipped`
         record["loss_scale"] = float(m["loss_scale"])
         record["loss_scale_skipped"] = int(m["loss_scale_skipped"])

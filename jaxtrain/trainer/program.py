@@ -26,7 +26,8 @@ from jaxtrain.models import lora
 from jaxtrain.models.fp8 import model_meta as fp8_model_meta
 from jaxtrain.planning.resolve import axis_rules, check_resolved
 from jaxtrain.trainer import step as steps
-from jaxtrain.trainer.batches import BATCH_AXES
+from jaxtrain.trainer.batches import batch_axes
+from jaxtrain.trainer.dpo import holds_reference_copy
 from jaxtrain.trainer.optimizer import learning_rate_schedule, make_optimizer
 from jaxtrain.trainer.precision import init_loss_scale
 from jaxtrain.trainer.step import Offload, StepSpec, TrainState
@@ -106,7 +107,7 @@ def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules | None = No
         ),
     )
     replicated = NamedSharding(mesh, PartitionSpec())
-    batch_sharding = sharding.named_sharding(BATCH_AXES, rules, mesh)
+    batch_sharding = sharding.named_sharding(batch_axes(cfg), rules, mesh)
     return TrainProgram(
         graphdef=graphdef,
         abstract_params=abstract_params,
@@ -165,7 +166,9 @@ def fresh_params(make_model: Callable) -> dict:
 def init_state(cfg: Config, params: dict, tx: optax.GradientTransformation) -> TrainState:
     """A fresh train state around `params` (the whole tree): empty optimizer state and loss
     window (jitted with the state's shardings, so it is created already sharded). With
-    model.lora the base goes to `frozen` and the adapters alone to `params`."""
+    model.lora the base goes to `frozen` and the adapters alone to `params`;
+    train.objective=dpo without adapters: the frozen reference, a copy of `params`
+    (trainer/dpo.py)."""
     frozen = None
     if cfg.model.lora is not None:
         frozen, params = lora.split(params)
@@ -179,6 +182,7 @@ def init_state(cfg: Config, params: dict, tx: optax.GradientTransformation) -> T
         else None,
         fp8=fp8_model_meta(cfg.model) if cfg.model.fp8 else None,
         frozen=frozen,
+        reference=jax.tree.map(jnp.copy, params) if holds_reference_copy(cfg) else None,
     )
 
 
@@ -223,6 +227,10 @@ def state_layout(
         # model.fp8: scales and amax histories, replicated (a few KB per layer)
         fp8=jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: fp8_model_meta(m))) if m.fp8 else None,
         frozen=frozen_shardings,
+        # train.objective=dpo: the frozen reference, laid out (and offloaded) as the parameters
+        reference=_in_memory(param_shardings, HOST if o.offload_params else None)
+        if holds_reference_copy(cfg)
+        else None,
     )
     return StateLayout(state=state, opt_device=moments)
 

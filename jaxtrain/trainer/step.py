@@ -25,7 +25,8 @@ from jaxtrain.models import lora
 from jaxtrain.models.fp8 import combine as fp8_combine
 from jaxtrain.models.moe import update_router_bias
 from jaxtrain.recovery.faults import FAULT_NONE, FAULT_NONFINITE, FAULT_SPIKE
-from jaxtrain.trainer.batches import BATCH_AXES
+from jaxtrain.trainer import dpo
+from jaxtrain.trainer.batches import rows_axes
 from jaxtrain.trainer.loss import chunked_cross_entropy, cross_entropy
 from jaxtrain.trainer.precision import overflowed, update_loss_scale
 
@@ -42,6 +43,9 @@ class TrainState(NamedTuple):
     # model.lora: the frozen base (`params` then holds the adapters alone, which are all that
     # is differentiated and optimized); never checkpointed: train.init_from gives it again
     frozen: dict | None = None
+    # train.objective=dpo without model.lora: the frozen reference parameters, a copy of the
+    # initial ones (trainer/dpo.py); None otherwise
+    reference: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +96,16 @@ class StepSpec:
     def loss_scaling(self) -> bool:
         return self.cfg.model.compute_dtype == "float16"
 
+    def reference(self, state: TrainState, params: dict) -> dict | None:
+        """The DPO reference parameters on the device (trainer/dpo.py `reference_params`), or
+        None for the LM objective."""
+        if not dpo.is_dpo(self.cfg):
+            return None
+        if self.offload.params and state.reference is not None:  # kept where the params are
+            moved = self.offload.to_device(state.reference, self.offload.param_shardings)
+            state = state._replace(reference=moved)
+        return dpo.reference_params(state, params)
+
     @property
     def packs_documents(self) -> bool:
         """Whether a batch row may hold several documents or padding. Synthetic rows never do
@@ -103,10 +117,12 @@ class StepSpec:
 class Gradients(NamedTuple):
     """The step's gradients and what came with them."""
 
-    loss: jax.Array  # mean cross-entropy over the counted tokens
-    tokens: jax.Array  # counted tokens (f32)
+    loss: jax.Array  # mean cross-entropy over the counted tokens (dpo: mean loss over the pairs)
+    tokens: jax.Array  # counted tokens (f32; dpo: counted pairs)
     grads: dict  # of the mean objective, in the parameters' dtype
-    moe_stats: dict  # router losses and load, mean over microbatches ({} for dense models)
+    # router losses and load, mean over microbatches ({} for dense models); dpo: also the
+    # dpo/* metrics, means over the counted pairs
+    moe_stats: dict
     fp8: dict | None  # the next fp8 state (None without model.fp8)
 
 
@@ -158,13 +174,20 @@ def lora_dropout_key(spec: StepSpec, step) -> jax.Array | None:
     return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(spec.cfg.seed), 0x10A), step)
 
 
-def objective(spec: StepSpec, params: dict, micro: dict, fp8: dict | None, scale, dropout_key=None):
-    """(what the backward pass differentiates, (CE sum, counted tokens, MoE stats)). The
-    objective is the CE sum, plus for MoE models count x (weighted router losses), so that
-    after the division by the batch's token count the router losses enter as their
-    token-weighted mean over microbatches; times `scale` under loss scaling."""
+def objective(
+    spec: StepSpec, params: dict, micro: dict, fp8: dict | None, scale, dropout_key=None, ref_logps=None
+):
+    """(what the backward pass differentiates, (loss sum, count, stats)). The objective is
+    the CE sum over the counted tokens (train.objective=dpo: the DPO loss sum over the counted
+    pairs, against the reference log-probabilities `ref_logps`; trainer/dpo.py), plus for MoE
+    models count x (weighted router losses), so that after the division by the batch's count
+    the router losses enter as their count-weighted mean over microbatches; times `scale`
+    under loss scaling. `dropout_key`: model.lora's adapter dropout, or None."""
     model = models.merge(spec.graphdef, spec.abstract_params, params)
-    total, count, stats = model_loss(model, micro, fp8, spec, dropout_key)
+    if ref_logps is not None:
+        total, count, stats = dpo.pair_loss(spec, model, micro, fp8, ref_logps, dropout_key)
+    else:
+        total, count, stats = model_loss(model, micro, fp8, spec, dropout_key)
     value = total
     moe = spec.cfg.model.moe
     if moe is not None:
@@ -172,7 +195,7 @@ def objective(spec: StepSpec, params: dict, micro: dict, fp8: dict | None, scale
             moe.aux_loss_weight * stats["moe_aux_loss"] + moe.z_loss_weight * stats["moe_z_loss"]
         )
     else:
-        stats = {}
+        stats = {k: v for k, v in stats.items() if k in dpo.METRICS}
     return (value if scale is None else value * scale), (total, count, stats)
 
 
@@ -187,13 +210,19 @@ def micro_gradients(
     fp8: dict | None = None,
     frozen: dict | None = None,
     dropout_key=None,
+    reference=None,
 ):
     """(CE sum, token count, gradients of the objective, MoE stats, next fp8 state) of one
     microbatch. `fp8`: the state the matmuls quantize with; its "gradient" is its next
     value (models/fp8.py), so it is differentiated alongside the parameters. `frozen`:
     model.lora's base, joined to `params` (the adapters) but not differentiated: no
-    gradient of a base weight is formed. `dropout_key`: the adapters' dropout, or None."""
-    loss = lambda p, meta: objective(spec, whole_params(p, frozen), micro, meta, scale, dropout_key)
+    gradient of a base weight is formed. `dropout_key`: the adapters' dropout, or None.
+    `reference` (train.objective=dpo): the reference parameters, whose log-probabilities are
+    computed first, outside the differentiated function."""
+    ref_logps = None if reference is None else dpo.reference_logps(spec, reference, micro, fp8)
+    loss = lambda p, meta: objective(
+        spec, whole_params(p, frozen), micro, meta, scale, dropout_key, ref_logps
+    )
     if fp8 is None:
         (_, (total, count, stats)), grads = jax.value_and_grad(loss, has_aux=True)(params, None)
         return total, count, grads, stats, None
@@ -214,29 +243,40 @@ def split_microbatches(batch: dict, n: int) -> dict:
 
 
 def _accumulated(
-    spec: StepSpec, params: dict, batch: dict, scale, fp8: dict | None, frozen=None, dropout_key=None
+    spec: StepSpec,
+    params: dict,
+    batch: dict,
+    scale,
+    fp8: dict | None,
+    frozen=None,
+    dropout_key=None,
+    reference=None,
 ):
     """micro_gradients summed over `train.microbatches` slices in a scan (stats averaged,
-    fp8 next states combined by max: models/fp8.py `combine`; the dropout key folded with
-    the microbatch's index)."""
+    the dpo/* metric sums summed, fp8 next states combined by max: models/fp8.py `combine`;
+    the dropout key folded with the microbatch's index)."""
     n = spec.cfg.train.microbatches
 
     def add(carry, xs):
         micro, i = xs
-        micro = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), micro)
+        micro = jax.tree.map(lambda x: sharding.constrain(x, rows_axes(x)), micro)
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
-        total, count, grads, stats, new_fp8 = micro_gradients(spec, params, micro, scale, fp8, frozen, key)
+        total, count, grads, stats, new_fp8 = micro_gradients(
+            spec, params, micro, scale, fp8, frozen, key, reference
+        )
         acc_total, acc_count, acc_grads, acc_stats, acc_fp8 = carry
         return (
             acc_total + total,
             acc_count + count,
             jax.tree.map(jnp.add, acc_grads, grads),
-            jax.tree.map(lambda a, s: a + s / n, acc_stats, stats),
+            {k: acc_stats[k] + (s if k in dpo.METRICS else s / n) for k, s in stats.items()},
             None if fp8 is None else fp8_combine(acc_fp8, new_fp8),
         ), None
 
     one_micro = jax.tree.map(lambda x: x[::n], batch)
-    stats_shape = jax.eval_shape(lambda: micro_gradients(spec, params, one_micro, frozen=frozen)[3])
+    stats_shape = jax.eval_shape(
+        lambda: micro_gradients(spec, params, one_micro, frozen=frozen, reference=reference)[3]
+    )
     zero = jnp.zeros((), jnp.float32)
     init = (
         zero,
@@ -256,26 +296,31 @@ def batch_gradients(
     fp8: dict | None = None,
     frozen: dict | None = None,
     dropout_key=None,
+    reference=None,
 ) -> Gradients:
-    """Mean loss over the counted tokens, their number and the mean-loss gradients,
-    accumulated over `train.microbatches` (sums first, one division at the end, so the
-    result does not depend on how the batch is split). `scale`: the loss scale the
+    """Mean loss over the counted tokens (dpo: pairs), their number and the mean-loss
+    gradients, accumulated over `train.microbatches` (sums first, one division at the end,
+    so the result does not depend on how the batch is split). `scale`: the loss scale the
     backward pass runs at; the gradients come back unscaled. `frozen`, `dropout_key`:
-    model.lora's base and adapter dropout (`micro_gradients`)."""
-    per_token = None
-    if scale is not None:  # the objective is a sum over tokens: scale / their number
-        per_token = scale / jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+    model.lora's base and adapter dropout (`micro_gradients`); `reference`: the DPO
+    reference parameters (train.objective=dpo), else None."""
+    per_unit = None
+    if scale is not None:  # the objective is a sum over tokens (pairs): scale / their number
+        counted = (
+            jnp.sum(batch["loss_mask"].astype(jnp.float32))
+            if reference is None
+            else jnp.sum(dpo.counted_pairs(batch["loss_mask"]).astype(jnp.float32))
+        )
+        per_unit = scale / jnp.maximum(counted, 1.0)
+    args = (spec, params, batch, per_unit, fp8, frozen, dropout_key, reference)
     if spec.cfg.train.microbatches == 1:
-        total, count, grads, stats, new_fp8 = micro_gradients(
-            spec, params, batch, per_token, fp8, frozen, dropout_key
-        )
+        total, count, grads, stats, new_fp8 = micro_gradients(*args)
     else:
-        total, count, grads, stats, new_fp8 = _accumulated(
-            spec, params, batch, per_token, fp8, frozen, dropout_key
-        )
+        total, count, grads, stats, new_fp8 = _accumulated(*args)
     denom = jnp.maximum(count, 1.0)
     grad_denom = denom if scale is None else scale
     grads = jax.tree.map(lambda g, p: (g / grad_denom).astype(p.dtype), grads, params)
+    stats = {k: v / denom if k in dpo.METRICS else v for k, v in stats.items()}
     return Gradients(total / denom, count, grads, stats, new_fp8)
 
 
@@ -379,7 +424,14 @@ def train_step(spec: StepSpec, state: TrainState, batch: dict) -> tuple[TrainSta
     params, opt_state = spec.offload.fetch(state)  # offloaded state comes to the device
     scale = state.loss_scale["scale"] if spec.loss_scaling else None
     g = batch_gradients(
-        spec, params, batch, scale, state.fp8, state.frozen, lora_dropout_key(spec, state.step)
+        spec,
+        params,
+        batch,
+        scale,
+        state.fp8,
+        state.frozen,
+        lora_dropout_key(spec, state.step),
+        spec.reference(state, params),
     )
     with jax.named_scope("optimizer"):
         grad_norm = optax.tree.norm(g.grads)
@@ -401,18 +453,21 @@ def train_step(spec: StepSpec, state: TrainState, batch: dict) -> tuple[TrainSta
         loss_scale=verdict.loss_scale,
         fp8=new_fp8,
         frozen=state.frozen,
+        reference=state.reference,  # frozen: passed through as it came
     )
     return next_state, step_metrics(spec, state, g, grad_norm, verdict)
 
 
 def loss_and_grads(spec: StepSpec, params: dict, batch: dict):
     """(mean loss, counted tokens, gradients) without the update (tests and tools; model.fp8:
-    without fp8, which has no state here). `params`: the whole tree; with model.lora the
+    without fp8, which has no state here; train.objective=dpo: at the reference point, the
+    reference being `params` themselves). `params`: the whole tree; with model.lora the
     gradients are the adapters' alone."""
+    reference = params if dpo.is_dpo(spec.cfg) else None
     if spec.cfg.model.lora is None:
-        return batch_gradients(spec, params, batch)[:3]
+        return batch_gradients(spec, params, batch, reference=reference)[:3]
     base, adapters = lora.split(params)
-    return batch_gradients(spec, adapters, batch, frozen=base)[:3]
+    return batch_gradients(spec, adapters, batch, frozen=base, reference=reference)[:3]
 
 
 def eval_sums(spec: StepSpec, state: TrainState, batch: dict):
@@ -428,7 +483,7 @@ def eval_sums(spec: StepSpec, state: TrainState, batch: dict):
         return sums(batch)
 
     def add(carry, micro):
-        total, count = sums(jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), micro))
+        total, count = sums(jax.tree.map(lambda x: sharding.constrain(x, rows_axes(x)), micro))
         return (carry[0] + total, carry[1] + count), None
 
     zero = jnp.zeros((), jnp.float32)
