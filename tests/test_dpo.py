@@ -18,16 +18,20 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
-from jaxtrain import sharding
+from jaxtrain import models, sharding
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.data import DataError, encode_chat, make_data_iterator
 from jaxtrain.data.tokenize import run_tokenize
 from jaxtrain.data.tokenizers import HFTokenizer
 from jaxtrain.interchange.convert import hf_to_ckpt, load_params
+from jaxtrain.models import lora
 from jaxtrain.planning.footprint import estimate
 from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh
+from jaxtrain.recovery.checkpoint import abstract_state
 from jaxtrain.trainer import dpo
+from jaxtrain.trainer.loop import initial_state
 from jaxtrain.trainer.program import build_program
 from tests.conftest import REPO, replace, tiny_config
 from tests.test_tokenize import parse
@@ -411,3 +415,58 @@ def test_dpo_on_tensor_context_and_pipeline_meshes_equals_one_device(tmp_path):
                 np.testing.assert_allclose(
                     float(g[key]), float(w[key]), atol=1e-5, err_msg=f"{mesh} {step} {key}"
                 )
+
+
+def test_dpo_with_lora_takes_the_base_as_its_reference(tmp_path, oracle):
+    """DPO on adapters (the PEFT asset's, B non-zero, so the policy starts away from the base):
+    the state keeps no reference copy, and step 1's loss and rewards equal those of two plain
+    models through the LM path, no adapter code: the adapters merged into the weights (the
+    policy) and the base alone (the reference)."""
+    from tests.test_lora import BASE, LORA, lora_config, on_mesh
+
+    h = oracle["hparams"]
+    hf_to_ckpt(BASE, tmp_path / "base")
+    cfg = lora_config(
+        tmp_path,
+        tmp_path / "base",
+        "train.objective=dpo",
+        f"dpo.beta={h['beta']}",
+        "data.source=tokens",
+        "data.paths=[unused]",
+        "train.global_batch_size=4",
+        "train.steps=1",
+    )
+    assert cfg.model.lora.init_from == str(LORA / "initial")
+    cfg, mesh, rules = on_mesh(cfg)
+    rows = {
+        k: np.asarray(v, np.float32 if k == "loss_mask" else np.int32)
+        for k, v in oracle["batches"][0].items()
+    }
+    with jax.set_mesh(mesh), sharding.axis_rules(rules):
+        program = build_program(cfg, mesh, rules)
+        state = initial_state(cfg, program, abstract_state(program), lambda _: None)
+        assert state.reference is None and state.frozen is not None
+        whole = jax.device_get(lora.join(state.frozen, state.params))
+        _, metrics = program.step(
+            state, {k: jax.device_put(v, program.batch_sharding) for k, v in rows.items()}
+        )
+        metrics = jax.device_get(metrics)
+    plain = models.ModelConfig(**{**cfg.model.__dict__, "lora": None})
+    g, abstract = models.abstract_model(lambda: models.Transformer(plain, rngs=nnx.Rngs(0)))
+    base, _ = lora.split(whole)
+
+    def logps(params):
+        model = models.merge(g, abstract, params)
+        return dpo.pair_logps(model, rows, None, packs_documents=True, pipeline=None)[0]
+
+    total, count, sums = dpo.dpo_sums(
+        logps(lora.merged(whole, cfg.model)),
+        logps(base),
+        dpo.counted_pairs(rows["loss_mask"]),
+        beta=h["beta"],
+        label_smoothing=0.0,
+    )
+    assert abs(float(metrics["loss"]) - math.log(2)) > 1e-3  # the adapters already matter
+    np.testing.assert_allclose(float(metrics["loss"]), float(total / count), rtol=1e-5)
+    for key in dpo.METRICS:
+        np.testing.assert_allclose(float(metrics[key]), float(sums[key] / count), atol=1e-5, err_msg=key)

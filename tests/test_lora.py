@@ -12,7 +12,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import replace, tiny_config
 from flax import nnx
 
 from jaxtrain import models, sharding
@@ -25,6 +24,7 @@ from jaxtrain.recovery.checkpoint import abstract_state
 from jaxtrain.trainer.batches import batch_to_device
 from jaxtrain.trainer.loop import initial_state
 from jaxtrain.trainer.program import build_program
+from tests.conftest import replace, tiny_config
 
 ASSETS = Path(__file__).parent / "assets"
 LORA = ASSETS / "lora"

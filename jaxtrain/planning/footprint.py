@@ -77,8 +77,11 @@ def sequences_per_row(cfg: Config) -> int:
 
 
 def reference_copies(cfg: Config) -> int:
-    """Extra copies of the parameters the train state holds: DPO's frozen reference (trainer/dpo.py)."""
-    return 1 if cfg.train.objective == "dpo" else 0
+    """Extra copies of the parameters the train state holds: DPO's frozen reference
+    (trainer/dpo.py), none with model.lora (the reference is the base with adapters skipped)."""
+    from jaxtrain.trainer.dpo import holds_reference_copy  # jax-free planning imports stay light
+
+    return 1 if holds_reference_copy(cfg) else 0
 
 
 def microbatch_shape(cfg: Config, size) -> tuple[int, int]:
