@@ -137,9 +137,10 @@ def test_matches_reference(impl, context, data, causal, heads, kv_heads, segment
     )
 
 
-@pytest.mark.parametrize("block_impl", ["xla", "pallas"])
-def test_ulysses_sliding_window_matches_reference(block_impl):
-    """Window 6 spans shard and zig-zag chunk boundaries (chunks of 4 tokens)."""
+@pytest.mark.parametrize("block_impl,softcap", [("xla", None), ("pallas", 2.0)])
+def test_ulysses_sliding_window_matches_reference(block_impl, softcap):
+    """Window 6 spans shard and zig-zag chunk boundaries (chunks of 4 tokens); the flash
+    kernel's case with a logit softcap too."""
     _check_against_reference(
         ulysses_attention,
         context=4,
@@ -149,6 +150,7 @@ def test_ulysses_sliding_window_matches_reference(block_impl):
         with_segments=True,
         load_balanced=True,
         sliding_window=6,
+        softcap=softcap,
         block_impl=block_impl,
     )
 
@@ -179,20 +181,6 @@ def test_ring_sliding_window_and_softcap_match_reference(
         sliding_window=window,
         softcap=softcap,
         block_impl=block_impl,
-    )
-
-
-def test_ulysses_softcap_matches_reference():
-    _check_against_reference(
-        ulysses_attention,
-        context=2,
-        causal=True,
-        heads=4,
-        kv_heads=2,
-        with_segments=True,
-        load_balanced=True,
-        softcap=2.0,
-        block_impl="pallas",
     )
 
 
