@@ -5,8 +5,10 @@ a PEFT adapter with non-zero B on the tiny HF Llama, four fixed batches with los
 and torch AdamW over peft's trainable parameters (clip 0.3, which binds at every step).
 """
 
+import functools
 import json
 import math
+import operator
 from pathlib import Path
 
 import jax
@@ -321,3 +323,76 @@ def test_plan_memory_model_counts_no_base_gradients_or_moments():
     assert estimate(full, mesh).state == 16 * full.model.param_count()
     assert estimate(lo, mesh).state == 4 * (n - a) + 16 * a
     assert lower_bound(lo, mesh).state == 4 * (n - a) + 16 * a
+
+
+def _lora_moe_cfg(**mesh):
+    """A tiny MoE (4 experts, top-2, dropless) whose first layer is dense, adapters on every
+    target (the experts' too): one model covers dense and expert adapters."""
+    cfg = tiny_config(
+        None,
+        "model.d_model=64",
+        "model.mlp_dim=128",
+        "model.vocab_size=128",
+        "train.seq_len=32",
+        "train.loss_chunk=0",
+        "model.moe={num_experts: 4, top_k: 2, expert_mlp_dim: 64, dispatch: dropless, first_dense_layers: 1}",
+        f"model.lora={{rank: 4, alpha: 8, targets: {TARGETS}}}",
+    )
+    return replace(cfg, mesh=mesh)
+
+
+def _adapter_loss_and_grads(cfg, whole=None):
+    """(loss, adapter gradients, every parameter's PartitionSpec, the whole parameter tree) of one
+    synthetic batch; `whole` None: the seed's base with B drawn at random (a fresh B is zero,
+    which leaves A without gradient)."""
+    from tests.conftest import program_on_mesh
+
+    with program_on_mesh(cfg) as (program, state, data):
+        if whole is None:
+            base, adapters = jax.device_get((state.frozen, state.params))
+            rng = np.random.default_rng(0)
+            adapters = jax.tree_util.tree_map_with_path(
+                lambda p, x: rng.normal(0, 0.05, x.shape).astype(x.dtype) if p[-1].key == "b" else x,
+                adapters,
+            )
+            whole = lora.join(base, adapters)
+        loss, _, grads = program.loss_and_grads(whole, batch_to_device(next(data), program.batch_sharding))
+        specs = jax.tree.map(lambda s: s.spec, program.param_shardings)
+        return float(loss), jax.device_get(grads), specs, whole
+
+
+def test_adapters_on_tensor_and_expert_meshes_equal_one_device_and_follow_the_rules():
+    """fsdp=2 x tensor=2 x expert=2 against one device: the loss and every adapter gradient
+    (attention, the dense MLP, the experts') are equal (rtol 1e-5), and each adapter's A is
+    sharded like its weight's input dims, B like its output dims, the rank dim whole."""
+    ref_loss, ref_grads, _, whole = _adapter_loss_and_grads(_lora_moe_cfg(fsdp=1))
+    loss, grads, specs, _ = _adapter_loss_and_grads(_lora_moe_cfg(fsdp=2, tensor=2, expert=2), whole)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    flat = jax.tree_util.tree_flatten_with_path(ref_grads)[0]
+    assert len(flat) == 2 * 2 * 7  # A and B of 7 targets in each layer (the MoE layer's: the experts')
+    for (path, want), got in zip(flat, jax.tree.leaves(grads), strict=True):
+        assert np.abs(want).max() > 0, jax.tree_util.keystr(path)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+    # every adapter against its weight: A [*lead, *in, r] split as W's [*lead, *in], B
+    # [*lead, r, *out] as W's [*lead, *out]; the rank dim whole (lead: layers, experts)
+    pad = lambda spec, n: tuple(spec) + (None,) * (n - len(spec))
+    checked = 0
+    for path, a in jax.tree_util.tree_flatten_with_path(lora.split(whole)[1])[0]:
+        if path[-1].key != "a":
+            continue
+        *parent, name = [k.key for k in path[:-1]]
+        node = lambda tree: functools.reduce(operator.getitem, parent, tree)
+        w, b = node(whole)[name.removesuffix(lora.SUFFIX)], node(whole)[name]["b"]
+        w_spec = pad(node(specs)[name.removesuffix(lora.SUFFIX)], w.ndim)
+        a_spec, b_spec = pad(node(specs)[name]["a"], a.ndim), pad(node(specs)[name]["b"], b.ndim)
+        lead = a.ndim + b.ndim - 2 - w.ndim
+        assert a_spec == (*w_spec[: a.ndim - 1], None), (path, a_spec, w_spec)
+        assert b_spec == (*w_spec[:lead], None, *w_spec[a.ndim - 1 :]), (path, b_spec, w_spec)
+        checked += 1
+    assert checked == 14
+    # which is, for instance ([layers, ...] stacks: the layers dim on stage, 1 here)
+    attn, experts = specs["blocks"]["attn"], specs["moe_blocks"]["mlp"]
+    assert pad(attn["wq_lora"]["a"], 3) == (None, "fsdp", None)  # [L, embed, r]
+    assert pad(attn["wq_lora"]["b"], 4) == (None, None, "tensor", None)  # [L, r, heads, head_dim]
+    assert pad(experts["w_gate_lora"]["a"], 4) == (None, "expert", "fsdp", None)  # [L, E, embed, r]
+    assert pad(experts["w_gate_lora"]["b"], 4) == (None, "expert", None, "tensor")  # [L, E, r, mlp]
