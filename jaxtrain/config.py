@@ -139,6 +139,9 @@ class OptimizerConfig:
     loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)  # float16 only
 
 
+PACKINGS = ("auto", "windows", "documents")  # data.packing
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
     source: str = "synthetic"  # synthetic | text | tokens
@@ -147,6 +150,11 @@ class DataConfig:
     shuffle: bool = True  # text and tokens: a seeded permutation of the windows (resumable)
     # tokens: mixture weight per path (any positive scale); empty: each dir's token count
     weights: tuple[float, ...] = ()
+    # tokens: how a directory's stream becomes rows. windows: fixed seq_len + 1 windows of the
+    # stream (documents cut at window edges); documents: whole documents packed greedily into rows
+    # in order, the rest padded, one longer than seq_len + 1 cut to its head; auto: documents for
+    # chat directories (`tokenize --chat`), windows for the others
+    packing: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -767,6 +775,13 @@ def _validate_pipeline(cfg: Config) -> None:
 def _validate_data_tokens(d: DataConfig) -> None:
     if d.source == "tokens" and not d.paths:
         raise ConfigError("data.paths=[]: data.source=tokens needs at least one `jaxtrain tokenize` output")
+    if d.packing not in PACKINGS:
+        raise ConfigError(f"data.packing={d.packing!r}: expected one of {', '.join(PACKINGS)}")
+    if d.packing == "documents" and d.source != "tokens":
+        raise ConfigError(
+            f"data.packing=documents with data.source={d.source!r}: only data.source=tokens packs "
+            "whole documents (its directories record where each one ends)"
+        )
     if not d.weights:
         return
     if d.source != "tokens":

@@ -237,7 +237,7 @@ def test_tokens_source_masks_the_loss_and_keeps_conversations_apart(chat_dir):
     seq_len = 48
     want = expected_windows(encoded, seq_len)
     it = make_data_iterator(
-        Cfg(paths=(str(out),), shuffle=False),
+        Cfg(paths=(str(out),), shuffle=False, packing="windows"),
         vocab_size=512,
         seq_len=seq_len,
         global_batch_size=len(want),
@@ -250,7 +250,7 @@ def test_tokens_source_masks_the_loss_and_keeps_conversations_apart(chat_dir):
     # the mask is the assistant's: some targets of real tokens are left out, none outside a turn
     assert 0 < batch["loss_mask"].sum() < (batch["segment_ids"] > 0).sum()
     # per-process rows and resume read the same masks
-    shuffled = Cfg(paths=(str(out),), shuffle=True)
+    shuffled = Cfg(paths=(str(out),), shuffle=True, packing="windows")
     one = make_data_iterator(shuffled, vocab_size=512, seq_len=seq_len, global_batch_size=4, seed=3)
     halves = [
         make_data_iterator(
@@ -269,6 +269,100 @@ def test_tokens_source_masks_the_loss_and_keeps_conversations_apart(chat_dir):
         assert np.array_equal(np.concatenate([h[key] for h in halves]), whole[key]), key
     one.set_state({"source": "tokens", "batch": 5})
     assert all(np.array_equal(v, whole[k]) for k, v in next(one).items())
+
+
+# Conversations 5, 6, 7, 0, 14, 9, 4 of the assets, in that order: 93, 71, 89, 319, 87, 117 and 152
+# tokens. With rows of W = seq_len + 1 = 256 tokens, greedy packing gives, by hand:
+PACKED_ORDER = (5, 6, 7, 0, 14, 9, 4)
+PACKED_SEQ_LEN = 255
+PACKED_ROWS = (  # (conversations of the row, by their place in PACKED_ORDER; tokens used)
+    ((0, 1, 2), 93 + 71 + 89),  # 253: the 319 after them does not fit; 3 tokens of padding
+    ((3,), 256),  # 319 > 256: a row of its own, its first 256 tokens (63 cut)
+    ((4, 5), 87 + 117),  # 204: the 152 after them does not fit; 52 of padding
+    ((6,), 152),  # the last one; 104 of padding
+)
+
+
+@pytest.fixture(scope="module")
+def packed_dir(tmp_path_factory, expected):
+    """PACKED_ORDER's conversations tokenized with 64-token shards, and their encodings."""
+    d = tmp_path_factory.mktemp("packed")
+    conversations = [expected["conversations"][i] for i in PACKED_ORDER]
+    out = d / "out"
+    rows = write_rows(d / "rows.jsonl", conversations)
+    args = parse(rows, "--chat", "--tokenizer", ASSETS / "chatml", "--out", out, "--shard-tokens", 64)
+    assert run_tokenize(args) == 0
+    return out, [encode_chat(c, ASSETS / "chatml") for c in conversations]
+
+
+def packed_row_by_hand(encoded, documents, width):
+    """A row holding whole ``documents`` (the one of an over-long document: its head), as the
+    batch fields: segment 1, 2, ... per conversation, positions from 0 in each, loss on a
+    target of the same conversation whose mask is 1; zeros after the last one."""
+    t, seg, pos, m = ([] for _ in range(4))
+    for s, d in enumerate(documents, start=1):
+        ids, mask = encoded[d]
+        t += ids[:width].tolist()
+        m += mask[:width].tolist()
+        seg += [s] * min(ids.size, width)
+        pos += list(range(min(ids.size, width)))
+    pad = width - len(t)
+    t, seg, pos, m = (np.array(x + [0] * pad) for x in (t, seg, pos, m))
+    return {
+        "inputs": t[:-1],
+        "targets": t[1:],
+        "segment_ids": seg[:-1],
+        "positions": pos[:-1],
+        "loss_mask": ((seg[:-1] > 0) & (seg[:-1] == seg[1:]) & (m[1:] == 1)).astype(np.float32),
+    }
+
+
+def test_chat_rows_are_whole_conversations_packed_greedily(packed_dir, caplog):
+    """data.packing auto on a chat directory: rows of whole conversations, exactly as laid out
+    by hand (greedy, padded, the over-long one cut to its head and counted in a warning)."""
+    out, encoded = packed_dir
+    assert [i.size for i, _ in encoded] == [93, 71, 89, 319, 87, 117, 152]
+    width = PACKED_SEQ_LEN + 1
+    want = [packed_row_by_hand(encoded, docs, width) for docs, _ in PACKED_ROWS]
+    assert [int((w["segment_ids"] > 0).sum()) for w in want] == [min(n, width - 1) for _, n in PACKED_ROWS]
+
+    def iterator(shuffle, batch=4, **kw):
+        cfg = Cfg(paths=(str(out),), shuffle=shuffle)
+        return make_data_iterator(
+            cfg, vocab_size=512, seq_len=PACKED_SEQ_LEN, global_batch_size=batch, seed=7, **kw
+        )
+
+    with caplog.at_level("WARNING", logger="jaxtrain.data.tokens"):
+        it = iterator(False)
+    assert "1 of 7 documents are longer than train.seq_len + 1 = 256" in caplog.text
+    assert "63 tokens not trained on" in caplog.text
+    assert it.num_windows == [4] and it.packed[0].truncated == 1
+    for k in (0, 1):  # no shuffle: row r of every epoch is packed row r
+        batch = it.batch_at(k)
+        for r, row in enumerate(want):
+            for key, value in row.items():
+                assert batch[key][r].tolist() == value.tolist(), (k, r, key)
+    # shuffled: each epoch visits the same 4 rows in a seeded order; resume and processes as windows
+    one = iterator(True)
+    for k in range(3):
+        got = one.batch_at(k)["inputs"].tolist()
+        assert sorted(got) == sorted(w["inputs"].tolist() for w in want), k
+    whole = one.batch_at(5)
+    halves = [iterator(True, process_index=p, process_count=2).batch_at(5) for p in range(2)]
+    for key in whole:
+        assert np.array_equal(np.concatenate([h[key] for h in halves]), whole[key]), key
+    one.set_state({"source": "tokens", "batch": 5})
+    assert one.get_state() == {"source": "tokens", "batch": 5}
+    assert all(np.array_equal(v, whole[k]) for k, v in next(one).items())
+    # data.packing=windows keeps the stream's fixed windows on the same directory
+    windows = make_data_iterator(
+        Cfg(paths=(str(out),), shuffle=False, packing="windows"),
+        vocab_size=512,
+        seq_len=PACKED_SEQ_LEN,
+        global_batch_size=1,
+        seed=0,
+    )
+    assert windows.packed == [None] and windows.num_windows == [-(-(928 - 1) // PACKED_SEQ_LEN)]
 
 
 def test_chat_mixed_with_plain_text_counts_every_plain_target(chat_dir, tmp_path):
@@ -376,6 +470,7 @@ def test_step_loss_is_the_mean_over_masked_in_targets(chat_dir):
         "mesh.data=2",
         "data.source=tokens",
         f"data.paths=[{out}]",
+        "data.packing=windows",  # conversations of 71+ tokens: whole ones would be cut to their system turn
     )
     with program_on_mesh(cfg) as (program, state, data):
         rows = next(data)

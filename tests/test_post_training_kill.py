@@ -46,6 +46,7 @@ RUNS = {
         "mesh.tensor=2",
         "train.global_batch_size=4",
         "train.seq_len=64",
+        "data.packing=windows",  # conversations of 71+ tokens: whole-conversation rows would keep 65
         "model.lora.dropout=0.1",
     ),
     "dpo-lora": (

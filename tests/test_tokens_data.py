@@ -17,6 +17,7 @@ import pytest
 
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.data import DataError, TextIterator, make_data_iterator
+from jaxtrain.data.packing import pack_documents
 from jaxtrain.data.tokenize import tokenize
 from tests.conftest import REPO, tiny_config
 from tests.corpora import documents, encode_reference, train_bpe, write_jsonl
@@ -31,6 +32,7 @@ class Cfg:  # stands in for jaxtrain.config.DataConfig
     tokenizer: str = "byte"
     shuffle: bool = True
     weights: tuple = ()
+    packing: str = "auto"
 
 
 def token_dir(tmp_path, name, docs, tokenizer="byte", shard_tokens=64, **kw):
@@ -40,8 +42,10 @@ def token_dir(tmp_path, name, docs, tokenizer="byte", shard_tokens=64, **kw):
     return str(out)
 
 
-def tokens_iter(paths, *, seq_len=16, batch=4, seed=0, shuffle=True, weights=(), vocab_size=512, **kw):
-    cfg = Cfg(paths=tuple(paths), shuffle=shuffle, weights=tuple(weights))
+def tokens_iter(
+    paths, *, seq_len=16, batch=4, seed=0, shuffle=True, weights=(), vocab_size=512, packing="auto", **kw
+):
+    cfg = Cfg(paths=tuple(paths), shuffle=shuffle, weights=tuple(weights), packing=packing)
     return make_data_iterator(
         cfg, vocab_size=vocab_size, seq_len=seq_len, global_batch_size=batch, seed=seed, **kw
     )
@@ -233,11 +237,15 @@ def test_errors_name_the_directory_and_key(tmp_path, three_dirs):
     other = token_dir(tmp_path, "other", ["some text"], tokenizer=bpe)
     with pytest.raises(DataError, match="expected one tokenizer"):
         tokens_iter([three_dirs[0], other])
+    with pytest.raises(DataError, match="data.packing='rows'"):
+        tokens_iter(three_dirs[:1], packing="rows")
     for overrides, key in (
         (["data.source=tokens"], "data.paths"),
         (["data.source=tokens", "data.paths=[a, b]", "data.weights=[1]"], "data.weights"),
         (["data.source=tokens", "data.paths=[a]", "data.weights=[-1]"], r"data.weights\[0\]"),
         (["data.source=text", "data.paths=[a]", "data.weights=[1]"], "data.weights"),
+        (["data.source=tokens", "data.paths=[a]", "data.packing=rows"], "data.packing='rows'"),
+        (["data.source=text", "data.paths=[a]", "data.packing=documents"], "data.packing=documents"),
     ):
         with pytest.raises(ConfigError, match=key):
             load_config(f"{REPO}/configs/tiny.yaml", overrides)
@@ -276,3 +284,11 @@ def test_training_resumes_mid_epoch_on_a_token_mixture_with_identical_losses(tmp
     want, got = by_step(first.metrics), by_step(second.metrics)
     assert sorted(got) == [5, 6, 7, 8]
     assert all(got[s] == want[s] for s in got), (got, want)  # bit for bit
+
+
+def test_pack_documents_greedy_rows_by_hand():
+    """Documents of 5, 5, 3, 17 and 2 tokens in rows of 8: [5] (the next 5 does not fit), [5, 3]
+    (exactly full), the 17's first 8 alone (9 cut), [2]; every row one contiguous range."""
+    rows = pack_documents(np.array([5, 10, 13, 30, 32]), 8)
+    assert rows.starts.tolist() == [0, 5, 13, 30] and rows.lengths.tolist() == [5, 8, 8, 2]
+    assert (rows.documents, rows.truncated, rows.dropped_tokens) == (5, 1, 9)

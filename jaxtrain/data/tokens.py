@@ -22,16 +22,28 @@ a target counts in the loss only where its mask is 1 (the assistant's tokens), r
 window's tokens, so the position ``k`` covers masks too. A conversation is one document, so
 packing gives it a segment of its own and attention never crosses into its neighbours.
 Directories without masks mixed with chat ones count every target, as before.
+
+Rows of whole documents (``data.packing``: ``documents``, or ``auto`` on a chat directory).
+Windows would cut a conversation at every window edge, its second half trained without its
+question; such a component's unit is instead a row of whole documents packed greedily in order
+(jaxtrain/data/packing.py), ``n_c`` its number of rows. Rows are contiguous token ranges, read
+as windows are and padded after their last document; shuffling, mixtures, processes and the
+checkpointed ``k`` are the same with rows in place of windows.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
 
 from .core import DataError, DataIterator, batch_from_windows, check_int
+from .packing import PackedRows, pack_documents
 from .shards import TokenShards
+
+log = logging.getLogger(__name__)
+PACKINGS = ("auto", "windows", "documents")  # data.packing (jaxtrain/config.py checks it too)
 
 _FEISTEL_ROUNDS = 4
 _MIX_BITS = 32  # mixture fractions are multiples of 2**-32
@@ -188,6 +200,25 @@ class TokenIterator(DataIterator):
         self.mixture = Mixture(weights or [c.num_tokens for c in self.components])
         self.num_windows = [max(1, -(-(c.num_tokens - 1) // self.seq_len)) for c in self.components]
         self._keys: dict[tuple[int, int], np.ndarray] = {}
+        self.packing = str(getattr(data_cfg, "packing", "auto") or "auto")
+        if self.packing not in PACKINGS:
+            raise DataError(f"data.packing={self.packing!r}: expected one of {', '.join(PACKINGS)}")
+        # per component: PackedRows (rows of whole documents) or None (fixed windows)
+        self.packed: list[PackedRows | None] = [None] * len(self.components)
+        for c, comp in enumerate(self.components):
+            if comp.pairs or not (
+                self.packing == "documents" or (self.packing == "auto" and comp.manifest.get("chat"))
+            ):
+                continue  # preference pairs: one pair per row (jaxtrain/data/pairs.py)
+            rows = self.packed[c] = pack_documents(comp.document_ends(), self.seq_len + 1)
+            self.num_windows[c] = max(1, rows.num_rows)
+            if rows.truncated:
+                log.warning(
+                    "data.paths: %r (%s): %d of %d documents are longer than train.seq_len + 1 = %d "
+                    "tokens and were cut to their first %d (%d tokens not trained on)",
+                    comp.directory, comp.split, rows.truncated, rows.documents, self.seq_len + 1,
+                    self.seq_len + 1, rows.dropped_tokens,
+                )  # fmt: skip
 
     def _check_kind(self) -> None:
         """Text and chat directories only: preference pairs are read by the pairs iterator."""
@@ -237,9 +268,13 @@ class TokenIterator(DataIterator):
         mask = np.empty(tokens.shape, dtype=np.uint8)
         for c in np.unique(components):
             rows = np.flatnonzero(components == c)
-            tokens[rows], doc_ids[rows], mask[rows] = self.components[c].read_rows(
-                windows[rows] * self.seq_len, self.seq_len + 1
-            )
+            packed = self.packed[c]
+            starts = windows[rows] * self.seq_len if packed is None else packed.starts[windows[rows]]
+            tokens[rows], doc_ids[rows], mask[rows] = self.components[c].read_rows(starts, self.seq_len + 1)
+            if packed is not None:  # a row of whole documents: what follows its last one is padding
+                pad = np.arange(self.seq_len + 1) >= packed.lengths[windows[rows], None]
+                for field in (tokens, doc_ids, mask):
+                    field[rows] = np.where(pad, 0, field[rows])
         return batch_from_windows(tokens, doc_ids, mask if self.masked else None)
 
     def close(self) -> None:
