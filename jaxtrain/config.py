@@ -139,7 +139,7 @@ class OptimizerConfig:
     loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)  # float16 only
 
 
-PACKINGS = ("auto", "windows", "documents")  # data.packing
+PACKINGS = ("by_directory", "windows", "documents")  # data.packing
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,9 +152,10 @@ class DataConfig:
     weights: tuple[float, ...] = ()
     # tokens: how a directory's stream becomes rows. windows: fixed seq_len + 1 windows of the
     # stream (documents cut at window edges); documents: whole documents packed greedily into rows
-    # in order, the rest padded, one longer than seq_len + 1 cut to its head; auto: documents for
-    # chat directories (`tokenize --chat`), windows for the others
-    packing: str = "auto"
+    # in order, the rest padded, one longer than seq_len + 1 cut to its head; by_directory:
+    # documents for chat directories (`tokenize --chat`), windows for the others (a rule on the
+    # data, not an `auto` left for resolve.py: the saved config says it as it ran)
+    packing: str = "by_directory"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

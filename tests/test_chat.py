@@ -318,8 +318,9 @@ def packed_row_by_hand(encoded, documents, width):
 
 
 def test_chat_rows_are_whole_conversations_packed_greedily(packed_dir, caplog):
-    """data.packing auto on a chat directory: rows of whole conversations, exactly as laid out
-    by hand (greedy, padded, the over-long one cut to its head and counted in a warning)."""
+    """data.packing by_directory (the default) on a chat directory: rows of whole
+    conversations, exactly as laid out by hand (greedy, padded, the over-long one cut to its
+    head and counted in a warning)."""
     out, encoded = packed_dir
     assert [i.size for i, _ in encoded] == [93, 71, 89, 319, 87, 117, 152]
     width = PACKED_SEQ_LEN + 1

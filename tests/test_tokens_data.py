@@ -32,7 +32,7 @@ class Cfg:  # stands in for jaxtrain.config.DataConfig
     tokenizer: str = "byte"
     shuffle: bool = True
     weights: tuple = ()
-    packing: str = "auto"
+    packing: str = "by_directory"
 
 
 def token_dir(tmp_path, name, docs, tokenizer="byte", shard_tokens=64, **kw):
@@ -43,7 +43,16 @@ def token_dir(tmp_path, name, docs, tokenizer="byte", shard_tokens=64, **kw):
 
 
 def tokens_iter(
-    paths, *, seq_len=16, batch=4, seed=0, shuffle=True, weights=(), vocab_size=512, packing="auto", **kw
+    paths,
+    *,
+    seq_len=16,
+    batch=4,
+    seed=0,
+    shuffle=True,
+    weights=(),
+    vocab_size=512,
+    packing="by_directory",
+    **kw,
 ):
     cfg = Cfg(paths=tuple(paths), shuffle=shuffle, weights=tuple(weights), packing=packing)
     return make_data_iterator(

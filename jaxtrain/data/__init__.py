@@ -170,7 +170,7 @@ def _with_paths(data_cfg, paths, weights=()):
         tokenizer=getattr(data_cfg, "tokenizer", "byte"),
         shuffle=bool(getattr(data_cfg, "shuffle", True)),
         weights=tuple(weights),
-        packing=getattr(data_cfg, "packing", "auto"),
+        packing=getattr(data_cfg, "packing", "by_directory"),
     )
 
 

@@ -23,7 +23,7 @@ window's tokens, so the position ``k`` covers masks too. A conversation is one d
 packing gives it a segment of its own and attention never crosses into its neighbours.
 Directories without masks mixed with chat ones count every target, as before.
 
-Rows of whole documents (``data.packing``: ``documents``, or ``auto`` on a chat directory).
+Rows of whole documents (``data.packing``: ``documents``, or ``by_directory`` on a chat directory).
 Windows would cut a conversation at every window edge, its second half trained without its
 question; such a component's unit is instead a row of whole documents packed greedily in order
 (jaxtrain/data/packing.py), ``n_c`` its number of rows. Rows are contiguous token ranges, read
@@ -43,7 +43,7 @@ from .packing import PackedRows, pack_documents
 from .shards import TokenShards
 
 log = logging.getLogger(__name__)
-PACKINGS = ("auto", "windows", "documents")  # data.packing (jaxtrain/config.py checks it too)
+PACKINGS = ("by_directory", "windows", "documents")  # data.packing (jaxtrain/config.py checks it too)
 
 _FEISTEL_ROUNDS = 4
 _MIX_BITS = 32  # mixture fractions are multiples of 2**-32
@@ -200,14 +200,14 @@ class TokenIterator(DataIterator):
         self.mixture = Mixture(weights or [c.num_tokens for c in self.components])
         self.num_windows = [max(1, -(-(c.num_tokens - 1) // self.seq_len)) for c in self.components]
         self._keys: dict[tuple[int, int], np.ndarray] = {}
-        self.packing = str(getattr(data_cfg, "packing", "auto") or "auto")
+        self.packing = str(getattr(data_cfg, "packing", "by_directory") or "by_directory")
         if self.packing not in PACKINGS:
             raise DataError(f"data.packing={self.packing!r}: expected one of {', '.join(PACKINGS)}")
         # per component: PackedRows (rows of whole documents) or None (fixed windows)
         self.packed: list[PackedRows | None] = [None] * len(self.components)
         for c, comp in enumerate(self.components):
             if comp.pairs or not (
-                self.packing == "documents" or (self.packing == "auto" and comp.manifest.get("chat"))
+                self.packing == "documents" or (self.packing == "by_directory" and comp.manifest.get("chat"))
             ):
                 continue  # preference pairs: one pair per row (jaxtrain/data/pairs.py)
             rows = self.packed[c] = pack_documents(comp.document_ends(), self.seq_len + 1)
