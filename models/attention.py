@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain import sharding
 from jaxtrain.models import cpu_tuning
 from jaxtrain.models.masks import attention_mask, masked_scores
 from jaxtrain.pallas_kernels import ring_attention, sharded_flash_attention, ulysses_attention
 from jaxtrain.pallas_kernels.cudnn_attention import cudnn_attention
+from jaxtrain.pallas_kernels.remat_names import ATTENTION_RESIDUALS
 from jaxtrain.pallas_kernels.sharded import shard_attention
 
 
@@ -66,37 +68,48 @@ def attend(
     softcap=None,
 ):
     """Dispatch to one attention implementation (see module docstring). `softmax_scale`:
-    the query scale (None: head_dim ** -0.5); `softcap`: the logit cap (every path but cuDNN)."""
+    the query scale (None: head_dim ** -0.5); `softcap`: the logit cap (every path but cuDNN).
+
+    The output is the `context` activation checkpoint: the flash kernels (pallas, cudnn) name
+    it inside their backward rules, with their softmax statistics, so that a policy keeping
+    `context` runs no forward kernel again (pallas_kernels/remat_names.py); the other paths
+    name their output here."""
     impl = "xla" if impl == "auto" else impl
     if softcap is not None and impl == "cudnn":
         raise ValueError(f"attention softcap {softcap}: cuDNN's attention takes none; use pallas or xla")
     if _context_size() > 1:
-        return _context_attention(
-            q,
-            k,
-            v,
-            segment_ids=segment_ids,
-            causal=causal,
-            impl=impl,
-            sliding_window=sliding_window,
-            context_impl=context_impl,
-            softmax_scale=softmax_scale,
-            softcap=softcap,
+        return _named(
+            _context_attention(
+                q,
+                k,
+                v,
+                segment_ids=segment_ids,
+                causal=causal,
+                impl=impl,
+                sliding_window=sliding_window,
+                context_impl=context_impl,
+                softmax_scale=softmax_scale,
+                softcap=softcap,
+            )
         )
     if impl == "xla":
         if cpu_tuned and softmax_scale is None and softcap is None:
-            return cpu_tuning.attention(
-                q, k, v, segment_ids=segment_ids, causal=causal, sliding_window=sliding_window
+            return _named(
+                cpu_tuning.attention(
+                    q, k, v, segment_ids=segment_ids, causal=causal, sliding_window=sliding_window
+                )
             )
-        return xla_attention(
-            q,
-            k,
-            v,
-            segment_ids=segment_ids,
-            causal=causal,
-            sliding_window=sliding_window,
-            softmax_scale=softmax_scale,
-            softcap=softcap,
+        return _named(
+            xla_attention(
+                q,
+                k,
+                v,
+                segment_ids=segment_ids,
+                causal=causal,
+                sliding_window=sliding_window,
+                softmax_scale=softmax_scale,
+                softcap=softcap,
+            )
         )
     if impl == "pallas":
         return _pallas_attention(
@@ -120,6 +133,11 @@ def attend(
             scale=softmax_scale,
         )
     raise ValueError(f"attention impl={impl!r}: expected one of auto, xla, pallas, cudnn")
+
+
+def _named(out):
+    """Attention's output as the `context` checkpoint (paths without a kernel that names it)."""
+    return checkpoint_name(out, ATTENTION_RESIDUALS)
 
 
 def _batch_and_head_axes(q, rules, mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:

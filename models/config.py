@@ -12,6 +12,8 @@ REMAT_POLICIES = (
     "none",  # no jax.checkpoint: keep everything
     "full",  # keep nothing: recompute the whole layer
     "minimal",  # keep every matmul output: qkv_proj, out_proj, mlp_in, mlp_out (MaxText "minimal")
+    "minimal_with_context",  # minimal and attention's output and softmax statistics (context):
+    #   no attention forward in the backward pass (MaxText "minimal_with_context")
     "save_dot_except_mlp",  # qkv_proj, out_proj
     "save_qkv_proj",  # qkv_proj
     "save_out_proj",  # out_proj

@@ -213,7 +213,7 @@ class Attention(nnx.Module):
 
     def output(self, out, fp8=None):
         """Attention output [b, s, heads, hd] -> [b, s, d]."""
-        out = checkpoint_name(constrain(out, ("batch", "seq", "act_heads", None)), "context")
+        out = constrain(out, ("batch", "seq", "act_heads", None))  # named `context` by attend()
         wo = matmul_weight(self.wo[...], ("heads", "head_dim", "embed"), self.cfg)
         y = weight_matmul("bshk,hkd->bsd", out, wo, self.cfg, None if fp8 is None else fp8["wo"])
         return checkpoint_name(lora.add(self, "wo", out, y), "out_proj")

@@ -21,6 +21,7 @@ from jaxtrain.sharding import PipelineSchedule, constrain, current_rules, is_voc
 _MATMULS = ("qkv_proj", "out_proj", "mlp_in", "mlp_out")
 _SAVED_NAMES = {
     "minimal": _MATMULS,
+    "minimal_with_context": (*_MATMULS, "context"),
     "save_dot_except_mlp": ("qkv_proj", "out_proj"),
     "save_qkv_proj": ("qkv_proj",),
     "save_out_proj": ("out_proj",),

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxtrain.pallas_kernels.remat_names import with_named_residuals
+
 __all__ = ["cudnn_attention", "single_document_lengths"]
 
 
@@ -56,6 +58,13 @@ def cudnn_attention(
         return fallback(q, k, v, segment_ids)
 
     def cudnn(lengths):
+        # the residuals (output, softmax statistics) named `context`: a remat policy that keeps
+        # it does not run cuDNN's forward again in the backward pass (remat_names.py)
+        if lengths is None:
+            return with_named_residuals(lambda q, k, v: attention(q, k, v, None), q, k, v)
+        return with_named_residuals(attention, q, k, v, lengths)  # no closed-over tracers
+
+    def attention(q, k, v, lengths):
         return jax.nn.dot_product_attention(
             q,
             k,

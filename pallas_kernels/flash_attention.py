@@ -53,9 +53,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from jaxtrain.pallas_kernels.mesh_utils import device_kind, resolve_backend
+from jaxtrain.pallas_kernels.remat_names import ATTENTION_RESIDUALS
 
 __all__ = [
     "KERNEL_MATMULS",
@@ -947,12 +949,17 @@ def _flash(q, k, v, segment_ids, cfg: FlashConfig):
 def _flash_fwd(q, k, v, segment_ids, cfg: FlashConfig):
     qk, kk, vk = (to_kernel_layout(x, cfg) for x in (q, k, v))
     ok, lse = flash_fwd_call(qk, kk, vk, segment_ids, segment_ids, cfg)
-    # Residuals stay in kernel layout: the backward needs no second relayout.
-    return from_kernel_layout(ok, cfg, q.shape[2]), (qk, kk, vk, segment_ids, ok, lse)
+    out = from_kernel_layout(ok, cfg, q.shape[2])
+    # The output (in the caller's layout: the value the model names `context` too) and the
+    # statistics, named for remat policies that keep attention (remat_names.py): then the
+    # backward needs no second forward kernel. q, k, v stay in kernel layout.
+    out, lse = (checkpoint_name(x, ATTENTION_RESIDUALS) for x in (out, lse))
+    return out, (qk, kk, vk, segment_ids, out, lse)
 
 
 def _flash_bwd(cfg: FlashConfig, residuals, do):
-    qk, kk, vk, segment_ids, ok, lse = residuals
+    qk, kk, vk, segment_ids, out, lse = residuals
+    ok = to_kernel_layout(out, cfg)
     batch, q_heads, kv_heads = qk.shape[0], cfg.q_heads, cfg.kv_heads
     seq_pad = cfg.seq_pad
     dok = to_kernel_layout(do, cfg)

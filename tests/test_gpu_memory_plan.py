@@ -49,6 +49,7 @@ def test_full_remat_recomputes_the_layers_forward_but_the_mlp_output():
     [
         ("none", ()),
         ("minimal", ("context",)),  # keeps every projection: attention reruns
+        ("minimal_with_context", ()),  # and attention's output and statistics: nothing reruns
         ("save_attention", ("mlp_in",)),
         ("save_dot_except_mlp", ("context", "mlp_in")),
         ("full", ("context", "mlp_in", "out_proj", "qkv_proj")),
@@ -64,13 +65,14 @@ def test_the_predicted_order_is_the_measured_one():
     assert sorted(cost, key=cost.get) == sorted(MEASURED, key=MEASURED.get)
 
 
-def test_auto_on_a_gpu_picks_minimal_for_the_peer_step_and_least_recompute_elsewhere():
+def test_auto_on_a_gpu_picks_minimal_with_context_for_the_peer_step_and_least_recompute_elsewhere():
     cfg = load_config(GPU_PEER)
     on = lambda platform, chip: resolve(cfg, Placement(platform, {"fsdp": 1}, 80 * 2**30, "", chip))
     gpu = on("gpu", "h100")
-    assert gpu.config.model.remat == "minimal"
+    assert gpu.config.model.remat == "minimal_with_context"
     assert any(
-        "model.remat=auto -> minimal: the least predicted cost that fits on H100" in n for n in gpu.notes
+        "model.remat=auto -> minimal_with_context: the least predicted cost that fits on H100" in n
+        for n in gpu.notes
     )
     # TPU and an unknown GPU: not calibrated, the least recompute that fits (none fits here)
     assert on("tpu", "v5p").config.model.remat == "none"
@@ -78,7 +80,7 @@ def test_auto_on_a_gpu_picks_minimal_for_the_peer_step_and_least_recompute_elsew
 
 
 @pytest.mark.deviceless
-@pytest.mark.parametrize("policy", ["none", "minimal", "save_dot_except_mlp", "full"])
+@pytest.mark.parametrize("policy", ["none", "minimal", "minimal_with_context", "save_dot_except_mlp", "full"])
 def test_the_estimate_is_within_10_percent_of_the_compiled_h100_step(policy):
     from jaxtrain.planning import compile as deviceless
     from jaxtrain.sharding import targets

@@ -220,6 +220,7 @@ def _gib(n: int) -> str:
 #: The remat policies in order of cost (recomputed FLOPs), cheapest first; `auto` walks this.
 REMAT_BY_COST = (
     "none",
+    "minimal_with_context",
     "minimal",
     "save_matmuls",
     "save_except_mlp_in",
@@ -242,6 +243,7 @@ def remat_policies(m) -> tuple[str, ...]:
 SAVED_NAMES = {
     "full": (),
     "minimal": ("qkv_proj", "out_proj", "mlp_in", "mlp_out"),
+    "minimal_with_context": ("qkv_proj", "context", "out_proj", "mlp_in", "mlp_out"),
     "save_matmuls": ("qkv_proj", "out_proj", "mlp_in", "mlp_out"),
     "save_dot_except_mlp": ("qkv_proj", "out_proj"),
     "save_qkv_proj": ("qkv_proj",),
@@ -263,7 +265,7 @@ def name_bytes_per_token(m, tensor: int = 1, moe_rows: float = 1.0) -> dict[str,
     return {
         "layer_input": m.d_model * a,
         "qkv_proj": (m.n_heads + 2 * m.n_kv_heads) * hd * a / t,
-        "context": m.n_heads * hd * a / t,
+        "context": m.n_heads * (hd * a + 4) / t,  # the output and its f32 softmax statistics
         "out_proj": m.d_model * a,
         "mlp_in": 2 * mlp * a / t,
         "mlp_out": outputs * m.d_model * a,
