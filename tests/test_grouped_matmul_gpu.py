@@ -118,3 +118,28 @@ def test_compiles_for_h100():
         hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(a, w, gs).compile().as_text()
     assert hlo.count("__gpu$xla.gpu.triton") == 3, targets.custom_call_targets(hlo)
     assert " dot(" not in hlo
+
+
+@pytest.mark.parametrize(
+    "chip, table, dtype, expected",
+    [
+        ("h100", {}, "bfloat16", "triton"),  # nothing measured: the Triton kernel
+        ("h100", {"h100": "mosaic"}, "bfloat16", "mosaic"),
+        ("h100", {"h100": "mosaic"}, "float32", "triton"),  # Mosaic takes bf16/f16 only
+        ("a100", {"a100": "mosaic"}, "bfloat16", "triton"),  # Mosaic is Hopper-only
+        ("h200", {"h200": "ragged_dot"}, "bfloat16", "ragged_dot"),
+    ],
+)
+def test_auto_on_gpu_resolves_from_the_table(monkeypatch, chip, table, dtype, expected):
+    """moe.grouped_matmul=auto on a GPU placement: the chip's measured choice where the kernel
+    can run the layer, else the Triton kernel; CPU keeps ragged_dot."""
+    from jaxtrain.config import load_config
+    from jaxtrain.planning import grouped_matmul_choice
+    from jaxtrain.planning.resolve import Placement, resolve
+    from tests.conftest import REPO
+
+    monkeypatch.setattr(grouped_matmul_choice, "GPU_GROUPED_MATMUL", table)
+    cfg = load_config(os.path.join(REPO, "configs", "tiny-moe.yaml"), [f"model.compute_dtype={dtype}"])
+    mesh = dict.fromkeys(cfg.mesh.sizes(), 1)
+    assert resolve(cfg, Placement("gpu", mesh, chip=chip)).config.model.moe.grouped_matmul == expected
+    assert resolve(cfg, Placement("cpu", mesh)).config.model.moe.grouped_matmul == "ragged_dot"
