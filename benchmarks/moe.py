@@ -1,6 +1,7 @@
 """Mixture-of-experts dispatch: CPU throughput and deviceless TPU/H100 compiles.
 
     python benchmarks/moe.py [--steps 12] [--skip-train] [--skip-compile]
+    python benchmarks/moe.py --gpu [--tiny] ...   (one real GPU: benchmarks/moe_gpu.py)
 
 1. Tokens/s of configs/tiny-moe.yaml training on 8 simulated CPU devices, capacity
    vs dropless dispatch, with expert=8 (expert parallelism, all_to_all) and
@@ -25,6 +26,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+if __name__ == "__main__" and "--gpu" in sys.argv:  # before this process pins itself to the CPU
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import moe_gpu
+
+    moe_gpu.main(sys.argv[1:])
+    sys.exit(0)
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):

@@ -41,7 +41,7 @@ LAYER_KINDS = ("local", "global")
 MOE_SCORINGS = ("softmax", "sigmoid")
 MOE_DISPATCHES = ("capacity", "dropless")
 MOE_EXCHANGES = ("auto", "padded", "ragged")
-MOE_GROUPED_MATMULS = ("auto", "ragged_dot", "megablox")
+MOE_GROUPED_MATMULS = ("auto", "ragged_dot", "megablox", "triton", "mosaic")
 # `model.lora.targets`: the matmul weights an adapter may sit on (models/lora.py); on an MoE
 # layer w_gate / w_up / w_down are its experts' (one adapter per expert)
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -112,10 +112,13 @@ class MoEConfig:
     # on TPU/GPU, padded on CPU, where ragged_all_to_all is unimplemented; a model built
     # directly with auto runs padded)
     exchange: str = "auto"
-    # Dropless grouped matmul: auto (megablox on TPU, ragged_dot elsewhere; a model built
-    # directly with auto runs ragged_dot) | ragged_dot (XLA's
-    # jax.lax.ragged_dot) | megablox (JAX's Pallas TPU kernel gmm/tgmm, as MaxText's
-    # megablox=True; interpret mode off TPU, for tests). fp8 experts always use ragged_dot.
+    # Dropless grouped matmul: auto (megablox on TPU; on GPU the measured choice of
+    # planning/grouped_matmul_choice.py, triton until measured; ragged_dot on CPU; a model
+    # built directly with auto runs ragged_dot) | ragged_dot (XLA's jax.lax.ragged_dot) |
+    # megablox (JAX's Pallas TPU kernel gmm/tgmm, as MaxText's megablox=True; interpret mode
+    # off TPU, for tests) | triton (our Pallas Triton kernel, any GPU; interpreted off GPU) |
+    # mosaic (JAX's Mosaic GPU ragged-dot kernels, Hopper only, bf16, d_model and the
+    # expert width multiples of 128). fp8 experts always use ragged_dot.
     grouped_matmul: str = "auto"
     # Dropless expert parallelism: rows of each shard's receive buffer, as a multiple of one
     # source's assignments A (1.0 = the balanced load). 0: ep x A, the worst case, never drops;

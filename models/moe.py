@@ -30,9 +30,10 @@ Dispatch:
             dispatch/combine are one-hot einsums.
   dropless  assignments sorted by expert, one grouped matmul per weight:
             `jax.lax.ragged_dot`, or on TPU JAX's Pallas megablox kernels (gmm
-            forward, gmm + tgmm backward, with their cost estimates), as MaxText
+            forward, gmm + tgmm backward, with their cost estimates), as MaxText,
+            or on GPU our Pallas Triton kernel or JAX's Mosaic GPU (Hopper) ones
             (moe.grouped_matmul, resolved by jaxtrain: auto picks megablox on TPU,
-            ragged_dot elsewhere).
+            the measured GPU choice on GPU, ragged_dot on CPU).
 
 Expert parallelism: with a mesh set (`jax.set_mesh` + `sharding.axis_rules`) the
 layer runs in `jax.shard_map`: tokens stay sharded on their batch axes, experts
@@ -78,6 +79,8 @@ from jaxtrain.models.layers import (
     swiglu,
 )
 from jaxtrain.pallas_kernels.grouped_matmul import megablox_grouped_matmul
+from jaxtrain.pallas_kernels.grouped_matmul_gpu import triton_grouped_matmul
+from jaxtrain.pallas_kernels.grouped_matmul_mgpu import mosaic_grouped_matmul
 
 F32 = jnp.float32
 
@@ -191,18 +194,26 @@ def grouped_matmul(a, w, group_sizes, impl: str, *, full: bool = False):
     """a [m, k] rows sorted by group, w [groups, k, n], group_sizes [groups] int32 -> [m, n]:
     row i through its group's w; rows past sum(group_sizes) are zero, and so are their
     gradients. impl: "ragged_dot" (XLA's) | "megablox" (JAX's Pallas TPU kernels,
-    pallas_kernels/grouped_matmul.py). `full`: the caller knows every row is in a group (no
-    padding to mask)."""
-    if impl == "megablox":
-        return megablox_grouped_matmul(a, w, group_sizes, full=full)
+    pallas_kernels/grouped_matmul.py) | "triton" (our Pallas Triton kernel,
+    grouped_matmul_gpu.py) | "mosaic" (JAX's Mosaic GPU kernels, grouped_matmul_mgpu.py).
+    `full`: the caller knows every row is in a group (no padding to mask)."""
+    if impl in _GROUPED_KERNELS:
+        return _GROUPED_KERNELS[impl](a, w, group_sizes, full=full)
     return jax.lax.ragged_dot(a, w, group_sizes)
+
+
+_GROUPED_KERNELS = {
+    "megablox": megablox_grouped_matmul,
+    "triton": triton_grouped_matmul,
+    "mosaic": mosaic_grouped_matmul,
+}
 
 
 def grouped_matmul_impl(m: MoEConfig, fp8=None) -> str:
     """The grouped matmul a layer runs: model.moe.grouped_matmul as resolved (jaxtrain
     resolves `auto` per platform in planning/resolve.py; a model built with `auto` runs
     ragged_dot); fp8 experts always ragged_dot (quantize-dequantize around it)."""
-    return "megablox" if fp8 is None and m.grouped_matmul == "megablox" else "ragged_dot"
+    return m.grouped_matmul if fp8 is None and m.grouped_matmul in _GROUPED_KERNELS else "ragged_dot"
 
 
 def _ragged_swiglu(x, w_gate, w_up, w_down, group_sizes, fp8=None, impl="ragged_dot", full=False):
@@ -503,15 +514,15 @@ def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig, fp8=None):
         return fn(x, r, bias, g, u, dn, meta[0] if meta else None)
 
     stats_spec = {k: P() for k in ("aux_loss", "z_loss", "dropped_fraction", "max_load", "expert_load")}
-    # Pallas calls (megablox) do not declare how their outputs vary over the mesh, which the
-    # shard_map's varying-axes check requires; MaxText runs its MoE unchecked too. The
-    # expert-parallel tests check the gradients both ways.
-    megablox = m.dispatch == "dropless" and grouped == "megablox"
+    # Pallas calls (megablox, triton, mosaic) do not declare how their outputs vary over the
+    # mesh, which the shard_map's varying-axes check requires; MaxText runs its MoE unchecked
+    # too. The expert-parallel tests check the gradients both ways.
+    pallas = m.dispatch == "dropless" and grouped in _GROUPED_KERNELS
     return jax.shard_map(
         body,
         in_specs=(x_spec, P(), *bias_spec, in_spec, in_spec, out_spec, *meta_spec),
         out_specs=(x_spec, stats_spec),
-        check_vma=not megablox,
+        check_vma=not pallas,
     )(*args)
 
 

@@ -465,7 +465,9 @@ def _program_figures(report: dict, compiled, cfg: Config, target: Target) -> Non
         )
     report["collectives"] = collectives(text)
     report["custom_calls"] = sorted(custom_call_targets(text))
-    report["pallas_in_program"] = any("tpu_custom_call" in c or "triton" in c for c in report["custom_calls"])
+    report["pallas_in_program"] = any(
+        "tpu_custom_call" in c or "triton" in c or "mosaic_gpu" in c for c in report["custom_calls"]
+    )
     report["cudnn_in_program"] = any("cudnn$fmha" in c for c in report["custom_calls"])
     report["kernels"] = sorted(kernel_names(text))
     tokens = cfg.train.global_batch_size * cfg.train.seq_len

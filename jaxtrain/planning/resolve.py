@@ -9,7 +9,7 @@ memory), in this order, each step seeing the ones before it:
 | model.attention_impl      | platform, chip  | GPU fastest measured (attention_speeds), TPU pallas, CPU xla |
 | model.cpu_tuning          | platform        | true on CPU: models/cpu_tuning.py's program changes        |
 | model.moe.exchange        | platform        | padded on CPU (no ragged_all_to_all there), ragged else    |
-| model.moe.grouped_matmul  | platform        | megablox on TPU, ragged_dot elsewhere                      |
+| model.moe.grouped_matmul  | platform, chip  | TPU megablox, GPU grouped_matmul_choice, CPU ragged_dot    |
 | mesh.head_sharding        | mesh, batch     | vocab when a device gathers fewer rows than vocab columns  |
 | train.loss_chunk          | mesh, batch     | 4 chunks once the f32 logits reach 16 MiB per device       |
 | model.remat               | device memory   | of those that fit (footprint.py), GPU: least predicted     |
@@ -45,6 +45,7 @@ from jaxtrain.planning.footprint import (
     remat_policies,
     sequences_per_row,
 )
+from jaxtrain.planning.grouped_matmul_choice import choose_gpu_grouped_matmul
 from jaxtrain.planning.remat_cost import policy_cost
 from jaxtrain.sharding import hardware
 from jaxtrain.sharding.mesh import mesh_shape_from_sizes
@@ -202,6 +203,12 @@ def _moe_exchange(cfg: Config, p: Placement) -> tuple[str, str]:
 def _grouped_matmul(cfg: Config, p: Placement) -> tuple[str, str]:
     if p.platform == "tpu":
         return "megablox", "JAX's Pallas TPU grouped matmul"
+    if p.platform == "gpu":
+        m = cfg.model
+        d_ff = m.moe.expert_mlp_dim if m.moe is not None and m.moe.expert_mlp_dim else m.mlp_dim
+        return choose_gpu_grouped_matmul(
+            chip=p.chip, d_model=m.d_model, d_ff=d_ff, compute_dtype=m.compute_dtype
+        )
     return "ragged_dot", f"XLA's jax.lax.ragged_dot on {p.platform.upper()}"
 
 
