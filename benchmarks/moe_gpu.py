@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parent.parent))
+sys.path.append(str(HERE.parent.parent))  # last: an installed jaxtrain (the GPU host's wheel) comes first
 sys.path.insert(0, str(HERE.parent))
 
 import gpu_peer  # noqa: E402  (captures the children's environment before JAX_PLATFORMS=cpu)
