@@ -24,7 +24,7 @@ MOE = f"{REPO}/configs/tiny-moe.yaml"
     "platform,attention,cpu_tuning,exchange,grouped",
     [
         ("cpu", "xla", True, "padded", "ragged_dot"),
-        ("gpu", "pallas", False, "ragged", "ragged_dot"),
+        ("gpu", "pallas", False, "ragged", "triton"),  # our Pallas grouped matmul (grouped_matmul_choice.py)
         ("tpu", "pallas", False, "ragged", "megablox"),
     ],
 )
