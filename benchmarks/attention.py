@@ -2,6 +2,8 @@
 
     JAX_PLATFORMS=cpu python benchmarks/attention.py [--seqs 8192,16384,...] [--targets tpu,gpu]
         [--kernels flash,chunked,ring,tokamax,tokamax-tuned,tokamax-triton] [--batch 8] [--chunks 4]
+    python benchmarks/attention.py --gpu [--check] ...   (timed on one real GPU, with a cuDNN
+        column: benchmarks/attention_gpu.py)
 
 Every kernel gets the same global problem: batch 8, 16 heads, head_dim 128,
 bf16, causal, forward + backward (value_and_grad of sum(o**2)), on 8
@@ -82,6 +84,12 @@ import os
 import sys
 import time
 import warnings
+
+if __name__ == "__main__" and "--gpu" in sys.argv:  # before this process pins itself to the CPU
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import attention_gpu
+
+    sys.exit(attention_gpu.main(sys.argv[1:]))
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -47,3 +47,30 @@ def test_runs_without_tokamax(monkeypatch, capsys):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1] == f"tokamax not installed: {attention.TOKAMAX_PIP}"
     assert cells[2].endswith("MiB"), cells  # upstream still compiled
+
+
+def test_gpu_timing_counts_attended_pairs_and_checks_errors():
+    """benchmarks/attention_gpu.py (`attention.py --gpu`): its FLOP count is the number of allowed
+    (query, key) pairs (counted here from the mask itself), and on CPU its check path compares
+    our interpreted kernel with the f32 XLA reference, while a column this device lacks is a row
+    saying why."""
+    import argparse
+
+    import numpy as np
+
+    from benchmarks import attention_gpu
+
+    for seq, window in [(7, None), (7, 3), (16, 16), (16, 20), (33, 5)]:
+        i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
+        allowed = (j <= i) & ((j > i - window) if window else True)
+        assert attention_gpu.attended_pairs(seq, window) == allowed.sum(), (seq, window)
+
+    args = argparse.Namespace(iters=1, check=True, xla_max_seq=8192)
+    rows = attention_gpu.run_case("tiny-win", attention_gpu.TINY["tiny-win"], ["triton", "cudnn"], args)
+    ours, cudnn = rows
+    assert max(ours[k] for k in ("err_out", "err_dq", "err_dk", "err_dv")) < 2e-2, ours
+    assert ours["fwd_bwd_tflops"] > 0
+    assert "error" in cudnn and "fwd_s" not in cudnn
+    lines = attention_gpu.table(rows).splitlines()
+    assert lines[2].startswith("| tiny-win | 1, 256, 2, 1, 64 | 64 | triton |")
+    assert lines[3].startswith("| tiny-win | 1, 256, 2, 1, 64 | 64 | cudnn | NotImplementedError")
