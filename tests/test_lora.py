@@ -272,7 +272,8 @@ def test_run_resumes_exactly_exports_and_generates_as_the_merged_model(tmp_path,
     params = ocp.StandardCheckpointer().restore(Path(base_ckpt) / "params")
     params["final_norm"]["scale"] = np.asarray(params["final_norm"]["scale"]).copy()
     params["final_norm"]["scale"][0] += 1e-3
-    ocp.StandardCheckpointer().save((other / "params").absolute(), params)
+    with ocp.StandardCheckpointer() as ckptr:  # saves asynchronously: leaving the block waits for it
+        ckptr.save((other / "params").absolute(), params)
     (other / "model.yaml").write_text((Path(base_ckpt) / "model.yaml").read_text())
     with pytest.raises(CheckpointMismatchError, match="fingerprint"):
         train(
