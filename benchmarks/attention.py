@@ -446,6 +446,12 @@ def parse_list(text: str, name: str, allowed=None) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="8192,16384,32768,65536,131072")
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="time on one real GPU instead (benchmarks/attention_gpu.py: "
+        "--cases, --impls, --iters, --check, --tiny, --json)",
+    )
     parser.add_argument("--targets", default="tpu,gpu")
     parser.add_argument("--kernels", default=DEFAULT_KERNELS, help=f"any of {','.join(KERNELS)}")
     parser.add_argument("--batch", type=int, default=BATCH, help="global batch (a multiple of 8)")

@@ -136,6 +136,12 @@ def compile_mixtral_layer(devices, dispatch: str, exchange: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="time on one real GPU instead (benchmarks/moe_gpu.py: "
+        "--only, --impls, --iters, --timeout, --tiny, --json)",
+    )
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-compile", action="store_true")
     args = ap.parse_args()
