@@ -1,0 +1,532 @@
+"""FlashAttention for Hopper (sm90) written with Pallas' Mosaic GPU backend: wgmma, TMA, warp specialisation.
+
+STATUS (work in progress): the forward runs in the interpreter and matches the reference
+for causal, causal + window, causal + segments and window + segments (non-causal); causal
++ window + segments deadlocks in the interpreter (cause not found yet); the backward
+(``mgpu_bwd``) is not written; nothing here is wired into ``flash_attention``.
+
+Beside the portable kernel (``flash_attention.py``: Triton on other GPUs, Mosaic on TPU,
+the interpreter on CPU), with the same semantics (``reference.py``): causal, GQA,
+segment ids, sliding windows (causal or symmetric) and ``q_offset``. Logit softcap is not
+implemented here (``unsupported_reason`` says so and the dispatcher keeps Triton).
+
+Learnt from JAX's ``jax/experimental/pallas/ops/gpu/attention_mgpu.py`` (FA3-style
+forward): each CTA has two compute warpgroups of ``block_q`` (64) query rows and one
+memory warpgroup that streams K/V blocks by TMA into ``steps`` shared-memory slots,
+with one "full" barrier per slot (TMA arrival) and one "consumed" barrier per slot (both
+compute warpgroups arrive); a two-arrival "schedule" barrier makes the two compute
+warpgroups take turns on the tensor cores (one's QK^T wgmma overlaps the other's
+softmax); m is kept in log2 units so exp becomes exp2 with an FMA; JAX splits the causal
+KV loop into an unmasked part and a masked diagonal. JAX's backward has no causal
+support; ours extends the same scheme:
+
+* Every kernel streams the union range of blocks its CTA needs (``_ranges_for_q_tile``
+  / ``_ranges_for_kv_tile`` of ``flash_attention.py``: causal, window and padding block
+  skipping with the same formulas as the Triton kernel). Each compute warpgroup runs
+  five loops over it: skip (before its own first block), masked edge, unmasked middle,
+  masked edge, skip (after its last). Skipped steps still wait on the slot's barriers
+  and arrive on its consumed barriers: Mosaic GPU tracks barrier phases per thread, so
+  every warpgroup must see every phase, and the memory warpgroup may only refill a
+  slot both compute warpgroups released.
+* Position masks (iota compares) run only on edge blocks; segment masks on every block
+  when segment ids are given (compared from TMA'd int32 vectors in the WGMMA layout).
+* dQ kernel: tiles of queries stream K/V (like the forward). dK/dV kernel: tiles of
+  keys stream Q/dO/LSE/delta of *every query head of the group* (GQA), so dK/dV are
+  summed in registers and written once in the input dtype (no per-query-head f32
+  partials in HBM as in JAX's and the Triton kernel).
+* Masked probabilities are zeroed with a select after exp2 in the backward, so rows
+  that see no key (a ``q_offset`` past the window) stay finite whatever their LSE.
+
+Layout: ``[batch, seq, heads, head_dim]`` in HBM (TMA takes the per-head
+``[block, head_dim]`` slices directly); LSE float32 ``[batch, q_heads, seq]`` in natural
+log units (1-D TMA of ``block_q`` entries). The sequence is padded to a multiple of
+``2 * block_q`` and ``block_kv`` by the caller (``flash_attention_mgpu``), padded keys
+masked by position, padded queries given LSE = +inf in the backward (zero probabilities).
+
+On CPU the kernels run in Mosaic GPU's interpreter (``plgpu.InterpretGPUParams``), which
+does not implement ``pl.run_state`` on wgmma accumulators nor wgmma with a register
+operand: ``_mma_into`` then adds a fresh product (a plain dot for register operands).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxtrain.pallas_kernels.flash_attention import _ranges_for_kv_tile, _ranges_for_q_tile
+
+__all__ = [
+    "MgpuConfig",
+    "flash_attention_mgpu",
+    "mgpu_bwd",
+    "mgpu_config",
+    "mgpu_fwd",
+    "unsupported_reason",
+]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+# Masked scores (log2 units): finite, so fully masked rows give exp2(0) = 1, not NaN; an
+# allowed score is far above it, so one allowed key makes alpha = exp2(MASK - m) = 0.
+_MASK = -1e30
+_LSE_EMPTY = -0.7 * float(jnp.finfo(jnp.float32).max)  # the Triton kernel's LSE of a row that saw no key
+_COMPUTE_WGS = 2
+_HEAD_DIMS = (64, 128, 256)
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+    """Static configuration of one set of Mosaic GPU kernel calls (hashable).
+
+    ``causal``, ``window``, ``seq_len`` and ``q_offset`` carry the names
+    ``_ranges_for_q_tile`` / ``_ranges_for_kv_tile`` read, so the block-skipping
+    formulas are shared with the Triton kernel.
+    """
+
+    causal: bool
+    window: int | None
+    scale: float
+    seq_len: int  # valid length
+    seq_pad: int  # multiple of 2 * block_q, block_kv, 2 * block_kv_dkv, block_q_dkv
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    block_q: int = 64  # rows per compute warpgroup (forward, dQ)
+    block_kv: int = 128  # streamed key block (forward, dQ)
+    block_q_dkv: int = 64  # streamed query block (dK/dV)
+    block_kv_dkv: int = 64  # key rows per compute warpgroup (dK/dV)
+    steps: int = 2  # shared-memory slots per stream (max_concurrent_steps)
+    q_offset: int = 0
+    interpret: bool = False
+
+    @property
+    def group(self) -> int:
+        return self.q_heads // self.kv_heads
+
+
+def default_blocks(head_dim: int) -> dict:
+    """JAX's tuned FA3 shape: 64-row warpgroups; K/V blocks of 128 (64 at head_dim 256, where
+    two 128-row K and V slots would exceed the 227 KiB of shared memory)."""
+    if head_dim > 128:
+        return dict(block_q=64, block_kv=64, block_q_dkv=64, block_kv_dkv=64, steps=2)
+    return dict(block_q=64, block_kv=128, block_q_dkv=64, block_kv_dkv=64, steps=2)
+
+
+def unsupported_reason(*, head_dim: int, dtype, softcap=None) -> str | None:
+    """Why this kernel cannot run a case (the dispatcher then keeps Triton), or None."""
+    if softcap is not None:
+        return "softcap is not implemented in the Mosaic GPU kernel"
+    if head_dim not in _HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of {_HEAD_DIMS}"
+    if jnp.dtype(dtype) not in _DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} is not bfloat16/float16 (wgmma operands)"
+    return None
+
+
+def mgpu_config(
+    *,
+    causal: bool,
+    window: int | None,
+    scale: float,
+    seq_len: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    q_offset: int = 0,
+    interpret: bool = False,
+    **blocks,
+) -> MgpuConfig:
+    """Config with the sequence padded to a multiple of every tile."""
+    b = {**default_blocks(head_dim), **blocks}
+    unit = math.lcm(
+        _COMPUTE_WGS * b["block_q"], b["block_kv"], _COMPUTE_WGS * b["block_kv_dkv"], b["block_q_dkv"]
+    )
+    seq_pad = -(-seq_len // unit) * unit
+    return MgpuConfig(
+        causal=bool(causal),
+        window=window,
+        scale=float(scale),
+        seq_len=seq_len,
+        seq_pad=seq_pad,
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        q_offset=int(q_offset),
+        interpret=bool(interpret),
+        **b,
+    )
+
+
+# ----------------------------------------------------------------------------
+# Helpers shared by the three kernels.
+# ----------------------------------------------------------------------------
+
+_TRANSFORMS = lambda: (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _mma_into(acc, a, b, interpret: bool):
+    """acc + a @ b on the tensor cores (wgmma), acc f32 in the WGMMA layout."""
+    if interpret:
+        if isinstance(a, jax.Array):  # the interpreter's wgmma takes shared-memory operands only
+            return acc + lax.dot(a, b[...], preferred_element_type=jnp.float32)
+        return acc + _mma(a, b, acc.shape)
+    return pl.run_state(lambda ref: plgpu.wgmma(ref, a, b))(plgpu.ACC.init(acc))
+
+
+def _mma(a, b, shape):
+    """a @ b into a fresh f32 accumulator."""
+
+    def run(ref):
+        plgpu.wgmma(ref, a, b)
+        return ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _zeros(shape):
+    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _row_vector(value, n):
+    """[n] f32 in the layout of a WGMMA tile's rows (reduced over columns)."""
+    return plgpu.layout_cast(jnp.full((n,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+
+
+def _position_mask(cfg: MgpuConfig, shape, q0, k0, *, q_axis: int):
+    """Causal / window / key-padding mask of a tile whose queries run along ``q_axis``."""
+    qpos = q0 + cfg.q_offset + plgpu.broadcasted_iota(jnp.int32, shape, q_axis, layout=plgpu.Layout.WGMMA)
+    kpos = k0 + plgpu.broadcasted_iota(jnp.int32, shape, 1 - q_axis, layout=plgpu.Layout.WGMMA)
+    mask = None
+
+    def _and(m, new):
+        return new if m is None else jnp.logical_and(m, new)
+
+    if cfg.causal:
+        mask = _and(mask, kpos <= qpos)
+    if cfg.window is not None:
+        mask = _and(mask, kpos > qpos - cfg.window)
+        if not cfg.causal:
+            mask = _and(mask, kpos < qpos + cfg.window)
+    if cfg.seq_pad != cfg.seq_len:
+        mask = _and(mask, kpos < cfg.seq_len)
+    return mask
+
+
+def _and_mask(a, b):
+    if a is None:
+        return b
+    return a if b is None else jnp.logical_and(a, b)
+
+
+def _produce(num_steps, steps: int, groups):
+    """Memory warpgroup: TMA step t's blocks into slot t % steps, refilling a slot only
+    after both compute warpgroups released it. ``groups``: (consumed barriers,
+    [(source(t) -> gmem ref, smem slots, full barriers), ...]) per release group."""
+
+    def issue(t, slot):
+        for _, loads in groups:
+            for src, buf, full in loads:
+                plgpu.copy_gmem_to_smem(src(t), buf.at[slot], full.at[slot])
+
+    for i in range(steps):
+
+        @pl.when(i < num_steps)
+        def _():
+            issue(jnp.int32(i), i)
+
+    @pl.loop(jnp.int32(steps), num_steps)
+    def _(t):
+        slot = lax.rem(t, jnp.int32(steps))
+        for consumed, loads in groups:
+            plgpu.barrier_wait(consumed.at[slot])
+            for src, buf, full in loads:
+                plgpu.copy_gmem_to_smem(src(t), buf.at[slot], full.at[slot])
+
+
+def _five_loops(start, own, end, step, skip, carry):
+    """Runs stream steps [start, end): skip before own[0], masked [own0, own1), unmasked
+    [own1, own2), masked [own2, own3), skip after own[3]. ``step(t, carry, masked)``,
+    ``skip(t)``; t is the block index."""
+    lo, fl, fh, hi = own
+    lo = jnp.maximum(lo, start)
+    hi = jnp.minimum(jnp.maximum(hi, lo), end)
+    fl, fh = jnp.clip(fl, lo, hi), jnp.clip(fh, lo, hi)
+    fh = jnp.maximum(fh, fl)
+    pl.loop(start, lo)(lambda t: skip(t))
+    carry = lax.fori_loop(lo, fl, lambda t, c: step(t, c, True), carry)
+    carry = lax.fori_loop(fl, fh, lambda t, c: step(t, c, False), carry)
+    carry = lax.fori_loop(fh, hi, lambda t, c: step(t, c, True), carry)
+    pl.loop(hi, end)(lambda t: skip(t))
+    return carry
+
+
+def _kernel_call(body, cfg: MgpuConfig, *, out_type, grid, grid_names, scratch):
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
+    )
+
+
+# ----------------------------------------------------------------------------
+# Forward.
+# ----------------------------------------------------------------------------
+
+
+def mgpu_fwd(q, k, v, segment_ids, cfg: MgpuConfig):
+    """(out [B, S, Hq, D] in q's dtype, lse [B, Hq, S] f32, natural log) for padded inputs."""
+    batch, seq, q_heads, head_dim = q.shape
+    bq, bk, n = cfg.block_q, cfg.block_kv, cfg.steps
+    has_seg = segment_ids is not None
+    dtype = q.dtype
+    c2 = cfg.scale * _LOG2E  # scores in log2 units
+
+    def body(q_ref, k_ref, v_ref, *rest):
+        if has_seg:
+            seg_ref, out_ref, lse_ref, bufs, full, consumed, sched = rest
+        else:
+            out_ref, lse_ref, bufs, full, consumed, sched = rest
+            seg_ref = None
+        qo_smem2, lse_smem2, qseg_smem2, k_smem, v_smem, kseg_smem = bufs
+        q_full, k_full, v_full, kseg_full, qseg_full = full
+        k_consumed, v_consumed = consumed
+        b = lax.axis_index("batch")
+        head = lax.axis_index("heads")
+        kv_head = lax.div(head, jnp.int32(cfg.group))
+        wg = lax.axis_index("wg")
+        cta_q0 = lax.axis_index("q_seq") * (_COMPUTE_WGS * bq)
+        start, _, _, end = _ranges_for_q_tile(cfg, cta_q0, _COMPUTE_WGS * bq, bk)
+        num_steps = end - start
+
+        def sched_barrier():
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            qo_smem = qo_smem2.at[wg]
+            q0 = cta_q0 + wg * bq
+            own = _ranges_for_q_tile(cfg, q0, bq, bk)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), head], qo_smem, q_full.at[wg])
+            if has_seg:
+                plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(q0, bq)], qseg_smem2.at[wg], qseg_full.at[wg])
+                plgpu.barrier_wait(qseg_full.at[wg])
+                q_seg = plgpu.load(qseg_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+            plgpu.barrier_wait(q_full.at[wg])
+
+            def slot_of(t):
+                return lax.rem(t - start, jnp.int32(n))
+
+            def wait_next_k(t):
+                @pl.when(t + 1 < end)
+                def _():
+                    plgpu.barrier_wait(k_full.at[slot_of(t + 1)])
+
+            def step(t, carry, masked):
+                acc, m_i, l_i = carry
+                slot = slot_of(t)
+                k0 = t * bk
+                s = _mma(qo_smem, k_smem.at[slot].transpose((1, 0)), (bq, bk))
+                sched_barrier()
+                mask = _position_mask(cfg, (bq, bk), q0, k0, q_axis=0) if masked else None
+                if has_seg:
+                    plgpu.barrier_wait(kseg_full.at[slot])
+                    k_seg = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                    same = lax.broadcast_in_dim(q_seg, (bq, bk), [0]) == lax.broadcast_in_dim(
+                        k_seg, (bq, bk), [1]
+                    )
+                    mask = _and_mask(mask, same)
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                s = s * c2
+                if mask is not None:
+                    s = jnp.where(mask, s, _MASK)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha
+                p16 = p.astype(dtype)
+                # JAX's order: the row sum before the barrier pays for head_dim <= 128.
+                if head_dim <= 128:
+                    l_i = l_i + p.sum(axis=1)
+                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_full.at[slot])
+                plgpu.barrier_wait(sched)
+                if head_dim > 128:
+                    l_i = l_i + p.sum(axis=1)
+                acc = _mma_into(acc, p16, v_smem.at[slot], cfg.interpret)
+                wait_next_k(t)
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                return acc, m_new, l_i
+
+            def skip(t):
+                slot = slot_of(t)
+                if has_seg:
+                    plgpu.barrier_wait(kseg_full.at[slot])
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                sched_barrier()
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_full.at[slot])
+                plgpu.barrier_wait(sched)
+                wait_next_k(t)
+                plgpu.barrier_arrive(v_consumed.at[slot])
+
+            @pl.when(num_steps > 0)
+            def _():
+                plgpu.barrier_wait(k_full.at[0])
+
+            pl.when(wg == 1)(sched_barrier)
+            carry = (_zeros((bq, head_dim)), _row_vector(_MASK, bq), _row_vector(0.0, bq))
+            acc, m_i, l_i = _five_loops(start, own, end, step, skip, carry)
+            pl.when(wg == 0)(sched_barrier)
+
+            # A row that saw no allowed key (only with a q_offset, or padding) keeps m at
+            # the mask value: output 0 and the Triton kernel's empty LSE.
+            empty = m_i <= 0.5 * _MASK
+            inv = jnp.where(empty, 0.0, 1.0 / l_i)
+            acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+            qo_smem[...] = acc.astype(dtype)
+            lse_smem2.at[wg][...] = jnp.where(empty, _LSE_EMPTY, (m_i + jnp.log2(l_i)) * _LN2)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(q0, bq), head])
+            plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[b, head, pl.ds(q0, bq)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            blk = lambda t: pl.ds((start + t) * bk, bk)
+            k_loads = [(lambda t: k_ref.at[b, blk(t), kv_head], k_smem, k_full)]
+            if has_seg:
+                k_loads.append((lambda t: seg_ref.at[b, blk(t)], kseg_smem, kseg_full))
+            v_loads = [(lambda t: v_ref.at[b, blk(t), kv_head], v_smem, v_full)]
+            _produce(num_steps, n, [(k_consumed, k_loads), (v_consumed, v_loads)])
+
+    tf = _TRANSFORMS()
+    bufs = (
+        plgpu.SMEM((_COMPUTE_WGS, bq, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),
+        plgpu.SMEM((_COMPUTE_WGS, bq), jnp.int32) if has_seg else None,
+        plgpu.SMEM((n, bk, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((n, bk, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((n, bk), jnp.int32) if has_seg else None,
+    )
+    full = (
+        plgpu.Barrier(num_barriers=_COMPUTE_WGS),
+        plgpu.Barrier(num_barriers=n),
+        plgpu.Barrier(num_barriers=n),
+        plgpu.Barrier(num_barriers=n) if has_seg else None,
+        plgpu.Barrier(num_barriers=_COMPUTE_WGS) if has_seg else None,
+    )
+    consumed = (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=n),) * 2
+    sched = plgpu.Barrier(num_arrivals=_COMPUTE_WGS)
+    out_type = (
+        jax.ShapeDtypeStruct(q.shape, dtype),
+        jax.ShapeDtypeStruct((batch, q_heads, seq), jnp.float32),
+    )
+    call = _kernel_call(
+        body,
+        cfg,
+        out_type=out_type,
+        grid=(q_heads, seq // (_COMPUTE_WGS * bq), batch),
+        grid_names=("heads", "q_seq", "batch"),
+        scratch=(bufs, full, consumed, sched),
+    )
+    args = (q, k, v) + ((segment_ids,) if has_seg else ())
+    return call(*args)
+
+
+def mgpu_bwd(q, k, v, segment_ids, out, lse, do, cfg: MgpuConfig):
+    """Not written yet (see the module docstring's plan for the dQ and dK/dV kernels)."""
+    raise NotImplementedError("the Mosaic GPU backward kernels are not written yet")
+
+
+# ----------------------------------------------------------------------------
+# Differentiable entry point.
+# ----------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, segment_ids, cfg: MgpuConfig):
+    return mgpu_fwd(q, k, v, segment_ids, cfg)[0]
+
+
+def _flash_fwd(q, k, v, segment_ids, cfg: MgpuConfig):
+    out, lse = mgpu_fwd(q, k, v, segment_ids, cfg)
+    return out, (q, k, v, segment_ids, out, lse)
+
+
+def _flash_bwd(cfg: MgpuConfig, residuals, do):
+    q, k, v, segment_ids, out, lse = residuals
+    dq, dk, dv = mgpu_bwd(q, k, v, segment_ids, out, lse, do, cfg)
+    return dq, dk, dv, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention_mgpu(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    segment_ids=None,
+    sliding_window: int | None = None,
+    softmax_scale: float | None = None,
+    softcap: float | None = None,
+    q_offset: int = 0,
+    interpret: bool = False,
+    **blocks,
+):
+    """Attention with ``reference.attention``'s semantics on the Mosaic GPU kernels.
+
+    Inputs are validated by the caller (``flash_attention``); here only what this kernel
+    cannot do raises (``unsupported_reason``). ``blocks`` override ``default_blocks``.
+    ``interpret=True`` runs Mosaic GPU's interpreter (CPU tests).
+    """
+    batch, seq_len, q_heads, head_dim = q.shape
+    reason = unsupported_reason(head_dim=head_dim, dtype=q.dtype, softcap=softcap)
+    if reason:
+        raise NotImplementedError(reason)
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    cfg = mgpu_config(
+        causal=causal,
+        window=sliding_window,
+        scale=scale,
+        seq_len=seq_len,
+        q_heads=q_heads,
+        kv_heads=k.shape[2],
+        head_dim=head_dim,
+        q_offset=q_offset,
+        interpret=interpret,
+        **blocks,
+    )
+    return _padded(q, k, v, segment_ids, cfg=cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _padded(q, k, v, segment_ids, *, cfg: MgpuConfig):
+    pad = cfg.seq_pad - cfg.seq_len
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    if segment_ids is not None:
+        segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, pad)))
+    out = _flash(q, k, v, segment_ids, cfg)
+    return out[:, : cfg.seq_len] if pad else out
