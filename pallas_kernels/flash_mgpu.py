@@ -60,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxtrain.pallas_kernels.flash_attention import _ranges_for_kv_tile, _ranges_for_q_tile
+from jaxtrain.pallas_kernels.flash_attention import _ranges_for_q_tile
 
 __all__ = [
     "MgpuConfig",
