@@ -60,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxtrain.pallas_kernels.flash_attention import _ranges_for_q_tile
+from jaxtrain.pallas_kernels.flash_attention import _ranges_for_kv_tile, _ranges_for_q_tile
 
 __all__ = [
     "MgpuConfig",
@@ -95,12 +95,13 @@ class MgpuConfig:
     window: int | None
     scale: float
     seq_len: int  # valid length
-    seq_pad: int  # multiple of 2 * block_q, block_kv, 2 * block_kv_dkv, block_q_dkv
+    seq_pad: int  # multiple of 2 * block_q, block_kv, block_kv_dq, 2 * block_kv_dkv, block_q_dkv
     q_heads: int
     kv_heads: int
     head_dim: int
     block_q: int = 64  # rows per compute warpgroup (forward, dQ)
-    block_kv: int = 128  # streamed key block (forward, dQ)
+    block_kv: int = 128  # streamed key block (forward)
+    block_kv_dq: int = 64  # streamed key block (dQ: S, dP and dQ live in registers at once)
     block_q_dkv: int = 64  # streamed query block (dK/dV)
     block_kv_dkv: int = 64  # key rows per compute warpgroup (dK/dV)
     steps: int = 2  # shared-memory slots per stream (max_concurrent_steps)
@@ -116,8 +117,8 @@ def default_blocks(head_dim: int) -> dict:
     """JAX's tuned FA3 shape: 64-row warpgroups; K/V blocks of 128 (64 at head_dim 256, where
     two 128-row K and V slots would exceed the 227 KiB of shared memory)."""
     if head_dim > 128:
-        return dict(block_q=64, block_kv=64, block_q_dkv=64, block_kv_dkv=64, steps=2)
-    return dict(block_q=64, block_kv=128, block_q_dkv=64, block_kv_dkv=64, steps=2)
+        return dict(block_q=64, block_kv=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64, steps=2)
+    return dict(block_q=64, block_kv=128, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64, steps=2)
 
 
 def unsupported_reason(*, head_dim: int, dtype, softcap=None) -> str | None:
@@ -147,7 +148,11 @@ def mgpu_config(
     """Config with the sequence padded to a multiple of every tile."""
     b = {**default_blocks(head_dim), **blocks}
     unit = math.lcm(
-        _COMPUTE_WGS * b["block_q"], b["block_kv"], _COMPUTE_WGS * b["block_kv_dkv"], b["block_q_dkv"]
+        _COMPUTE_WGS * b["block_q"],
+        b["block_kv"],
+        b["block_kv_dq"],
+        _COMPUTE_WGS * b["block_kv_dkv"],
+        b["block_q_dkv"],
     )
     seq_pad = -(-seq_len // unit) * unit
     return MgpuConfig(
@@ -453,8 +458,289 @@ def mgpu_fwd(q, k, v, segment_ids, cfg: MgpuConfig):
 
 
 def mgpu_bwd(q, k, v, segment_ids, out, lse, do, cfg: MgpuConfig):
-    """Not written yet (see the module docstring's plan for the dQ and dK/dV kernels)."""
-    raise NotImplementedError("the Mosaic GPU backward kernels are not written yet")
+    """(dq, dk, dv) in the inputs' dtypes for padded inputs: the dQ kernel and the dK/dV kernel.
+
+    LSE goes to the kernels in log2 units, +inf for padded queries and for rows that saw no
+    key (their probabilities are then exactly 0); delta = rowsum(out * dO) is O(S) work in XLA.
+    """
+    valid = jnp.arange(q.shape[1]) < cfg.seq_len
+    empty = lse <= 0.5 * _LSE_EMPTY
+    lse2 = jnp.where(valid & ~empty, lse * _LOG2E, jnp.inf)
+    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
+    dq = _dq_call(q, k, v, do, lse2, delta, segment_ids, cfg)
+    dk, dv = _dkv_call(q, k, v, do, lse2, delta, segment_ids, cfg)
+    return dq, dk, dv
+
+
+def _dq_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
+    """dQ: each compute warpgroup owns ``block_q`` query rows (Q, dO, LSE, delta in shared
+    memory) and streams the CTA's K/V blocks like the forward; dQ stays in registers."""
+    batch, seq, q_heads, head_dim = q.shape
+    bq, bk, n = cfg.block_q, cfg.block_kv_dq, cfg.steps
+    has_seg = segment_ids is not None
+    dtype = q.dtype
+    c2 = cfg.scale * _LOG2E
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        if has_seg:
+            seg_ref, dq_ref, bufs, full, consumed = rest
+        else:
+            dq_ref, bufs, full, consumed = rest
+            seg_ref = None
+        q_smem2, do_smem2, lse_smem2, delta_smem2, qseg_smem2, k_smem, v_smem, kseg_smem = bufs
+        own_full, k_full, v_full, kseg_full = full
+        k_consumed, v_consumed = consumed
+        b = lax.axis_index("batch")
+        head = lax.axis_index("heads")
+        kv_head = lax.div(head, jnp.int32(cfg.group))
+        wg = lax.axis_index("wg")
+        cta_q0 = lax.axis_index("q_seq") * (_COMPUTE_WGS * bq)
+        start, _, _, end = _ranges_for_q_tile(cfg, cta_q0, _COMPUTE_WGS * bq, bk)
+        num_steps = end - start
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+            q0 = cta_q0 + wg * bq
+            own = _ranges_for_q_tile(cfg, q0, bq, bk)
+            rows = (b, pl.ds(q0, bq), head)
+            loads = [
+                (q_ref.at[rows], q_smem),
+                (do_ref.at[rows], do_smem),
+                (lse_ref.at[b, head, pl.ds(q0, bq)], lse_smem2.at[wg]),
+                (delta_ref.at[b, head, pl.ds(q0, bq)], delta_smem2.at[wg]),
+            ]
+            if has_seg:
+                loads.append((seg_ref.at[b, pl.ds(q0, bq)], qseg_smem2.at[wg]))
+            for j, (src, dst) in enumerate(loads):
+                plgpu.copy_gmem_to_smem(src, dst, own_full[j].at[wg])
+            for j in range(len(loads)):
+                plgpu.barrier_wait(own_full[j].at[wg])
+            row = plgpu.Layout.WGMMA.reduce(1)
+            lse = lax.broadcast_in_dim(plgpu.load(lse_smem2.at[wg], layout=row), (bq, bk), [0])
+            delta = lax.broadcast_in_dim(plgpu.load(delta_smem2.at[wg], layout=row), (bq, bk), [0])
+            q_seg = plgpu.load(qseg_smem2.at[wg], layout=row) if has_seg else None
+
+            def slot_of(t):
+                return lax.rem(t - start, jnp.int32(n))
+
+            def step(t, dq, masked):
+                slot = slot_of(t)
+                plgpu.barrier_wait(k_full.at[slot])
+                s = _mma(q_smem, k_smem.at[slot].transpose((1, 0)), (bq, bk))
+                mask = _position_mask(cfg, (bq, bk), q0, t * bk, q_axis=0) if masked else None
+                if has_seg:
+                    plgpu.barrier_wait(kseg_full.at[slot])
+                    k_seg = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                    same = lax.broadcast_in_dim(q_seg, (bq, bk), [0]) == lax.broadcast_in_dim(
+                        k_seg, (bq, bk), [1]
+                    )
+                    mask = _and_mask(mask, same)
+                plgpu.barrier_wait(v_full.at[slot])
+                dp = _mma(do_smem, v_smem.at[slot].transpose((1, 0)), (bq, bk))
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                p = jnp.exp2(s * c2 - lse)
+                if mask is not None:
+                    p = jnp.where(mask, p, 0.0)
+                ds = p * (dp - delta)
+                dq = _mma_into(dq, ds.astype(dtype), k_smem.at[slot], cfg.interpret)
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                return dq
+
+            def skip(t):
+                slot = slot_of(t)
+                plgpu.barrier_wait(k_full.at[slot])
+                if has_seg:
+                    plgpu.barrier_wait(kseg_full.at[slot])
+                plgpu.barrier_wait(v_full.at[slot])
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                plgpu.barrier_arrive(k_consumed.at[slot])
+
+            dq = _five_loops(start, own, end, step, skip, _zeros((bq, head_dim)))
+            q_smem[...] = (dq * cfg.scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            blk = lambda t: pl.ds((start + t) * bk, bk)
+            k_loads = [(lambda t: k_ref.at[b, blk(t), kv_head], k_smem, k_full)]
+            if has_seg:
+                k_loads.append((lambda t: seg_ref.at[b, blk(t)], kseg_smem, kseg_full))
+            v_loads = [(lambda t: v_ref.at[b, blk(t), kv_head], v_smem, v_full)]
+            _produce(num_steps, n, [(k_consumed, k_loads), (v_consumed, v_loads)])
+
+    tf = _TRANSFORMS()
+    bufs = (
+        plgpu.SMEM((_COMPUTE_WGS, bq, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((_COMPUTE_WGS, bq, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),
+        plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),
+        plgpu.SMEM((_COMPUTE_WGS, bq), jnp.int32) if has_seg else None,
+        plgpu.SMEM((n, bk, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((n, bk, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((n, bk), jnp.int32) if has_seg else None,
+    )
+    own_full = tuple(plgpu.Barrier(num_barriers=_COMPUTE_WGS) for _ in range(5 if has_seg else 4))
+    full = (
+        own_full,
+        plgpu.Barrier(num_barriers=n),
+        plgpu.Barrier(num_barriers=n),
+        plgpu.Barrier(num_barriers=n) if has_seg else None,
+    )
+    consumed = (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=n),) * 2
+    call = _kernel_call(
+        body,
+        cfg,
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        grid=(q_heads, seq // (_COMPUTE_WGS * bq), batch),
+        grid_names=("heads", "q_seq", "batch"),
+        scratch=(bufs, full, consumed),
+    )
+    args = (q, k, v, do, lse2, delta) + ((segment_ids,) if has_seg else ())
+    return call(*args)
+
+
+def _dkv_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
+    """dK, dV: each compute warpgroup owns ``block_kv_dkv`` key rows (K, V in shared memory);
+    the stream is (query block, query head of the GQA group) pairs, step t = block * group +
+    head, carrying Q, dO, LSE and delta, so dK/dV of the kv head sum in registers."""
+    batch, seq, q_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    bq, bk, n, g = cfg.block_q_dkv, cfg.block_kv_dkv, cfg.steps, cfg.group
+    has_seg = segment_ids is not None
+    dtype = q.dtype
+    c2 = cfg.scale * _LOG2E
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        if has_seg:
+            seg_ref, dk_ref, dv_ref, bufs, full, consumed = rest
+        else:
+            dk_ref, dv_ref, bufs, full, consumed = rest
+            seg_ref = None
+        k_smem2, v_smem2, kseg_smem2, q_smem, do_smem, lse_smem, delta_smem, qseg_smem = bufs
+        own_full, q_full, do_full, lse_full, delta_full, qseg_full = full
+        b = lax.axis_index("batch")
+        kv_head = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        cta_k0 = lax.axis_index("kv_seq") * (_COMPUTE_WGS * bk)
+        start, _, _, end = _ranges_for_kv_tile(cfg, cta_k0, _COMPUTE_WGS * bk, bq)
+        num_steps = (end - start) * g
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+            k0 = cta_k0 + wg * bk
+            own = tuple(x * g for x in _ranges_for_kv_tile(cfg, k0, bk, bq))
+            rows = (b, pl.ds(k0, bk), kv_head)
+            loads = [(k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)]
+            if has_seg:
+                loads.append((seg_ref.at[b, pl.ds(k0, bk)], kseg_smem2.at[wg]))
+            for j, (src, dst) in enumerate(loads):
+                plgpu.copy_gmem_to_smem(src, dst, own_full[j].at[wg])
+            for j in range(len(loads)):
+                plgpu.barrier_wait(own_full[j].at[wg])
+            col = plgpu.Layout.WGMMA.reduce(0)  # a vector along the query (column) axis
+            k_seg = plgpu.load(kseg_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)) if has_seg else None
+
+            def slot_of(t):
+                return lax.rem(t - start * g, jnp.int32(n))
+
+            def step(t, carry, masked):
+                dk, dv = carry
+                slot = slot_of(t)
+                q0 = lax.div(t, jnp.int32(g)) * bq
+                plgpu.barrier_wait(q_full.at[slot])
+                s_t = _mma(k_smem, q_smem.at[slot].transpose((1, 0)), (bk, bq))
+                mask = _position_mask(cfg, (bk, bq), q0, k0, q_axis=1) if masked else None
+                if has_seg:
+                    plgpu.barrier_wait(qseg_full.at[slot])
+                    q_seg = plgpu.load(qseg_smem.at[slot], layout=col)
+                    same = lax.broadcast_in_dim(k_seg, (bk, bq), [0]) == lax.broadcast_in_dim(
+                        q_seg, (bk, bq), [1]
+                    )
+                    mask = _and_mask(mask, same)
+                plgpu.barrier_wait(lse_full.at[slot])
+                lse = plgpu.load(lse_smem.at[slot], layout=col)
+                p_t = jnp.exp2(s_t * c2 - lax.broadcast_in_dim(lse, (bk, bq), [1]))
+                if mask is not None:
+                    p_t = jnp.where(mask, p_t, 0.0)
+                plgpu.barrier_wait(do_full.at[slot])
+                dv = _mma_into(dv, p_t.astype(dtype), do_smem.at[slot], cfg.interpret)
+                dp_t = _mma(v_smem, do_smem.at[slot].transpose((1, 0)), (bk, bq))
+                plgpu.barrier_wait(delta_full.at[slot])
+                delta = plgpu.load(delta_smem.at[slot], layout=col)
+                ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, (bk, bq), [1]))
+                dk = _mma_into(dk, ds_t.astype(dtype), q_smem.at[slot], cfg.interpret)
+                plgpu.barrier_arrive(consumed.at[slot])
+                return dk, dv
+
+            def skip(t):
+                slot = slot_of(t)
+                for bar in (q_full, do_full, lse_full, delta_full) + ((qseg_full,) if has_seg else ()):
+                    plgpu.barrier_wait(bar.at[slot])
+                plgpu.barrier_arrive(consumed.at[slot])
+
+            zeros = _zeros((bk, head_dim))
+            dk, dv = _five_loops(start * g, own, end * g, step, skip, (zeros, zeros))
+            k_smem[...] = (dk * cfg.scale).astype(dtype)
+            v_smem[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
+            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            blk = lambda t: pl.ds((start + lax.div(t, jnp.int32(g))) * bq, bq)
+            head = lambda t: kv_head * g + lax.rem(t, jnp.int32(g))
+            loads = [
+                (lambda t: q_ref.at[b, blk(t), head(t)], q_smem, q_full),
+                (lambda t: do_ref.at[b, blk(t), head(t)], do_smem, do_full),
+                (lambda t: lse_ref.at[b, head(t), blk(t)], lse_smem, lse_full),
+                (lambda t: delta_ref.at[b, head(t), blk(t)], delta_smem, delta_full),
+            ]
+            if has_seg:
+                loads.append((lambda t: seg_ref.at[b, blk(t)], qseg_smem, qseg_full))
+            _produce(num_steps, n, [(consumed, loads)])
+
+    tf = _TRANSFORMS()
+    bufs = (
+        plgpu.SMEM((_COMPUTE_WGS, bk, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((_COMPUTE_WGS, bk, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((_COMPUTE_WGS, bk), jnp.int32) if has_seg else None,
+        plgpu.SMEM((n, bq, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((n, bq, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((n, bq), jnp.float32),
+        plgpu.SMEM((n, bq), jnp.float32),
+        plgpu.SMEM((n, bq), jnp.int32) if has_seg else None,
+    )
+    full = (
+        tuple(plgpu.Barrier(num_barriers=_COMPUTE_WGS) for _ in range(3 if has_seg else 2)),
+        plgpu.Barrier(num_barriers=n),
+        plgpu.Barrier(num_barriers=n),
+        plgpu.Barrier(num_barriers=n),
+        plgpu.Barrier(num_barriers=n),
+        plgpu.Barrier(num_barriers=n) if has_seg else None,
+    )
+    consumed = plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=n)
+    kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
+    call = _kernel_call(
+        body,
+        cfg,
+        out_type=(kv_shape, kv_shape),
+        grid=(kv_heads, seq // (_COMPUTE_WGS * bk), batch),
+        grid_names=("heads", "kv_seq", "batch"),
+        scratch=(bufs, full, consumed),
+    )
+    args = (q, k, v, do, lse2, delta) + ((segment_ids,) if has_seg else ())
+    return call(*args)
 
 
 # ----------------------------------------------------------------------------
