@@ -104,7 +104,8 @@ class MgpuConfig:
     block_kv_dq: int = 64  # streamed key block (dQ: S, dP and dQ live in registers at once)
     block_q_dkv: int = 64  # streamed query block (dK/dV)
     block_kv_dkv: int = 64  # key rows per compute warpgroup (dK/dV)
-    steps: int = 2  # shared-memory slots per stream (max_concurrent_steps)
+    steps: int = 2  # shared-memory slots per stream (max_concurrent_steps), forward
+    steps_bwd: int = 2  # the same for the dQ and dK/dV kernels
     q_offset: int = 0
     interpret: bool = False
 
@@ -115,10 +116,17 @@ class MgpuConfig:
 
 def default_blocks(head_dim: int) -> dict:
     """JAX's tuned FA3 shape: 64-row warpgroups; K/V blocks of 128 (64 at head_dim 256, where
-    two 128-row K and V slots would exceed the 227 KiB of shared memory)."""
+    two 128-row K and V slots would exceed the 227 KiB of shared memory); the backward streams
+    64-row blocks (S, dP and the dQ accumulator share the registers)."""
     if head_dim > 128:
-        return dict(block_q=64, block_kv=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64, steps=2)
-    return dict(block_q=64, block_kv=128, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64, steps=2)
+        # The backward kernels keep two [64, 256] tiles per compute warpgroup resident (Q
+        # and dO, or K and V): 128 KiB, so one 64 KiB slot pair of the stream fits, not two.
+        return dict(
+            block_q=64, block_kv=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64, steps=2, steps_bwd=1
+        )
+    return dict(
+        block_q=64, block_kv=128, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64, steps=2, steps_bwd=2
+    )
 
 
 def unsupported_reason(*, head_dim: int, dtype, softcap=None) -> str | None:
@@ -233,8 +241,9 @@ def _and_mask(a, b):
 
 def _produce(num_steps, steps: int, groups):
     """Memory warpgroup: TMA step t's blocks into slot t % steps, refilling a slot only
-    after both compute warpgroups released it. ``groups``: (consumed barriers,
-    [(source(t) -> gmem ref, smem slots, full barriers), ...]) per release group."""
+    after both compute warpgroups released it (and waiting for the last releases).
+    ``groups``: (consumed barriers, [(source(t) -> gmem ref, smem slots, full barriers),
+    ...]) per release group."""
 
     def issue(t, slot):
         for _, loads in groups:
@@ -254,6 +263,14 @@ def _produce(num_steps, steps: int, groups):
             plgpu.barrier_wait(consumed.at[slot])
             for src, buf, full in loads:
                 plgpu.copy_gmem_to_smem(src(t), buf.at[slot], full.at[slot])
+
+    # Observe the last releases too: jax 0.11's interpreter requires every warpgroup that
+    # waited on a barrier to have seen all its phases when the kernel ends.
+    @pl.loop(jnp.maximum(num_steps - steps, 0), num_steps)
+    def _(t):
+        slot = lax.rem(t, jnp.int32(steps))
+        for consumed, _ in groups:
+            plgpu.barrier_wait(consumed.at[slot])
 
 
 def _five_loops(start, own, end, step, skip, carry):
@@ -466,7 +483,7 @@ def mgpu_bwd(q, k, v, segment_ids, out, lse, do, cfg: MgpuConfig):
     valid = jnp.arange(q.shape[1]) < cfg.seq_len
     empty = lse <= 0.5 * _LSE_EMPTY
     lse2 = jnp.where(valid & ~empty, lse * _LOG2E, jnp.inf)
-    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
+    delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
     dq = _dq_call(q, k, v, do, lse2, delta, segment_ids, cfg)
     dk, dv = _dkv_call(q, k, v, do, lse2, delta, segment_ids, cfg)
     return dq, dk, dv
@@ -476,7 +493,7 @@ def _dq_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
     """dQ: each compute warpgroup owns ``block_q`` query rows (Q, dO, LSE, delta in shared
     memory) and streams the CTA's K/V blocks like the forward; dQ stays in registers."""
     batch, seq, q_heads, head_dim = q.shape
-    bq, bk, n = cfg.block_q, cfg.block_kv_dq, cfg.steps
+    bq, bk, n = cfg.block_q, cfg.block_kv_dq, cfg.steps_bwd
     has_seg = segment_ids is not None
     dtype = q.dtype
     c2 = cfg.scale * _LOG2E
@@ -610,7 +627,7 @@ def _dkv_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
     head, carrying Q, dO, LSE and delta, so dK/dV of the kv head sum in registers."""
     batch, seq, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
-    bq, bk, n, g = cfg.block_q_dkv, cfg.block_kv_dkv, cfg.steps, cfg.group
+    bq, bk, n, g = cfg.block_q_dkv, cfg.block_kv_dkv, cfg.steps_bwd, cfg.group
     has_seg = segment_ids is not None
     dtype = q.dtype
     c2 = cfg.scale * _LOG2E
