@@ -553,8 +553,9 @@ def _dq_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
             for j in range(len(loads)):
                 plgpu.barrier_wait(own_full[j].at[wg])
             row = plgpu.Layout.WGMMA.reduce(1)
-            lse = lax.broadcast_in_dim(plgpu.load(lse_smem2.at[wg], layout=row), (bq, bk), [0])
-            delta = lax.broadcast_in_dim(plgpu.load(delta_smem2.at[wg], layout=row), (bq, bk), [0])
+            lse = plgpu.load(lse_smem2.at[wg], layout=row)
+            delta = plgpu.load(delta_smem2.at[wg], layout=row)
+            rows_of = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])  # in the step: registers
             q_seg = plgpu.load(qseg_smem2.at[wg], layout=row) if has_seg else None
 
             def slot_of(t):
@@ -575,10 +576,10 @@ def _dq_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
                 plgpu.barrier_wait(v_full.at[slot])
                 dp = _mma(do_smem, v_smem.at[slot].transpose((1, 0)), (bq, bk))
                 plgpu.barrier_arrive(v_consumed.at[slot])
-                p = jnp.exp2(s * c2 - lse)
+                p = jnp.exp2(s * c2 - rows_of(lse))
                 if mask is not None:
                     p = jnp.where(mask, p, 0.0)
-                ds = p * (dp - delta)
+                ds = p * (dp - rows_of(delta))
                 dq = _mma_into(dq, ds.astype(dtype), k_smem.at[slot], cfg.interpret)
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 return dq
