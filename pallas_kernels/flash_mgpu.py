@@ -3,17 +3,18 @@
 STATUS: forward, dQ and dK/dV kernels exist; ``flash_attention_mgpu`` (custom_vjp, padding
 to ``seq_pad`` and slicing back) matches ``jax.grad`` of the float32 reference in Mosaic GPU's
 interpreter (jax 0.12.0.1 and 0.11.2; bf16, relative max error <= ~7e-3) for GQA causal,
-causal + window, causal + segments, non-causal, window + segments, padding, head_dim 64, 128
-and 256 (``tests/test_flash_mgpu.py``), and compiles deviceless for H100 (sm_90a) under both
-jax versions, at the issue's B4 S4096 Hq32 Hkv8 D128 causal too. Not known: speed (never
-run on a GPU), register spills. Open: the forward with causal + window + segments all on
-hangs in the interpreter (both jax versions), even at seq 128 with one K block and no
-skipped step, i.e. with the same barrier sequence as causal + segments, which passes: the
-memory warpgroup never issues its first TMA while both compute warpgroups wait on it, and
-its thread sits inside the interpreter's compiled program, not in a barrier callback. That
-looks like the interpreter starving on this 2-core host rather than a phase mismatch, but
-it is not proven; the backward alone does pass that case. Not wired into ``flash_attention``
-(the dispatcher keeps Triton).
+causal + window, causal + segments, causal + window + segments, non-causal, window +
+segments, padding, head_dim 64, 128 and 256 (``tests/test_flash_mgpu.py``), and compiles
+deviceless for H100 (sm_90a) under both jax versions, at the issue's B4 S4096 Hq32 Hkv8 D128
+causal too. Not known: speed (never run on a GPU), register spills. Not wired into
+``flash_attention`` (the dispatcher keeps Triton).
+
+The interpreter runs each warpgroup as a separate XLA CPU program whose barrier waits block
+inside host callbacks; with one CPU device on a 2-core host the CPU client's threads can all
+be held by blocked waits, and a kernel then hangs (the memory warpgroup never issues its
+first TMA). That, not a barrier-phase bug, was the "causal + window + segments deadlock":
+with ``--xla_force_host_platform_device_count=8`` (tests/conftest.py sets it) the same call
+completes and matches the reference.
 
 Beside the portable kernel (``flash_attention.py``: Triton on other GPUs, Mosaic on TPU,
 the interpreter on CPU), with the same semantics (``reference.py``): causal, GQA,
