@@ -45,7 +45,6 @@ def _rel_err(x, ref):
 CASES = [
     # seq, q_heads, kv_heads, head_dim, causal, window, segment cuts, blocks
     pytest.param(128, 2, 1, 64, True, None, None, {}, id="gqa-causal"),
-    pytest.param(128, 2, 1, 64, True, None, (37, 90), {}, id="causal-segments"),
     pytest.param(256, 2, 1, 64, True, 70, (85, 170), {}, id="causal-window-segments"),
     pytest.param(128, 2, 2, 64, False, None, None, {}, id="non-causal"),
     pytest.param(128, 2, 1, 64, False, 40, (50,), {}, id="window-segments"),
