@@ -1,0 +1,855 @@
+"""FlashAttention for Hopper (sm90) written with Pallas' Mosaic GPU backend: wgmma, TMA, warp specialisation.
+
+STATUS: forward, dQ and dK/dV kernels exist; ``flash_attention_mgpu`` (custom_vjp, padding
+to ``seq_pad`` and slicing back) matches ``jax.grad`` of the float32 reference in Mosaic GPU's
+interpreter (jax 0.12.0.1 and 0.11.2; bf16, relative max error <= ~7e-3) for GQA causal,
+causal + window, causal + segments, causal + window + segments, non-causal, window +
+segments, padding, head_dim 64, 128 and 256 (``tests/test_flash_mgpu.py``), and compiles
+deviceless for H100 (sm_90a) under both jax versions, at the issue's B4 S4096 Hq32 Hkv8 D128
+causal too. Not known: speed (never run on a GPU), register spills. Not wired into
+``flash_attention`` (the dispatcher keeps Triton).
+
+The interpreter runs each warpgroup as a separate XLA CPU program whose barrier waits block
+inside host callbacks; with one CPU device on a 2-core host the CPU client's threads can all
+be held by blocked waits, and a kernel then hangs (the memory warpgroup never issues its
+first TMA). That, not a barrier-phase bug, was the "causal + window + segments deadlock":
+with ``--xla_force_host_platform_device_count=8`` (tests/conftest.py sets it) the same call
+completes and matches the reference.
+
+Beside the portable kernel (``flash_attention.py``: Triton on other GPUs, Mosaic on TPU,
+the interpreter on CPU), with the same semantics (``reference.py``): causal, GQA,
+segment ids, sliding windows (causal or symmetric) and ``q_offset``. Logit softcap is not
+implemented here (``unsupported_reason`` says so and the dispatcher keeps Triton).
+
+Learnt from JAX's ``jax/experimental/pallas/ops/gpu/attention_mgpu.py`` (FA3-style
+forward): each CTA has two compute warpgroups of ``block_q`` (64) query rows and one
+memory warpgroup that streams K/V blocks by TMA into ``steps`` shared-memory slots,
+with one "full" barrier per slot (TMA arrival) and one "consumed" barrier per slot (both
+compute warpgroups arrive); a two-arrival "schedule" barrier makes the two compute
+warpgroups take turns on the tensor cores (one's QK^T wgmma overlaps the other's
+softmax); m is kept in log2 units so exp becomes exp2 with an FMA; JAX splits the causal
+KV loop into an unmasked part and a masked diagonal. JAX's backward has no causal
+support; ours extends the same scheme:
+
+* Every kernel streams the union range of blocks its CTA needs (``_ranges_for_q_tile``
+  / ``_ranges_for_kv_tile`` of ``flash_attention.py``: causal, window and padding block
+  skipping with the same formulas as the Triton kernel). Each compute warpgroup runs
+  five loops over it: skip (before its own first block), masked edge, unmasked middle,
+  masked edge, skip (after its last). Skipped steps still wait on the slot's barriers
+  and arrive on its consumed barriers: Mosaic GPU tracks barrier phases per thread, so
+  every warpgroup must see every phase, and the memory warpgroup may only refill a
+  slot both compute warpgroups released.
+* Position masks (iota compares) run only on edge blocks; segment masks on every block
+  when segment ids are given (compared from TMA'd int32 vectors in the WGMMA layout).
+* dQ kernel: tiles of queries stream K/V (like the forward). dK/dV kernel: tiles of
+  keys stream Q/dO/LSE/delta of *every query head of the group* (GQA), so dK/dV are
+  summed in registers and written once in the input dtype (no per-query-head f32
+  partials in HBM as in JAX's and the Triton kernel).
+* Masked probabilities are zeroed with a select after exp2 in the backward, so rows
+  that see no key (a ``q_offset`` past the window) stay finite whatever their LSE.
+* The backward kernels follow JAX's ``kernel_dq`` / ``kernel_dkv`` (S^T = K Q^T tiles
+  in dK/dV, LSE and delta loaded as column vectors in ``Layout.WGMMA.reduce(0)``) without
+  the forward's schedule barrier: each step waits on its slot's full barriers and
+  releases it after its last wgmma. LSE enters in log2 units, +inf for padded queries and
+  for rows that saw no key. At head_dim 256 they keep one stream slot (``steps_bwd=1``):
+  two resident [64, 256] tiles per compute warpgroup leave room for no second one.
+* The memory warpgroup also waits on the last releases before it ends (jax 0.11's
+  interpreter requires every warpgroup that waited on a barrier to see all its phases).
+
+Layout: ``[batch, seq, heads, head_dim]`` in HBM (TMA takes the per-head
+``[block, head_dim]`` slices directly); LSE float32 ``[batch, q_heads, seq]`` in natural
+log units (1-D TMA of ``block_q`` entries). The sequence is padded to a multiple of
+every tile (``mgpu_config``) by the caller (``flash_attention_mgpu``), padded keys
+masked by position, padded queries given LSE = +inf in the backward (zero probabilities).
+
+On CPU the kernels run in Mosaic GPU's interpreter (``plgpu.InterpretGPUParams``), which
+does not implement ``pl.run_state`` on wgmma accumulators nor wgmma with a register
+operand: ``_mma_into`` then adds a fresh product (a plain dot for register operands).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxtrain.pallas_kernels.flash_attention import _ranges_for_kv_tile, _ranges_for_q_tile
+
+__all__ = [
+    "MgpuConfig",
+    "flash_attention_mgpu",
+    "mgpu_bwd",
+    "mgpu_config",
+    "mgpu_fwd",
+    "unsupported_reason",
+]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+# Masked scores (log2 units): finite, so fully masked rows give exp2(0) = 1, not NaN; an
+# allowed score is far above it, so one allowed key makes alpha = exp2(MASK - m) = 0.
+_MASK = -1e30
+_LSE_EMPTY = -0.7 * float(jnp.finfo(jnp.float32).max)  # the Triton kernel's LSE of a row that saw no key
+_COMPUTE_WGS = 2
+_HEAD_DIMS = (64, 128, 256)
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+    """Static configuration of one set of Mosaic GPU kernel calls (hashable).
+
+    ``causal``, ``window``, ``seq_len`` and ``q_offset`` carry the names
+    ``_ranges_for_q_tile`` / ``_ranges_for_kv_tile`` read, so the block-skipping
+    formulas are shared with the Triton kernel.
+    """
+
+    causal: bool
+    window: int | None
+    scale: float
+    seq_len: int  # valid length
+    seq_pad: int  # multiple of 2 * block_q, block_kv, block_kv_dq, 2 * block_kv_dkv, block_q_dkv
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    block_q: int = 64  # rows per compute warpgroup (forward, dQ)
+    block_kv: int = 128  # streamed key block (forward)
+    block_kv_dq: int = 64  # streamed key block (dQ: S, dP and dQ live in registers at once)
+    block_q_dkv: int = 64  # streamed query block (dK/dV)
+    block_kv_dkv: int = 64  # key rows per compute warpgroup (dK/dV)
+    steps: int = 2  # shared-memory slots per stream (max_concurrent_steps), forward
+    steps_bwd: int = 2  # the same for the dQ and dK/dV kernels
+    q_offset: int = 0
+    interpret: bool = False
+
+    @property
+    def group(self) -> int:
+        return self.q_heads // self.kv_heads
+
+
+def default_blocks(head_dim: int) -> dict:
+    """JAX's tuned FA3 shape: 64-row warpgroups; K/V blocks of 128 (64 at head_dim 256, where
+    two 128-row K and V slots would exceed the 227 KiB of shared memory); the backward streams
+    64-row blocks (S, dP and the dQ accumulator share the registers)."""
+    if head_dim > 128:
+        # The backward kernels keep two [64, 256] tiles per compute warpgroup resident (Q
+        # and dO, or K and V): 128 KiB, so one 64 KiB slot pair of the stream fits, not two.
+        return dict(
+            block_q=64, block_kv=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64, steps=2, steps_bwd=1
+        )
+    return dict(
+        block_q=64, block_kv=128, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64, steps=2, steps_bwd=2
+    )
+
+
+def unsupported_reason(*, head_dim: int, dtype, softcap=None) -> str | None:
+    """Why this kernel cannot run a case (the dispatcher then keeps Triton), or None."""
+    if softcap is not None:
+        return "softcap is not implemented in the Mosaic GPU kernel"
+    if head_dim not in _HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of {_HEAD_DIMS}"
+    if jnp.dtype(dtype) not in _DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} is not bfloat16/float16 (wgmma operands)"
+    return None
+
+
+def mgpu_config(
+    *,
+    causal: bool,
+    window: int | None,
+    scale: float,
+    seq_len: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    q_offset: int = 0,
+    interpret: bool = False,
+    **blocks,
+) -> MgpuConfig:
+    """Config with the sequence padded to a multiple of every tile."""
+    b = {**default_blocks(head_dim), **blocks}
+    unit = math.lcm(
+        _COMPUTE_WGS * b["block_q"],
+        b["block_kv"],
+        b["block_kv_dq"],
+        _COMPUTE_WGS * b["block_kv_dkv"],
+        b["block_q_dkv"],
+    )
+    seq_pad = -(-seq_len // unit) * unit
+    return MgpuConfig(
+        causal=bool(causal),
+        window=window,
+        scale=float(scale),
+        seq_len=seq_len,
+        seq_pad=seq_pad,
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        q_offset=int(q_offset),
+        interpret=bool(interpret),
+        **b,
+    )
+
+
+# ----------------------------------------------------------------------------
+# Helpers shared by the three kernels.
+# ----------------------------------------------------------------------------
+
+_TRANSFORMS = lambda: (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _mma_into(acc, a, b, interpret: bool):
+    """acc + a @ b on the tensor cores (wgmma), acc f32 in the WGMMA layout."""
+    if interpret:
+        if isinstance(a, jax.Array):  # the interpreter's wgmma takes shared-memory operands only
+            return acc + lax.dot(a, b[...], preferred_element_type=jnp.float32)
+        return acc + _mma(a, b, acc.shape)
+    return pl.run_state(lambda ref: plgpu.wgmma(ref, a, b))(plgpu.ACC.init(acc))
+
+
+def _mma(a, b, shape):
+    """a @ b into a fresh f32 accumulator."""
+
+    def run(ref):
+        plgpu.wgmma(ref, a, b)
+        return ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _zeros(shape):
+    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _row_vector(value, n):
+    """[n] f32 in the layout of a WGMMA tile's rows (reduced over columns)."""
+    return plgpu.layout_cast(jnp.full((n,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+
+
+def _position_mask(cfg: MgpuConfig, shape, q0, k0, *, q_axis: int):
+    """Causal / window / key-padding mask of a tile whose queries run along ``q_axis``."""
+    qpos = q0 + cfg.q_offset + plgpu.broadcasted_iota(jnp.int32, shape, q_axis, layout=plgpu.Layout.WGMMA)
+    kpos = k0 + plgpu.broadcasted_iota(jnp.int32, shape, 1 - q_axis, layout=plgpu.Layout.WGMMA)
+    mask = None
+
+    def _and(m, new):
+        return new if m is None else jnp.logical_and(m, new)
+
+    if cfg.causal:
+        mask = _and(mask, kpos <= qpos)
+    if cfg.window is not None:
+        mask = _and(mask, kpos > qpos - cfg.window)
+        if not cfg.causal:
+            mask = _and(mask, kpos < qpos + cfg.window)
+    if cfg.seq_pad != cfg.seq_len:
+        mask = _and(mask, kpos < cfg.seq_len)
+    return mask
+
+
+def _and_mask(a, b):
+    if a is None:
+        return b
+    return a if b is None else jnp.logical_and(a, b)
+
+
+def _produce(num_steps, steps: int, groups):
+    """Memory warpgroup: TMA step t's blocks into slot t % steps, refilling a slot only
+    after both compute warpgroups released it (and waiting for the last releases).
+    ``groups``: (consumed barriers, [(source(t) -> gmem ref, smem slots, full barriers),
+    ...]) per release group."""
+
+    def issue(t, slot):
+        for _, loads in groups:
+            for src, buf, full in loads:
+                plgpu.copy_gmem_to_smem(src(t), buf.at[slot], full.at[slot])
+
+    for i in range(steps):
+
+        @pl.when(i < num_steps)
+        def _():
+            issue(jnp.int32(i), i)
+
+    @pl.loop(jnp.int32(steps), num_steps)
+    def _(t):
+        slot = lax.rem(t, jnp.int32(steps))
+        for consumed, loads in groups:
+            plgpu.barrier_wait(consumed.at[slot])
+            for src, buf, full in loads:
+                plgpu.copy_gmem_to_smem(src(t), buf.at[slot], full.at[slot])
+
+    # Observe the last releases too: jax 0.11's interpreter requires every warpgroup that
+    # waited on a barrier to have seen all its phases when the kernel ends.
+    @pl.loop(jnp.maximum(num_steps - steps, 0), num_steps)
+    def _(t):
+        slot = lax.rem(t, jnp.int32(steps))
+        for consumed, _ in groups:
+            plgpu.barrier_wait(consumed.at[slot])
+
+
+def _five_loops(start, own, end, step, skip, carry):
+    """Runs stream steps [start, end): skip before own[0], masked [own0, own1), unmasked
+    [own1, own2), masked [own2, own3), skip after own[3]. ``step(t, carry, masked)``,
+    ``skip(t)``; t is the block index."""
+    lo, fl, fh, hi = own
+    lo = jnp.maximum(lo, start)
+    hi = jnp.minimum(jnp.maximum(hi, lo), end)
+    fl, fh = jnp.clip(fl, lo, hi), jnp.clip(fh, lo, hi)
+    fh = jnp.maximum(fh, fl)
+    pl.loop(start, lo)(lambda t: skip(t))
+    carry = lax.fori_loop(lo, fl, lambda t, c: step(t, c, True), carry)
+    carry = lax.fori_loop(fl, fh, lambda t, c: step(t, c, False), carry)
+    carry = lax.fori_loop(fh, hi, lambda t, c: step(t, c, True), carry)
+    pl.loop(hi, end)(lambda t: skip(t))
+    return carry
+
+
+def _kernel_call(body, cfg: MgpuConfig, *, out_type, grid, grid_names, scratch):
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
+    )
+
+
+# ----------------------------------------------------------------------------
+# Forward.
+# ----------------------------------------------------------------------------
+
+
+def mgpu_fwd(q, k, v, segment_ids, cfg: MgpuConfig):
+    """(out [B, S, Hq, D] in q's dtype, lse [B, Hq, S] f32, natural log) for padded inputs."""
+    batch, seq, q_heads, head_dim = q.shape
+    bq, bk, n = cfg.block_q, cfg.block_kv, cfg.steps
+    has_seg = segment_ids is not None
+    dtype = q.dtype
+    c2 = cfg.scale * _LOG2E  # scores in log2 units
+
+    def body(q_ref, k_ref, v_ref, *rest):
+        if has_seg:
+            seg_ref, out_ref, lse_ref, bufs, full, consumed, sched = rest
+        else:
+            out_ref, lse_ref, bufs, full, consumed, sched = rest
+            seg_ref = None
+        qo_smem2, lse_smem2, qseg_smem2, k_smem, v_smem, kseg_smem = bufs
+        q_full, k_full, v_full, kseg_full, qseg_full = full
+        k_consumed, v_consumed = consumed
+        b = lax.axis_index("batch")
+        head = lax.axis_index("heads")
+        kv_head = lax.div(head, jnp.int32(cfg.group))
+        wg = lax.axis_index("wg")
+        cta_q0 = lax.axis_index("q_seq") * (_COMPUTE_WGS * bq)
+        start, _, _, end = _ranges_for_q_tile(cfg, cta_q0, _COMPUTE_WGS * bq, bk)
+        num_steps = end - start
+
+        def sched_barrier():
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            qo_smem = qo_smem2.at[wg]
+            q0 = cta_q0 + wg * bq
+            own = _ranges_for_q_tile(cfg, q0, bq, bk)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), head], qo_smem, q_full.at[wg])
+            if has_seg:
+                plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(q0, bq)], qseg_smem2.at[wg], qseg_full.at[wg])
+                plgpu.barrier_wait(qseg_full.at[wg])
+                q_seg = plgpu.load(qseg_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+            plgpu.barrier_wait(q_full.at[wg])
+
+            def slot_of(t):
+                return lax.rem(t - start, jnp.int32(n))
+
+            def wait_next_k(t):
+                @pl.when(t + 1 < end)
+                def _():
+                    plgpu.barrier_wait(k_full.at[slot_of(t + 1)])
+
+            def step(t, carry, masked):
+                acc, m_i, l_i = carry
+                slot = slot_of(t)
+                k0 = t * bk
+                s = _mma(qo_smem, k_smem.at[slot].transpose((1, 0)), (bq, bk))
+                sched_barrier()
+                mask = _position_mask(cfg, (bq, bk), q0, k0, q_axis=0) if masked else None
+                if has_seg:
+                    plgpu.barrier_wait(kseg_full.at[slot])
+                    k_seg = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                    same = lax.broadcast_in_dim(q_seg, (bq, bk), [0]) == lax.broadcast_in_dim(
+                        k_seg, (bq, bk), [1]
+                    )
+                    mask = _and_mask(mask, same)
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                s = s * c2
+                if mask is not None:
+                    s = jnp.where(mask, s, _MASK)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha
+                p16 = p.astype(dtype)
+                # JAX's order: the row sum before the barrier pays for head_dim <= 128.
+                if head_dim <= 128:
+                    l_i = l_i + p.sum(axis=1)
+                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_full.at[slot])
+                plgpu.barrier_wait(sched)
+                if head_dim > 128:
+                    l_i = l_i + p.sum(axis=1)
+                acc = _mma_into(acc, p16, v_smem.at[slot], cfg.interpret)
+                wait_next_k(t)
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                return acc, m_new, l_i
+
+            def skip(t):
+                slot = slot_of(t)
+                if has_seg:
+                    plgpu.barrier_wait(kseg_full.at[slot])
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                sched_barrier()
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_full.at[slot])
+                plgpu.barrier_wait(sched)
+                wait_next_k(t)
+                plgpu.barrier_arrive(v_consumed.at[slot])
+
+            @pl.when(num_steps > 0)
+            def _():
+                plgpu.barrier_wait(k_full.at[0])
+
+            pl.when(wg == 1)(sched_barrier)
+            carry = (_zeros((bq, head_dim)), _row_vector(_MASK, bq), _row_vector(0.0, bq))
+            acc, m_i, l_i = _five_loops(start, own, end, step, skip, carry)
+            pl.when(wg == 0)(sched_barrier)
+
+            # A row that saw no allowed key (only with a q_offset, or padding) keeps m at
+            # the mask value: output 0 and the Triton kernel's empty LSE.
+            empty = m_i <= 0.5 * _MASK
+            inv = jnp.where(empty, 0.0, 1.0 / l_i)
+            acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+            qo_smem[...] = acc.astype(dtype)
+            lse_smem2.at[wg][...] = jnp.where(empty, _LSE_EMPTY, (m_i + jnp.log2(l_i)) * _LN2)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(q0, bq), head])
+            plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[b, head, pl.ds(q0, bq)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            blk = lambda t: pl.ds((start + t) * bk, bk)
+            k_loads = [(lambda t: k_ref.at[b, blk(t), kv_head], k_smem, k_full)]
+            if has_seg:
+                k_loads.append((lambda t: seg_ref.at[b, blk(t)], kseg_smem, kseg_full))
+            v_loads = [(lambda t: v_ref.at[b, blk(t), kv_head], v_smem, v_full)]
+            _produce(num_steps, n, [(k_consumed, k_loads), (v_consumed, v_loads)])
+
+    tf = _TRANSFORMS()
+    bufs = (
+        plgpu.SMEM((_COMPUTE_WGS, bq, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),
+        plgpu.SMEM((_COMPUTE_WGS, bq), jnp.int32) if has_seg else None,
+        plgpu.SMEM((n, bk, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((n, bk, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((n, bk), jnp.int32) if has_seg else None,
+    )
+    full = (
+        plgpu.Barrier(num_barriers=_COMPUTE_WGS),
+        plgpu.Barrier(num_barriers=n),
+        plgpu.Barrier(num_barriers=n),
+        plgpu.Barrier(num_barriers=n) if has_seg else None,
+        plgpu.Barrier(num_barriers=_COMPUTE_WGS) if has_seg else None,
+    )
+    consumed = (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=n),) * 2
+    sched = plgpu.Barrier(num_arrivals=_COMPUTE_WGS)
+    out_type = (
+        jax.ShapeDtypeStruct(q.shape, dtype),
+        jax.ShapeDtypeStruct((batch, q_heads, seq), jnp.float32),
+    )
+    call = _kernel_call(
+        body,
+        cfg,
+        out_type=out_type,
+        grid=(q_heads, seq // (_COMPUTE_WGS * bq), batch),
+        grid_names=("heads", "q_seq", "batch"),
+        scratch=(bufs, full, consumed, sched),
+    )
+    args = (q, k, v) + ((segment_ids,) if has_seg else ())
+    return call(*args)
+
+
+def mgpu_bwd(q, k, v, segment_ids, out, lse, do, cfg: MgpuConfig):
+    """(dq, dk, dv) in the inputs' dtypes for padded inputs: the dQ kernel and the dK/dV kernel.
+
+    LSE goes to the kernels in log2 units, +inf for padded queries and for rows that saw no
+    key (their probabilities are then exactly 0); delta = rowsum(out * dO) is O(S) work in XLA.
+    """
+    valid = jnp.arange(q.shape[1]) < cfg.seq_len
+    empty = lse <= 0.5 * _LSE_EMPTY
+    lse2 = jnp.where(valid & ~empty, lse * _LOG2E, jnp.inf)
+    delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+    dq = _dq_call(q, k, v, do, lse2, delta, segment_ids, cfg)
+    dk, dv = _dkv_call(q, k, v, do, lse2, delta, segment_ids, cfg)
+    return dq, dk, dv
+
+
+def _dq_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
+    """dQ: each compute warpgroup owns ``block_q`` query rows (Q, dO, LSE, delta in shared
+    memory) and streams the CTA's K/V blocks like the forward; dQ stays in registers."""
+    batch, seq, q_heads, head_dim = q.shape
+    bq, bk, n = cfg.block_q, cfg.block_kv_dq, cfg.steps_bwd
+    has_seg = segment_ids is not None
+    dtype = q.dtype
+    c2 = cfg.scale * _LOG2E
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        if has_seg:
+            seg_ref, dq_ref, bufs, full, consumed = rest
+        else:
+            dq_ref, bufs, full, consumed = rest
+            seg_ref = None
+        q_smem2, do_smem2, lse_smem2, delta_smem2, qseg_smem2, k_smem, v_smem, kseg_smem = bufs
+        own_full, k_full, v_full, kseg_full = full
+        k_consumed, v_consumed = consumed
+        b = lax.axis_index("batch")
+        head = lax.axis_index("heads")
+        kv_head = lax.div(head, jnp.int32(cfg.group))
+        wg = lax.axis_index("wg")
+        cta_q0 = lax.axis_index("q_seq") * (_COMPUTE_WGS * bq)
+        start, _, _, end = _ranges_for_q_tile(cfg, cta_q0, _COMPUTE_WGS * bq, bk)
+        num_steps = end - start
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+            q0 = cta_q0 + wg * bq
+            own = _ranges_for_q_tile(cfg, q0, bq, bk)
+            rows = (b, pl.ds(q0, bq), head)
+            loads = [
+                (q_ref.at[rows], q_smem),
+                (do_ref.at[rows], do_smem),
+                (lse_ref.at[b, head, pl.ds(q0, bq)], lse_smem2.at[wg]),
+                (delta_ref.at[b, head, pl.ds(q0, bq)], delta_smem2.at[wg]),
+            ]
+            if has_seg:
+                loads.append((seg_ref.at[b, pl.ds(q0, bq)], qseg_smem2.at[wg]))
+            for j, (src, dst) in enumerate(loads):
+                plgpu.copy_gmem_to_smem(src, dst, own_full[j].at[wg])
+            for j in range(len(loads)):
+                plgpu.barrier_wait(own_full[j].at[wg])
+            row = plgpu.Layout.WGMMA.reduce(1)
+            lse = plgpu.load(lse_smem2.at[wg], layout=row)
+            delta = plgpu.load(delta_smem2.at[wg], layout=row)
+            rows_of = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])  # in the step: registers
+            q_seg = plgpu.load(qseg_smem2.at[wg], layout=row) if has_seg else None
+
+            def slot_of(t):
+                return lax.rem(t - start, jnp.int32(n))
+
+            def step(t, dq, masked):
+                slot = slot_of(t)
+                plgpu.barrier_wait(k_full.at[slot])
+                s = _mma(q_smem, k_smem.at[slot].transpose((1, 0)), (bq, bk))
+                mask = _position_mask(cfg, (bq, bk), q0, t * bk, q_axis=0) if masked else None
+                if has_seg:
+                    plgpu.barrier_wait(kseg_full.at[slot])
+                    k_seg = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                    same = lax.broadcast_in_dim(q_seg, (bq, bk), [0]) == lax.broadcast_in_dim(
+                        k_seg, (bq, bk), [1]
+                    )
+                    mask = _and_mask(mask, same)
+                plgpu.barrier_wait(v_full.at[slot])
+                dp = _mma(do_smem, v_smem.at[slot].transpose((1, 0)), (bq, bk))
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                p = jnp.exp2(s * c2 - rows_of(lse))
+                if mask is not None:
+                    p = jnp.where(mask, p, 0.0)
+                ds = p * (dp - rows_of(delta))
+                dq = _mma_into(dq, ds.astype(dtype), k_smem.at[slot], cfg.interpret)
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                return dq
+
+            def skip(t):
+                slot = slot_of(t)
+                plgpu.barrier_wait(k_full.at[slot])
+                if has_seg:
+                    plgpu.barrier_wait(kseg_full.at[slot])
+                plgpu.barrier_wait(v_full.at[slot])
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                plgpu.barrier_arrive(k_consumed.at[slot])
+
+            dq = _five_loops(start, own, end, step, skip, _zeros((bq, head_dim)))
+            q_smem[...] = (dq * cfg.scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            blk = lambda t: pl.ds((start + t) * bk, bk)
+            k_loads = [(lambda t: k_ref.at[b, blk(t), kv_head], k_smem, k_full)]
+            if has_seg:
+                k_loads.append((lambda t: seg_ref.at[b, blk(t)], kseg_smem, kseg_full))
+            v_loads = [(lambda t: v_ref.at[b, blk(t), kv_head], v_smem, v_full)]
+            _produce(num_steps, n, [(k_consumed, k_loads), (v_consumed, v_loads)])
+
+    tf = _TRANSFORMS()
+    bufs = (
+        plgpu.SMEM((_COMPUTE_WGS, bq, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((_COMPUTE_WGS, bq, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),
+        plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),
+        plgpu.SMEM((_COMPUTE_WGS, bq), jnp.int32) if has_seg else None,
+        plgpu.SMEM((n, bk, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((n, bk, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((n, bk), jnp.int32) if has_seg else None,
+    )
+    own_full = tuple(plgpu.Barrier(num_barriers=_COMPUTE_WGS) for _ in range(5 if has_seg else 4))
+    full = (
+        own_full,
+        plgpu.Barrier(num_barriers=n),
+        plgpu.Barrier(num_barriers=n),
+        plgpu.Barrier(num_barriers=n) if has_seg else None,
+    )
+    consumed = (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=n),) * 2
+    call = _kernel_call(
+        body,
+        cfg,
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        grid=(q_heads, seq // (_COMPUTE_WGS * bq), batch),
+        grid_names=("heads", "q_seq", "batch"),
+        scratch=(bufs, full, consumed),
+    )
+    args = (q, k, v, do, lse2, delta) + ((segment_ids,) if has_seg else ())
+    return call(*args)
+
+
+def _dkv_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
+    """dK, dV: each compute warpgroup owns ``block_kv_dkv`` key rows (K, V in shared memory);
+    the stream is (query block, query head of the GQA group) pairs, step t = block * group +
+    head, carrying Q, dO, LSE and delta, so dK/dV of the kv head sum in registers."""
+    batch, seq, q_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    bq, bk, n, g = cfg.block_q_dkv, cfg.block_kv_dkv, cfg.steps_bwd, cfg.group
+    has_seg = segment_ids is not None
+    dtype = q.dtype
+    c2 = cfg.scale * _LOG2E
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        if has_seg:
+            seg_ref, dk_ref, dv_ref, bufs, full, consumed = rest
+        else:
+            dk_ref, dv_ref, bufs, full, consumed = rest
+            seg_ref = None
+        k_smem2, v_smem2, kseg_smem2, q_smem, do_smem, lse_smem, delta_smem, qseg_smem = bufs
+        own_full, q_full, do_full, lse_full, delta_full, qseg_full = full
+        b = lax.axis_index("batch")
+        kv_head = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        cta_k0 = lax.axis_index("kv_seq") * (_COMPUTE_WGS * bk)
+        start, _, _, end = _ranges_for_kv_tile(cfg, cta_k0, _COMPUTE_WGS * bk, bq)
+        num_steps = (end - start) * g
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+            k0 = cta_k0 + wg * bk
+            own = tuple(x * g for x in _ranges_for_kv_tile(cfg, k0, bk, bq))
+            rows = (b, pl.ds(k0, bk), kv_head)
+            loads = [(k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)]
+            if has_seg:
+                loads.append((seg_ref.at[b, pl.ds(k0, bk)], kseg_smem2.at[wg]))
+            for j, (src, dst) in enumerate(loads):
+                plgpu.copy_gmem_to_smem(src, dst, own_full[j].at[wg])
+            for j in range(len(loads)):
+                plgpu.barrier_wait(own_full[j].at[wg])
+            col = plgpu.Layout.WGMMA.reduce(0)  # a vector along the query (column) axis
+            k_seg = plgpu.load(kseg_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)) if has_seg else None
+
+            def slot_of(t):
+                return lax.rem(t - start * g, jnp.int32(n))
+
+            def step(t, carry, masked):
+                dk, dv = carry
+                slot = slot_of(t)
+                q0 = lax.div(t, jnp.int32(g)) * bq
+                plgpu.barrier_wait(q_full.at[slot])
+                s_t = _mma(k_smem, q_smem.at[slot].transpose((1, 0)), (bk, bq))
+                mask = _position_mask(cfg, (bk, bq), q0, k0, q_axis=1) if masked else None
+                if has_seg:
+                    plgpu.barrier_wait(qseg_full.at[slot])
+                    q_seg = plgpu.load(qseg_smem.at[slot], layout=col)
+                    same = lax.broadcast_in_dim(k_seg, (bk, bq), [0]) == lax.broadcast_in_dim(
+                        q_seg, (bk, bq), [1]
+                    )
+                    mask = _and_mask(mask, same)
+                plgpu.barrier_wait(lse_full.at[slot])
+                lse = plgpu.load(lse_smem.at[slot], layout=col)
+                p_t = jnp.exp2(s_t * c2 - lax.broadcast_in_dim(lse, (bk, bq), [1]))
+                if mask is not None:
+                    p_t = jnp.where(mask, p_t, 0.0)
+                plgpu.barrier_wait(do_full.at[slot])
+                dv = _mma_into(dv, p_t.astype(dtype), do_smem.at[slot], cfg.interpret)
+                dp_t = _mma(v_smem, do_smem.at[slot].transpose((1, 0)), (bk, bq))
+                plgpu.barrier_wait(delta_full.at[slot])
+                delta = plgpu.load(delta_smem.at[slot], layout=col)
+                ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, (bk, bq), [1]))
+                dk = _mma_into(dk, ds_t.astype(dtype), q_smem.at[slot], cfg.interpret)
+                plgpu.barrier_arrive(consumed.at[slot])
+                return dk, dv
+
+            def skip(t):
+                slot = slot_of(t)
+                for bar in (q_full, do_full, lse_full, delta_full) + ((qseg_full,) if has_seg else ()):
+                    plgpu.barrier_wait(bar.at[slot])
+                plgpu.barrier_arrive(consumed.at[slot])
+
+            zeros = _zeros((bk, head_dim))
+            dk, dv = _five_loops(start * g, own, end * g, step, skip, (zeros, zeros))
+            k_smem[...] = (dk * cfg.scale).astype(dtype)
+            v_smem[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
+            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            blk = lambda t: pl.ds((start + lax.div(t, jnp.int32(g))) * bq, bq)
+            head = lambda t: kv_head * g + lax.rem(t, jnp.int32(g))
+            loads = [
+                (lambda t: q_ref.at[b, blk(t), head(t)], q_smem, q_full),
+                (lambda t: do_ref.at[b, blk(t), head(t)], do_smem, do_full),
+                (lambda t: lse_ref.at[b, head(t), blk(t)], lse_smem, lse_full),
+                (lambda t: delta_ref.at[b, head(t), blk(t)], delta_smem, delta_full),
+            ]
+            if has_seg:
+                loads.append((lambda t: seg_ref.at[b, blk(t)], qseg_smem, qseg_full))
+            _produce(num_steps, n, [(consumed, loads)])
+
+    tf = _TRANSFORMS()
+    bufs = (
+        plgpu.SMEM((_COMPUTE_WGS, bk, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((_COMPUTE_WGS, bk, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((_COMPUTE_WGS, bk), jnp.int32) if has_seg else None,
+        plgpu.SMEM((n, bq, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((n, bq, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((n, bq), jnp.float32),
+        plgpu.SMEM((n, bq), jnp.float32),
+        plgpu.SMEM((n, bq), jnp.int32) if has_seg else None,
+    )
+    full = (
+        tuple(plgpu.Barrier(num_barriers=_COMPUTE_WGS) for _ in range(3 if has_seg else 2)),
+        plgpu.Barrier(num_barriers=n),
+        plgpu.Barrier(num_barriers=n),
+        plgpu.Barrier(num_barriers=n),
+        plgpu.Barrier(num_barriers=n),
+        plgpu.Barrier(num_barriers=n) if has_seg else None,
+    )
+    consumed = plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=n)
+    kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
+    call = _kernel_call(
+        body,
+        cfg,
+        out_type=(kv_shape, kv_shape),
+        grid=(kv_heads, seq // (_COMPUTE_WGS * bk), batch),
+        grid_names=("heads", "kv_seq", "batch"),
+        scratch=(bufs, full, consumed),
+    )
+    args = (q, k, v, do, lse2, delta) + ((segment_ids,) if has_seg else ())
+    return call(*args)
+
+
+# ----------------------------------------------------------------------------
+# Differentiable entry point.
+# ----------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, segment_ids, cfg: MgpuConfig):
+    return mgpu_fwd(q, k, v, segment_ids, cfg)[0]
+
+
+def _flash_fwd(q, k, v, segment_ids, cfg: MgpuConfig):
+    out, lse = mgpu_fwd(q, k, v, segment_ids, cfg)
+    return out, (q, k, v, segment_ids, out, lse)
+
+
+def _flash_bwd(cfg: MgpuConfig, residuals, do):
+    q, k, v, segment_ids, out, lse = residuals
+    dq, dk, dv = mgpu_bwd(q, k, v, segment_ids, out, lse, do, cfg)
+    return dq, dk, dv, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention_mgpu(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    segment_ids=None,
+    sliding_window: int | None = None,
+    softmax_scale: float | None = None,
+    softcap: float | None = None,
+    q_offset: int = 0,
+    interpret: bool = False,
+    **blocks,
+):
+    """Attention with ``reference.attention``'s semantics on the Mosaic GPU kernels.
+
+    Inputs are validated by the caller (``flash_attention``); here only what this kernel
+    cannot do raises (``unsupported_reason``). ``blocks`` override ``default_blocks``.
+    ``interpret=True`` runs Mosaic GPU's interpreter (CPU tests).
+    """
+    batch, seq_len, q_heads, head_dim = q.shape
+    reason = unsupported_reason(head_dim=head_dim, dtype=q.dtype, softcap=softcap)
+    if reason:
+        raise NotImplementedError(reason)
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    cfg = mgpu_config(
+        causal=causal,
+        window=sliding_window,
+        scale=scale,
+        seq_len=seq_len,
+        q_heads=q_heads,
+        kv_heads=k.shape[2],
+        head_dim=head_dim,
+        q_offset=q_offset,
+        interpret=interpret,
+        **blocks,
+    )
+    return _padded(q, k, v, segment_ids, cfg=cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _padded(q, k, v, segment_ids, *, cfg: MgpuConfig):
+    pad = cfg.seq_pad - cfg.seq_len
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    if segment_ids is not None:
+        segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, pad)))
+    out = _flash(q, k, v, segment_ids, cfg)
+    return out[:, : cfg.seq_len] if pad else out

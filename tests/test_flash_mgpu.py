@@ -1,0 +1,114 @@
+"""The Mosaic GPU (Hopper) flash attention (pallas_kernels/flash_mgpu.py): under the Mosaic GPU
+interpreter (jax >= 0.12), output and dq/dk/dv of ``flash_attention_mgpu`` against jax.grad
+of ``reference.attention`` in float32, bf16 inputs, for GQA causal, a sliding window, packed
+segments, non-causal, a length no tile divides (padding) and head_dim 128/256; what the
+kernel refuses; a deviceless H100 (sm_90a) compile of forward + backward is three Mosaic
+GPU kernels (forward, dQ, dK/dV) and no XLA attention."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
+
+from jaxtrain.pallas_kernels import reference  # noqa: E402
+from jaxtrain.pallas_kernels.flash_mgpu import flash_attention_mgpu, unsupported_reason  # noqa: E402
+
+BF16_TOL = 2e-2  # relative max error, as tests/test_flash_attention.py
+needs_interpreter = pytest.mark.skipif(
+    not hasattr(plgpu, "InterpretGPUParams"), reason="this jax has no Mosaic GPU interpreter"
+)
+
+
+def _inputs(seq, q_heads, kv_heads, head_dim, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    shapes = [(1, seq, q_heads, head_dim), (1, seq, kv_heads, head_dim), (1, seq, kv_heads, head_dim)]
+    shapes.append(shapes[0])
+    return [jax.random.normal(key, s, jnp.float32).astype(jnp.bfloat16) for key, s in zip(ks, shapes)]
+
+
+def _segments(seq, cuts):
+    return jnp.asarray(np.searchsorted(np.array(cuts), np.arange(seq), side="right")[None], jnp.int32)
+
+
+def _rel_err(x, ref):
+    x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
+    return float(np.max(np.abs(x - ref)) / np.max(np.abs(ref)))
+
+
+CASES = [
+    # seq, q_heads, kv_heads, head_dim, causal, window, segment cuts, blocks
+    pytest.param(128, 2, 1, 64, True, None, None, {}, id="gqa-causal"),
+    pytest.param(256, 2, 1, 64, True, 70, (85, 170), {}, id="causal-window-segments"),
+    pytest.param(128, 2, 2, 64, False, None, None, {}, id="non-causal"),
+    pytest.param(128, 2, 1, 64, False, 40, (50,), {}, id="window-segments"),
+    pytest.param(300, 2, 1, 64, True, 150, None, {}, id="padding-window"),  # 3 blocks: slot reuse
+    pytest.param(128, 2, 1, 128, True, None, None, {}, id="head-dim-128", marks=pytest.mark.slow),
+    pytest.param(128, 2, 1, 256, True, None, None, {}, id="head-dim-256", marks=pytest.mark.slow),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("seq, q_heads, kv_heads, head_dim, causal, window, cuts, blocks", CASES)
+def test_matches_reference(seq, q_heads, kv_heads, head_dim, causal, window, cuts, blocks):
+    q, k, v, do = _inputs(seq, q_heads, kv_heads, head_dim)
+    seg = None if cuts is None else _segments(seq, cuts)
+    kw = dict(causal=causal, sliding_window=window, segment_ids=seg)
+    out, vjp = jax.vjp(lambda q, k, v: flash_attention_mgpu(q, k, v, interpret=True, **kw, **blocks), q, k, v)
+    f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]
+    ref, ref_vjp = jax.vjp(lambda q, k, v: reference.attention(q, k, v, **kw), *f32(q, k, v))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    errors = {"out": _rel_err(out, ref)}
+    for name, g, x, rg in zip(("dq", "dk", "dv"), vjp(do), (q, k, v), ref_vjp(*f32(do))):
+        assert g.shape == x.shape and g.dtype == x.dtype, name
+        errors[name] = _rel_err(g, rg)
+    assert all(e <= BF16_TOL for e in errors.values()), errors
+
+
+def test_refuses_what_it_cannot_do():
+    assert unsupported_reason(head_dim=128, dtype=jnp.bfloat16) is None
+    assert "softcap" in unsupported_reason(head_dim=128, dtype=jnp.bfloat16, softcap=30.0)
+    assert "head_dim" in unsupported_reason(head_dim=96, dtype=jnp.bfloat16)
+    assert "dtype" in unsupported_reason(head_dim=64, dtype=jnp.float32)
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        flash_attention_mgpu(q, q, q, softcap=30.0)
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize(
+    "shape, kw",
+    [
+        ((1, 1000, 4, 2, 128), dict(causal=True, sliding_window=300, segments=True)),
+        ((1, 1024, 4, 2, 256), dict(causal=True)),
+    ],
+    ids=["d128-window-segments-padding", "d256"],
+)
+def test_compiles_for_h100(shape, kw):
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxtrain.sharding import targets
+
+    try:
+        devices = targets.h100_devices(num_hosts=1, gpus_per_host=1)
+    except targets.DevicelessUnavailableError as e:
+        pytest.skip(str(e))
+    s = NamedSharding(Mesh(np.array(devices), ("data",)), P())
+    b, seq, hq, hk, d = shape
+    q = jax.ShapeDtypeStruct((b, seq, hq, d), jnp.bfloat16, sharding=s)
+    k = jax.ShapeDtypeStruct((b, seq, hk, d), jnp.bfloat16, sharding=s)
+    seg = jax.ShapeDtypeStruct((b, seq), jnp.int32, sharding=s) if kw.pop("segments", False) else None
+
+    def loss(q, k, v, seg):
+        return jnp.sum(flash_attention_mgpu(q, k, v, segment_ids=seg, **kw).astype(jnp.float32) ** 2)
+
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, seg).compile().as_text()
+    assert hlo.count('custom_call_target="mosaic_gpu') == 3, targets.custom_call_targets(hlo)
+    assert " dot(" not in hlo
