@@ -9,13 +9,15 @@ and a model built directly with `auto` runs `xla`):
   not the probabilities;
 - "pallas": the Pallas flash kernel, run inside `shard_map` over the batch and
   head mesh axes (Mosaic/Triton kernels cannot be partitioned by XLA);
+- "pallas_mosaic": the same, with the Hopper kernel written for Pallas' Mosaic GPU backend
+  (pallas_kernels/flash_mgpu.py) in place of the Triton one;
 - "cudnn": cuDNN's fused attention (GPU), split the same way; batches whose rows pack
   several documents run the Pallas kernel instead (pallas_kernels/cudnn_attention.py).
 When the mesh in context has a `context` axis > 1 (the `seq` activations are
 sharded over it), `context_impl` picks ring attention or DeepSpeed-Ulysses
 instead, combined with the same batch/head sharding; `impl` then only picks the
-per-block compute (flash kernel or XLA; cudnn blocks run the flash kernel, whose
-log-sum-exp the ring combines). Sequences are then in zig-zag order
+per-block compute (flash kernel or XLA; cudnn and pallas_mosaic blocks run the Triton flash
+kernel, whose log-sum-exp the ring combines). Sequences are then in zig-zag order
 (`sharding.context`, applied to every batch by the trainer).
 """
 
@@ -111,7 +113,7 @@ def attend(
                 softcap=softcap,
             )
         )
-    if impl == "pallas":
+    if impl in ("pallas", "pallas_mosaic"):
         return _pallas_attention(
             q,
             k,
@@ -121,6 +123,7 @@ def attend(
             sliding_window=sliding_window,
             scale=softmax_scale,
             softcap=softcap,
+            gpu_kernel="mosaic" if impl == "pallas_mosaic" else "triton",
         )
     if impl == "cudnn":
         return _cudnn_attention(
@@ -132,7 +135,7 @@ def attend(
             sliding_window=sliding_window,
             scale=softmax_scale,
         )
-    raise ValueError(f"attention impl={impl!r}: expected one of auto, xla, pallas, cudnn")
+    raise ValueError(f"attention impl={impl!r}: expected one of auto, xla, pallas, pallas_mosaic, cudnn")
 
 
 def _named(out):
@@ -191,7 +194,9 @@ def _cudnn_attention(q, k, v, *, segment_ids, causal, sliding_window, scale=None
     )
 
 
-def _pallas_attention(q, k, v, *, segment_ids, causal, sliding_window, scale=None, softcap=None):
+def _pallas_attention(
+    q, k, v, *, segment_ids, causal, sliding_window, scale=None, softcap=None, gpu_kernel="triton"
+):
     """The flash kernel per shard (`_shards`)."""
     mesh, batch_axes, head_axes = _shards(q)
     return sharded_flash_attention(
@@ -206,6 +211,7 @@ def _pallas_attention(q, k, v, *, segment_ids, causal, sliding_window, scale=Non
         sliding_window=sliding_window,
         softmax_scale=scale,
         softcap=softcap,
+        gpu_kernel=gpu_kernel,
     )
 
 
@@ -239,7 +245,7 @@ def _context_attention(
         load_balanced=True,
         batch_axes=batch_axes,
         head_axes=head_axes,
-        block_impl="pallas" if impl == "cudnn" else impl,
+        block_impl="pallas" if impl in ("cudnn", "pallas_mosaic") else impl,
         sliding_window=sliding_window,
         softmax_scale=softmax_scale,
         softcap=softcap,

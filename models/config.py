@@ -30,7 +30,9 @@ REMAT_AUTO = "auto"
 CHECKPOINT_NAMES = ("layer_input", "qkv_proj", "context", "out_proj", "mlp_in", "mlp_out")
 REMAT_CUSTOM_MODES = ("device", "offload", "recompute")
 FP8_HISTORY_DEFAULT = 1024
-ATTENTION_IMPLS = ("auto", "xla", "pallas", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_mosaic", "cudnn")
+# The Hopper kernel of `pallas_mosaic` (pallas_kernels/flash_mgpu.py): its wgmma tiles
+MOSAIC_HEAD_DIMS = (64, 128, 256)
 CONTEXT_IMPLS = ("ring", "ulysses")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_SCALINGS = (None, "linear", "llama3")
@@ -326,6 +328,8 @@ class ModelConfig:
                 f"model.attention_impl=cudnn with model.compute_dtype={self.compute_dtype}: cuDNN's "
                 "attention takes bfloat16 or float16; expected one of those, or attention_impl pallas/xla"
             )
+        if self.attention_impl == "pallas_mosaic":
+            self._check_mosaic_attention()
         if self.cpu_tuning not in (True, False, "auto"):
             raise ValueError(f"model.cpu_tuning={self.cpu_tuning!r}: expected auto, true or false")
         if self.rope_scaling not in ROPE_SCALINGS:
@@ -403,6 +407,25 @@ class ModelConfig:
             raise ValueError(
                 f"model.attention_softcap={self.attention_softcap} with model.attention_impl=cudnn: "
                 "cuDNN's attention takes no softcap; expected attention_impl pallas, xla or auto"
+            )
+
+    def _check_mosaic_attention(self) -> None:
+        """What the Mosaic GPU flash kernel (Hopper) takes, named at the door."""
+        what = "model.attention_impl=pallas_mosaic (the Hopper flash kernel)"
+        if self.compute_dtype not in ("bfloat16", "float16"):
+            raise ValueError(
+                f"{what} with model.compute_dtype={self.compute_dtype}: its wgmma operands are 16-bit; "
+                "expected bfloat16 or float16, or attention_impl pallas"
+            )
+        if self.resolved_head_dim not in MOSAIC_HEAD_DIMS:
+            raise ValueError(
+                f"{what} with head_dim {self.resolved_head_dim}: expected one of {MOSAIC_HEAD_DIMS}, "
+                "or attention_impl pallas"
+            )
+        if self.attention_softcap is not None:
+            raise ValueError(
+                f"{what} with model.attention_softcap={self.attention_softcap}: it takes no softcap; "
+                "expected attention_impl pallas"
             )
 
     @property

@@ -206,7 +206,8 @@ def flash_attention_any_length(q, k, v, *, backend=None, **kwargs):
     the TPU kernels' VMEM. A non-causal sliding window always calls ``flash_attention``
     (chunked attention's windows are causal)."""
     resolved = backend or resolve_backend(q)
-    if resolved == "tpu" and (kwargs.get("sliding_window") is None or kwargs.get("causal", False)):
+    window_ok = kwargs.get("sliding_window") is None or kwargs.get("causal", False)
+    if resolved == "tpu" and window_ok and kwargs.get("gpu_kernel", "triton") == "triton":
         chunks = flash_chunks_needed(
             q.shape[1], q.shape[3], q.dtype, backend=resolved, block_sizes=kwargs.get("block_sizes")
         )

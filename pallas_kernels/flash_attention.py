@@ -83,6 +83,9 @@ __all__ = [
 # Finite stand-in for -inf: keeps exp() and max() free of inf - inf = NaN.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _BACKENDS = ("tpu", "gpu", "cpu")
+# The GPU kernel family: this file's Triton kernels (any GPU), or the Hopper (sm90) kernels of
+# flash_mgpu.py written for Pallas' Mosaic GPU backend (wgmma, TMA, warp specialisation).
+GPU_KERNELS = ("triton", "mosaic")
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # TPU blocks carry the sequence on the lane axis in some operands (LSE rows,
 # segment-id rows), hence multiples of 128 rather than 8.
@@ -1177,6 +1180,7 @@ def flash_attention(
     block_sizes: BlockSizes | None = None,
     backend: str | None = None,
     interpret: bool | None = None,
+    gpu_kernel: str = "triton",
 ):
     """Memory-efficient exact attention as Pallas kernels (forward and backward).
 
@@ -1197,6 +1201,9 @@ def flash_attention(
         arrays' devices, the mesh in context, or jax's default backend.
       interpret: run the kernels in the Pallas interpreter. Defaults to True on
         'cpu' (the only way to run there), False elsewhere.
+      gpu_kernel: 'triton' (these kernels) or 'mosaic' (``flash_mgpu.py``: Hopper only,
+        16-bit inputs, head_dim 64/128/256, no softcap; on 'cpu' its own interpreter). Not
+        for TPU. ``block_sizes`` apply to the Triton kernels only.
 
     Returns:
       [batch, seq, q_heads, head_dim] in q's dtype. Differentiable in q, k, v.
@@ -1255,6 +1262,21 @@ def flash_attention(
         interpret = backend == "cpu"
     if backend == "cpu" and not interpret:
         raise ValueError("backend='cpu' only runs in interpret mode (interpret=True or None)")
+    if gpu_kernel not in GPU_KERNELS:
+        raise ValueError(f"gpu_kernel must be one of {GPU_KERNELS}, got {gpu_kernel!r}")
+    if gpu_kernel == "mosaic":
+        return _mosaic_gpu_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            segment_ids=segment_ids,
+            sliding_window=sliding_window,
+            softmax_scale=softmax_scale,
+            softcap=softcap,
+            backend=backend,
+            interpret=bool(interpret),
+        )
 
     # Triton blocks must be powers of two in every dim: pad head_dim with zeros
     # (zero q/k columns add nothing to scores; zero v columns are sliced off).
@@ -1279,6 +1301,18 @@ def flash_attention(
         softcap=softcap,
     )
     return _flash_padded(q, k, v, segment_ids, cfg=cfg, head_dim=head_dim)
+
+
+def _mosaic_gpu_attention(q, k, v, *, backend: str, interpret: bool, softcap, **kwargs):
+    """The Hopper kernels of flash_mgpu.py for inputs ``flash_attention`` validated."""
+    if backend == "tpu":
+        raise ValueError("gpu_kernel='mosaic' is a Hopper GPU kernel; the backend here is tpu")
+    from jaxtrain.pallas_kernels.flash_mgpu import flash_attention_mgpu, unsupported_reason
+
+    reason = unsupported_reason(head_dim=q.shape[3], dtype=q.dtype, softcap=softcap)
+    if reason:
+        raise ValueError(f"gpu_kernel='mosaic' cannot run this case: {reason}; expected gpu_kernel='triton'")
+    return flash_attention_mgpu(q, k, v, interpret=interpret, **kwargs)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "head_dim"))

@@ -6,8 +6,9 @@ interpreter (jax 0.12.0.1 and 0.11.2; bf16, relative max error <= ~7e-3) for GQA
 causal + window, causal + segments, causal + window + segments, non-causal, window +
 segments, padding, head_dim 64, 128 and 256 (``tests/test_flash_mgpu.py``), and compiles
 deviceless for H100 (sm_90a) under both jax versions, at the issue's B4 S4096 Hq32 Hkv8 D128
-causal too. Not known: speed (never run on a GPU), register spills. Not wired into
-``flash_attention`` (the dispatcher keeps Triton).
+causal too. Not known: speed (never run on a GPU), register spills. Reached through
+``flash_attention(..., gpu_kernel="mosaic")`` and ``model.attention_impl: pallas_mosaic``;
+``auto`` does not choose it until a measured row says it is faster (planning/attention_speeds.py).
 
 The interpreter runs each warpgroup as a separate XLA CPU program whose barrier waits block
 inside host callbacks; with one CPU device on a 2-core host the CPU client's threads can all
@@ -76,10 +77,12 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxtrain.pallas_kernels.flash_attention import _ranges_for_kv_tile, _ranges_for_q_tile
+from jaxtrain.pallas_kernels.remat_names import ATTENTION_RESIDUALS
 
 __all__ = [
     "MgpuConfig",
@@ -792,6 +795,9 @@ def _flash(q, k, v, segment_ids, cfg: MgpuConfig):
 
 def _flash_fwd(q, k, v, segment_ids, cfg: MgpuConfig):
     out, lse = mgpu_fwd(q, k, v, segment_ids, cfg)
+    # Named as the Triton kernel names its own (remat_names.py): a remat policy keeping
+    # `context` then saves these, and the backward runs no second forward kernel.
+    out, lse = (checkpoint_name(x, ATTENTION_RESIDUALS) for x in (out, lse))
     return out, (q, k, v, segment_ids, out, lse)
 
 

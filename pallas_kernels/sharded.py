@@ -38,6 +38,7 @@ def sharded_flash_attention(
     softcap: float | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
+    gpu_kernel: str = "triton",
 ):
     """``flash_attention`` over global ``[batch, seq, heads, head_dim]`` arrays on ``mesh``
     (``shard_attention`` says how it is split). The backend follows the mesh's devices
@@ -52,6 +53,7 @@ def sharded_flash_attention(
         block_sizes=block_sizes,
         interpret=interpret,
         backend=None if mesh is None else mesh_backend(mesh),
+        gpu_kernel=gpu_kernel,
     )
     kernel = lambda q, k, v, seg: flash_attention_any_length(q, k, v, segment_ids=seg, **kwargs)
     return shard_attention(

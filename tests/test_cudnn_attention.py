@@ -147,3 +147,28 @@ def test_rows_that_may_pack_documents_also_compile_the_flash_kernel(tmp_path):
 def test_context_parallel_runs_the_flash_kernel_in_the_ring():
     calls = _compiled_kernels(8, "mesh.fsdp=4", "mesh.context=2", "model.n_layers=1")
     assert TRITON in calls and not (CUDNN & calls), calls
+
+
+@pytest.mark.deviceless
+def test_pallas_mosaic_compiles_to_the_hopper_kernels_alone():
+    """`model.attention_impl: pallas_mosaic` on an H100: the step's attention is the Mosaic GPU
+    flash kernels (forward, dQ, dK/dV), with neither cuDNN nor the Triton kernel beside them."""
+    calls = _compiled_kernels(1, "data.source=synthetic", "model.attention_impl=pallas_mosaic")
+    assert any(c.startswith("mosaic_gpu") for c in calls), calls
+    assert TRITON not in calls and not (CUDNN & calls), calls
+
+
+def test_auto_takes_the_hopper_kernel_only_where_measured_faster(monkeypatch):
+    """The rule reads the table: with a (hypothetical) H100 row for pallas_mosaic above cuDNN's,
+    auto picks it on an H100 but not on an A100 (not Hopper) nor with a softcap or head_dim 96;
+    without such a row (today), it never does."""
+    from jaxtrain.planning import attention_speeds as speeds
+
+    args = dict(head_dim=128, window=False, compute_dtype="bfloat16")
+    assert choose_gpu_attention(chip="h100", **args)[0] == "cudnn"
+    row = speeds.Speed("h100", 128, False, "pallas_mosaic", 450.0, "hypothetical")
+    monkeypatch.setattr(speeds, "SPEEDS", (*speeds.SPEEDS, row))
+    assert speeds.choose_gpu_attention(chip="h100", **args)[0] == "pallas_mosaic"
+    assert speeds.choose_gpu_attention(chip="a100", **args)[0] != "pallas_mosaic"
+    assert speeds.choose_gpu_attention(chip="h100", **{**args, "head_dim": 96})[0] != "pallas_mosaic"
+    assert speeds.choose_gpu_attention(chip="h100", softcap=True, **args)[0] == "pallas"

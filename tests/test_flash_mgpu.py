@@ -7,7 +7,10 @@ GPU kernels (forward, dQ, dK/dV) and no XLA attention."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import re
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -112,3 +115,49 @@ def test_compiles_for_h100(shape, kw):
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, seg).compile().as_text()
     assert hlo.count('custom_call_target="mosaic_gpu') == 3, targets.custom_call_targets(hlo)
     assert " dot(" not in hlo
+
+
+@needs_interpreter
+def test_the_dispatch_routes_to_it_and_refuses_by_name():
+    """`flash_attention(gpu_kernel="mosaic")` (what `model.attention_impl: pallas_mosaic` calls)
+    runs this kernel, here in its interpreter, and its output and statistics are the `context`
+    residuals a remat policy keeps; what it cannot run is refused at the door, naming the key."""
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from jaxtrain.pallas_kernels import flash_attention
+    from tests.conftest import tiny_config
+
+    q, k, v, _ = _inputs(128, 2, 1, 64)
+    out = flash_attention(q, k, v, causal=True, gpu_kernel="mosaic")
+    ref = reference.attention(*(x.astype(jnp.float32) for x in (q, k, v)), causal=True)
+    assert _rel_err(out, ref) <= BF16_TOL
+
+    # Traced only (the interpreter's callbacks cannot sit under jax.checkpoint): the kernel's
+    # output and f32 log-sum-exp are what a policy keeping `context` saves (q is an argument).
+    kernel = lambda q: flash_attention(q, k, v, causal=True, backend="gpu", gpu_kernel="mosaic")
+    f = lambda q: jnp.sum(jnp.tanh(kernel(jnp.sin(q))).astype(jnp.float32))
+    policy = jax.checkpoint_policies.save_only_these_names("context")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print_saved_residuals(jax.checkpoint(f, policy=policy), q)
+    kept = re.findall(r"^(\w+\[[\d,]*\]) (?!from the argument|from a constant)", printed.getvalue(), re.M)
+    assert sorted(kept) == ["bf16[1,128,2,64]", "f32[1,2,128]"], printed.getvalue()
+
+    with pytest.raises(ValueError, match="gpu_kernel must be one of"):
+        flash_attention(q, k, v, gpu_kernel="cuda")
+    with pytest.raises(ValueError, match="gpu_kernel='mosaic' cannot run this case: head_dim 96"):
+        z = jnp.zeros((1, 128, 2, 96), jnp.bfloat16)
+        flash_attention(z, z, z, gpu_kernel="mosaic")
+    with pytest.raises(ValueError, match="Hopper GPU kernel; the backend here is tpu"):
+        flash_attention(q, k, v, backend="tpu", gpu_kernel="mosaic")
+    tiny_config(
+        None, "model.attention_impl=pallas_mosaic", "model.compute_dtype=bfloat16", "model.head_dim=64"
+    )
+    for override, expected in [
+        ("model.compute_dtype=float32", "pallas_mosaic .*float32: its wgmma operands are 16-bit"),
+        ("model.head_dim=48", "pallas_mosaic .*head_dim 48: expected one of \\(64, 128, 256\\)"),
+        ("model.attention_softcap=30.0", "pallas_mosaic .*attention_softcap=30.0: it takes no softcap"),
+    ]:
+        with pytest.raises(ValueError, match=expected):
+            base = ("model.attention_impl=pallas_mosaic", "model.compute_dtype=bfloat16", "model.head_dim=64")
+            tiny_config(None, *base, override)

@@ -21,7 +21,7 @@ class Speed:
     chip: str  # sharding/hardware.py chip name: "h100", "h200"
     head_dim: int
     window: bool  # a sliding window (causal) rather than plain causal attention
-    impl: str  # "cudnn" | "pallas" | "xla"
+    impl: str  # "cudnn" | "pallas" (Triton) | "pallas_mosaic" (Hopper) | "xla"
     tflops: float  # fwd+bwd, causal FLOPs counted as half the dense ones
     source: str  # date, machine and command
 
@@ -57,12 +57,37 @@ def cudnn_cannot(*, chip: str | None, head_dim: int, compute_dtype: str, softcap
     return None
 
 
+# The Hopper flash kernel (pallas_kernels/flash_mgpu.py, `pallas_mosaic`): sm90 chips only. It
+# has no row above yet (never timed on a GPU), so `auto` does not pick it; its first rows
+# come from `benchmarks/attention.py --gpu`.
+MOSAIC_CHIPS = ("h100", "h200")
+
+
+def mosaic_cannot(
+    *, chip: str | None, head_dim: int, compute_dtype: str, softcap: bool = False
+) -> str | None:
+    """Why the Mosaic GPU flash kernel cannot run this case (None: it can)."""
+    from jaxtrain.models.config import MOSAIC_HEAD_DIMS
+
+    if chip not in MOSAIC_CHIPS:
+        return f"chip {chip or 'unknown'}: the Mosaic GPU kernel is for Hopper ({', '.join(MOSAIC_CHIPS)})"
+    if softcap:
+        return "a logit softcap"
+    if compute_dtype not in CUDNN_DTYPES:
+        return f"model.compute_dtype={compute_dtype}: its wgmma operands are bfloat16 or float16"
+    if head_dim not in MOSAIC_HEAD_DIMS:
+        return f"head_dim={head_dim}: it takes {MOSAIC_HEAD_DIMS}"
+    return None
+
+
 def choose_gpu_attention(
     *, chip: str | None, head_dim: int, window: bool, compute_dtype: str, softcap: bool = False
 ) -> tuple[str, str]:
     """(impl, why) for a GPU run: the fastest measured implementation that can run the case."""
     why_not = cudnn_cannot(chip=chip, head_dim=head_dim, compute_dtype=compute_dtype, softcap=softcap)
     candidates = {"pallas", "xla"} | (set() if why_not else {"cudnn"})
+    if not mosaic_cannot(chip=chip, head_dim=head_dim, compute_dtype=compute_dtype, softcap=softcap):
+        candidates.add("pallas_mosaic")
     rows = [s for s in SPEEDS if s.impl in candidates and s.window == window] or [
         s for s in SPEEDS if s.impl in candidates
     ]

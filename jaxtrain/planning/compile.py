@@ -396,7 +396,7 @@ def compile_report(
         report["suggestions"] = suggestions(cfg, report)
         return report
     except Exception as e:  # the flash kernel refused these shapes: say so and compile with XLA's
-        if cfg.model.attention_impl != "pallas":
+        if cfg.model.attention_impl not in ("pallas", "pallas_mosaic"):
             raise
         report["notes"].append(
             f"pallas attention failed to compile ({_first_line(str(e))[:200]}); "

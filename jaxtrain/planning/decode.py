@@ -203,7 +203,7 @@ def _compile_one(name: str, jitted, args, mesh, rules, cfg: Config, target: Targ
     except Exception as e:  # the device compiler's own errors: out of memory is a verdict
         text = str(e)
         if not is_out_of_memory(text):
-            if cfg.model.attention_impl != "pallas":
+            if cfg.model.attention_impl not in ("pallas", "pallas_mosaic"):
                 raise
             raise _PallasRefused(
                 f"pallas attention failed to compile the {name} ({_first_line(text)[:200]}); "
