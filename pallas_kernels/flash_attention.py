@@ -47,7 +47,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +57,7 @@ from jax.experimental import pallas as pl
 
 from jaxtrain.pallas_kernels.mesh_utils import device_kind, resolve_backend
 from jaxtrain.pallas_kernels.remat_names import ATTENTION_RESIDUALS
+from jaxtrain.pallas_kernels.tile_ranges import PY_OPS, ranges_for_kv_tile, ranges_for_q_tile
 
 __all__ = [
     "KERNEL_MATMULS",
@@ -295,83 +295,6 @@ def _softmax_grad(p, dp, delta, dcap):
     return ds if dcap is None else ds * dcap
 
 
-@dataclasses.dataclass(frozen=True)
-class _Ops:
-    div: Any
-    max: Any
-    min: Any
-
-
-# Non-negative integer arithmetic on traced scalars (inside kernels) or on
-# Python ints (cost estimates), so both use the same range formulas.
-_JNP_OPS = _Ops(div=lax.div, max=jnp.maximum, min=jnp.minimum)
-_PY_OPS = _Ops(div=lambda a, b: a // b, max=max, min=min)
-
-
-def _ranges_for_q_tile(cfg: FlashConfig, q0, bq: int, bk: int, ops: _Ops = _JNP_OPS):
-    """For the query tile [q0, q0+bq): kv block ranges (lo, full_lo, full_hi, hi).
-
-    Blocks in [lo, hi) hold at least one allowed (query, key) pair (segments
-    aside; blocks of only padded keys are excluded); blocks in [full_lo, full_hi)
-    need no position mask at all.
-    """
-    q0 = q0 + cfg.q_offset  # positions from here on
-    cdiv = lambda a, b: ops.div(a + (b - 1), b)
-    n_valid = -(-cfg.seq_len // bk)
-    w = cfg.window
-    # Last allowed key of the tile's last query, first allowed key of its first query.
-    if cfg.causal:
-        hi = ops.min(cdiv(q0 + bq, bk), n_valid)
-    elif w is not None:
-        hi = ops.min(cdiv(q0 + bq - 1 + w, bk), n_valid)
-    else:
-        hi = n_valid
-    lo = ops.div(ops.max(q0 - w + 1, 0), bk) if w is not None else 0 * q0
-    # Fully allowed blocks: every key <= every query (causal), inside the window
-    # for every query, and no padded key.
-    full_hi = cfg.seq_len // bk
-    if cfg.causal:
-        full_hi = ops.min(ops.div(q0 + 1, bk), full_hi)
-    elif w is not None:
-        full_hi = ops.min(ops.div(q0 + w, bk), full_hi)
-    full_lo = cdiv(ops.max(q0 + bq - w, 0), bk) if w is not None else 0 * q0
-    full_lo = ops.min(ops.max(full_lo, lo), hi)
-    full_hi = ops.min(ops.max(full_hi, full_lo), hi)
-    return lo, full_lo, full_hi, hi
-
-
-def _ranges_for_kv_tile(cfg: FlashConfig, k0, bk: int, bq: int, ops: _Ops = _JNP_OPS):
-    """For the key tile [k0, k0+bk): query block ranges (lo, full_lo, full_hi, hi)."""
-    cdiv = lambda a, b: ops.div(ops.max(a, 0) + (b - 1), b)  # of a query index, never < 0
-    n_valid = -(-cfg.seq_len // bq)
-    w = cfg.window
-    # The key's position less the queries' offset: query index i sits at position i + offset.
-    k0 = k0 - cfg.q_offset
-    # First query that may see a key of this tile, last one.
-    if cfg.causal:
-        lo = ops.div(ops.max(k0, 0), bq)
-    elif w is not None:
-        lo = ops.div(ops.max(k0 - w + 1, 0), bq)
-    else:
-        lo = 0 * k0
-    if w is not None:
-        hi = ops.min(cdiv(k0 + bk - 1 + w, bq), n_valid)
-    else:
-        hi = n_valid + 0 * k0
-    # Fully allowed q blocks. Padded queries need no mask here: their dO is 0 and
-    # their LSE is +inf, so they contribute exactly 0 to dK and dV.
-    if cfg.causal:
-        full_lo = cdiv(k0 + bk - 1, bq)
-    elif w is not None:
-        full_lo = cdiv(k0 + bk - w, bq)
-    else:
-        full_lo = lo
-    full_hi = ops.div(ops.max(k0 + w, 0), bq) if w is not None else hi
-    full_lo = ops.min(ops.max(full_lo, lo), hi)
-    full_hi = ops.min(ops.max(full_hi, full_lo), hi)
-    return lo, full_lo, full_hi, hi
-
-
 def _masked_loops(ranges, body):
     """Runs body(j, carry, masked) over [lo, fl) masked, [fl, fh) unmasked, [fh, hi) masked."""
     lo, fl, fh, hi = ranges
@@ -420,7 +343,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, cfg: FlashConfig, has_segments: bool
         jnp.zeros((bq, 1), jnp.float32),
         jnp.zeros((bq, q.shape[-1]), jnp.float32),
     )
-    ranges = _ranges_for_q_tile(cfg, q0, bq, bk)
+    ranges = ranges_for_q_tile(cfg, q0, bq, bk)
     m, l, acc = _masked_loops(ranges, body)(carry)
     # A row that saw no allowed key keeps m at the mask value (an allowed score is far
     # above it) and summed exp(0) = 1 per masked entry: its output is 0 and its LSE the mask
@@ -459,7 +382,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, cfg: Flas
         return dq + _dot_nn(ds.astype(k.dtype), k, prec)
 
     dq = jnp.zeros((bq, q.shape[-1]), jnp.float32)
-    dq = _masked_loops(_ranges_for_q_tile(cfg, q0, bq, bk), body)(dq)
+    dq = _masked_loops(ranges_for_q_tile(cfg, q0, bq, bk), body)(dq)
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
@@ -480,7 +403,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, cfg: Fla
         return _kv_tile_step(cfg, carry, i, masked, refs, k, v, kv_seg, k0)[:2]
 
     zeros = jnp.zeros((bk, k.shape[-1]), jnp.float32)
-    dk, dv = _masked_loops(_ranges_for_kv_tile(cfg, k0, bk, bq), body)((zeros, zeros))
+    dk, dv = _masked_loops(ranges_for_kv_tile(cfg, k0, bk, bq), body)((zeros, zeros))
     dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -564,7 +487,7 @@ def _fused_bwd_kernel(
         return dk, dv
 
     zeros = jnp.zeros((bk, k.shape[-1]), jnp.float32)
-    dk, dv = _masked_loops(_ranges_for_kv_tile(cfg, k0, bk, bq), body)((zeros, zeros))
+    dk, dv = _masked_loops(ranges_for_kv_tile(cfg, k0, bk, bq), body)((zeros, zeros))
     dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
     if acc_ref is not dq_ref:
@@ -679,11 +602,11 @@ def _visited_blocks(cfg: FlashConfig, kind: str) -> int:
     total = 0
     if kind in ("dkv", "fused"):
         for t in range(cfg.seq_pad // bk):
-            lo, _, _, hi = _ranges_for_kv_tile(cfg, t * bk, bk, bq, _PY_OPS)
+            lo, _, _, hi = ranges_for_kv_tile(cfg, t * bk, bk, bq, PY_OPS)
             total += max(hi - lo, 0)
     else:
         for t in range(cfg.seq_pad // bq):
-            lo, _, _, hi = _ranges_for_q_tile(cfg, t * bq, bq, bk, _PY_OPS)
+            lo, _, _, hi = ranges_for_q_tile(cfg, t * bq, bq, bk, PY_OPS)
             total += max(hi - lo, 0)
     return total * bq * bk
 

@@ -32,8 +32,8 @@ softmax); m is kept in log2 units so exp becomes exp2 with an FMA; JAX splits th
 KV loop into an unmasked part and a masked diagonal. JAX's backward has no causal
 support; ours extends the same scheme:
 
-* Every kernel streams the union range of blocks its CTA needs (``_ranges_for_q_tile``
-  / ``_ranges_for_kv_tile`` of ``flash_attention.py``: causal, window and padding block
+* Every kernel streams the union range of blocks its CTA needs (``ranges_for_q_tile``
+  / ``ranges_for_kv_tile`` of ``tile_ranges.py``: causal, window and padding block
   skipping with the same formulas as the Triton kernel). Each compute warpgroup runs
   five loops over it: skip (before its own first block), masked edge, unmasked middle,
   masked edge, skip (after its last). Skipped steps still wait on the slot's barriers
@@ -81,8 +81,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxtrain.pallas_kernels.flash_attention import _ranges_for_kv_tile, _ranges_for_q_tile
 from jaxtrain.pallas_kernels.remat_names import ATTENTION_RESIDUALS
+from jaxtrain.pallas_kernels.tile_ranges import ranges_for_kv_tile, ranges_for_q_tile
 
 __all__ = [
     "MgpuConfig",
@@ -109,7 +109,7 @@ class MgpuConfig:
     """Static configuration of one set of Mosaic GPU kernel calls (hashable).
 
     ``causal``, ``window``, ``seq_len`` and ``q_offset`` carry the names
-    ``_ranges_for_q_tile`` / ``_ranges_for_kv_tile`` read, so the block-skipping
+    ``ranges_for_q_tile`` / ``ranges_for_kv_tile`` read, so the block-skipping
     formulas are shared with the Triton kernel.
     """
 
@@ -353,7 +353,7 @@ def mgpu_fwd(q, k, v, segment_ids, cfg: MgpuConfig):
         kv_head = lax.div(head, jnp.int32(cfg.group))
         wg = lax.axis_index("wg")
         cta_q0 = lax.axis_index("q_seq") * (_COMPUTE_WGS * bq)
-        start, _, _, end = _ranges_for_q_tile(cfg, cta_q0, _COMPUTE_WGS * bq, bk)
+        start, _, _, end = ranges_for_q_tile(cfg, cta_q0, _COMPUTE_WGS * bq, bk)
         num_steps = end - start
 
         def sched_barrier():
@@ -365,7 +365,7 @@ def mgpu_fwd(q, k, v, segment_ids, cfg: MgpuConfig):
             plgpu.set_max_registers(232, action="increase")
             qo_smem = qo_smem2.at[wg]
             q0 = cta_q0 + wg * bq
-            own = _ranges_for_q_tile(cfg, q0, bq, bk)
+            own = ranges_for_q_tile(cfg, q0, bq, bk)
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), head], qo_smem, q_full.at[wg])
             if has_seg:
                 plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(q0, bq)], qseg_smem2.at[wg], qseg_full.at[wg])
@@ -534,7 +534,7 @@ def _dq_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
         kv_head = lax.div(head, jnp.int32(cfg.group))
         wg = lax.axis_index("wg")
         cta_q0 = lax.axis_index("q_seq") * (_COMPUTE_WGS * bq)
-        start, _, _, end = _ranges_for_q_tile(cfg, cta_q0, _COMPUTE_WGS * bq, bk)
+        start, _, _, end = ranges_for_q_tile(cfg, cta_q0, _COMPUTE_WGS * bq, bk)
         num_steps = end - start
 
         @pl.when(wg < _COMPUTE_WGS)
@@ -542,7 +542,7 @@ def _dq_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
             plgpu.set_max_registers(232, action="increase")
             q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
             q0 = cta_q0 + wg * bq
-            own = _ranges_for_q_tile(cfg, q0, bq, bk)
+            own = ranges_for_q_tile(cfg, q0, bq, bk)
             rows = (b, pl.ds(q0, bq), head)
             loads = [
                 (q_ref.at[rows], q_smem),
@@ -667,7 +667,7 @@ def _dkv_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
         kv_head = lax.axis_index("heads")
         wg = lax.axis_index("wg")
         cta_k0 = lax.axis_index("kv_seq") * (_COMPUTE_WGS * bk)
-        start, _, _, end = _ranges_for_kv_tile(cfg, cta_k0, _COMPUTE_WGS * bk, bq)
+        start, _, _, end = ranges_for_kv_tile(cfg, cta_k0, _COMPUTE_WGS * bk, bq)
         num_steps = (end - start) * g
 
         @pl.when(wg < _COMPUTE_WGS)
@@ -675,7 +675,7 @@ def _dkv_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
             plgpu.set_max_registers(232, action="increase")
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
             k0 = cta_k0 + wg * bk
-            own = tuple(x * g for x in _ranges_for_kv_tile(cfg, k0, bk, bq))
+            own = tuple(x * g for x in ranges_for_kv_tile(cfg, k0, bk, bq))
             rows = (b, pl.ds(k0, bk), kv_head)
             loads = [(k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)]
             if has_seg:
