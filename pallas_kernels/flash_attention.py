@@ -57,7 +57,7 @@ from jax.experimental import pallas as pl
 
 from jaxtrain.pallas_kernels.mesh_utils import device_kind, resolve_backend
 from jaxtrain.pallas_kernels.remat_names import ATTENTION_RESIDUALS
-from jaxtrain.pallas_kernels.tile_ranges import PY_OPS, ranges_for_kv_tile, ranges_for_q_tile
+from jaxtrain.pallas_kernels.tile_ranges import PY_OPS, position_mask, ranges_for_kv_tile, ranges_for_q_tile
 
 __all__ = [
     "KERNEL_MATMULS",
@@ -253,20 +253,7 @@ def _position_mask(cfg: FlashConfig, shape, q0, k0, q_axis: int):
     """Causal / window / key-padding mask for a tile whose q positions run along ``q_axis``."""
     qpos = q0 + cfg.q_offset + lax.broadcasted_iota(jnp.int32, shape, q_axis)
     kpos = k0 + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
-    mask = None
-
-    def _and(m, new):
-        return new if m is None else jnp.logical_and(m, new)
-
-    if cfg.causal:
-        mask = _and(mask, kpos <= qpos)
-    if cfg.window is not None:
-        mask = _and(mask, kpos > qpos - cfg.window)
-        if not cfg.causal:
-            mask = _and(mask, kpos < qpos + cfg.window)
-    if cfg.seq_pad != cfg.seq_len:
-        mask = _and(mask, kpos < cfg.seq_len)
-    return mask
+    return position_mask(cfg, qpos, kpos)
 
 
 def _scores(cfg: FlashConfig, a, b, precision, q0, k0, *, q_axis: int, masked: bool, segment_mask):

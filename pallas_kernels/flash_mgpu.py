@@ -82,7 +82,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxtrain.pallas_kernels.remat_names import ATTENTION_RESIDUALS
-from jaxtrain.pallas_kernels.tile_ranges import ranges_for_kv_tile, ranges_for_q_tile
+from jaxtrain.pallas_kernels.tile_ranges import position_mask, ranges_for_kv_tile, ranges_for_q_tile
 
 __all__ = [
     "MgpuConfig",
@@ -239,20 +239,7 @@ def _position_mask(cfg: MgpuConfig, shape, q0, k0, *, q_axis: int):
     """Causal / window / key-padding mask of a tile whose queries run along ``q_axis``."""
     qpos = q0 + cfg.q_offset + plgpu.broadcasted_iota(jnp.int32, shape, q_axis, layout=plgpu.Layout.WGMMA)
     kpos = k0 + plgpu.broadcasted_iota(jnp.int32, shape, 1 - q_axis, layout=plgpu.Layout.WGMMA)
-    mask = None
-
-    def _and(m, new):
-        return new if m is None else jnp.logical_and(m, new)
-
-    if cfg.causal:
-        mask = _and(mask, kpos <= qpos)
-    if cfg.window is not None:
-        mask = _and(mask, kpos > qpos - cfg.window)
-        if not cfg.causal:
-            mask = _and(mask, kpos < qpos + cfg.window)
-    if cfg.seq_pad != cfg.seq_len:
-        mask = _and(mask, kpos < cfg.seq_len)
-    return mask
+    return position_mask(cfg, qpos, kpos)
 
 
 def _and_mask(a, b):
@@ -293,6 +280,20 @@ def _produce(num_steps, steps: int, groups):
         slot = lax.rem(t, jnp.int32(steps))
         for consumed, _ in groups:
             plgpu.barrier_wait(consumed.at[slot])
+
+
+def _stream_kv(start, num_steps, bk, steps, refs, smem, full, consumed, b, kv_head):
+    """The memory warpgroup of the forward and dQ kernels: K blocks (with the keys' segment
+    ids, when given) and V blocks ``start ..`` of one kv head into their slots."""
+    plgpu.set_max_registers(40, action="decrease")
+    (k_ref, v_ref, seg_ref), (k_smem, v_smem, kseg_smem) = refs, smem
+    (k_full, v_full, kseg_full), (k_consumed, v_consumed) = full, consumed
+    blk = lambda t: pl.ds((start + t) * bk, bk)
+    k_loads = [(lambda t: k_ref.at[b, blk(t), kv_head], k_smem, k_full)]
+    if seg_ref is not None:
+        k_loads.append((lambda t: seg_ref.at[b, blk(t)], kseg_smem, kseg_full))
+    v_loads = [(lambda t: v_ref.at[b, blk(t), kv_head], v_smem, v_full)]
+    _produce(num_steps, steps, [(k_consumed, k_loads), (v_consumed, v_loads)])
 
 
 def _five_loops(start, own, end, step, skip, carry):
@@ -454,13 +455,18 @@ def mgpu_fwd(q, k, v, segment_ids, cfg: MgpuConfig):
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-            blk = lambda t: pl.ds((start + t) * bk, bk)
-            k_loads = [(lambda t: k_ref.at[b, blk(t), kv_head], k_smem, k_full)]
-            if has_seg:
-                k_loads.append((lambda t: seg_ref.at[b, blk(t)], kseg_smem, kseg_full))
-            v_loads = [(lambda t: v_ref.at[b, blk(t), kv_head], v_smem, v_full)]
-            _produce(num_steps, n, [(k_consumed, k_loads), (v_consumed, v_loads)])
+            _stream_kv(
+                start,
+                num_steps,
+                bk,
+                n,
+                (k_ref, v_ref, seg_ref),
+                (k_smem, v_smem, kseg_smem),
+                (k_full, v_full, kseg_full),
+                (k_consumed, v_consumed),
+                b,
+                kv_head,
+            )
 
     tf = _TRANSFORMS()
     bufs = (
@@ -605,13 +611,18 @@ def _dq_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-            blk = lambda t: pl.ds((start + t) * bk, bk)
-            k_loads = [(lambda t: k_ref.at[b, blk(t), kv_head], k_smem, k_full)]
-            if has_seg:
-                k_loads.append((lambda t: seg_ref.at[b, blk(t)], kseg_smem, kseg_full))
-            v_loads = [(lambda t: v_ref.at[b, blk(t), kv_head], v_smem, v_full)]
-            _produce(num_steps, n, [(k_consumed, k_loads), (v_consumed, v_loads)])
+            _stream_kv(
+                start,
+                num_steps,
+                bk,
+                n,
+                (k_ref, v_ref, seg_ref),
+                (k_smem, v_smem, kseg_smem),
+                (k_full, v_full, kseg_full),
+                (k_consumed, v_consumed),
+                b,
+                kv_head,
+            )
 
     tf = _TRANSFORMS()
     bufs = (

@@ -15,7 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["JNP_OPS", "PY_OPS", "Ops", "ranges_for_kv_tile", "ranges_for_q_tile"]
+__all__ = ["JNP_OPS", "PY_OPS", "Ops", "position_mask", "ranges_for_kv_tile", "ranges_for_q_tile"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,3 +93,23 @@ def ranges_for_kv_tile(cfg, k0, bk: int, bq: int, ops: Ops = JNP_OPS):
     full_lo = ops.min(ops.max(full_lo, lo), hi)
     full_hi = ops.min(ops.max(full_hi, full_lo), hi)
     return lo, full_lo, full_hi, hi
+
+
+def position_mask(cfg, qpos, kpos):
+    """Causal / window / key-padding mask of a tile, from its query and key positions (arrays of
+    the tile's shape, in whichever layout the kernel keeps; ``cfg`` also needs ``seq_pad``);
+    None where every pair is allowed. Used on the edge blocks the ranges above call masked."""
+    mask = None
+
+    def _and(m, new):
+        return new if m is None else jnp.logical_and(m, new)
+
+    if cfg.causal:
+        mask = _and(mask, kpos <= qpos)
+    if cfg.window is not None:
+        mask = _and(mask, kpos > qpos - cfg.window)
+        if not cfg.causal:
+            mask = _and(mask, kpos < qpos + cfg.window)
+    if cfg.seq_pad != cfg.seq_len:
+        mask = _and(mask, kpos < cfg.seq_len)
+    return mask
