@@ -29,6 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain import sharding
 from jaxtrain.models import cpu_tuning
+from jaxtrain.models.config import FLASH_ATTENTION_IMPLS
 from jaxtrain.models.masks import attention_mask, masked_scores
 from jaxtrain.pallas_kernels import ring_attention, sharded_flash_attention, ulysses_attention
 from jaxtrain.pallas_kernels.cudnn_attention import cudnn_attention
@@ -113,7 +114,7 @@ def attend(
                 softcap=softcap,
             )
         )
-    if impl in ("pallas", "pallas_mosaic"):
+    if impl in FLASH_ATTENTION_IMPLS:
         return _pallas_attention(
             q,
             k,

@@ -31,8 +31,8 @@ CHECKPOINT_NAMES = ("layer_input", "qkv_proj", "context", "out_proj", "mlp_in", 
 REMAT_CUSTOM_MODES = ("device", "offload", "recompute")
 FP8_HISTORY_DEFAULT = 1024
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_mosaic", "cudnn")
-# The Hopper kernel of `pallas_mosaic` (pallas_kernels/flash_mgpu.py): its wgmma tiles
-MOSAIC_HEAD_DIMS = (64, 128, 256)
+# The implementations that run our Pallas flash kernel (Triton / Mosaic TPU, or the Hopper one)
+FLASH_ATTENTION_IMPLS = ("pallas", "pallas_mosaic")
 CONTEXT_IMPLS = ("ring", "ulysses")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_SCALINGS = (None, "linear", "llama3")
@@ -411,15 +411,17 @@ class ModelConfig:
 
     def _check_mosaic_attention(self) -> None:
         """What the Mosaic GPU flash kernel (Hopper) takes, named at the door."""
+        from jaxtrain.pallas_kernels.flash_mgpu import HEAD_DIMS
+
         what = "model.attention_impl=pallas_mosaic (the Hopper flash kernel)"
         if self.compute_dtype not in ("bfloat16", "float16"):
             raise ValueError(
                 f"{what} with model.compute_dtype={self.compute_dtype}: its wgmma operands are 16-bit; "
                 "expected bfloat16 or float16, or attention_impl pallas"
             )
-        if self.resolved_head_dim not in MOSAIC_HEAD_DIMS:
+        if self.resolved_head_dim not in HEAD_DIMS:
             raise ValueError(
-                f"{what} with head_dim {self.resolved_head_dim}: expected one of {MOSAIC_HEAD_DIMS}, "
+                f"{what} with head_dim {self.resolved_head_dim}: expected one of {HEAD_DIMS}, "
                 "or attention_impl pallas"
             )
         if self.attention_softcap is not None:

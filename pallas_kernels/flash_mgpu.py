@@ -85,6 +85,7 @@ from jaxtrain.pallas_kernels.remat_names import ATTENTION_RESIDUALS
 from jaxtrain.pallas_kernels.tile_ranges import position_mask, ranges_for_kv_tile, ranges_for_q_tile
 
 __all__ = [
+    "HEAD_DIMS",
     "MgpuConfig",
     "flash_attention_mgpu",
     "mgpu_bwd",
@@ -100,7 +101,7 @@ _LN2 = math.log(2.0)
 _MASK = -1e30
 _LSE_EMPTY = -0.7 * float(jnp.finfo(jnp.float32).max)  # the Triton kernel's LSE of a row that saw no key
 _COMPUTE_WGS = 2
-_HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128, 256)  # the wgmma tiles written for (models/config.py checks it too)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -155,8 +156,8 @@ def unsupported_reason(*, head_dim: int, dtype, softcap=None) -> str | None:
     """Why this kernel cannot run a case (the dispatcher then keeps Triton), or None."""
     if softcap is not None:
         return "softcap is not implemented in the Mosaic GPU kernel"
-    if head_dim not in _HEAD_DIMS:
-        return f"head_dim {head_dim} is not one of {_HEAD_DIMS}"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of {HEAD_DIMS}"
     if jnp.dtype(dtype) not in _DTYPES:
         return f"dtype {jnp.dtype(dtype).name} is not bfloat16/float16 (wgmma operands)"
     return None

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxtrain.planning.grouped_matmul_choice import HOPPER_CHIPS
+
 
 @dataclasses.dataclass(frozen=True)
 class Speed:
@@ -57,27 +59,14 @@ def cudnn_cannot(*, chip: str | None, head_dim: int, compute_dtype: str, softcap
     return None
 
 
-# The Hopper flash kernel (pallas_kernels/flash_mgpu.py, `pallas_mosaic`): sm90 chips only. It
-# has no row above yet (never timed on a GPU), so `auto` does not pick it; its first rows
-# come from `benchmarks/attention.py --gpu`.
-MOSAIC_CHIPS = ("h100", "h200")
+def _mosaic_can(*, chip: str | None, head_dim: int, compute_dtype: str, softcap: bool) -> bool:
+    """The Hopper flash kernel (pallas_kernels/flash_mgpu.py, `pallas_mosaic`) can run the case:
+    an sm90 chip and what the kernel itself accepts. It has no row above yet (never timed on a
+    GPU), so `auto` does not pick it; its first rows come from `benchmarks/attention.py --gpu`."""
+    from jaxtrain.pallas_kernels.flash_mgpu import unsupported_reason
 
-
-def mosaic_cannot(
-    *, chip: str | None, head_dim: int, compute_dtype: str, softcap: bool = False
-) -> str | None:
-    """Why the Mosaic GPU flash kernel cannot run this case (None: it can)."""
-    from jaxtrain.models.config import MOSAIC_HEAD_DIMS
-
-    if chip not in MOSAIC_CHIPS:
-        return f"chip {chip or 'unknown'}: the Mosaic GPU kernel is for Hopper ({', '.join(MOSAIC_CHIPS)})"
-    if softcap:
-        return "a logit softcap"
-    if compute_dtype not in CUDNN_DTYPES:
-        return f"model.compute_dtype={compute_dtype}: its wgmma operands are bfloat16 or float16"
-    if head_dim not in MOSAIC_HEAD_DIMS:
-        return f"head_dim={head_dim}: it takes {MOSAIC_HEAD_DIMS}"
-    return None
+    reason = unsupported_reason(head_dim=head_dim, dtype=compute_dtype, softcap=softcap or None)
+    return chip in HOPPER_CHIPS and reason is None
 
 
 def choose_gpu_attention(
@@ -86,7 +75,7 @@ def choose_gpu_attention(
     """(impl, why) for a GPU run: the fastest measured implementation that can run the case."""
     why_not = cudnn_cannot(chip=chip, head_dim=head_dim, compute_dtype=compute_dtype, softcap=softcap)
     candidates = {"pallas", "xla"} | (set() if why_not else {"cudnn"})
-    if not mosaic_cannot(chip=chip, head_dim=head_dim, compute_dtype=compute_dtype, softcap=softcap):
+    if _mosaic_can(chip=chip, head_dim=head_dim, compute_dtype=compute_dtype, softcap=softcap):
         candidates.add("pallas_mosaic")
     rows = [s for s in SPEEDS if s.impl in candidates and s.window == window] or [
         s for s in SPEEDS if s.impl in candidates

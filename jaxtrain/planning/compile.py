@@ -41,6 +41,7 @@ import jax
 
 from jaxtrain import sharding
 from jaxtrain.config import Config, ConfigError
+from jaxtrain.models.config import FLASH_ATTENTION_IMPLS
 from jaxtrain.pallas_kernels.flash_attention import cost_estimates
 from jaxtrain.planning.flops import flops_per_token
 from jaxtrain.planning.report import collectives, suggestions
@@ -396,7 +397,7 @@ def compile_report(
         report["suggestions"] = suggestions(cfg, report)
         return report
     except Exception as e:  # the flash kernel refused these shapes: say so and compile with XLA's
-        if cfg.model.attention_impl not in ("pallas", "pallas_mosaic"):
+        if cfg.model.attention_impl not in FLASH_ATTENTION_IMPLS:
             raise
         report["notes"].append(
             f"pallas attention failed to compile ({_first_line(str(e))[:200]}); "

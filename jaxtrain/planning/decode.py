@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 
 from jaxtrain import models, sharding
 from jaxtrain.config import Config, ConfigError
+from jaxtrain.models.config import FLASH_ATTENTION_IMPLS
 from jaxtrain.models.generation import CACHE_AXES, CACHE_POSITION_AXES, KVCache, cache_length
 from jaxtrain.models.generation import decode_step as decode_fn
 from jaxtrain.models.generation import prefill as prefill_fn
@@ -203,7 +204,7 @@ def _compile_one(name: str, jitted, args, mesh, rules, cfg: Config, target: Targ
     except Exception as e:  # the device compiler's own errors: out of memory is a verdict
         text = str(e)
         if not is_out_of_memory(text):
-            if cfg.model.attention_impl not in ("pallas", "pallas_mosaic"):
+            if cfg.model.attention_impl not in FLASH_ATTENTION_IMPLS:
                 raise
             raise _PallasRefused(
                 f"pallas attention failed to compile the {name} ({_first_line(text)[:200]}); "
