@@ -103,6 +103,7 @@ def compile_ring(target: str, n: int, seq: int, impl: str = "ring", **attn_kwarg
         "permutes": len(re.findall(r"collective-permute(-start)?\(", hlo)),
         "gathers": full_sequence_all_gathers(hlo, seq),
         "overlapped": overlapped_permutes(hlo),
+        "custom_calls": targets.custom_call_targets(hlo),
         "seconds": time.perf_counter() - start,
     }
 

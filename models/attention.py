@@ -247,6 +247,7 @@ def _context_attention(
         batch_axes=batch_axes,
         head_axes=head_axes,
         block_impl="pallas" if impl in ("cudnn", "pallas_mosaic") else impl,
+        gpu_kernel="mosaic" if impl == "pallas_mosaic" else "triton",
         sliding_window=sliding_window,
         softmax_scale=softmax_scale,
         softcap=softcap,

@@ -4,7 +4,9 @@ the building blocks of ring attention (``ring_attention``) and chunked attention
 
 A block is a (q chunk, kv chunk) pair of equal length. Its compute is the
 Pallas flash kernels on GPU/TPU (their forward, dQ and dK/dV calls with
-separate q-side and kv-side segment ids) or an XLA block on CPU; both return
+separate q-side and kv-side segment ids: the Triton / Mosaic TPU kernels of
+``flash_attention``, or on Hopper with ``gpu_kernel='mosaic'`` those of
+``flash_mgpu``) or an XLA block on CPU; all return
 the block's output and log-sum-exp, so partial results over disjoint key sets
 merge exactly. A pair is ``diagonal`` when q and kv are the same chunk (causal
 mask inside it); off-diagonal pairs that are computed are fully visible, unless a
@@ -53,6 +55,7 @@ __all__ = [
     "flash_block_config",
     "fwd_pairs",
     "merge",
+    "mgpu_block_config",
     "put",
     "softmax_delta",
     "zero_grads",
@@ -76,6 +79,7 @@ class BlockConfig:
     use_flash: bool  # False: XLA block (CPU default)
     softcap: float | None = None  # logit cap c: scores -> c * tanh(scores / c) before the mask
     window: int | None = None  # causal sliding window, in sequence order (see the module doc)
+    gpu_kernel: str = "triton"  # flash blocks on GPU: 'triton' or 'mosaic' (flash_mgpu, Hopper)
 
     @property
     def window_reach(self) -> int:
@@ -225,6 +229,60 @@ def _flash_bwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, lse, do, delt
     return dq, dk, dv
 
 
+def mgpu_block_config(spec: BlockConfig, diagonal: bool, distance: int = 0):
+    """The Hopper kernels' configuration for one chunk pair (as ``flash_block_config``):
+    ValueError when the chunk is not a multiple of their tile (``flash_mgpu.seq_tile``)."""
+    from jaxtrain.pallas_kernels.flash_mgpu import mgpu_config, seq_tile
+
+    tile = seq_tile(spec.head_dim)
+    if spec.chunk % tile:
+        raise ValueError(
+            f"ring attention chunk length {spec.chunk} (seq / (context shards * chunks per shard))"
+            f" must be a multiple of {tile}, the Hopper flash kernel's tile (gpu_kernel='mosaic')"
+        )
+    return mgpu_config(
+        causal=diagonal,
+        window=spec.window,
+        scale=spec.scale,
+        seq_len=spec.chunk,
+        q_heads=spec.q_heads,
+        kv_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        q_offset=distance * spec.chunk,
+        interpret=spec.interpret,
+    )
+
+
+def _segments(q_seg, k_seg):
+    return None if q_seg is None else (q_seg, k_seg)
+
+
+def _mgpu_fwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, distance=0):
+    from jaxtrain.pallas_kernels.flash_mgpu import mgpu_fwd
+
+    return mgpu_fwd(q, k, v, _segments(q_seg, k_seg), mgpu_block_config(spec, diagonal, distance))
+
+
+def _mgpu_bwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, lse, do, delta, distance=0):
+    """dQ, dK, dV (dK/dV summed over the GQA group inside the kernel) in f32 for the ring's
+    accumulators; the kernels write them in q's dtype."""
+    from jaxtrain.pallas_kernels.flash_mgpu import mgpu_bwd
+
+    cfg = mgpu_block_config(spec, diagonal, distance)
+    grads = mgpu_bwd(q, k, v, _segments(q_seg, k_seg), lse, delta, do.astype(q.dtype), cfg)
+    return tuple(g.astype(jnp.float32) for g in grads)
+
+
+def _block_fns(spec: BlockConfig):
+    """(forward, backward) of one block: XLA, or the flash kernels of ``spec.gpu_kernel``'s
+    family."""
+    if not spec.use_flash:
+        return _xla_fwd, _xla_bwd
+    if spec.gpu_kernel == "mosaic":
+        return _mgpu_fwd, _mgpu_bwd
+    return _flash_fwd, _flash_bwd
+
+
 # ----------------------------------------------------------------------------
 # Block compute, merge, and accumulation over chunk pairs.
 # ----------------------------------------------------------------------------
@@ -245,7 +303,7 @@ def _at_distance(spec: BlockConfig, diagonal, distance, compute, skip):
 def block_fwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, distance=0):
     """(out [b, c, h, d], lse [b, h, c] f32) of q attending to k, v (one chunk each), the kv
     chunk ``distance`` chunks before q's (used by a window only)."""
-    fn = _flash_fwd if spec.use_flash else _xla_fwd
+    fn = _block_fns(spec)[0]
     b, c = q.shape[:2]
     o_dtype = q.dtype if spec.use_flash else jnp.float32  # as the block's own output
     nothing = lambda: (jnp.zeros(q.shape, o_dtype), jnp.full((b, spec.q_heads, c), _NEG_INF, jnp.float32))
@@ -256,7 +314,7 @@ def block_fwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, distance=0):
 
 def block_bwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, lse, do, delta, distance=0):
     """(dq, dk, dv) f32 of one block, given the full (merged) lse and delta of its queries."""
-    fn = _flash_bwd if spec.use_flash else _xla_bwd
+    fn = _block_fns(spec)[1]
     nothing = lambda: tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
     return _at_distance(
         spec,

@@ -27,7 +27,13 @@ from jaxtrain.pallas_kernels.blocks import (
     softmax_delta,
     zero_grads,
 )
-from jaxtrain.pallas_kernels.flash_attention import BlockSizes, check_softcap, check_window, flash_attention
+from jaxtrain.pallas_kernels.flash_attention import (
+    BlockSizes,
+    check_gpu_kernel,
+    check_softcap,
+    check_window,
+    flash_attention,
+)
 from jaxtrain.pallas_kernels.mesh_utils import resolve_backend
 
 __all__ = ["chunked_attention", "flash_attention_any_length", "flash_chunks_needed"]
@@ -151,6 +157,7 @@ def chunked_attention(
     backend: str | None = None,
     interpret: bool | None = None,
     block_impl: str | None = None,
+    gpu_kernel: str = "triton",
 ):
     """Exact attention on one device's ``[batch, seq, heads, head_dim]`` arrays, the
     sequence cut into ``chunks`` pieces: the ring's per-block kernels for every
@@ -160,7 +167,8 @@ def chunked_attention(
     Ulysses' all_to_all. ``chunks=None``: as few as the kernels need
     (``flash_chunks_needed``). Sequence order, no permutation. ``softcap``, and
     ``sliding_window`` (causal only): as for ``flash_attention``; pairs of chunks the window
-    cannot reach are skipped.
+    cannot reach are skipped. ``gpu_kernel``: the flash blocks' family on GPU, as for
+    ``ring_attention``.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 4:
@@ -184,6 +192,8 @@ def chunked_attention(
     if interpret is None:
         interpret = backend == "cpu"
     window = check_window(sliding_window, causal)
+    if block_impl == "pallas":
+        check_gpu_kernel(gpu_kernel, backend=backend, head_dim=head_dim, dtype=q.dtype, softcap=softcap)
     block = BlockConfig(
         backend=backend,
         scale=float(softmax_scale or 1.0 / math.sqrt(head_dim)),
@@ -196,6 +206,7 @@ def chunked_attention(
         use_flash=block_impl == "pallas",
         softcap=check_softcap(softcap),
         window=window,
+        gpu_kernel=gpu_kernel,
     )
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
     return _chunked(_Chunked(chunks=chunks, causal=bool(causal), block=block), q, k, v, seg)

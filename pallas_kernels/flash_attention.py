@@ -63,6 +63,7 @@ __all__ = [
     "KERNEL_MATMULS",
     "BlockSizes",
     "FlashConfig",
+    "check_gpu_kernel",
     "check_softcap",
     "check_window",
     "cost_estimates",
@@ -1172,10 +1173,13 @@ def flash_attention(
         interpret = backend == "cpu"
     if backend == "cpu" and not interpret:
         raise ValueError("backend='cpu' only runs in interpret mode (interpret=True or None)")
-    if gpu_kernel not in GPU_KERNELS:
-        raise ValueError(f"gpu_kernel must be one of {GPU_KERNELS}, got {gpu_kernel!r}")
+    gpu_kernel = check_gpu_kernel(
+        gpu_kernel, backend=backend, head_dim=head_dim, dtype=q.dtype, softcap=softcap
+    )
     if gpu_kernel == "mosaic":
-        return _mosaic_gpu_attention(
+        from jaxtrain.pallas_kernels.flash_mgpu import flash_attention_mgpu
+
+        return flash_attention_mgpu(
             q,
             k,
             v,
@@ -1183,8 +1187,6 @@ def flash_attention(
             segment_ids=segment_ids,
             sliding_window=sliding_window,
             softmax_scale=softmax_scale,
-            softcap=softcap,
-            backend=backend,
             interpret=bool(interpret),
         )
 
@@ -1213,16 +1215,24 @@ def flash_attention(
     return _flash_padded(q, k, v, segment_ids, cfg=cfg, head_dim=head_dim)
 
 
-def _mosaic_gpu_attention(q, k, v, *, backend: str, interpret: bool, softcap, **kwargs):
-    """The Hopper kernels of flash_mgpu.py for inputs ``flash_attention`` validated."""
-    if backend == "tpu":
-        raise ValueError("gpu_kernel='mosaic' is a Hopper GPU kernel; the backend here is tpu")
-    from jaxtrain.pallas_kernels.flash_mgpu import flash_attention_mgpu, unsupported_reason
+def check_gpu_kernel(gpu_kernel: str, *, backend: str, head_dim: int, dtype, softcap=None) -> str:
+    """``gpu_kernel`` if it can run the case on ``backend`` (CPU: its interpreter), else a
+    ValueError naming the key: 'mosaic' (flash_mgpu.py) is a Hopper kernel with its own
+    limits (``flash_mgpu.unsupported_reason``). Shared by every entry point that takes it
+    (flash, chunked, ring and Ulysses attention)."""
+    if gpu_kernel not in GPU_KERNELS:
+        raise ValueError(f"gpu_kernel must be one of {GPU_KERNELS}, got {gpu_kernel!r}")
+    if gpu_kernel == "mosaic":
+        if backend == "tpu":
+            raise ValueError("gpu_kernel='mosaic' is a Hopper GPU kernel; the backend here is tpu")
+        from jaxtrain.pallas_kernels.flash_mgpu import unsupported_reason
 
-    reason = unsupported_reason(head_dim=q.shape[3], dtype=q.dtype, softcap=softcap)
-    if reason:
-        raise ValueError(f"gpu_kernel='mosaic' cannot run this case: {reason}; expected gpu_kernel='triton'")
-    return flash_attention_mgpu(q, k, v, interpret=interpret, **kwargs)
+        reason = unsupported_reason(head_dim=head_dim, dtype=dtype, softcap=softcap)
+        if reason:
+            raise ValueError(
+                f"gpu_kernel='mosaic' cannot run this case: {reason}; expected gpu_kernel='triton'"
+            )
+    return gpu_kernel
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "head_dim"))

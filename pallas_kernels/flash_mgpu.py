@@ -7,7 +7,9 @@ causal + window, causal + segments, causal + window + segments, non-causal, wind
 segments, padding, head_dim 64, 128 and 256 (``tests/test_flash_mgpu.py``), and compiles
 deviceless for H100 (sm_90a) under both jax versions, at the issue's B4 S4096 Hq32 Hkv8 D128
 causal too. Not known: speed (never run on a GPU), register spills. Reached through
-``flash_attention(..., gpu_kernel="mosaic")`` and ``model.attention_impl: pallas_mosaic``;
+``flash_attention(..., gpu_kernel="mosaic")``, ``model.attention_impl: pallas_mosaic``, and as
+the blocks of chunked / ring attention (``blocks.py``: separate query-side and key-side segment
+ids, the merged LSE and delta given to the backward) and Ulysses' per-head attention;
 ``auto`` does not choose it until a measured row says it is faster (planning/attention_speeds.py).
 
 The interpreter runs each warpgroup as a separate XLA CPU program whose barrier waits block
@@ -91,6 +93,8 @@ __all__ = [
     "mgpu_bwd",
     "mgpu_config",
     "mgpu_fwd",
+    "seq_tile",
+    "softmax_delta",
     "unsupported_reason",
 ]
 
@@ -163,6 +167,19 @@ def unsupported_reason(*, head_dim: int, dtype, softcap=None) -> str | None:
     return None
 
 
+def seq_tile(head_dim: int, **blocks) -> int:
+    """The length every padded sequence is a multiple of: a CTA's queries (two warpgroups'
+    rows) and keys, and every streamed block."""
+    b = {**default_blocks(head_dim), **blocks}
+    return math.lcm(
+        _COMPUTE_WGS * b["block_q"],
+        b["block_kv"],
+        b["block_kv_dq"],
+        _COMPUTE_WGS * b["block_kv_dkv"],
+        b["block_q_dkv"],
+    )
+
+
 def mgpu_config(
     *,
     causal: bool,
@@ -176,15 +193,9 @@ def mgpu_config(
     interpret: bool = False,
     **blocks,
 ) -> MgpuConfig:
-    """Config with the sequence padded to a multiple of every tile."""
+    """Config with the sequence padded to a multiple of every tile (``seq_tile``)."""
     b = {**default_blocks(head_dim), **blocks}
-    unit = math.lcm(
-        _COMPUTE_WGS * b["block_q"],
-        b["block_kv"],
-        b["block_kv_dq"],
-        _COMPUTE_WGS * b["block_kv_dkv"],
-        b["block_q_dkv"],
-    )
+    unit = seq_tile(head_dim, **b)
     seq_pad = -(-seq_len // unit) * unit
     return MgpuConfig(
         causal=bool(causal),
@@ -333,20 +344,21 @@ def _kernel_call(body, cfg: MgpuConfig, *, out_type, grid, grid_names, scratch):
 # ----------------------------------------------------------------------------
 
 
-def mgpu_fwd(q, k, v, segment_ids, cfg: MgpuConfig):
-    """(out [B, S, Hq, D] in q's dtype, lse [B, Hq, S] f32, natural log) for padded inputs."""
+def mgpu_fwd(q, k, v, segments, cfg: MgpuConfig):
+    """(out [B, S, Hq, D] in q's dtype, lse [B, Hq, S] f32, natural log) for padded inputs;
+    ``segments``: None or (the queries' segment ids, the keys') [B, S] int32."""
     batch, seq, q_heads, head_dim = q.shape
     bq, bk, n = cfg.block_q, cfg.block_kv, cfg.steps
-    has_seg = segment_ids is not None
+    has_seg = segments is not None
     dtype = q.dtype
     c2 = cfg.scale * _LOG2E  # scores in log2 units
 
     def body(q_ref, k_ref, v_ref, *rest):
         if has_seg:
-            seg_ref, out_ref, lse_ref, bufs, full, consumed, sched = rest
+            qseg_ref, kseg_ref, out_ref, lse_ref, bufs, full, consumed, sched = rest
         else:
             out_ref, lse_ref, bufs, full, consumed, sched = rest
-            seg_ref = None
+            qseg_ref = kseg_ref = None
         qo_smem2, lse_smem2, qseg_smem2, k_smem, v_smem, kseg_smem = bufs
         q_full, k_full, v_full, kseg_full, qseg_full = full
         k_consumed, v_consumed = consumed
@@ -370,7 +382,7 @@ def mgpu_fwd(q, k, v, segment_ids, cfg: MgpuConfig):
             own = ranges_for_q_tile(cfg, q0, bq, bk)
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), head], qo_smem, q_full.at[wg])
             if has_seg:
-                plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(q0, bq)], qseg_smem2.at[wg], qseg_full.at[wg])
+                plgpu.copy_gmem_to_smem(qseg_ref.at[b, pl.ds(q0, bq)], qseg_smem2.at[wg], qseg_full.at[wg])
                 plgpu.barrier_wait(qseg_full.at[wg])
                 q_seg = plgpu.load(qseg_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
             plgpu.barrier_wait(q_full.at[wg])
@@ -461,7 +473,7 @@ def mgpu_fwd(q, k, v, segment_ids, cfg: MgpuConfig):
                 num_steps,
                 bk,
                 n,
-                (k_ref, v_ref, seg_ref),
+                (k_ref, v_ref, kseg_ref),
                 (k_smem, v_smem, kseg_smem),
                 (k_full, v_full, kseg_full),
                 (k_consumed, v_consumed),
@@ -499,40 +511,45 @@ def mgpu_fwd(q, k, v, segment_ids, cfg: MgpuConfig):
         grid_names=("heads", "q_seq", "batch"),
         scratch=(bufs, full, consumed, sched),
     )
-    args = (q, k, v) + ((segment_ids,) if has_seg else ())
-    return call(*args)
+    return call(q, k, v, *(segments or ()))
 
 
-def mgpu_bwd(q, k, v, segment_ids, out, lse, do, cfg: MgpuConfig):
+def softmax_delta(out, do):
+    """rowsum(out * dO) [B, Hq, S] f32: the softmax backward's correction, O(S) work in XLA."""
+    return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+
+
+def mgpu_bwd(q, k, v, segments, lse, delta, do, cfg: MgpuConfig):
     """(dq, dk, dv) in the inputs' dtypes for padded inputs: the dQ kernel and the dK/dV kernel.
 
-    LSE goes to the kernels in log2 units, +inf for padded queries and for rows that saw no
-    key (their probabilities are then exactly 0); delta = rowsum(out * dO) is O(S) work in XLA.
+    ``lse`` (natural log) and ``delta`` (``softmax_delta``) are the whole row's: the forward's,
+    or, for one block of ring attention, the ones merged over every block. LSE goes to the
+    kernels in log2 units, +inf for padded queries and for rows that saw no key (their
+    probabilities are then exactly 0).
     """
     valid = jnp.arange(q.shape[1]) < cfg.seq_len
     empty = lse <= 0.5 * _LSE_EMPTY
     lse2 = jnp.where(valid & ~empty, lse * _LOG2E, jnp.inf)
-    delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
-    dq = _dq_call(q, k, v, do, lse2, delta, segment_ids, cfg)
-    dk, dv = _dkv_call(q, k, v, do, lse2, delta, segment_ids, cfg)
+    dq = _dq_call(q, k, v, do, lse2, delta, segments, cfg)
+    dk, dv = _dkv_call(q, k, v, do, lse2, delta, segments, cfg)
     return dq, dk, dv
 
 
-def _dq_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
+def _dq_call(q, k, v, do, lse2, delta, segments, cfg: MgpuConfig):
     """dQ: each compute warpgroup owns ``block_q`` query rows (Q, dO, LSE, delta in shared
     memory) and streams the CTA's K/V blocks like the forward; dQ stays in registers."""
     batch, seq, q_heads, head_dim = q.shape
     bq, bk, n = cfg.block_q, cfg.block_kv_dq, cfg.steps_bwd
-    has_seg = segment_ids is not None
+    has_seg = segments is not None
     dtype = q.dtype
     c2 = cfg.scale * _LOG2E
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         if has_seg:
-            seg_ref, dq_ref, bufs, full, consumed = rest
+            qseg_ref, kseg_ref, dq_ref, bufs, full, consumed = rest
         else:
             dq_ref, bufs, full, consumed = rest
-            seg_ref = None
+            qseg_ref = kseg_ref = None
         q_smem2, do_smem2, lse_smem2, delta_smem2, qseg_smem2, k_smem, v_smem, kseg_smem = bufs
         own_full, k_full, v_full, kseg_full = full
         k_consumed, v_consumed = consumed
@@ -558,7 +575,7 @@ def _dq_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
                 (delta_ref.at[b, head, pl.ds(q0, bq)], delta_smem2.at[wg]),
             ]
             if has_seg:
-                loads.append((seg_ref.at[b, pl.ds(q0, bq)], qseg_smem2.at[wg]))
+                loads.append((qseg_ref.at[b, pl.ds(q0, bq)], qseg_smem2.at[wg]))
             for j, (src, dst) in enumerate(loads):
                 plgpu.copy_gmem_to_smem(src, dst, own_full[j].at[wg])
             for j in range(len(loads)):
@@ -617,7 +634,7 @@ def _dq_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
                 num_steps,
                 bk,
                 n,
-                (k_ref, v_ref, seg_ref),
+                (k_ref, v_ref, kseg_ref),
                 (k_smem, v_smem, kseg_smem),
                 (k_full, v_full, kseg_full),
                 (k_consumed, v_consumed),
@@ -652,27 +669,26 @@ def _dq_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
         grid_names=("heads", "q_seq", "batch"),
         scratch=(bufs, full, consumed),
     )
-    args = (q, k, v, do, lse2, delta) + ((segment_ids,) if has_seg else ())
-    return call(*args)
+    return call(q, k, v, do, lse2, delta, *(segments or ()))
 
 
-def _dkv_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
+def _dkv_call(q, k, v, do, lse2, delta, segments, cfg: MgpuConfig):
     """dK, dV: each compute warpgroup owns ``block_kv_dkv`` key rows (K, V in shared memory);
     the stream is (query block, query head of the GQA group) pairs, step t = block * group +
     head, carrying Q, dO, LSE and delta, so dK/dV of the kv head sum in registers."""
     batch, seq, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     bq, bk, n, g = cfg.block_q_dkv, cfg.block_kv_dkv, cfg.steps_bwd, cfg.group
-    has_seg = segment_ids is not None
+    has_seg = segments is not None
     dtype = q.dtype
     c2 = cfg.scale * _LOG2E
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         if has_seg:
-            seg_ref, dk_ref, dv_ref, bufs, full, consumed = rest
+            qseg_ref, kseg_ref, dk_ref, dv_ref, bufs, full, consumed = rest
         else:
             dk_ref, dv_ref, bufs, full, consumed = rest
-            seg_ref = None
+            qseg_ref = kseg_ref = None
         k_smem2, v_smem2, kseg_smem2, q_smem, do_smem, lse_smem, delta_smem, qseg_smem = bufs
         own_full, q_full, do_full, lse_full, delta_full, qseg_full = full
         b = lax.axis_index("batch")
@@ -691,7 +707,7 @@ def _dkv_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
             rows = (b, pl.ds(k0, bk), kv_head)
             loads = [(k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)]
             if has_seg:
-                loads.append((seg_ref.at[b, pl.ds(k0, bk)], kseg_smem2.at[wg]))
+                loads.append((kseg_ref.at[b, pl.ds(k0, bk)], kseg_smem2.at[wg]))
             for j, (src, dst) in enumerate(loads):
                 plgpu.copy_gmem_to_smem(src, dst, own_full[j].at[wg])
             for j in range(len(loads)):
@@ -759,7 +775,7 @@ def _dkv_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
                 (lambda t: delta_ref.at[b, head(t), blk(t)], delta_smem, delta_full),
             ]
             if has_seg:
-                loads.append((lambda t: seg_ref.at[b, blk(t)], qseg_smem, qseg_full))
+                loads.append((lambda t: qseg_ref.at[b, blk(t)], qseg_smem, qseg_full))
             _produce(num_steps, n, [(consumed, loads)])
 
     tf = _TRANSFORMS()
@@ -791,8 +807,7 @@ def _dkv_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
         grid_names=("heads", "kv_seq", "batch"),
         scratch=(bufs, full, consumed),
     )
-    args = (q, k, v, do, lse2, delta) + ((segment_ids,) if has_seg else ())
-    return call(*args)
+    return call(q, k, v, do, lse2, delta, *(segments or ()))
 
 
 # ----------------------------------------------------------------------------
@@ -802,11 +817,16 @@ def _dkv_call(q, k, v, do, lse2, delta, segment_ids, cfg: MgpuConfig):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, segment_ids, cfg: MgpuConfig):
-    return mgpu_fwd(q, k, v, segment_ids, cfg)[0]
+    return mgpu_fwd(q, k, v, _self_segments(segment_ids), cfg)[0]
+
+
+def _self_segments(segment_ids):
+    """Self-attention: the queries' segment ids are the keys'."""
+    return None if segment_ids is None else (segment_ids, segment_ids)
 
 
 def _flash_fwd(q, k, v, segment_ids, cfg: MgpuConfig):
-    out, lse = mgpu_fwd(q, k, v, segment_ids, cfg)
+    out, lse = mgpu_fwd(q, k, v, _self_segments(segment_ids), cfg)
     # Named as the Triton kernel names its own (remat_names.py): a remat policy keeping
     # `context` then saves these, and the backward runs no second forward kernel.
     out, lse = (checkpoint_name(x, ATTENTION_RESIDUALS) for x in (out, lse))
@@ -815,7 +835,7 @@ def _flash_fwd(q, k, v, segment_ids, cfg: MgpuConfig):
 
 def _flash_bwd(cfg: MgpuConfig, residuals, do):
     q, k, v, segment_ids, out, lse = residuals
-    dq, dk, dv = mgpu_bwd(q, k, v, segment_ids, out, lse, do, cfg)
+    dq, dk, dv = mgpu_bwd(q, k, v, _self_segments(segment_ids), lse, softmax_delta(out, do), do, cfg)
     return dq, dk, dv, None
 
 

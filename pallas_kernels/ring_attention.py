@@ -29,8 +29,9 @@ split/concatenate copies and no select over whole chunks. Per device the ring
 holds a fixed number of shard-sized buffers (f32 dQ/dK/dV, the dK/dV and K/V
 in flight), so its memory falls as 1/context from context 2 on.
 
-Per-block compute (``blocks``): the Pallas flash kernels on GPU/TPU, an XLA
-block on CPU. Both return the block's output and log-sum-exp. The same blocks
+Per-block compute (``blocks``): the Pallas flash kernels on GPU/TPU (on
+Hopper with ``gpu_kernel='mosaic'``, the Mosaic GPU kernels of ``flash_mgpu``),
+an XLA block on CPU. Both return the block's output and log-sum-exp. The same blocks
 run without a ring, over sequence chunks on one device, in ``chunked``.
 """
 
@@ -52,7 +53,7 @@ from jaxtrain.pallas_kernels.blocks import (
     softmax_delta,
     zero_grads,
 )
-from jaxtrain.pallas_kernels.flash_attention import BlockSizes, check_softcap, check_window
+from jaxtrain.pallas_kernels.flash_attention import BlockSizes, check_gpu_kernel, check_softcap, check_window
 from jaxtrain.pallas_kernels.mesh_utils import (
     axes_tuple,
     check_context_inputs,
@@ -267,6 +268,7 @@ def ring_attention(
     backend: str | None = None,
     interpret: bool | None = None,
     block_impl: str | None = None,
+    gpu_kernel: str = "triton",
 ):
     """Exact attention on global ``[batch, seq, heads, head_dim]`` arrays whose
     sequence dim is sharded over ``axis_name`` (output sharded the same way).
@@ -290,6 +292,9 @@ def ring_attention(
         backend defaults to the mesh's platform.
       block_impl: 'pallas' (flash kernels; interpret mode on CPU) or 'xla';
         None picks pallas on GPU/TPU and xla on CPU.
+      gpu_kernel: the flash blocks' family on GPU: 'triton', or 'mosaic' (the Hopper
+        kernels of ``flash_mgpu``; the chunk must be a multiple of their tile, 128 at
+        head_dim <= 256, and ``block_sizes`` does not apply).
     """
     check_context_inputs(q, k, v, mesh=mesh, axis_name=axis_name)
     batch, seq, q_heads, head_dim = q.shape
@@ -326,6 +331,8 @@ def ring_attention(
         block_impl = "xla" if backend == "cpu" else "pallas"
     if block_impl not in ("xla", "pallas"):
         raise ValueError(f"block_impl={block_impl!r}: expected 'xla', 'pallas' or None")
+    if block_impl == "pallas":
+        check_gpu_kernel(gpu_kernel, backend=backend, head_dim=head_dim, dtype=q.dtype, softcap=softcap)
     block = BlockConfig(
         backend=backend,
         scale=float(softmax_scale),
@@ -338,6 +345,7 @@ def ring_attention(
         use_flash=block_impl == "pallas",
         softcap=check_softcap(softcap),
         window=check_window(sliding_window, causal),
+        gpu_kernel=gpu_kernel,
     )
     ring = _Ring(axis=axis_name, n=n, causal=bool(causal), balanced=chunks == 2, block=block)
 

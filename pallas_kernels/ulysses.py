@@ -27,6 +27,7 @@ from jax import lax
 
 from jaxtrain.pallas_kernels import reference
 from jaxtrain.pallas_kernels.chunked import flash_attention_any_length
+from jaxtrain.pallas_kernels.flash_attention import check_gpu_kernel
 from jaxtrain.pallas_kernels.mesh_utils import (
     axes_tuple,
     check_context_inputs,
@@ -59,6 +60,7 @@ def ulysses_attention(
     batch_axes=(),
     head_axes=(),
     block_impl: str | None = None,
+    gpu_kernel: str = "triton",
     sliding_window: int | None = None,
     softcap: float | None = None,
 ):
@@ -70,6 +72,8 @@ def ulysses_attention(
     sliding_window: as for ``flash_attention`` (in sequence order: each shard
     sees the whole sequence, so the window needs nothing from the ring).
     softcap: optional logit cap, as for ``flash_attention``.
+    gpu_kernel: the flash kernel's family on GPU ('triton' or 'mosaic'), as for
+    ``flash_attention``; each shard runs it over the whole sequence of its heads.
     """
     check_context_inputs(q, k, v, mesh=mesh, axis_name=axis_name)
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
@@ -99,6 +103,8 @@ def ulysses_attention(
         block_impl = "xla" if backend == "cpu" else "pallas"
     if block_impl not in ("xla", "pallas"):
         raise ValueError(f"block_impl={block_impl!r}: expected 'xla', 'pallas' or None")
+    if block_impl == "pallas":
+        check_gpu_kernel(gpu_kernel, backend=backend, head_dim=q.shape[3], dtype=q.dtype, softcap=softcap)
     perm = _zigzag(seq, n) if load_balanced else None
     inv = None if perm is None else np.argsort(perm)
 
@@ -128,6 +134,7 @@ def ulysses_attention(
                 sliding_window=sliding_window,
                 softcap=softcap,
                 backend=backend,
+                gpu_kernel=gpu_kernel,
             )
         else:
             o = reference.attention(

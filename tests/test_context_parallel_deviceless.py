@@ -100,3 +100,19 @@ def test_ulysses_on_tpu_beyond_one_heads_vmem_compiles_with_chunks():
     assert "error" not in r, r
     print(f"ulysses tpu context=8 seq 131072: temp {r['memory']['temp'] >> 20} MiB")
     assert r["gathers"] == 0
+
+
+@pytest.mark.parametrize("impl", ["ring", "ulysses"])
+def test_context_parallel_runs_the_hopper_kernel_on_h100(impl):
+    """`attention_impl: pallas_mosaic` under context parallelism: the ring's blocks (here with a
+    window, so its lax.switch over distances too) and Ulysses' per-head attention are the Mosaic
+    GPU kernels of flash_mgpu.py, with no Triton kernel left, and K/V still travel (no gather)."""
+    if _available("gpu"):
+        pytest.skip(_available("gpu"))
+    window = dict(sliding_window=1024) if impl == "ring" else {}
+    r = compile_ring("gpu", 2, SEQ, impl, gpu_kernel="mosaic", **window)
+    assert "error" not in r, r
+    print(f"{impl} on H100 with Mosaic GPU blocks: {sorted(r['custom_calls'])} in {r['seconds']:.0f} s")
+    assert any(t.startswith("mosaic_gpu") for t in r["custom_calls"]), r["custom_calls"]
+    assert not any("triton" in t for t in r["custom_calls"]), r["custom_calls"]
+    assert r["gathers"] == 0

@@ -158,6 +158,21 @@ def test_pallas_mosaic_compiles_to_the_hopper_kernels_alone():
     assert TRITON not in calls and not (CUDNN & calls), calls
 
 
+@pytest.mark.deviceless
+def test_pallas_mosaic_runs_the_hopper_kernel_in_the_ring():
+    """Under context parallelism `pallas_mosaic`'s ring blocks are the Hopper kernels too."""
+    calls = _compiled_kernels(
+        8,
+        "mesh.fsdp=4",
+        "mesh.context=2",
+        "model.n_layers=1",
+        "model.attention_impl=pallas_mosaic",
+        "train.seq_len=512",  # chunks of 128 (seq / 2 shards / 2 zig-zag chunks): the kernel's tile
+    )
+    assert any(c.startswith("mosaic_gpu") for c in calls), calls
+    assert TRITON not in calls and not (CUDNN & calls), calls
+
+
 def test_auto_takes_the_hopper_kernel_only_where_measured_faster(monkeypatch):
     """The rule reads the table: with a (hypothetical) H100 row for pallas_mosaic above cuDNN's,
     auto picks it on an H100 but not on an A100 (not Hopper) nor with a softcap or head_dim 96;
