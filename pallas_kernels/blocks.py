@@ -184,18 +184,26 @@ def flash_block_config(spec: BlockConfig, diagonal: bool, dtype, distance: int =
             )
     return flash_config(
         backend=spec.backend,
+        seq_pad=spec.chunk,
+        blocks=blocks,
+        dtype=dtype,
+        softcap=spec.softcap,
+        **_pair_geometry(spec, diagonal, distance),
+    )
+
+
+def _pair_geometry(spec: BlockConfig, diagonal: bool, distance: int) -> dict:
+    """What both kernel families' configs take of one chunk pair: causal inside diagonal pairs
+    only, the window shifted by ``distance`` chunks (q_offset), one unpadded chunk each side."""
+    return dict(
         interpret=spec.interpret,
         causal=diagonal,
         window=spec.window,
         scale=spec.scale,
         seq_len=spec.chunk,
-        seq_pad=spec.chunk,
         head_dim=spec.head_dim,
         q_heads=spec.q_heads,
         kv_heads=spec.kv_heads,
-        blocks=blocks,
-        dtype=dtype,
-        softcap=spec.softcap,
         q_offset=distance * spec.chunk,
     )
 
@@ -240,17 +248,7 @@ def mgpu_block_config(spec: BlockConfig, diagonal: bool, distance: int = 0):
             f"ring attention chunk length {spec.chunk} (seq / (context shards * chunks per shard))"
             f" must be a multiple of {tile}, the Hopper flash kernel's tile (gpu_kernel='mosaic')"
         )
-    return mgpu_config(
-        causal=diagonal,
-        window=spec.window,
-        scale=spec.scale,
-        seq_len=spec.chunk,
-        q_heads=spec.q_heads,
-        kv_heads=spec.kv_heads,
-        head_dim=spec.head_dim,
-        q_offset=distance * spec.chunk,
-        interpret=spec.interpret,
-    )
+    return mgpu_config(**_pair_geometry(spec, diagonal, distance))
 
 
 def _segments(q_seg, k_seg):
