@@ -351,3 +351,42 @@ def test_not_a_model_is_named():
 
 def test_package_exports_the_readme_names():
     assert models.from_hf is hf.from_hf and models.to_hf is hf.to_hf and models.generate is gen.generate
+
+
+def test_prefill_runs_the_hopper_kernel_and_decode_goes_on_from_its_cache(monkeypatch):
+    """`attention_impl: pallas_mosaic`: the prefill attends with the Hopper flash kernel (its
+    interpreter here), the one-token decode steps with XLA over the cache, as for every impl
+    (a 128-row kernel tile would hold one query). Oracle: the same weights with XLA attention:
+    the prefill's and the next steps' logits, and the cache, within bf16's tolerance (layer 0's
+    K/V, computed before any attention, exactly)."""
+    from jaxtrain.pallas_kernels import flash_mgpu
+
+    traced = []  # the kernel's entry point, as the prefill traces it
+    kernel = flash_mgpu.flash_attention_mgpu
+    monkeypatch.setattr(
+        flash_mgpu, "flash_attention_mgpu", lambda *a, **k: traced.append(1) or kernel(*a, **k)
+    )
+    base = dataclasses.replace(DENSE, head_dim=64, compute_dtype="bfloat16")
+    models_ = {
+        impl: models.Transformer(dataclasses.replace(base, attention_impl=impl), rngs=nnx.Rngs(0))
+        for impl in ("xla", "pallas_mosaic")
+    }
+    cache_len = gen.cache_length(base, PROMPT.shape[1] + 2)
+    got = {}
+    for impl, model in models_.items():
+        logits, cache = _prefill(model, jnp.asarray(PROMPT), jnp.asarray(LENGTHS), cache_len)
+        steps = [logits]
+        for t, tok in enumerate(([3, 7], [11, 13])):
+            logits, cache = _decode(model, jnp.asarray(tok, jnp.int32), jnp.asarray(LENGTHS + t), cache)
+            steps.append(logits)
+        got[impl] = (np.stack([np.asarray(x, np.float32) for x in steps]), cache)
+    assert traced, "the prefill did not run the Hopper kernel"
+    (ref, ref_cache), (out, cache) = got["xla"], got["pallas_mosaic"]
+    assert np.max(np.abs(out - ref)) <= 2e-2 * np.max(np.abs(ref)), np.max(np.abs(out - ref))
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)):
+        if jnp.issubdtype(a.dtype, jnp.integer):  # the positions the slots hold
+            np.testing.assert_array_equal(a, b)
+        else:  # layer 0's K/V exactly; later layers' through bf16 attention outputs
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            np.testing.assert_array_equal(a[0], b[0])
+            assert np.max(np.abs(a - b)) <= 2e-2 * np.max(np.abs(b)), np.max(np.abs(a - b))
