@@ -279,6 +279,15 @@ class ModelConfig:
         return self.cpu_tuning is True and self.compute_dtype == "bfloat16"
 
     @property
+    def compact_weight_grads(self) -> bool:
+        """The layer loop keeps the weights' gradients in the compute dtype until its backward
+        ends (models/layer_scan.py): weights wider than the compute dtype, and no activations
+        offloaded to the host (autodiff's scan places those residuals)."""
+        sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
+        offloads = self.remat == "offload_matmuls" or any(mode == "offload" for _, mode in self.remat_custom)
+        return sizes.get(self.param_dtype, 4) > sizes.get(self.compute_dtype, 4) and not offloads
+
+    @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain.models import cpu_tuning, lora
+from jaxtrain.models import cpu_tuning, layer_scan, lora
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.layers import REGION_INPUT_AXES, RESIDUAL_AXES, Block, PatternGroup, RMSNorm, param
 from jaxtrain.models.masks import softcapped
@@ -178,8 +178,16 @@ class Transformer(nnx.Module):
                     (positions, segment_ids),
                     x_spec=_rows_spec(x, pipeline.microbatches),
                 )
-            step = lambda x, xs: layer(*xs[:2], x, positions, segment_ids, xs[2])
-            return jax.lax.scan(step, x, (layer_state, meta, keys), unroll=1 if cfg.scan_layers else n)
+            # float32 weights used in a narrower compute dtype: their gradients stay in it until
+            # the backward loop ends (models/layer_scan.py: bit-identical, less memory at the peak)
+            return layer_scan.scan(
+                lambda x, xs, consts: layer(*xs[:2], x, *consts, xs[2]),
+                x,
+                (layer_state, meta, keys),
+                (positions, segment_ids),
+                unroll=1 if cfg.scan_layers else n,
+                compact_grads=cfg.compact_weight_grads,
+            )
 
         if pipeline is not None and lora_key is not None:
             raise ValueError("pipeline: LoRA dropout is not supported inside a pipeline")

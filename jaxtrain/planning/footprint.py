@@ -84,6 +84,20 @@ def reference_copies(cfg: Config) -> int:
     return 1 if holds_reference_copy(cfg) else 0
 
 
+def compact_grad_savings(cfg: Config, size) -> float:
+    """Bytes per device that the layer loop saves at the step's peak by keeping the layer
+    stack's weight gradients in the compute dtype until the backward loop ends
+    (models/layer_scan.py): param minus compute-dtype bytes per layer-stack parameter, where
+    `model.compact_weight_grads` holds; not in pipelines (their own loop) or with
+    LoRA (the base has no gradient). Norm scales keep theirs (a few thousand parameters)."""
+    m = cfg.model
+    p, a = _BYTES.get(m.param_dtype, 4), _BYTES.get(m.compute_dtype, 4)
+    if not m.compact_weight_grads or size("stage") > 1 or m.lora is not None:
+        return 0.0
+    stack, experts = layer_stack_params(m), expert_params(m)
+    return (p - a) * ((stack - experts) / size("fsdp", "tensor") + experts / size("fsdp", "tensor", "expert"))
+
+
 def microbatch_shape(cfg: Config, size) -> tuple[int, int]:
     """(rows, seq) of one microbatch on one device; rows are sequences (a DPO pair is two)."""
     t = cfg.train
@@ -104,6 +118,7 @@ def lower_bound(cfg: Config, mesh_sizes: dict[str, int]) -> Footprint:
     stack = layer_stack_params(m)
     params = stack // size("stage") + m.param_count() - stack
     state = int(per_param * params * lora_share(m, per_param, p)) // size("fsdp", "tensor", "expert")
+    state -= int(compact_grad_savings(cfg, size))
     rows, seq = microbatch_shape(cfg, size)
     tokens = rows * seq
     # a stage keeps one [tokens, d_model] input per pipeline iteration, at least `tokens` of them
@@ -178,6 +193,8 @@ def _gib(n: int) -> str:
 #                  (MoE: the routed experts' parameters over shards, the rest over fsdp x tensor)
 #                  (data_zero1: mesh data with optimizer.shard_state (ZeRO-1), else 1)
 #                  (+ P x 4 / shards for the gradient accumulator when microbatches > 1)
+#                  (- P_layers x (p - a) / shards: the layers' weight gradients are held in the
+#                  compute dtype through the backward loop, models/layer_scan.py)
 #                  (+ P x p / shards for DPO's frozen reference copy, train.objective=dpo; its
 #                  forward pass runs before the policy's and keeps nothing for a backward, so
 #                  it adds no activations; T counts both sequences of each pair)
@@ -405,6 +422,7 @@ def estimate(cfg: Config, mesh_sizes: dict[str, int]) -> Estimate:
     state = (stack - experts) / stages + m.param_count() - stack
     state = (state + experts / (stages * size("expert"))) * per_param / size("fsdp", "tensor")
     state *= lora_share(m, per_param, p)
+    state -= compact_grad_savings(cfg, size)
     saved, working, att_rows = activation_bytes(cfg, mesh_sizes)
     rows, seq = microbatch_shape(cfg, size)
     tp, a = size("tensor"), _BYTES.get(m.compute_dtype, 4)

@@ -1,0 +1,130 @@
+"""models/layer_scan.py: the layer loop keeps float32 weights' gradients in bfloat16 until
+the backward loop ends.
+
+Oracles: autodiff's own scan (`jax.lax.scan`'s transpose) through the whole train program, bit
+for bit or its bfloat16 rounding; the XLA:GPU compiler's memory for an H100 step, whose saving
+is the layer stack's gradients at two bytes fewer per parameter."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtrain import models
+from jaxtrain.models import layer_scan
+from jaxtrain.trainer.batches import batch_to_device
+from tests.conftest import REPO, program_on_mesh, tiny_config
+
+BF16 = ["model.compute_dtype=bfloat16", "model.param_dtype=float32", "train.steps=1", "model.n_layers=4"]
+CASES = {
+    # two fsdp shards, two microbatches, fp8 sites, QK-norm, biases, Gemma's norms, a pattern
+    "dense-fp8-pattern": [
+        "mesh.fsdp=2",
+        "train.microbatches=2",
+        "model.fp8=true",
+        "model.qk_norm=head",
+        "model.qkv_bias=true",
+        "model.norm_placement=both",
+        "model.attention_pattern=[local,global]",
+        "model.sliding_window=32",
+        "model.remat=minimal_with_context",
+    ],
+    # a dense prefix, then MoE layers (two stacks, router statistics as scan outputs)
+    "moe": [
+        "model.moe.num_experts=4",
+        "model.moe.top_k=2",
+        "model.moe.first_dense_layers=1",
+        "model.remat=full",
+    ],
+}
+
+
+def _grads(overrides, compact: bool, monkeypatch):
+    """(loss, gradients) of the tiny model's train program on its first batch, on host."""
+    scan = layer_scan.scan
+    with monkeypatch.context() as m:
+        m.setattr(
+            layer_scan,
+            "scan",
+            lambda *a, **k: scan(*a, **{**k, "compact_grads": compact and k["compact_grads"]}),
+        )
+        with program_on_mesh(tiny_config(None, *BF16, *overrides)) as (program, state, data):
+            loss, _, grads = program.loss_and_grads(
+                state.params, batch_to_device(next(data), program.batch_sharding)
+            )
+            return jax.device_get((loss, grads))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gradients_are_autodiffs_rounded_as_the_program_says(case, monkeypatch):
+    """Every gradient equals autodiff's scan's, or its bfloat16 rounding: the jaxpr rounds
+    those weight gradients to bfloat16, and XLA may skip that rounding where it widens them
+    again at once (xla_allow_excess_precision: MoE's expert matmuls on CPU); the compact loop
+    stores them in bfloat16, so it keeps the rounding. Dense layers match bit for bit."""
+    (loss_a, plain), (loss_b, compact) = (_grads(CASES[case], c, monkeypatch) for c in (False, True))
+    assert loss_a == loss_b
+    rounded = []
+    for path, a in jax.tree_util.tree_leaves_with_path(plain):
+        b = np.asarray(dict(jax.tree_util.tree_leaves_with_path(compact))[path])
+        name = jax.tree_util.keystr(path)
+        if not np.array_equal(np.asarray(a), b):
+            np.testing.assert_array_equal(
+                np.asarray(jnp.asarray(a).astype(jnp.bfloat16), np.float32), b, err_msg=name
+            )
+            rounded.append(name)
+    assert all("moe_blocks" in n and "w_router" not in n for n in rounded), rounded
+
+
+def test_bfloat16_gradients_are_found_where_the_backward_computes_them():
+    """The attention, MLP and expert weights (and biases) have bfloat16 gradients; the norm
+    scales and the router (float32 math) keep float32 ones."""
+    cfg = models.ModelConfig(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, mlp_dim=64, qkv_bias=True,
+        compute_dtype="bfloat16", param_dtype="float32",
+        moe=models.MoEConfig(num_experts=4, top_k=2, first_dense_layers=1),
+    )  # fmt: skip
+    model = models.Transformer(cfg, rngs=nnx.Rngs(0))
+    x = jnp.ones((1, 8, 32), jnp.bfloat16)
+    pos, seg = jnp.arange(8)[None], jnp.ones((1, 8), jnp.int32)
+    found = {}
+    for name in ("blocks", "moe_blocks"):
+        graphdef, state = nnx.split(getattr(model, name))
+        leaves, tree = jax.tree_util.tree_flatten_with_path(jax.tree.map(lambda v: v[0], state))
+        run = lambda x, ls: nnx.merge(graphdef, jax.tree.unflatten(tree, ls))(x, pos, seg)
+        dtypes = layer_scan.narrow_grads(run, x, [v for _, v in leaves])
+        found |= {f"{name}{jax.tree_util.keystr(p)}": d for (p, _), d in zip(leaves, dtypes, strict=True)}
+    narrow = {k for k, d in found.items() if d == jnp.bfloat16}
+    assert narrow | {k for k, d in found.items() if d is None} == set(found)
+    want = [f"blocks{k}" for k in ("['attn']['wq']", "['attn']['wo']", "['attn']['bq']", "['mlp']['w_down']")]
+    want += [
+        f"moe_blocks{k}"
+        for k in ("['attn']['wk']", "['mlp']['w_gate']", "['mlp']['w_up']", "['mlp']['w_down']")
+    ]
+    assert all(any(k.startswith(w) for k in narrow) for w in want), sorted(narrow)
+    kept = set(found) - narrow
+    assert kept and all("norm" in k or "router" in k for k in kept), sorted(kept)
+
+
+@pytest.mark.deviceless
+def test_an_h100_step_holds_the_layers_gradients_in_bfloat16(monkeypatch):
+    """configs/gpu-peer.yaml compiled for one H100: the compact loop's peak is lower by the
+    layer stack's float32-minus-bfloat16 gradient bytes (within 20%: the peak moves)."""
+    from jaxtrain.config import load_config
+    from jaxtrain.planning import compile as deviceless
+    from jaxtrain.planning.footprint import layer_stack_params
+    from jaxtrain.sharding import targets
+
+    if not targets.cuda_available():
+        pytest.skip("deviceless GPU compiles need the gpu-aot extra")
+    target = deviceless.parse_target("gpu:h100", gpus_per_host=1)
+    cfg = load_config(f"{REPO}/configs/gpu-peer.yaml", ["model.remat=minimal", "model.attention_impl=cudnn"])
+    scan, total = layer_scan.scan, {}
+    for compact in (False, True):
+        with monkeypatch.context() as m:
+            m.setattr(layer_scan, "scan", lambda *a, c=compact, **k: scan(*a, **{**k, "compact_grads": c}))
+            total[compact] = deviceless.compile_report(cfg, target, estimate=False)["memory"]["total"]
+    saved, want = total[False] - total[True], 2 * layer_stack_params(cfg.model)
+    assert 0.8 <= saved / want <= 1.2, (saved / 2**30, want / 2**30)
