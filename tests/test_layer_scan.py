@@ -18,7 +18,7 @@ from jaxtrain.models import layer_scan
 from jaxtrain.trainer.batches import batch_to_device
 from tests.conftest import REPO, program_on_mesh, tiny_config
 
-BF16 = ["model.compute_dtype=bfloat16", "model.param_dtype=float32", "train.steps=1", "model.n_layers=4"]
+BF16 = ["model.compute_dtype=bfloat16", "model.param_dtype=float32", "train.steps=1", "model.n_layers=2"]
 CASES = {
     # two fsdp shards, two microbatches, fp8 sites, QK-norm, biases, Gemma's norms, a pattern
     "dense-fp8-pattern": [
