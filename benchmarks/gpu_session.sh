@@ -8,8 +8,8 @@
 #
 # attention  the Hopper (Mosaic GPU) flash kernel, our Triton kernel and cuDNN at the issue shape,
 #            checked against the f32 reference, then head_dim 64/256, 16k tokens and a window
-# step       the 0.886B Llama step: jaxtrain (auto, attention_impl=pallas_mosaic, remat=minimal) vs
-#            torch.compile, each in its own process
+# step       the 0.886B Llama step: jaxtrain (auto, attention_impl=pallas_mosaic, and autodiff's
+#            layer loop: model.compact_grads=false) vs torch.compile, each in its own process
 # moe        the dropless MoE step (Triton grouped matmul) against capacity 1.25
 # Each section has its own time limit, so one that hangs costs only its own minutes: attention
 # 350 s, step 330 s, moe 170 s, so under a 600 s limit per command run `attention`, then
@@ -46,7 +46,7 @@ for section in $SECTIONS; do
     step)
       say step
       timeout 330 python3 "$REPO"/benchmarks/gpu_peer.py --steps 10 --only jaxtrain,torch-compile \
-        --jaxtrain-variants "mosaic:model.attention_impl=pallas_mosaic;minimal:model.remat=minimal" \
+        --jaxtrain-variants "mosaic:model.attention_impl=pallas_mosaic;plain-grads:model.compact_grads=false" \
         --json "$OUT"/peer.json \
         > "$OUT"/peer.txt 2>&1
       show "$OUT"/peer.txt 20

@@ -245,6 +245,10 @@ class ModelConfig:
     fp8: bool = False
     fp8_amax_history: int = FP8_HISTORY_DEFAULT
     scan_layers: bool = True  # False unrolls the layer loop (same parameters)
+    # The layer loop keeps weight gradients in the compute dtype until its backward ends
+    # (models/layer_scan.py: the same values, 2 bytes less per layer parameter at the peak with
+    # f32 weights and bf16 compute); false: autodiff's scan
+    compact_grads: bool = True
     # auto | xla | pallas | cudnn (auto: on GPU the fastest measured that runs the case,
     # planning/attention_speeds.py; pallas on TPU; xla on CPU; resolved when the program is
     # built; a model built directly with auto runs xla). cudnn: jax.nn.dot_product_attention's
@@ -281,11 +285,12 @@ class ModelConfig:
     @property
     def compact_weight_grads(self) -> bool:
         """The layer loop keeps the weights' gradients in the compute dtype until its backward
-        ends (models/layer_scan.py): weights wider than the compute dtype, and no activations
-        offloaded to the host (autodiff's scan places those residuals)."""
+        ends (models/layer_scan.py): `compact_grads`, weights wider than the compute dtype, and
+        no activations offloaded to the host (autodiff's scan places those residuals)."""
         sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
         offloads = self.remat == "offload_matmuls" or any(mode == "offload" for _, mode in self.remat_custom)
-        return sizes.get(self.param_dtype, 4) > sizes.get(self.compute_dtype, 4) and not offloads
+        wider = sizes.get(self.param_dtype, 4) > sizes.get(self.compute_dtype, 4)
+        return self.compact_grads is True and wider and not offloads
 
     @property
     def resolved_head_dim(self) -> int:

@@ -42,29 +42,22 @@ CASES = {
 }
 
 
-def _grads(overrides, compact: bool, monkeypatch):
+def _grads(overrides, compact: bool):
     """(loss, gradients) of the tiny model's train program on its first batch, on host."""
-    scan = layer_scan.scan
-    with monkeypatch.context() as m:
-        m.setattr(
-            layer_scan,
-            "scan",
-            lambda *a, **k: scan(*a, **{**k, "compact_grads": compact and k["compact_grads"]}),
-        )
-        with program_on_mesh(tiny_config(None, *BF16, *overrides)) as (program, state, data):
-            loss, _, grads = program.loss_and_grads(
-                state.params, batch_to_device(next(data), program.batch_sharding)
-            )
-            return jax.device_get((loss, grads))
+    cfg = tiny_config(None, *BF16, *overrides, f"model.compact_grads={str(compact).lower()}")
+    with program_on_mesh(cfg) as (program, state, data):
+        batch = batch_to_device(next(data), program.batch_sharding)
+        loss, _, grads = program.loss_and_grads(state.params, batch)
+        return jax.device_get((loss, grads))
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_gradients_are_autodiffs_rounded_as_the_program_says(case, monkeypatch):
+def test_gradients_are_autodiffs_rounded_as_the_program_says(case):
     """Every gradient equals autodiff's scan's, or its bfloat16 rounding: the jaxpr rounds
     those weight gradients to bfloat16, and XLA may skip that rounding where it widens them
     again at once (xla_allow_excess_precision: MoE's expert matmuls on CPU); the compact loop
     stores them in bfloat16, so it keeps the rounding. Dense layers match bit for bit."""
-    (loss_a, plain), (loss_b, compact) = (_grads(CASES[case], c, monkeypatch) for c in (False, True))
+    (loss_a, plain), (loss_b, compact) = (_grads(CASES[case], c) for c in (False, True))
     assert loss_a == loss_b
     rounded = []
     for path, a in jax.tree_util.tree_leaves_with_path(plain):
@@ -109,7 +102,7 @@ def test_bfloat16_gradients_are_found_where_the_backward_computes_them():
 
 
 @pytest.mark.deviceless
-def test_an_h100_step_holds_the_layers_gradients_in_bfloat16(monkeypatch):
+def test_an_h100_step_holds_the_layers_gradients_in_bfloat16():
     """configs/gpu-peer.yaml compiled for one H100: the compact loop's peak is lower by the
     layer stack's float32-minus-bfloat16 gradient bytes (within 20%: the peak moves)."""
     from jaxtrain.config import load_config
@@ -120,11 +113,14 @@ def test_an_h100_step_holds_the_layers_gradients_in_bfloat16(monkeypatch):
     if not targets.cuda_available():
         pytest.skip("deviceless GPU compiles need the gpu-aot extra")
     target = deviceless.parse_target("gpu:h100", gpus_per_host=1)
-    cfg = load_config(f"{REPO}/configs/gpu-peer.yaml", ["model.remat=minimal", "model.attention_impl=cudnn"])
-    scan, total = layer_scan.scan, {}
+    total = {}
     for compact in (False, True):
-        with monkeypatch.context() as m:
-            m.setattr(layer_scan, "scan", lambda *a, c=compact, **k: scan(*a, **{**k, "compact_grads": c}))
-            total[compact] = deviceless.compile_report(cfg, target, estimate=False)["memory"]["total"]
+        overrides = [
+            "model.remat=minimal",
+            "model.attention_impl=cudnn",
+            f"model.compact_grads={str(compact).lower()}",
+        ]
+        cfg = load_config(f"{REPO}/configs/gpu-peer.yaml", overrides)
+        total[compact] = deviceless.compile_report(cfg, target, estimate=False)["memory"]["total"]
     saved, want = total[False] - total[True], 2 * layer_stack_params(cfg.model)
     assert 0.8 <= saved / want <= 1.2, (saved / 2**30, want / 2**30)

@@ -52,6 +52,7 @@ RUNTIME_FIELDS = (
     "fp8",
     "fp8_amax_history",
     "scan_layers",
+    "compact_grads",
     "attention_impl",
     "cpu_tuning",
     "context_impl",
