@@ -195,7 +195,7 @@ def mgpu_config(
 ) -> MgpuConfig:
     """Config with the sequence padded to a multiple of every tile (``seq_tile``)."""
     b = {**default_blocks(head_dim), **blocks}
-    unit = seq_tile(head_dim, **b)
+    unit = seq_tile(head_dim, **blocks)
     seq_pad = -(-seq_len // unit) * unit
     return MgpuConfig(
         causal=bool(causal),
