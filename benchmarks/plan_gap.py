@@ -65,7 +65,7 @@ def main() -> None:
                 overrides = [*([] if remat == "preset" else [f"model.remat={remat}"]), *VARIANTS[variant]]
                 cfg, ici, dcn = config_for_target(load_config(REPO / path, overrides), target)
                 resolved = resolved_for_target(cfg, target, ici, dcn)[0]
-                est, bound = estimate(resolved, ici).total, lower_bound(cfg, ici).total
+                est, bound = estimate(resolved, ici, target.platform).total, lower_bound(cfg, ici).total
                 r = compile_report(cfg, target, estimate=False)
                 got = (r.get("memory") or {}).get("total")
                 ratio = f"{est / got:.2f}" if got else "-"

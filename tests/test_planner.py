@@ -357,7 +357,7 @@ def test_moe_estimate_is_near_the_compiled_memory(overrides):
 
     target = parse_target("tpu:v5p-8")
     cfg, ici, dcn = config_for_target(cfg, target)
-    est = estimate(resolved_for_target(cfg, target, ici, dcn)[0], ici).total
+    est = estimate(resolved_for_target(cfg, target, ici, dcn)[0], ici, "tpu").total
     got = compile_report(cfg, target, estimate=False)["memory"]["total"]
     assert 0.8 <= est / got <= 1.2, (overrides, est / MiB, got / MiB)
 

@@ -200,7 +200,7 @@ def _gib(n: int) -> str:
 #                  it adds no activations; T counts both sequences of each pair)
 #                  (optimizer.offload(_params) changes nothing here: the step brings the state to
 #                  the device for the update, and XLA starts those copies during the backward;
-#                  compiled, offload moved the peak by -6.2 to +3.2 GiB on the presets, with
+#                  compiled, offload moved the peak by -6.1 to +3.1 GiB on the presets, with
 #                  no sign a formula could follow: docs/benchmarks.md)
 #   saved        = L x T x (bytes/token the remat policy keeps per layer, SAVED_BYTES)
 #   working set  = T x (bytes/token of one layer with nothing recomputed) + attention scores
@@ -233,6 +233,10 @@ def _gib(n: int) -> str:
 # all (not with pipeline stages, whose backward recomputes each stage).
 # total = state + saved + max(working set, logits): the loss's logits (and their gradient) are
 # freed before the last layer's backward forms its working set; both peak over all of `saved`.
+# On TPU under a policy that recomputes, working set + logits: XLA:TPU's schedule starts the
+# last layer's recompute while the logits are held (with the sum, within 10% of the compiled
+# figure on 20 of the 28 preset rows of docs/benchmarks.md, all recomputing; with the max, 11).
+# Under `none` the max (three small MoE compiles on v5p-8, tests/test_planner.py).
 
 #: The remat policies in order of cost (recomputed FLOPs), cheapest first; `auto` walks this.
 REMAT_BY_COST = (
@@ -370,10 +374,14 @@ class Estimate:
     saved: int
     working: int
     logits: int
+    # XLA:TPU's schedule holds the loss's logits while the last layer's recompute forms its
+    # working set; XLA:GPU (and CPU) frees them first (formulas above)
+    logits_with_working: bool = False
 
     @property
     def total(self) -> int:
-        # the loss's logits are freed before the layers' backward forms its working set
+        if self.logits_with_working:
+            return self.state + self.saved + self.working + self.logits
         return self.state + self.saved + max(self.working, self.logits)
 
 
@@ -402,11 +410,13 @@ def layer_stack_params(m) -> int:
     return m.param_count(include_embedding=False) - m.d_model - head
 
 
-def estimate(cfg: Config, mesh_sizes: dict[str, int]) -> Estimate:
+def estimate(cfg: Config, mesh_sizes: dict[str, int], platform: str | None = None) -> Estimate:
     """The step's peak memory per device, estimated (formulas above), for a config whose
     `train.loss_chunk` is resolved (planning/resolve.py; `model.remat` is the policy to
-    estimate). The attention implementation, the MoE exchange and model.cpu_tuning are read
-    as the model reads them (`auto` as the portable default: xla, padded, off)."""
+    estimate), on `platform` ("tpu" counts the logits and the working set at once when the
+    policy recomputes). The
+    attention implementation, the MoE exchange and model.cpu_tuning are read as the model
+    reads them (`auto` as the portable default: xla, padded, off)."""
     m, t = cfg.model, cfg.train
     if t.loss_chunk == "auto":
         raise ValueError(
@@ -434,7 +444,10 @@ def estimate(cfg: Config, mesh_sizes: dict[str, int]) -> Estimate:
     else:
         logits = 2 * 4 * rows * seq * max(1, m.vocab_size // tp)
     logits /= stages  # outside the pipeline the compiler spreads the head over stage too (compiled)
-    return Estimate(state=int(state), saved=int(saved), working=int(working), logits=int(logits))
+    return Estimate(
+        state=int(state), saved=int(saved), working=int(working), logits=int(logits),
+        logits_with_working=platform == "tpu" and m.remat != "none",
+    )  # fmt: skip
 
 
 def activation_bytes(cfg: Config, mesh_sizes: dict[str, int]) -> tuple[float, float, float]:

@@ -488,7 +488,7 @@ def analytic_row(cfg: Config, cand: Candidate, target: Target, headroom: float =
     c = resolve(
         apply(cfg, cand), Placement(target.platform, mesh, target.hbm_bytes, chip=target.generation)
     ).config
-    est = estimate(c, mesh)
+    est = estimate(c, mesh, target.platform)
     row.analytic_bytes = est.total
     timing = analytic_step(c, mesh, hardware.chip(target.generation), target.chips)
     row.analytic_step_s, row.analytic_mfu = timing["step_s"], timing["mfu"]

@@ -286,7 +286,7 @@ def _remat(cfg: Config, p: Placement) -> tuple[str, str]:
     budget, where = REMAT_HEADROOM * p.device_memory, f" ({p.memory_source})" if p.memory_source else ""
     gib = lambda b: f"{b / GiB:.1f}" if b >= 10 * GiB else f"{b / GiB:.2f}"
     with_policy = lambda policy: _set(cfg, "model.remat", policy)
-    need = {policy: estimate(with_policy(policy), p.mesh_shape).total for policy in remat_policies(cfg.model)}
+    need = {q: estimate(with_policy(q), p.mesh_shape, p.platform).total for q in remat_policies(cfg.model)}
     fits = [policy for policy in need if need[policy] <= budget]
     of = f"of {gib(p.device_memory)} GiB{where} x {REMAT_HEADROOM:g}"
     if not fits:
