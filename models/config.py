@@ -35,6 +35,7 @@ ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_mosaic", "cudnn")
 FLASH_ATTENTION_IMPLS = ("pallas", "pallas_mosaic")
 CONTEXT_IMPLS = ("ring", "ulysses")
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element of each of DTYPES
 ROPE_SCALINGS = (None, "linear", "llama3")
 QK_NORMS = ("none", "head", "projection")
 NORM_PLACEMENTS = ("pre", "post", "both")
@@ -287,9 +288,8 @@ class ModelConfig:
         """The layer loop keeps the weights' gradients in the compute dtype until its backward
         ends (models/layer_scan.py): `compact_grads`, weights wider than the compute dtype, and
         no activations offloaded to the host (autodiff's scan places those residuals)."""
-        sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
         offloads = self.remat == "offload_matmuls" or any(mode == "offload" for _, mode in self.remat_custom)
-        wider = sizes.get(self.param_dtype, 4) > sizes.get(self.compute_dtype, 4)
+        wider = DTYPE_BYTES.get(self.param_dtype, 4) > DTYPE_BYTES.get(self.compute_dtype, 4)
         return self.compact_grads is True and wider and not offloads
 
     @property

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 
 from jaxtrain import models, sharding
 from jaxtrain.config import Config, ConfigError
-from jaxtrain.models.config import FLASH_ATTENTION_IMPLS
+from jaxtrain.models.config import DTYPE_BYTES, FLASH_ATTENTION_IMPLS
 from jaxtrain.models.generation import CACHE_AXES, CACHE_POSITION_AXES, KVCache, cache_length
 from jaxtrain.models.generation import decode_step as decode_fn
 from jaxtrain.models.generation import prefill as prefill_fn
@@ -40,15 +40,13 @@ from jaxtrain.planning.report import collectives
 from jaxtrain.planning.resolve import axis_rules
 from jaxtrain.sharding.targets import compiled_memory
 
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-
 
 def kv_cache_bytes(model_cfg, batch: int, cache_len: int) -> int:
     """Bytes of the whole KV cache (models.generation.KVCache k and v, every layer) in the
     compute dtype: 2 x layers x batch x kv_heads x cache_len x head_dim x itemsize."""
     m = model_cfg
     return (
-        2 * m.n_layers * batch * m.n_kv_heads * cache_len * m.resolved_head_dim * _ITEMSIZE[m.compute_dtype]
+        2 * m.n_layers * batch * m.n_kv_heads * cache_len * m.resolved_head_dim * DTYPE_BYTES[m.compute_dtype]
     )
 
 

@@ -36,10 +36,9 @@ import os
 import jax
 
 from jaxtrain.config import Config, ConfigError
+from jaxtrain.models.config import DTYPE_BYTES
 from jaxtrain.models.moe import capacity, receive_rows
 from jaxtrain.sharding import hardware
-
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +90,7 @@ def compact_grad_savings(cfg: Config, size) -> float:
     `model.compact_weight_grads` holds; not in pipelines (their own loop) or with
     LoRA (the base has no gradient). Norm scales keep theirs (a few thousand parameters)."""
     m = cfg.model
-    p, a = _BYTES.get(m.param_dtype, 4), _BYTES.get(m.compute_dtype, 4)
+    p, a = DTYPE_BYTES.get(m.param_dtype, 4), DTYPE_BYTES.get(m.compute_dtype, 4)
     if not m.compact_weight_grads or size("stage") > 1 or m.lora is not None:
         return 0.0
     stack, experts = layer_stack_params(m), expert_params(m)
@@ -110,7 +109,7 @@ def lower_bound(cfg: Config, mesh_sizes: dict[str, int]) -> Footprint:
     for any dtype, offload and loss-chunk setting (module docstring)."""
     m, o = cfg.model, cfg.optimizer
     size = mesh_product(mesh_sizes)
-    p = _BYTES.get(m.param_dtype, 4)
+    p = DTYPE_BYTES.get(m.param_dtype, 4)
     # parameters and gradients (clipping needs all of them before the update), then the two
     # moments unless offload keeps them on the host (ZeRO-1, optimizer.shard_state: split over
     # data too); pipeline stages split the layers' parameters (not the embedding and head)
@@ -123,7 +122,7 @@ def lower_bound(cfg: Config, mesh_sizes: dict[str, int]) -> Footprint:
     tokens = rows * seq
     # a stage keeps one [tokens, d_model] input per pipeline iteration, at least `tokens` of them
     layers = m.n_layers if size("stage") == 1 else 1
-    activations = layers * tokens * m.d_model * _BYTES.get(m.compute_dtype, 4)
+    activations = layers * tokens * m.d_model * DTYPE_BYTES.get(m.compute_dtype, 4)
     # f32 logits: all of them, or one chunk with train.loss_chunk (auto may chunk)
     chunk = cfg.train.loss_chunk
     if chunk == "auto":
@@ -278,7 +277,7 @@ SAVED_NAMES = {
 def name_bytes_per_token(m, tensor: int = 1, moe_rows: float = 1.0) -> dict[str, float]:
     """Bytes per token per layer of each checkpoint name (heads / mlp shard over tensor);
     `moe_rows`: rows the expert matmuls run over per assignment (moe_row_factor)."""
-    a, hd, t = _BYTES.get(m.compute_dtype, 4), m.resolved_head_dim, max(1, tensor)
+    a, hd, t = DTYPE_BYTES.get(m.compute_dtype, 4), m.resolved_head_dim, max(1, tensor)
     mlp, outputs = m.mlp_dim, 1
     if m.moe is not None:  # top-k experts' intermediates per token (plus shared ones)
         mlp = m.moe.mlp_dim(m) * (m.moe.top_k * moe_rows + m.moe.num_shared_experts)
@@ -303,7 +302,7 @@ def layer_bytes_per_token(
     normalised value and the dense third operand were added against the compiled H100 step
     of configs/gpu-peer.yaml (remat none: -10.6% before, +5% after; tests/test_gpu_memory_plan.py)."""
     n = name_bytes_per_token(m, tensor, moe_rows)
-    a = _BYTES.get(m.compute_dtype, 4)
+    a = DTYPE_BYTES.get(m.compute_dtype, 4)
     extra = 2 * m.d_model * (4 + 4 + a)  # two RMSNorms: f32 input, f32 normalised, output
     extra += (m.n_heads + m.n_kv_heads) * m.resolved_head_dim * a / max(1, tensor)  # roped q, k
     extra += m.d_model * a  # residual after attention
@@ -346,7 +345,7 @@ def moe_weight_bytes(cfg: Config, mesh_sizes: dict[str, int]) -> float:
         return 0.0
     size = mesh_product(mesh_sizes)
     experts = m.moe.num_experts / size("expert")
-    return 3 * experts * m.d_model * m.moe.mlp_dim(m) / size("tensor") * _BYTES.get(m.param_dtype, 4)
+    return 3 * experts * m.d_model * m.moe.mlp_dim(m) / size("tensor") * DTYPE_BYTES.get(m.param_dtype, 4)
 
 
 def saved_bytes_per_token(m, remat: str, tensor: int = 1, remat_custom=(), **moe) -> float:
@@ -424,7 +423,7 @@ def estimate(cfg: Config, mesh_sizes: dict[str, int], platform: str | None = Non
         )
     size = mesh_product(mesh_sizes)
     stages = size("stage")
-    p = _BYTES.get(m.param_dtype, 4)
+    p = DTYPE_BYTES.get(m.param_dtype, 4)
     per_param = (2 + reference_copies(cfg)) * p + 2 * p / _moment_shards(cfg, size)
     per_param += 4 if t.microbatches > 1 else 0
     stack, experts = layer_stack_params(m), expert_params(m)
@@ -435,7 +434,7 @@ def estimate(cfg: Config, mesh_sizes: dict[str, int], platform: str | None = Non
     state -= compact_grad_savings(cfg, size)
     saved, working, att_rows = activation_bytes(cfg, mesh_sizes)
     rows, seq = microbatch_shape(cfg, size)
-    tp, a = size("tensor"), _BYTES.get(m.compute_dtype, 4)
+    tp, a = size("tensor"), DTYPE_BYTES.get(m.compute_dtype, 4)
     if m.attention_impl in ("xla", "auto"):  # [rows, heads, seq, seq] probs and f32 scores, one layer
         working += att_rows * max(1, m.n_heads // tp) * seq * t.seq_len * (a + 4)
     if t.loss_chunk:  # trainer/loss.py: one chunk of logits live, plus d loss / d x in f32
@@ -454,7 +453,7 @@ def activation_bytes(cfg: Config, mesh_sizes: dict[str, int]) -> tuple[float, fl
     """(saved, working set, rows of one attention's scores) of `estimate` (formulas above)."""
     m = cfg.model
     size = mesh_product(mesh_sizes)
-    stages, tp, a = size("stage"), size("tensor"), _BYTES.get(m.compute_dtype, 4)
+    stages, tp, a = size("stage"), size("tensor"), DTYPE_BYTES.get(m.compute_dtype, 4)
     rows, seq = microbatch_shape(cfg, size)
     tokens = rows * seq
     moe = {}
@@ -481,5 +480,7 @@ def activation_bytes(cfg: Config, mesh_sizes: dict[str, int]) -> tuple[float, fl
     working = t_pm * layer_bytes_per_token(m, tp, **moe) + expert_weights
     # the iteration's block of layers gathered whole (fsdp) in the parameter dtype: the
     # stage recompute holds its weights (or their unreduced gradients) at once
-    working += layer_stack_params(m) / (stages * reps) * _BYTES.get(m.param_dtype, 4) / (tp * size("expert"))
+    working += (
+        layer_stack_params(m) / (stages * reps) * DTYPE_BYTES.get(m.param_dtype, 4) / (tp * size("expert"))
+    )
     return saved, working, rows / pm

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import yaml
 
 from jaxtrain.config import Config, ConfigError, to_dict, validate
+from jaxtrain.models.config import DTYPE_BYTES
 from jaxtrain.planning.compile import Target, compile_report, config_for_target
 from jaxtrain.planning.flops import flops_per_token
 from jaxtrain.planning.footprint import (
@@ -377,8 +378,8 @@ def _weight_traffic(cfg: Config, mesh: dict[str, int], bw, pipe: _Pipe) -> dict[
     and the vocab-parallel head's activations (analytic_step's formulas)."""
     m, mb = cfg.model, cfg.train.microbatches
     g = lambda ax: mesh.get(ax, 1)
-    p = {"float32": 4, "bfloat16": 2, "float16": 2}[m.param_dtype]
-    a = {"float32": 4, "bfloat16": 2, "float16": 2}[m.compute_dtype]
+    p = DTYPE_BYTES[m.param_dtype]
+    a = DTYPE_BYTES[m.compute_dtype]
     params, stack, f = m.param_count(), layer_stack_params(m), g("fsdp")
     # the share of a device's parameters it holds over fsdp: the routed experts split over
     # expert as well, everything else only over tensor
@@ -402,7 +403,7 @@ def _activation_traffic(cfg: Config, mesh: dict[str, int], bw, pipe: _Pipe) -> d
     context, expert and the pipeline's shift between stages (analytic_step's formulas)."""
     m, t = cfg.model, cfg.train
     g = lambda ax: mesh.get(ax, 1)
-    a = {"float32": 4, "bfloat16": 2, "float16": 2}[m.compute_dtype]
+    a = DTYPE_BYTES[m.compute_dtype]
     mb = t.microbatches
     layers = m.n_layers / pipe.stages * pipe.inflate  # layer passes per device, per microbatch
     rows = t.global_batch_size * sequences_per_row(cfg)

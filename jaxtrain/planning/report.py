@@ -8,6 +8,7 @@ import math
 import re
 
 from jaxtrain.config import Config
+from jaxtrain.models.config import DTYPE_BYTES
 from jaxtrain.sharding.collectives import COLLECTIVES
 
 GiB = 1024**3
@@ -87,7 +88,7 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
 
 def state_bytes_per_device(cfg: Config, num_devices: int) -> float:
     """Parameters + AdamW moments per device when fully sharded (the floor no mesh beats)."""
-    param_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.param_dtype]
+    param_bytes = DTYPE_BYTES[cfg.model.param_dtype]
     return cfg.model.param_count() * (param_bytes + 2 * param_bytes) / num_devices
 
 
