@@ -70,16 +70,12 @@ def narrow_grads(f: Callable, carry, diff: list) -> list:
     diff)` is a widening cast of (so exactly representable in it), or None. Read from the
     jaxpr of the backward pass itself, so custom rules that return wider gradients count."""
 
-    def grads(carry, diff, ct_floats):
+    def grads(carry, diff):  # any cotangent: only the backward pass's structure is read
         out, vjp_fn = jax.vjp(f, carry, diff)
-        leaves, tree = jax.tree.flatten(out)
-        it = iter(ct_floats)
-        ct = [next(it) if _is_float(o.dtype) else _zeros(o) for o in leaves]
-        return vjp_fn(jax.tree.unflatten(tree, ct))[1]
+        ct = jax.tree.map(lambda o: jnp.ones(o.shape, o.dtype) if _is_float(o.dtype) else _zeros(o), out)
+        return vjp_fn(ct)[1]
 
-    out = jax.eval_shape(f, carry, diff)
-    ct_floats = [o for o in jax.tree.leaves(out) if _is_float(o.dtype)]
-    closed = jax.make_jaxpr(grads)(carry, diff, ct_floats)
+    closed = jax.make_jaxpr(grads)(carry, diff)
     return [_widened_from(closed.jaxpr, v) for v in closed.jaxpr.outvars]
 
 
@@ -161,7 +157,7 @@ def _compact_scan(body: Callable, unroll: int):
             lambda c, a: _zeros(a) if is_zero(c) else c, ct[0], carry_aval, is_leaf=is_zero
         )
         y_avals, y_tree = jax.tree.flatten(y_aval)
-        steps = jax.tree.leaves(x_leaves)[0].shape[0]
+        steps = x_leaves[0].shape[0]
         ct_ys = [  # the float outputs' cotangents, scanned; the rest are float0 zeros per step
             jnp.zeros((steps, *a.shape), a.dtype) if is_zero(c) else c
             for c, a in zip(jax.tree.leaves(ct[1], is_leaf=is_zero), y_avals, strict=True)

@@ -179,7 +179,7 @@ class Transformer(nnx.Module):
                     x_spec=_rows_spec(x, pipeline.microbatches),
                 )
             # float32 weights used in a narrower compute dtype: their gradients stay in it until
-            # the backward loop ends (models/layer_scan.py: bit-identical, less memory at the peak)
+            # the backward loop ends (models/layer_scan.py: the same values, less memory at the peak)
             return layer_scan.scan(
                 lambda x, xs, consts: layer(*xs[:2], x, *consts, xs[2]),
                 x,

@@ -413,9 +413,8 @@ def estimate(cfg: Config, mesh_sizes: dict[str, int], platform: str | None = Non
     """The step's peak memory per device, estimated (formulas above), for a config whose
     `train.loss_chunk` is resolved (planning/resolve.py; `model.remat` is the policy to
     estimate), on `platform` ("tpu" counts the logits and the working set at once when the
-    policy recomputes). The
-    attention implementation, the MoE exchange and model.cpu_tuning are read as the model
-    reads them (`auto` as the portable default: xla, padded, off)."""
+    policy recomputes). The attention implementation, the MoE exchange and model.cpu_tuning
+    are read as the model reads them (`auto` as the portable default: xla, padded, off)."""
     m, t = cfg.model, cfg.train
     if t.loss_chunk == "auto":
         raise ValueError(
