@@ -33,7 +33,9 @@ Dispatch:
             forward, gmm + tgmm backward, with their cost estimates), as MaxText,
             or on GPU our Pallas Triton kernel or JAX's Mosaic GPU (Hopper) ones
             (moe.grouped_matmul, resolved by jaxtrain: auto picks megablox on TPU,
-            the measured GPU choice on GPU, ragged_dot on CPU).
+            the measured GPU choice on GPU, ragged_dot on CPU). The rows are sorted
+            and un-sorted by permutation gathers whose backward passes are gathers too
+            (sort_rows, unsort_rows), not autodiff's scatter-adds.
 
 Expert parallelism: with a mesh set (`jax.set_mesh` + `sharding.axis_rules`) the
 layer runs in `jax.shard_map`: tokens stay sharded on their batch axes, experts
@@ -56,6 +58,7 @@ ragged_buffer_factor; both exchanges keep the same rows.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -238,6 +241,58 @@ def _capacity_positions(idx, m: MoEConfig, cap: int):
     return pos, pos < cap
 
 
+# --- expert-sorted rows with gather-only backward passes ------------------------------
+# Autodiff transposes a row gather into a scatter-add, which GPUs run with atomics (on an
+# H100 the two here were ~10% of a dropless MoE step). The gathers below follow a
+# permutation, so each backward is a gather too, by the inverse permutation.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def sort_rows(x, order, inverse, k: int):
+    """Token rows x [T, d] -> their assignments' rows x[order // k] [T*k, d] in `order`:
+    each token row k times (assignment t*k + i is token t's i-th choice), the assignments
+    permuted by `order` (int [T*k], a permutation; `inverse` = argsort(order) its inverse).
+
+    Backward without a scatter-add: assignment j's gradient row sits at inverse[j] of the
+    sorted rows, so dx = dxs[inverse] summed over each token's k rows (in float32, then
+    cast to x.dtype)."""
+    return x[order // k]
+
+
+def _sort_rows_fwd(x, order, inverse, k):
+    return x[order // k], inverse
+
+
+def _sort_rows_bwd(k, inverse, g):
+    g = g[inverse]  # [T*k, d] in assignment order
+    if k > 1:
+        g = jnp.sum(g.reshape(-1, k, g.shape[-1]).astype(F32), axis=1).astype(g.dtype)
+    return g, None, None
+
+
+sort_rows.defvjp(_sort_rows_fwd, _sort_rows_bwd)
+
+
+@jax.custom_vjp
+def unsort_rows(rows, order, inverse):
+    """Expert-sorted rows [A, d] -> rows[inverse] [A, d], back in assignment order
+    (`order` int [A] the permutation sort_rows applied, `inverse` = argsort(order)).
+
+    Backward without a scatter-add: the inverse permutation's gather, d_rows = d_out[order]."""
+    return rows[inverse]
+
+
+def _unsort_rows_fwd(rows, order, inverse):
+    return rows[inverse], order
+
+
+def _unsort_rows_bwd(order, g):
+    return g[order], None, None
+
+
+unsort_rows.defvjp(_unsort_rows_fwd, _unsort_rows_bwd)
+
+
 def _local_moe(
     x,
     w_router,
@@ -294,7 +349,8 @@ def _local_moe(
         a = b * s * k
         flat_e = idx.reshape(a)
         order = jnp.argsort(flat_e, stable=True)  # assignments by expert
-        xs = x.reshape(b * s, d)[order // k]
+        inverse = jnp.argsort(order)  # where each assignment sits in that order
+        xs = sort_rows(x.reshape(b * s, d), order, inverse, k)
         group_sizes = counts.astype(jnp.int32)
         if ep == 1:
             out = _ragged_swiglu(xs, w_gate, w_up, w_down, group_sizes, fp8, grouped, full=True)
@@ -318,7 +374,7 @@ def _local_moe(
             )
         # The expert outputs, in token order: the router weights' gradient needs them, so a
         # policy that keeps "mlp_out" spares the backward the w_down matmul (and this gather).
-        out = checkpoint_name(out[jnp.argsort(order)].reshape(b, s, k, d), "mlp_out")
+        out = checkpoint_name(unsort_rows(out, order, inverse).reshape(b, s, k, d), "mlp_out")
         y = jnp.einsum("bskd,bsk->bsd", out, weights.astype(x.dtype))
         sums["dropped"] = dropped.astype(F32)
 

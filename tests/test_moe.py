@@ -17,7 +17,8 @@ from flax import nnx
 
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.models import ModelConfig, MoEConfig, Transformer, merge
-from jaxtrain.models.moe import MoE, _capacity_positions, capacity, moe_layer
+from jaxtrain.models import moe as moe_module
+from jaxtrain.models.moe import MoE, _capacity_positions, capacity, moe_layer, sort_rows, unsort_rows
 from jaxtrain.trainer import train
 from jaxtrain.trainer.batches import batch_to_device
 from tests.conftest import REPO, program_on_mesh
@@ -227,6 +228,78 @@ def _count_primitive(jaxpr, prefix: str) -> int:
                 elif isinstance(j, jax.extend.core.Jaxpr):
                     n += _count_primitive(j, prefix)
     return n
+
+
+# --- the dropless layer's row permutations (gather-only backward passes) ---------------
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("perm", ["random", "by-expert"])
+def test_sorted_rows_match_autodiff_of_the_plain_gathers(k, dtype, perm):
+    """sort_rows / unsort_rows (custom VJPs whose backward passes are gathers by the inverse
+    permutation) against the plain jnp gathers x[order // k] / rows[argsort(order)], whose
+    autodiff backward passes are scatter-adds: the same values and gradients. Exactly, but
+    for sort_rows with k = 3, where the custom VJP sums each token's rows in float32 (one
+    rounding) and the scatter-add in another order (k = 2: one addition either way).
+    order: a random permutation, or a stable argsort of expert ids (as the layer's)."""
+    t, d = 7, 5
+    x = jax.random.normal(jax.random.key(0), (t, d), dtype)
+    if perm == "random":
+        order = jax.random.permutation(jax.random.key(1), t * k)
+    else:
+        order = jnp.argsort(jax.random.randint(jax.random.key(1), (t * k,), 0, 3), stable=True)
+    inverse = jnp.argsort(order)
+    assert sorted(np.asarray(order).tolist()) == list(range(t * k))
+    ct = jax.random.normal(jax.random.key(2), (t * k, d), dtype)
+    f32 = lambda a: np.asarray(a, np.float32)
+
+    got, vjp = jax.vjp(lambda x: sort_rows(x, order, inverse, k), x)
+    want, vjp_ref = jax.vjp(lambda x: x[order // k], x)
+    (dx,), (dx_ref,) = vjp(ct), vjp_ref(ct)
+    assert got.dtype == want.dtype and dx.dtype == dx_ref.dtype == x.dtype
+    np.testing.assert_array_equal(f32(got), f32(want))
+    if k < 3:
+        np.testing.assert_array_equal(f32(dx), f32(dx_ref))
+    else:
+        tol = dict(rtol=1e-6, atol=1e-6) if dtype == "float32" else dict(rtol=1e-2, atol=1e-2)
+        np.testing.assert_allclose(f32(dx), f32(dx_ref), **tol)
+
+    got, vjp = jax.vjp(lambda r: unsort_rows(r, order, inverse), ct)
+    want, vjp_ref = jax.vjp(lambda r: r[jnp.argsort(order)], ct)
+    np.testing.assert_array_equal(f32(got), f32(want))
+    np.testing.assert_array_equal(f32(vjp(got * 3)[0]), f32(vjp_ref(got * 3)[0]))
+
+
+@pytest.mark.parametrize("name", ["dropless-top2", "dropless-sigmoid-bias"])
+def test_dropless_gradients_match_the_plain_gathers(name, monkeypatch):
+    """The single-device dropless layer's gradients (input, router, experts) with sort_rows /
+    unsort_rows equal those with the plain jnp gathers they replace (differentiated by
+    autodiff), in f32; and the gradient program keeps one scatter-add, the router weights'
+    take_along_axis into [b, s, E], where the plain gathers' transposes added two over
+    [assignments, d] and [tokens, d]."""
+    m = CASES[name]
+    params = random_layer(jax.random.key(1), bias=m.score_bias)
+    x = jax.random.normal(jax.random.key(2), (3, 10, 8), jnp.float32)
+    ct = jax.random.normal(jax.random.key(3), x.shape, jnp.float32)
+    argnums = (0, 1, 3, 4, 5)  # not the router bias (no gradient)
+
+    def grads():  # a new function each call: no trace cache hit across the patch
+        def loss(x, *p):
+            y, stats = moe_layer(x, *p, m)
+            return jnp.sum(y * ct) + stats["aux_loss"] + stats["z_loss"]
+
+        grad = jax.grad(loss, argnums=argnums)
+        return jax.jit(grad)(x, *params), jax.make_jaxpr(grad)(x, *params).jaxpr
+
+    got, jaxpr = grads()
+    with monkeypatch.context() as patch:
+        patch.setattr(moe_module, "sort_rows", lambda x, order, inverse, k: x[order // k])
+        patch.setattr(moe_module, "unsort_rows", lambda rows, order, inverse: rows[inverse])
+        want, plain = grads()
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-7)
+    assert _count_primitive(jaxpr, "scatter") == 1 and _count_primitive(plain, "scatter") == 3
 
 
 @pytest.mark.parametrize(
