@@ -579,16 +579,19 @@ def _validate_context(cfg: Config) -> None:
             f"divisible by mesh.context={m.context} x mesh.tensor={m.tensor}; "
             f"use model.context_impl=ring"
         )
-    if model.attention_impl == "pallas_mosaic" and model.context_impl == "ring":
+    flash = model.attention_impl in ("pallas", "pallas_mosaic", "cudnn")  # the ring's blocks: flash
+    if flash and model.flash_kernel_on_gpu == "mosaic" and model.context_impl == "ring":
         from jaxtrain.pallas_kernels.flash_mgpu import seq_tile
 
         chunk, tile = t.seq_len // (2 * m.context), seq_tile(model.resolved_head_dim)
         if chunk % tile:
             raise ConfigError(
                 f"train.seq_len={t.seq_len} with mesh.context={m.context} and "
-                f"model.attention_impl=pallas_mosaic: the ring's chunks of {chunk} tokens (seq_len / "
+                f"model.attention_impl={model.attention_impl} and model.gpu_flash_kernel="
+                f"{model.gpu_flash_kernel}: the ring's chunks of {chunk} tokens (seq_len / "
                 f"(2 * context)) must be a multiple of {tile}, the Hopper flash kernel's tile; expected "
-                f"train.seq_len a multiple of {2 * m.context * tile}, or attention_impl pallas"
+                f"train.seq_len a multiple of {2 * m.context * tile}, or the Triton kernel "
+                "(attention_impl pallas, gpu_flash_kernel triton)"
             )
 
 

@@ -69,15 +69,19 @@ def attend(
     cpu_tuned=False,
     softmax_scale=None,
     softcap=None,
+    gpu_kernel="triton",
 ):
     """Dispatch to one attention implementation (see module docstring). `softmax_scale`:
-    the query scale (None: head_dim ** -0.5); `softcap`: the logit cap (every path but cuDNN).
+    the query scale (None: head_dim ** -0.5); `softcap`: the logit cap (every path but cuDNN);
+    `gpu_kernel`: which Pallas flash kernel runs on a GPU, "triton" or "mosaic" (Hopper), for
+    `pallas`, cuDNN's fallback and the context-parallel blocks (`pallas_mosaic`: always mosaic).
 
     The output is the `context` activation checkpoint: the flash kernels (pallas, cudnn) name
     it inside their backward rules, with their softmax statistics, so that a policy keeping
     `context` runs no forward kernel again (pallas_kernels/remat_names.py); the other paths
     name their output here."""
     impl = "xla" if impl == "auto" else impl
+    gpu_kernel = "mosaic" if impl == "pallas_mosaic" else gpu_kernel
     if softcap is not None and impl == "cudnn":
         raise ValueError(f"attention softcap {softcap}: cuDNN's attention takes none; use pallas or xla")
     if _context_size() > 1:
@@ -93,6 +97,7 @@ def attend(
                 context_impl=context_impl,
                 softmax_scale=softmax_scale,
                 softcap=softcap,
+                gpu_kernel=gpu_kernel,
             )
         )
     if impl == "xla":
@@ -124,7 +129,7 @@ def attend(
             sliding_window=sliding_window,
             scale=softmax_scale,
             softcap=softcap,
-            gpu_kernel="mosaic" if impl == "pallas_mosaic" else "triton",
+            gpu_kernel=gpu_kernel,
         )
     if impl == "cudnn":
         return _cudnn_attention(
@@ -135,6 +140,7 @@ def attend(
             causal=causal,
             sliding_window=sliding_window,
             scale=softmax_scale,
+            gpu_kernel=gpu_kernel,
         )
     raise ValueError(f"attention impl={impl!r}: expected one of auto, xla, pallas, pallas_mosaic, cudnn")
 
@@ -165,8 +171,8 @@ def _shards(q):
     return mesh, *_batch_and_head_axes(q, rules, mesh)
 
 
-def _cudnn_attention(q, k, v, *, segment_ids, causal, sliding_window, scale=None):
-    """cuDNN per shard; the flash kernel for rows packing several documents."""
+def _cudnn_attention(q, k, v, *, segment_ids, causal, sliding_window, scale=None, gpu_kernel="triton"):
+    """cuDNN per shard; the flash kernel (`gpu_kernel`) for rows packing several documents."""
     mesh, batch_axes, head_axes = _shards(q)
     flash = dict(
         mesh=None,
@@ -175,6 +181,7 @@ def _cudnn_attention(q, k, v, *, segment_ids, causal, sliding_window, scale=None
         causal=causal,
         sliding_window=sliding_window,
         softmax_scale=scale,
+        gpu_kernel=gpu_kernel,
     )
 
     def kernel(q, k, v, seg):
@@ -224,7 +231,7 @@ def _context_size() -> int:
 
 
 def _context_attention(
-    q, k, v, *, segment_ids, causal, impl, sliding_window, context_impl, softmax_scale, softcap
+    q, k, v, *, segment_ids, causal, impl, sliding_window, context_impl, softmax_scale, softcap, gpu_kernel
 ):
     """Ring or Ulysses attention over the `context` mesh axis; batch and heads split
     as the active rules split the `batch` / `act_heads` activations. Inputs are in
@@ -247,7 +254,7 @@ def _context_attention(
         batch_axes=batch_axes,
         head_axes=head_axes,
         block_impl="pallas" if impl in ("cudnn", "pallas_mosaic") else impl,
-        gpu_kernel="mosaic" if impl == "pallas_mosaic" else "triton",
+        gpu_kernel=gpu_kernel,
         sliding_window=sliding_window,
         softmax_scale=softmax_scale,
         softcap=softcap,

@@ -33,6 +33,7 @@ FP8_HISTORY_DEFAULT = 1024
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_mosaic", "cudnn")
 # The implementations that run our Pallas flash kernel (Triton / Mosaic TPU, or the Hopper one)
 FLASH_ATTENTION_IMPLS = ("pallas", "pallas_mosaic")
+GPU_FLASH_KERNELS = ("auto", "triton", "mosaic")  # model.gpu_flash_kernel
 CONTEXT_IMPLS = ("ring", "ulysses")
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element of each of DTYPES
@@ -255,6 +256,12 @@ class ModelConfig:
     # built; a model built directly with auto runs xla). cudnn: jax.nn.dot_product_attention's
     # cuDNN kernel, rows packing several documents fall back to the Pallas kernel
     attention_impl: str = "auto"
+    # Which of our Pallas flash kernels runs on a GPU (attention_impl pallas, the cuDNN path's
+    # fallback for rows packing several documents, ring and Ulysses blocks): triton (any GPU) |
+    # mosaic (pallas_kernels/flash_mgpu.py, Hopper) | auto (mosaic on Hopper where it takes the
+    # case, planning/attention_speeds.py; a model built directly with auto runs triton).
+    # attention_impl pallas_mosaic runs mosaic whatever this says; TPU and CPU ignore it.
+    gpu_flash_kernel: str = "auto"
     # XLA:CPU's program changes (models/cpu_tuning.py): auto (on when the program runs on CPU)
     # | true | false. Same values as the portable program; TPU/GPU programs never have them.
     cpu_tuning: bool | str = "auto"
@@ -343,7 +350,13 @@ class ModelConfig:
                 "attention takes bfloat16 or float16; expected one of those, or attention_impl pallas/xla"
             )
         if self.attention_impl == "pallas_mosaic":
-            self._check_mosaic_attention()
+            self._check_mosaic_attention("model.attention_impl=pallas_mosaic", "attention_impl pallas")
+        if self.gpu_flash_kernel not in GPU_FLASH_KERNELS:
+            raise ValueError(
+                f"model.gpu_flash_kernel={self.gpu_flash_kernel!r}: expected one of {GPU_FLASH_KERNELS}"
+            )
+        if self.gpu_flash_kernel == "mosaic":
+            self._check_mosaic_attention("model.gpu_flash_kernel=mosaic", "gpu_flash_kernel triton or auto")
         if self.cpu_tuning not in (True, False, "auto"):
             raise ValueError(f"model.cpu_tuning={self.cpu_tuning!r}: expected auto, true or false")
         if self.rope_scaling not in ROPE_SCALINGS:
@@ -423,26 +436,33 @@ class ModelConfig:
                 "cuDNN's attention takes no softcap; expected attention_impl pallas, xla or auto"
             )
 
-    def _check_mosaic_attention(self) -> None:
-        """What the Mosaic GPU flash kernel (Hopper) takes, named at the door."""
+    def _check_mosaic_attention(self, key: str, instead: str) -> None:
+        """What the Mosaic GPU flash kernel (Hopper) takes, named at the door: `key` the setting
+        that asked for it, `instead` the setting that avoids it."""
         from jaxtrain.pallas_kernels.flash_mgpu import HEAD_DIMS
 
-        what = "model.attention_impl=pallas_mosaic (the Hopper flash kernel)"
+        what = f"{key} (the Hopper flash kernel)"
         if self.compute_dtype not in ("bfloat16", "float16"):
             raise ValueError(
                 f"{what} with model.compute_dtype={self.compute_dtype}: its wgmma operands are 16-bit; "
-                "expected bfloat16 or float16, or attention_impl pallas"
+                f"expected bfloat16 or float16, or {instead}"
             )
         if self.resolved_head_dim not in HEAD_DIMS:
             raise ValueError(
-                f"{what} with head_dim {self.resolved_head_dim}: expected one of {HEAD_DIMS}, "
-                "or attention_impl pallas"
+                f"{what} with head_dim {self.resolved_head_dim}: expected one of {HEAD_DIMS}, or {instead}"
             )
         if self.attention_softcap is not None:
             raise ValueError(
                 f"{what} with model.attention_softcap={self.attention_softcap}: it takes no softcap; "
-                "expected attention_impl pallas"
+                f"expected {instead}"
             )
+
+    @property
+    def flash_kernel_on_gpu(self) -> str:
+        """The Pallas flash kernel this model's attention runs on a GPU: "mosaic" or "triton"."""
+        if self.attention_impl == "pallas_mosaic":
+            return "mosaic"
+        return "mosaic" if self.gpu_flash_kernel == "mosaic" else "triton"
 
     @property
     def layers_per_group(self) -> int:

@@ -117,6 +117,7 @@ def _attention(attn, x, cache, step: _Step, layer=None):
             v,
             causal=True,
             impl=cfg.attention_impl,
+            gpu_kernel=cfg.flash_kernel_on_gpu,
             sliding_window=attn.window,
             context_impl=cfg.context_impl,
             softmax_scale=cfg.attention_scale,

@@ -170,6 +170,7 @@ class Attention(nnx.Module):
             segment_ids=segment_ids,
             causal=True,
             impl=cfg.attention_impl,
+            gpu_kernel=cfg.flash_kernel_on_gpu,
             sliding_window=self.window,
             context_impl=cfg.context_impl,
             cpu_tuned=cfg.cpu_tuning is True,

@@ -141,27 +141,36 @@ def test_rows_of_one_document_compile_to_cudnn_alone():
 
 @pytest.mark.deviceless
 def test_rows_that_may_pack_documents_also_compile_the_flash_kernel(tmp_path):
-    """Text rows pack documents: cuDNN where a batch's rows are one document each, the
-    Triton flash kernel otherwise; here on 8 GPUs, batch and heads split (shard_map)."""
+    """Text rows pack documents: cuDNN where a batch's rows are one document each, the flash
+    kernel otherwise (on an H100 the Hopper one: gpu_flash_kernel auto); here on 8 GPUs, batch
+    and heads split (shard_map)."""
     text = tmp_path / "a.txt"
     text.write_text("some words\n")
     calls = _compiled_kernels(8, "data.source=text", f"data.paths=[{text}]", "mesh.fsdp=4", "mesh.tensor=2")
-    assert CUDNN <= calls and TRITON in calls, calls
+    assert CUDNN <= calls and any(c.startswith("mosaic_gpu") for c in calls), calls
+    assert TRITON not in calls, calls
 
 
 @pytest.mark.deviceless
 def test_context_parallel_runs_the_flash_kernel_in_the_ring():
+    """The ring's chunks here (256 / 2 shards / 2 zig-zag halves = 64 tokens) are no multiple
+    of the Hopper kernel's tile, so gpu_flash_kernel auto resolves to the Triton kernel."""
     calls = _compiled_kernels(8, "mesh.fsdp=4", "mesh.context=2", "model.n_layers=1")
     assert TRITON in calls and not (CUDNN & calls), calls
 
 
 @pytest.mark.deviceless
-def test_pallas_mosaic_compiles_to_the_hopper_kernels_alone():
-    """`model.attention_impl: pallas_mosaic` on an H100: the step's attention is the Mosaic GPU
-    flash kernels (forward, dQ, dK/dV), with neither cuDNN nor the Triton kernel beside them."""
-    calls = _compiled_kernels(1, "data.source=synthetic", "model.attention_impl=pallas_mosaic")
+def test_pallas_compiles_to_the_hopper_kernels_alone_on_an_h100():
+    """`model.attention_impl: pallas` on an H100 (gpu_flash_kernel auto -> mosaic): the step's
+    attention is the Mosaic GPU flash kernels (forward, dQ, dK/dV), with neither cuDNN nor the
+    Triton kernel beside them; `gpu_flash_kernel: triton` keeps the Triton one."""
+    calls = _compiled_kernels(1, "data.source=synthetic", "model.attention_impl=pallas")
     assert any(c.startswith("mosaic_gpu") for c in calls), calls
     assert TRITON not in calls and not (CUDNN & calls), calls
+    calls = _compiled_kernels(
+        1, "data.source=synthetic", "model.attention_impl=pallas", "model.gpu_flash_kernel=triton"
+    )
+    assert TRITON in calls and not any(c.startswith("mosaic_gpu") for c in calls), calls
 
 
 @pytest.mark.deviceless
@@ -198,3 +207,44 @@ def test_auto_takes_the_hopper_kernel_only_where_measured_faster(monkeypatch):
     assert speeds.choose_gpu_attention(chip="a100", **args)[0] != "pallas_mosaic"
     assert speeds.choose_gpu_attention(chip="h100", **{**args, "head_dim": 96})[0] != "pallas_mosaic"
     assert speeds.choose_gpu_attention(chip="h100", softcap=True, **args)[0] == "pallas"
+
+
+@pytest.mark.parametrize(
+    "placement,overrides,kernel,why",
+    [
+        (("gpu", "h100"), (), "mosaic", "faster than the Triton one on this chip at head_dim 128: 424"),
+        (("gpu", "h200"), (), "mosaic", "on H100 at head_dim 128"),
+        (("gpu", "a100"), (), "triton", "needs an sm90 chip"),
+        (("gpu", "h100"), ("model.compute_dtype=float32",), "triton", "16-bit compute"),
+        (("gpu", "h100"), ("model.head_dim=96",), "triton", "head_dim 64/128/256"),
+        (("tpu", "v5p"), (), "triton", "not a GPU (tpu)"),
+    ],
+)
+def test_the_gpu_flash_kernel_is_the_hopper_one_where_it_can_run(placement, overrides, kernel, why):
+    """`model.gpu_flash_kernel: auto`: the Hopper kernel on sm90 chips (measured faster than
+    Triton on the H100 at every head_dim timed), Triton where the Hopper kernel cannot run the
+    case; a value given is kept and not logged."""
+    platform, chip = placement
+    cfg = load_config(GPU_PEER, list(overrides))
+    resolution = resolve(cfg, Placement(platform, {"fsdp": 1}, 80 * 2**30, chip.upper(), chip=chip))
+    assert resolution.config.model.gpu_flash_kernel == kernel
+    note = next(n for n in resolution.notes if n.startswith(f"model.gpu_flash_kernel=auto -> {kernel}: "))
+    assert why in note, note
+    given = resolve(
+        load_config(GPU_PEER, ["model.gpu_flash_kernel=triton"]),
+        Placement("gpu", {"fsdp": 1}, 80 * 2**30, "H100", chip="h100"),
+    )
+    assert given.config.model.gpu_flash_kernel == "triton"
+    assert not any(n.startswith("model.gpu_flash_kernel") for n in given.notes)
+
+
+def test_the_hopper_kernel_yields_to_triton_where_the_ring_chunks_miss_its_tile():
+    """Under ring attention the Hopper kernel needs chunks (seq_len / (2 x context)) a multiple
+    of its tile: 2048 / 4 = 512 is; 2176 / 4 = 544 is not, so auto resolves to Triton there."""
+    h100 = dict(device_memory=80 * 2**30, memory_source="H100", chip="h100")
+    fits = resolve(load_config(GPU_PEER), Placement("gpu", {"fsdp": 1, "context": 2}, **h100))
+    assert fits.config.model.gpu_flash_kernel == "mosaic"
+    cfg = load_config(GPU_PEER, ["train.seq_len=2176"])
+    misses = resolve(cfg, Placement("gpu", {"fsdp": 1, "context": 2}, **h100))
+    assert misses.config.model.gpu_flash_kernel == "triton"
+    assert any("chunks of 544 tokens" in n for n in misses.notes), misses.notes

@@ -258,6 +258,22 @@ def test_the_dispatch_routes_to_it_and_refuses_by_name():
         with pytest.raises(ValueError, match=expected):
             base = ("model.attention_impl=pallas_mosaic", "model.compute_dtype=bfloat16", "model.head_dim=64")
             tiny_config(None, *base, "train.seq_len=256", override)
+    # the same doors for the kernel asked for by model.gpu_flash_kernel (attention_impl pallas)
+    base = ("model.attention_impl=pallas", "model.compute_dtype=bfloat16", "model.head_dim=64")
+    for override, expected in [
+        ("model.gpu_flash_kernel=mosaic", None),
+        ("model.gpu_flash_kernel=cuda", "model.gpu_flash_kernel='cuda': expected one of"),
+        (
+            "model.head_dim=48",
+            "gpu_flash_kernel=mosaic .*head_dim 48: expected .* or gpu_flash_kernel triton",
+        ),
+    ]:
+        args = (*base, "train.seq_len=256", "model.gpu_flash_kernel=mosaic", override)
+        if expected is None:
+            tiny_config(None, *args)
+            continue
+        with pytest.raises(ValueError, match=expected):
+            tiny_config(None, *args)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ RUNTIME_FIELDS = (
     "scan_layers",
     "compact_grads",
     "attention_impl",
+    "gpu_flash_kernel",
     "cpu_tuning",
     "context_impl",
     "init_std",

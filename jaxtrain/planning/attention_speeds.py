@@ -116,3 +116,31 @@ def choose_gpu_attention(
     if why_not:
         why += f"; not cudnn: {why_not}"
     return chosen.impl, why
+
+
+def choose_gpu_flash_kernel(
+    *, chip: str | None, head_dim: int, compute_dtype: str, softcap: bool = False
+) -> tuple[str, str]:
+    """(kernel, why): which of our Pallas flash kernels a GPU run uses where it runs one
+    (`model.gpu_flash_kernel: auto`): the Hopper kernel ("mosaic") on an sm90 chip where it
+    takes the case and the table does not measure it slower than Triton at the nearest
+    head_dim; "triton" otherwise."""
+    if not _mosaic_can(chip=chip, head_dim=head_dim, compute_dtype=compute_dtype, softcap=softcap):
+        return "triton", "the Triton kernel: the Hopper kernel needs an sm90 chip, 16-bit compute, " + (
+            "head_dim 64/128/256 and no softcap"
+        )
+    pairs: dict[tuple[str, int], dict[str, float]] = {}  # (chip, head_dim) -> impl -> TFLOP/s
+    for row in SPEEDS:
+        if row.impl in ("pallas", "pallas_mosaic") and not row.window:
+            pairs.setdefault((row.chip, row.head_dim), {})[row.impl] = row.tflops
+    both = [key for key, speeds in pairs.items() if len(speeds) == 2]
+    keys = [k for k in both if k[0] == chip] or [k for k in both if k[0] in HOPPER_CHIPS]
+    if not keys:
+        return "mosaic", "the Hopper kernel (never measured beside the Triton one)"
+    key = min(keys, key=lambda k: abs(k[1] - head_dim))
+    mosaic, triton = pairs[key]["pallas_mosaic"], pairs[key]["pallas"]
+    where = "this chip" if key[0] == chip else key[0].upper()
+    figures = f"on {where} at head_dim {key[1]}: {mosaic:g} against Triton's {triton:g} TFLOP/s fwd+bwd"
+    if mosaic < triton:
+        return "triton", f"the Triton kernel, faster than the Hopper one {figures}"
+    return "mosaic", f"the Hopper kernel, faster than the Triton one {figures}"

@@ -15,7 +15,8 @@ __all__ = ["GPU_GROUPED_MATMUL", "HOPPER_CHIPS", "choose_gpu_grouped_matmul"]
 # chip (sharding/hardware.py's name) -> "triton" | "mosaic" | "ragged_dot", as measured.
 # H100 (2026-11-26, jax 0.11.2, `benchmarks/moe.py --gpu`, docs/benchmarks.md): the MoE step of
 # gpu-peer.yaml with 8 experts of 1408, top-2: dropless triton 0.2053 s, mosaic 0.2325 s,
-# capacity 1.25 0.2354 s; the grouped matmuls alone fwd+bwd: triton 429-555 TFLOP/s, mosaic
+# capacity 1.25 0.2354 s (triton 0.1848 s against capacity's 0.2318 on 2026-11-27, once the
+# row sort lost its scatter-adds); the grouped matmuls alone fwd+bwd: triton 429-555 TFLOP/s, mosaic
 # 456-589, ragged_dot 91-100. The H200 is not measured (the Triton default).
 GPU_GROUPED_MATMUL: dict[str, str] = {"h100": "triton"}
 HOPPER_CHIPS = ("h100", "h200")

@@ -7,6 +7,7 @@ memory), in this order, each step seeing the ones before it:
 | setting                   | depends on      | `auto` picks                                               |
 |---------------------------|-----------------|------------------------------------------------------------|
 | model.attention_impl      | platform, chip  | GPU fastest measured (attention_speeds), TPU pallas, CPU xla |
+| model.gpu_flash_kernel    | platform, chip  | GPU: mosaic (Hopper) where it takes the case, else triton  |
 | model.cpu_tuning          | platform        | true on CPU: models/cpu_tuning.py's program changes        |
 | model.moe.exchange        | platform        | padded on CPU (no ragged_all_to_all there), ragged else    |
 | model.moe.grouped_matmul  | platform, chip  | TPU megablox, GPU grouped_matmul_choice, CPU ragged_dot    |
@@ -37,7 +38,7 @@ from jax.experimental import multihost_utils
 
 from jaxtrain import sharding
 from jaxtrain.config import Config
-from jaxtrain.planning.attention_speeds import choose_gpu_attention
+from jaxtrain.planning.attention_speeds import choose_gpu_attention, choose_gpu_flash_kernel
 from jaxtrain.planning.footprint import (
     LOSS_AUTO_CHUNKS,
     device_memory_bytes,
@@ -188,6 +189,28 @@ def _attention_impl(cfg: Config, p: Placement) -> tuple[str, str]:
     return "xla", "on CPU the Pallas kernels only run interpreted"
 
 
+def _gpu_flash_kernel(cfg: Config, p: Placement) -> tuple[str, str]:
+    m = cfg.model
+    if p.platform != "gpu":
+        return "triton", f"not a GPU ({p.platform}): the setting is not used"
+    kernel, why = choose_gpu_flash_kernel(
+        chip=p.chip,
+        head_dim=m.resolved_head_dim,
+        compute_dtype=m.compute_dtype,
+        softcap=m.attention_softcap is not None,
+    )
+    context = p.mesh_shape.get("context", 1)
+    if kernel == "mosaic" and context > 1 and m.context_impl == "ring":
+        from jaxtrain.pallas_kernels.flash_mgpu import seq_tile
+
+        chunk, tile = cfg.train.seq_len // (2 * context), seq_tile(m.resolved_head_dim)
+        if chunk % tile:
+            return "triton", (
+                f"the ring's chunks of {chunk} tokens are no multiple of the Hopper kernel's tile ({tile})"
+            )
+    return kernel, why
+
+
 def _cpu_tuning(cfg: Config, p: Placement) -> tuple[bool, str]:
     if p.platform == "cpu":
         return True, "XLA:CPU's program changes (models/cpu_tuning.py)"
@@ -309,6 +332,7 @@ def _remat(cfg: Config, p: Placement) -> tuple[str, str]:
 
 _SETTINGS = (
     ("model.attention_impl", _attention_impl),
+    ("model.gpu_flash_kernel", _gpu_flash_kernel),
     ("model.cpu_tuning", _cpu_tuning),
     ("model.moe.exchange", _moe_exchange),
     ("model.moe.grouped_matmul", _grouped_matmul),
