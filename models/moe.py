@@ -247,6 +247,13 @@ def _capacity_positions(idx, m: MoEConfig, cap: int):
 # permutation, so each backward is a gather too, by the inverse permutation.
 
 
+def _take_rows(a, idx, *, unique: bool):
+    """a[idx] along axis 0 for indices known to be in bounds: a clamping gather, without the
+    negative-index wrap of `a[idx]` (a comparison with a constant, which the custom VJP rules
+    below would have to mark varying over the manual axes of a pipeline stage by hand)."""
+    return jnp.take(a, idx, axis=0, mode="clip", unique_indices=unique)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def sort_rows(x, order, inverse, k: int):
     """Token rows x [T, d] -> their assignments' rows x[order // k] [T*k, d] in `order`:
@@ -256,15 +263,15 @@ def sort_rows(x, order, inverse, k: int):
     Backward without a scatter-add: assignment j's gradient row sits at inverse[j] of the
     sorted rows, so dx = dxs[inverse] summed over each token's k rows (in float32, then
     cast to x.dtype)."""
-    return x[order // k]
+    return _take_rows(x, order // k, unique=k == 1)
 
 
 def _sort_rows_fwd(x, order, inverse, k):
-    return x[order // k], inverse
+    return _take_rows(x, order // k, unique=k == 1), inverse
 
 
 def _sort_rows_bwd(k, inverse, g):
-    g = g[inverse]  # [T*k, d] in assignment order
+    g = _take_rows(g, inverse, unique=True)  # [T*k, d] in assignment order
     if k > 1:
         g = jnp.sum(g.reshape(-1, k, g.shape[-1]).astype(F32), axis=1).astype(g.dtype)
     return g, None, None
@@ -279,15 +286,15 @@ def unsort_rows(rows, order, inverse):
     (`order` int [A] the permutation sort_rows applied, `inverse` = argsort(order)).
 
     Backward without a scatter-add: the inverse permutation's gather, d_rows = d_out[order]."""
-    return rows[inverse]
+    return _take_rows(rows, inverse, unique=True)
 
 
 def _unsort_rows_fwd(rows, order, inverse):
-    return rows[inverse], order
+    return _take_rows(rows, inverse, unique=True), order
 
 
 def _unsort_rows_bwd(order, g):
-    return g[order], None, None
+    return _take_rows(g, order, unique=True), None, None
 
 
 unsort_rows.defvjp(_unsort_rows_fwd, _unsort_rows_bwd)

@@ -350,4 +350,7 @@ def test_unreadable_checkpoints_stop_the_run_or_with_skip_are_one_warning_line_e
         assert f"moved it to {step}.unreadable" in line
     for noise in ("Traceback", "Exception ignored", "Event loop is closed", "WARNING:absl"):
         assert noise not in err, err
-    assert len(err.splitlines()) < 15, err
+    # nothing but the run's own lines: its start-up, the two warnings, the resume, the saves
+    known = ("mesh", "model.", "train.", "host malloc:", "warning: checkpoint", "resumed from checkpoint")
+    known += ("config changed since", "compiled train step", "checkpoint step", "goodput ")
+    assert [line for line in err.splitlines() if line and not line.startswith(known)] == [], err

@@ -18,7 +18,8 @@ memory), in this order, each step seeing the ones before it:
 
 `jaxtrain train`, `compile`, `plan` and `generate` all resolve here, so they build the same
 program for the same placement; the run's `config.yaml` records the resolved values and the
-log has one line per resolved setting saying what and why. The model itself never asks
+log has one line per resolved setting saying what and why (none for a setting the placement
+does not use: `model.gpu_flash_kernel` off GPUs). The model itself never asks
 which platform it runs on (models/ hold no platform branches): it reads these values.
 
 Nothing here starts a backend or needs a device: the planner resolves its candidates for
@@ -96,7 +97,7 @@ def placement_of_devices(cfg: Config, devices: Sequence) -> Placement:
 @dataclasses.dataclass(frozen=True)
 class Resolution:
     config: Config  # no `auto` left
-    notes: tuple[str, ...]  # one log line per setting that was auto
+    notes: tuple[str, ...]  # one log line per setting that was auto (and is used here)
 
 
 def resolve(cfg: Config, placement: Placement, *, recorded_remat: str | None = None) -> Resolution:
@@ -114,6 +115,8 @@ def resolve(cfg: Config, placement: Placement, *, recorded_remat: str | None = N
         else:
             value, why = choose(cfg, placement)
         cfg = _set(cfg, name, value)
+        if why is None:  # a setting this placement does not use: resolved, not logged
+            continue
         shown = str(value).lower() if isinstance(value, bool) else value  # as YAML writes it
         notes.append(f"{name}=auto -> {shown}: {why}")
     return Resolution(cfg, tuple(notes))
@@ -189,10 +192,10 @@ def _attention_impl(cfg: Config, p: Placement) -> tuple[str, str]:
     return "xla", "on CPU the Pallas kernels only run interpreted"
 
 
-def _gpu_flash_kernel(cfg: Config, p: Placement) -> tuple[str, str]:
+def _gpu_flash_kernel(cfg: Config, p: Placement) -> tuple[str, str | None]:
     m = cfg.model
     if p.platform != "gpu":
-        return "triton", f"not a GPU ({p.platform}): the setting is not used"
+        return "triton", None  # TPUs and CPUs run their own flash kernel whatever this says
     kernel, why = choose_gpu_flash_kernel(
         chip=p.chip,
         head_dim=m.resolved_head_dim,
