@@ -581,10 +581,11 @@ def _validate_context(cfg: Config) -> None:
         )
     flash = model.attention_impl in ("pallas", "pallas_mosaic", "cudnn")  # the ring's blocks: flash
     if flash and model.flash_kernel_on_gpu == "mosaic" and model.context_impl == "ring":
-        from jaxtrain.pallas_kernels.flash_mgpu import seq_tile
+        from jaxtrain.pallas_kernels.flash_mgpu import ring_chunk_misfit
 
-        chunk, tile = t.seq_len // (2 * m.context), seq_tile(model.resolved_head_dim)
-        if chunk % tile:
+        misfit = ring_chunk_misfit(t.seq_len, m.context, model.resolved_head_dim)
+        if misfit:
+            chunk, tile = misfit
             raise ConfigError(
                 f"train.seq_len={t.seq_len} with mesh.context={m.context} and "
                 f"model.attention_impl={model.attention_impl} and model.gpu_flash_kernel="

@@ -99,6 +99,7 @@ __all__ = [
     "mgpu_config",
     "mgpu_fwd",
     "seq_tile",
+    "ring_chunk_misfit",
     "softmax_delta",
     "unsupported_reason",
 ]
@@ -183,6 +184,13 @@ def seq_tile(head_dim: int, **blocks) -> int:
         _COMPUTE_WGS * b["block_kv_dkv"],
         b["block_q_dkv"],
     )
+
+
+def ring_chunk_misfit(seq_len: int, context: int, head_dim: int) -> tuple[int, int] | None:
+    """(chunk, tile) when load-balanced ring attention's chunks (seq_len / (2 * context)
+    tokens) are no multiple of this kernel's tile, so it cannot run them as blocks; else None."""
+    chunk, tile = seq_len // (2 * context), seq_tile(head_dim)
+    return (chunk, tile) if chunk % tile else None
 
 
 def mgpu_config(

@@ -204,10 +204,11 @@ def _gpu_flash_kernel(cfg: Config, p: Placement) -> tuple[str, str | None]:
     )
     context = p.mesh_shape.get("context", 1)
     if kernel == "mosaic" and context > 1 and m.context_impl == "ring":
-        from jaxtrain.pallas_kernels.flash_mgpu import seq_tile
+        from jaxtrain.pallas_kernels.flash_mgpu import ring_chunk_misfit
 
-        chunk, tile = cfg.train.seq_len // (2 * context), seq_tile(m.resolved_head_dim)
-        if chunk % tile:
+        misfit = ring_chunk_misfit(cfg.train.seq_len, context, m.resolved_head_dim)
+        if misfit:
+            chunk, tile = misfit
             return "triton", (
                 f"the ring's chunks of {chunk} tokens are no multiple of the Hopper kernel's tile ({tile})"
             )
