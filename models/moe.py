@@ -467,11 +467,12 @@ def _dropless_exchange(
     ends = jnp.cumsum(kept, axis=1)[src]  # [rows, e_local]
     local_e = jnp.where(valid, jnp.sum(i[:, None] >= ends, axis=1), e_local)
     order = jnp.argsort(local_e, stable=True)
+    inverse = jnp.argsort(order)
     sizes = jnp.sum(kept, axis=0).astype(jnp.int32)
-    out = _ragged_swiglu(buf[order], w_gate, w_up, w_down, sizes, fp8, impl)
+    out = _ragged_swiglu(sort_rows(buf, order, inverse, 1), w_gate, w_up, w_down, sizes, fp8, impl)
     if tensor_axes:
         out = jax.lax.psum(out, tensor_axes)
-    out = out[jnp.argsort(order)]  # [rows, d] buffer order
+    out = unsort_rows(out, order, inverse)  # [rows, d] buffer order
     dropped = jnp.sum(per_dest - sent)
     if exchange == "ragged":
         # Each source's rows go back to where it keeps them: its dest_start[this shard].
