@@ -20,6 +20,8 @@ import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from tests.conftest import child_env
+
 BUCKET = "jaxtrain-test"
 
 
@@ -261,7 +263,7 @@ def cli_env(storage_url: str) -> dict:
     """The environment for a `jaxtrain` subprocess that talks to the emulator at `storage_url`
     (this process's own GCS settings dropped; the CLI sets the device count; the persistent
     JAX compilation cache is tests/conftest.py's, shared by the session)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     for k in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING", "FSSPEC_GCS_TOKEN"):
         env.pop(k, None)
     env.update(

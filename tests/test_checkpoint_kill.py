@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, child_env
 
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
 COMPARED = ("loss", "grad_norm", "lr", "skipped_total")
@@ -41,8 +41,8 @@ def command(out_dir, *extra):
 
 def env():
     """The CLI's environment: this one (with tests/conftest.py's shared compilation cache)
-    less XLA_FLAGS (the CLI sets the device count)."""
-    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    less the simulated device count (the CLI sets its own)."""
+    e = child_env()
     e.update(JAX_PLATFORMS="cpu")
     return e
 

@@ -180,7 +180,8 @@ def test_vocab_parallel_loss_takes_one_collective_per_chunk():
         hlo = grad_fn.lower(x, head, targets, mask).compile().as_text()
     np.testing.assert_allclose(loss, ref, rtol=1e-6)
     np.testing.assert_allclose(primal, ref, rtol=1e-6)
-    np.testing.assert_allclose(dx, ref_dx, rtol=1e-5, atol=1e-7)
+    # atol as dhead's: sums over a vocabulary split in 8 round apart from one device's (1.5e-7 seen)
+    np.testing.assert_allclose(dx, ref_dx, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(dhead, ref_dhead, rtol=1e-5, atol=1e-6)
     collective = r"= \S+ (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\("
     per_body = [re.findall(collective, body) for body in while_bodies(hlo).values()]

@@ -10,15 +10,15 @@ import pytest
 
 from jaxtrain import host
 from jaxtrain.cli import main, parse_args
-from tests.conftest import REPO
+from tests.conftest import REPO, child_env
 
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
 
 
 def run_cli(*args, env_extra=None):
     # the CLI picks the device count; the machine's own malloc choices stay out of the tests
-    drop = ("XLA_FLAGS", "LD_PRELOAD", "GLIBC_TUNABLES", host.OPT_OUT)
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("MALLOC_")}
+    env = child_env("LD_PRELOAD", "GLIBC_TUNABLES", host.OPT_OUT)
+    env = {k: v for k, v in env.items() if not k.startswith("MALLOC_")}
     env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, "-m", "jaxtrain", *args],

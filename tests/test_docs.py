@@ -47,6 +47,8 @@ from pathlib import Path
 import pytest
 from markdown_it import MarkdownIt
 
+from tests.conftest import child_env
+
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 DOCS = REPO / "docs"
@@ -210,13 +212,13 @@ def check_script(words: list[str], env: dict[str, str]) -> None:
 def run_jaxtrain(argv: list[str], env: dict[str, str], cwd: Path) -> None:
     if argv[0] == "train":
         argv = [*argv, *RUN_OVERRIDES]
-    child_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets its own
+    env_of_child = child_env()  # the CLI sets its own device count
     proc = subprocess.run(
         [sys.executable, "-m", "jaxtrain", *argv],
         capture_output=True,
         text=True,
         cwd=cwd,
-        env={**child_env, **env, "JAX_PLATFORMS": "cpu"},
+        env={**env_of_child, **env, "JAX_PLATFORMS": "cpu"},
         timeout=600,
     )
     assert proc.returncode == 0, (
@@ -310,8 +312,9 @@ def test_docs_block(block: Block, tmp_path):
         code = block.code
         for placeholder, value in PY_PLACEHOLDERS.items():
             code = code.replace(placeholder, value)
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+        env = child_env()
+        flags = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
         proc = subprocess.run(
             [sys.executable, "-c", PY_PRELUDE + code],
             capture_output=True,

@@ -150,8 +150,10 @@ def test_ring_attention_blocks_match_reference():
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    from tests.conftest import child_env
+
+    env = {k: v for k, v in child_env().items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=300
     )

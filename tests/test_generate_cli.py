@@ -14,7 +14,7 @@ import pytest
 from jaxtrain import cli, models, sharding
 from jaxtrain.interchange import generate as g
 from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh
-from tests.conftest import REPO, tiny_config
+from tests.conftest import REPO, child_env, tiny_config
 
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
 HF_TIED = os.path.join(REPO, "tests", "assets", "hf", "llama_tied")
@@ -123,7 +123,7 @@ def test_text_is_written_token_by_token(run_dir):
 def test_cli_subprocess_simulates_the_mesh_devices(run_dir):
     """As a user runs it: a fresh process simulates the 4 CPU devices the mesh needs."""
     expected = expected_text(run_dir, "hello", max_new_tokens=8, seed=0)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     out = subprocess.run(
         [sys.executable, "-m", "jaxtrain", "generate", str(run_dir), "mesh.tensor=2", "mesh.data=2"]
         + ["--prompt", "hello", "--max-new-tokens", "8", "--seed", "0"],

@@ -19,7 +19,7 @@ from jaxtrain import sharding
 from jaxtrain.config import ConfigError, load_config, validate
 from jaxtrain.sharding.pipeline import bubble_fraction, run_pipeline
 from jaxtrain.trainer.batches import batch_to_device
-from tests.conftest import REPO, program_on_mesh, replace, tiny_config
+from tests.conftest import REPO, child_env, program_on_mesh, replace, tiny_config
 
 # --- the transform alone, on a toy layer -------------------------------------------
 
@@ -179,7 +179,7 @@ def test_moe_in_stages_with_expert_parallelism_equals_one_device():
 def test_five_axis_meshes_equal_one_device():
     """data x stage x fsdp x tensor x context (dense) and x expert (MoE): 32 simulated
     devices, so in a subprocess (tests/pipeline_mesh_check.py)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "tests", "pipeline_mesh_check.py")],
         cwd=REPO,
