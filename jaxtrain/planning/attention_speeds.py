@@ -45,7 +45,8 @@ SPEEDS: tuple[Speed, ...] = (
     Speed("h100", 128, False, "pallas", 296.0, _H100_MGPU),  # the tuned tiles (175 before)
     Speed("h100", 64, False, "cudnn", 286.0, _H100_MGPU),
     Speed("h100", 64, False, "pallas_mosaic", 300.0, _H100_MGPU),
-    # head_dim 256: cuDNN ran at 339 on the H100, but is not used past 128 (below)
+    # head_dim 256: cuDNN runs there only where this process sees a Hopper GPU (below)
+    Speed("h100", 256, False, "cudnn", 339.0, _H100_MGPU),
     Speed("h100", 256, False, "pallas_mosaic", 116.0, _H100_MGPU),
     Speed("h100", 256, False, "pallas", 102.0, _H100_MGPU),
     Speed("h100", 128, True, "cudnn", 281.0, _H100_MGPU),
@@ -55,22 +56,46 @@ SPEEDS: tuple[Speed, ...] = (
 CUDNN_MARGIN = 1.05
 
 # cuDNN's fused attention (as jax checks it): Ampere or newer, 16-bit inputs, head_dim a
-# multiple of 8 up to 128 (jax allows 256 on Hopper, and it ran there at 339 TFLOP/s, but jax
-# asks the device which it is, so a deviceless compile for an H100 would refuse it)
-CUDNN_MAX_HEAD_DIM = 128
+# multiple of 8 up to 128, or up to 256 on Hopper and newer (cudnn_max_head_dim)
 CUDNN_DTYPES = ("bfloat16", "float16")
 
 
-def cudnn_cannot(*, chip: str | None, head_dim: int, compute_dtype: str, softcap: bool = False) -> str | None:
-    """Why cuDNN's attention cannot run this case (None: it can)."""
+def cudnn_max_head_dim() -> int:
+    """The largest head_dim jax lets cuDNN's attention take in this process: 256 where the
+    process's GPU is Hopper or newer, else 128. jax decides it from the local device, not the
+    compile target, so a deviceless compile for an H100 (no GPU in the process) gets 128: there
+    `auto` keeps the Hopper flash kernel at head_dim 256, where a run on a real H100 takes cuDNN
+    (339 against 116 TFLOP/s fwd+bwd, SPEEDS)."""
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import check_compute_capability
+
+        return 256 if check_compute_capability("9.0") else 128
+    except (ImportError, RuntimeError):  # jax moved its check, or no backend: every GPU's limit
+        return 128
+
+
+def cudnn_cannot(
+    *,
+    chip: str | None,
+    head_dim: int,
+    compute_dtype: str,
+    softcap: bool = False,
+    max_head_dim: int | None = None,
+) -> str | None:
+    """Why cuDNN's attention cannot run this case (None: it can). `max_head_dim`: None asks
+    this process (`cudnn_max_head_dim`)."""
     if softcap:
         return "a logit softcap (jax.nn.dot_product_attention's cuDNN path takes none)"
     if chip is None:  # every GPU of the hardware table is Ampere or newer
         return "the GPU is unknown to sharding/hardware.py (cuDNN's attention needs Ampere or newer)"
     if compute_dtype not in CUDNN_DTYPES:
         return f"model.compute_dtype={compute_dtype}: cuDNN attention takes bfloat16 or float16"
-    if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
-        return f"head_dim={head_dim}: cuDNN is used for multiples of 8 up to {CUDNN_MAX_HEAD_DIM}"
+    limit = cudnn_max_head_dim() if max_head_dim is None else max_head_dim
+    if head_dim % 8 or head_dim > limit:
+        return (
+            f"head_dim={head_dim}: cuDNN takes multiples of 8 up to {limit} in this process "
+            "(256 where it sees a Hopper GPU, 128 elsewhere)"
+        )
     return None
 
 
@@ -84,10 +109,23 @@ def _mosaic_can(*, chip: str | None, head_dim: int, compute_dtype: str, softcap:
 
 
 def choose_gpu_attention(
-    *, chip: str | None, head_dim: int, window: bool, compute_dtype: str, softcap: bool = False
+    *,
+    chip: str | None,
+    head_dim: int,
+    window: bool,
+    compute_dtype: str,
+    softcap: bool = False,
+    cudnn_head_dim_max: int | None = None,
 ) -> tuple[str, str]:
-    """(impl, why) for a GPU run: the fastest measured implementation that can run the case."""
-    why_not = cudnn_cannot(chip=chip, head_dim=head_dim, compute_dtype=compute_dtype, softcap=softcap)
+    """(impl, why) for a GPU run: the fastest measured implementation that can run the case.
+    `cudnn_head_dim_max`: cudnn_cannot's `max_head_dim`."""
+    why_not = cudnn_cannot(
+        chip=chip,
+        head_dim=head_dim,
+        compute_dtype=compute_dtype,
+        softcap=softcap,
+        max_head_dim=cudnn_head_dim_max,
+    )
     candidates = {"pallas", "xla"} | (set() if why_not else {"cudnn"})
     if _mosaic_can(chip=chip, head_dim=head_dim, compute_dtype=compute_dtype, softcap=softcap):
         candidates.add("pallas_mosaic")
