@@ -10,7 +10,10 @@ causal too. On one H100 (2026-11-27, jax 0.11.2, ``benchmarks/attention.py --gpu
 the issue's shape (B4 S4096, 32 / 8 heads of 128, causal) at 424 TFLOP/s fwd+bwd, 1.02x cuDNN
 (the Triton kernel: 0.72x), within 3.9e-3 of the f32 reference; 1.05x cuDNN at head_dim 64,
 1.13x with a window of 1024, 0.89x at 16k tokens, and 0.34x at head_dim 256 (its backward:
-16.6 ms against a 1.35 ms forward, where cuDNN takes 5.7 ms in all). Reached through
+16.6 ms against a 1.35 ms forward, where cuDNN takes 5.7 ms in all; likely cause, by
+arithmetic, not yet profiled: each dK/dV compute warpgroup holds two [64, 256] f32
+accumulators, 256 registers per thread against the 232 it asks for, so they spill; splitting
+the head dim between the two warpgroups would halve that). Reached through
 ``flash_attention(..., gpu_kernel="mosaic")``, ``model.attention_impl: pallas_mosaic``, and as
 the blocks of chunked / ring attention (``blocks.py``: separate query-side and key-side segment
 ids, the merged LSE and delta given to the backward) and Ulysses' per-head attention;
