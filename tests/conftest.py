@@ -53,12 +53,14 @@ from jaxtrain.config import load_config  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def child_env(*drop: str) -> dict:
-    """This environment for a subprocess that picks its own device count (the CLI, a notebook,
-    a script that simulates more devices): XLA_FLAGS keeps the suite's compiler flags above
-    but not the simulated device count. `drop`: further variables left out."""
+def child_env(*drop: str, devices: int | None = None) -> dict:
+    """This environment for a subprocess that picks its own device count (the CLI, a script
+    that simulates more devices): XLA_FLAGS keeps the suite's compiler flags above but not the
+    simulated device count, or sets it to `devices`. `drop`: further variables left out."""
     env = {k: v for k, v in os.environ.items() if k not in drop}
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
     if flags:
         env["XLA_FLAGS"] = " ".join(flags)
     else:

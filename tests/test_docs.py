@@ -312,9 +312,7 @@ def test_docs_block(block: Block, tmp_path):
         code = block.code
         for placeholder, value in PY_PLACEHOLDERS.items():
             code = code.replace(placeholder, value)
-        env = child_env()
-        flags = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+        env = {**child_env(devices=8), "JAX_PLATFORMS": "cpu"}
         proc = subprocess.run(
             [sys.executable, "-c", PY_PRELUDE + code],
             capture_output=True,

@@ -152,8 +152,7 @@ def test_ring_attention_blocks_match_reference():
 
     from tests.conftest import child_env
 
-    env = {k: v for k, v in child_env().items() if not k.startswith("JAX_COMPILATION_CACHE")}
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+    env = {k: v for k, v in child_env(devices=8).items() if not k.startswith("JAX_COMPILATION_CACHE")}
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=300
     )
