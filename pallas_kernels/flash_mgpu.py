@@ -10,10 +10,12 @@ causal too. On one H100 (2026-11-27, jax 0.11.2, ``benchmarks/attention.py --gpu
 the issue's shape (B4 S4096, 32 / 8 heads of 128, causal) at 424 TFLOP/s fwd+bwd, 1.02x cuDNN
 (the Triton kernel: 0.72x), within 3.9e-3 of the f32 reference; 1.05x cuDNN at head_dim 64,
 1.13x with a window of 1024, 0.89x at 16k tokens, and 0.34x at head_dim 256 (its backward:
-16.6 ms against a 1.35 ms forward, where cuDNN takes 5.7 ms in all; likely cause, by
-arithmetic, not yet profiled: each dK/dV compute warpgroup holds two [64, 256] f32
-accumulators, 256 registers per thread against the 232 it asks for, so they spill; splitting
-the head dim between the two warpgroups would halve that). Reached through
+16.6 ms against a 1.35 ms forward, where cuDNN takes 5.7 ms in all). ptxas, in a deviceless
+compile (``ptxas_report.py``), gave the cause: each dK/dV compute warpgroup held two [64, 256]
+f32 accumulators, 256 registers per thread against the 232 it asks for, so it spilled 4 KB and
+serialised its wgmmas. At head_dim 256 the dK/dV kernel now runs in two head-dim column parts
+(``dkv_parts``; no serialised wgmma, about 1 KB of spills left in each backward kernel); its
+speed on a GPU is not measured yet. Reached through
 ``flash_attention(..., gpu_kernel="mosaic")``, ``model.attention_impl: pallas_mosaic``, and as
 the blocks of chunked / ring attention (``blocks.py``: separate query-side and key-side segment
 ids, the merged LSE and delta given to the backward) and Ulysses' per-head attention;
@@ -63,7 +65,11 @@ support; ours extends the same scheme:
   the forward's schedule barrier: each step waits on its slot's full barriers and
   releases it after its last wgmma. LSE enters in log2 units, +inf for padded queries and
   for rows that saw no key. At head_dim 256 they keep one stream slot (``steps_bwd=1``):
-  two resident [64, 256] tiles per compute warpgroup leave room for no second one.
+  two resident [64, 256] tiles per compute warpgroup leave room for no second one; and the
+  dK/dV kernel accumulates one of ``dkv_parts`` column parts of the head dim per CTA (the
+  grid's head axis runs over kv heads x parts), every part computing S^T and dP^T over the
+  whole head dim: shared-memory operands are held as column parts, so a part is a leading
+  index and wgmma sums the parts' products for S^T and dP^T.
 * The memory warpgroup also waits on the last releases before it ends (jax 0.11's
   interpreter requires every warpgroup that waited on a barrier to see all its phases).
 
@@ -142,6 +148,7 @@ class MgpuConfig:
     block_kv_dkv: int = 64  # key rows per compute warpgroup (dK/dV)
     steps: int = 2  # shared-memory slots per stream (max_concurrent_steps), forward
     steps_bwd: int = 2  # the same for the dQ and dK/dV kernels
+    dkv_parts: int = 1  # head-dim column parts the dK/dV kernel accumulates in separate CTAs
     q_offset: int = 0
     interpret: bool = False
 
@@ -157,11 +164,28 @@ def default_blocks(head_dim: int) -> dict:
     if head_dim > 128:
         # The backward kernels keep two [64, 256] tiles per compute warpgroup resident (Q
         # and dO, or K and V): 128 KiB, so one 64 KiB slot pair of the stream fits, not two.
+        # Full-width dK and dV accumulators ([64, 256] f32 each, 256 registers a thread) do not
+        # fit the 232 a compute warpgroup gets: ptxas spilled 4 KB and serialised the wgmmas
+        # (ptxas_report.py). Two column parts of 128 fit, as at head_dim 128.
         return dict(
-            block_q=64, block_kv=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64, steps=2, steps_bwd=1
+            block_q=64,
+            block_kv=64,
+            block_kv_dq=64,
+            block_q_dkv=64,
+            block_kv_dkv=64,
+            steps=2,
+            steps_bwd=1,
+            dkv_parts=2,
         )
     return dict(
-        block_q=64, block_kv=128, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64, steps=2, steps_bwd=2
+        block_q=64,
+        block_kv=128,
+        block_kv_dq=64,
+        block_q_dkv=64,
+        block_kv_dkv=64,
+        steps=2,
+        steps_bwd=2,
+        dkv_parts=1,
     )
 
 
@@ -211,6 +235,12 @@ def mgpu_config(
 ) -> MgpuConfig:
     """Config with the sequence padded to a multiple of every tile (``seq_tile``)."""
     b = {**default_blocks(head_dim), **blocks}
+    parts = b["dkv_parts"]
+    if parts < 1 or head_dim % parts or (head_dim // parts) % 64:
+        raise ValueError(
+            f"dkv_parts={parts}: head_dim {head_dim} must split into parts of a multiple of 64 "
+            "columns (the 128-byte swizzle of a wgmma operand)"
+        )
     unit = seq_tile(head_dim, **blocks)
     seq_pad = -(-seq_len // unit) * unit
     return MgpuConfig(
@@ -246,9 +276,15 @@ def _mma_into(acc, a, b, interpret: bool):
 
 def _mma(a, b, shape):
     """a @ b into a fresh f32 accumulator."""
+    return _mma_sum([(a, b)], shape)
+
+
+def _mma_sum(pairs, shape):
+    """sum(a @ b for a, b in pairs) into a fresh f32 accumulator."""
 
     def run(ref):
-        plgpu.wgmma(ref, a, b)
+        for a, b in pairs:
+            plgpu.wgmma(ref, a, b)
         return ref[...]
 
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
@@ -276,16 +312,21 @@ def _and_mask(a, b):
     return a if b is None else jnp.logical_and(a, b)
 
 
+def _slot(buf, slot):
+    """A stream buffer's slot: ``buf.at[slot]``, or ``buf(slot)`` for one laid out otherwise."""
+    return buf(slot) if callable(buf) else buf.at[slot]
+
+
 def _produce(num_steps, steps: int, groups):
     """Memory warpgroup: TMA step t's blocks into slot t % steps, refilling a slot only
     after both compute warpgroups released it (and waiting for the last releases).
-    ``groups``: (consumed barriers, [(source(t) -> gmem ref, smem slots, full barriers),
-    ...]) per release group."""
+    ``groups``: (consumed barriers, [(source(t) -> gmem ref, smem slots or slot -> smem ref,
+    full barriers), ...]) per release group."""
 
     def issue(t, slot):
         for _, loads in groups:
             for src, buf, full in loads:
-                plgpu.copy_gmem_to_smem(src(t), buf.at[slot], full.at[slot])
+                plgpu.copy_gmem_to_smem(src(t), _slot(buf, slot), full.at[slot])
 
     for i in range(steps):
 
@@ -299,7 +340,7 @@ def _produce(num_steps, steps: int, groups):
         for consumed, loads in groups:
             plgpu.barrier_wait(consumed.at[slot])
             for src, buf, full in loads:
-                plgpu.copy_gmem_to_smem(src(t), buf.at[slot], full.at[slot])
+                plgpu.copy_gmem_to_smem(src(t), _slot(buf, slot), full.at[slot])
 
     # Observe the last releases too: jax 0.11's interpreter requires every warpgroup that
     # waited on a barrier to have seen all its phases when the kernel ends.
@@ -369,7 +410,7 @@ def mgpu_fwd(q, k, v, segments, cfg: MgpuConfig):
     dtype = q.dtype
     c2 = cfg.scale * _LOG2E  # scores in log2 units
 
-    def body(q_ref, k_ref, v_ref, *rest):
+    def flash_fwd(q_ref, k_ref, v_ref, *rest):
         if has_seg:
             qseg_ref, kseg_ref, out_ref, lse_ref, bufs, full, consumed, sched = rest
         else:
@@ -520,7 +561,7 @@ def mgpu_fwd(q, k, v, segments, cfg: MgpuConfig):
         jax.ShapeDtypeStruct((batch, q_heads, seq), jnp.float32),
     )
     call = _kernel_call(
-        body,
+        flash_fwd,
         cfg,
         out_type=out_type,
         grid=(q_heads, seq // (_COMPUTE_WGS * bq), batch),
@@ -560,7 +601,7 @@ def _dq_call(q, k, v, do, lse2, delta, segments, cfg: MgpuConfig):
     dtype = q.dtype
     c2 = cfg.scale * _LOG2E
 
-    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+    def flash_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         if has_seg:
             qseg_ref, kseg_ref, dq_ref, bufs, full, consumed = rest
         else:
@@ -678,7 +719,7 @@ def _dq_call(q, k, v, do, lse2, delta, segments, cfg: MgpuConfig):
     )
     consumed = (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=n),) * 2
     call = _kernel_call(
-        body,
+        flash_dq,
         cfg,
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         grid=(q_heads, seq // (_COMPUTE_WGS * bq), batch),
@@ -691,15 +732,26 @@ def _dq_call(q, k, v, do, lse2, delta, segments, cfg: MgpuConfig):
 def _dkv_call(q, k, v, do, lse2, delta, segments, cfg: MgpuConfig):
     """dK, dV: each compute warpgroup owns ``block_kv_dkv`` key rows (K, V in shared memory);
     the stream is (query block, query head of the GQA group) pairs, step t = block * group +
-    head, carrying Q, dO, LSE and delta, so dK/dV of the kv head sum in registers."""
+    head, carrying Q, dO, LSE and delta, so dK/dV of the kv head sum in registers.
+
+    With ``dkv_parts`` p > 1 a CTA computes dK and dV for one of p column parts of the head
+    dim only (the grid's head axis runs over kv heads x parts), so each warpgroup holds two
+    [block_kv_dkv, head_dim / p] accumulators instead of two full-width ones. S^T and dP^T still
+    contract over the whole head dim, so every part computes them again: (2p + 2) / 4 times
+    the kernel's FLOPs, 1.5x at p = 2, in exchange for no register spills. Every
+    shared-memory operand is stored as p column parts (TMA loads each part of a row block), so
+    the part a CTA accumulates is a leading-dimension index."""
     batch, seq, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     bq, bk, n, g = cfg.block_q_dkv, cfg.block_kv_dkv, cfg.steps_bwd, cfg.group
+    parts = cfg.dkv_parts
+    w = head_dim // parts
     has_seg = segments is not None
     dtype = q.dtype
     c2 = cfg.scale * _LOG2E
+    cols = [pl.ds(h * w, w) for h in range(parts)]
 
-    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+    def flash_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         if has_seg:
             qseg_ref, kseg_ref, dk_ref, dv_ref, bufs, full, consumed = rest
         else:
@@ -708,7 +760,8 @@ def _dkv_call(q, k, v, do, lse2, delta, segments, cfg: MgpuConfig):
         k_smem2, v_smem2, kseg_smem2, q_smem, do_smem, lse_smem, delta_smem, qseg_smem = bufs
         own_full, q_full, do_full, lse_full, delta_full, qseg_full = full
         b = lax.axis_index("batch")
-        kv_head = lax.axis_index("heads")
+        kv_head = lax.div(lax.axis_index("heads"), jnp.int32(parts))
+        part = lax.rem(lax.axis_index("heads"), jnp.int32(parts))
         wg = lax.axis_index("wg")
         cta_k0 = lax.axis_index("kv_seq") * (_COMPUTE_WGS * bk)
         start, _, _, end = ranges_for_kv_tile(cfg, cta_k0, _COMPUTE_WGS * bk, bq)
@@ -717,11 +770,13 @@ def _dkv_call(q, k, v, do, lse2, delta, segments, cfg: MgpuConfig):
         @pl.when(wg < _COMPUTE_WGS)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
-            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+            own_k = lambda h: k_smem2.at[wg * parts + h]
+            own_v = lambda h: v_smem2.at[wg * parts + h]
             k0 = cta_k0 + wg * bk
             own = tuple(x * g for x in ranges_for_kv_tile(cfg, k0, bk, bq))
             rows = (b, pl.ds(k0, bk), kv_head)
-            loads = [(k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)]
+            loads = [(k_ref.at[(*rows, cols[h])], own_k(h)) for h in range(parts)]
+            loads += [(v_ref.at[(*rows, cols[h])], own_v(h)) for h in range(parts)]
             if has_seg:
                 loads.append((kseg_ref.at[b, pl.ds(k0, bk)], kseg_smem2.at[wg]))
             for j, (src, dst) in enumerate(loads):
@@ -737,9 +792,12 @@ def _dkv_call(q, k, v, do, lse2, delta, segments, cfg: MgpuConfig):
             def step(t, carry, masked):
                 dk, dv = carry
                 slot = slot_of(t)
+                q_at = lambda h: q_smem.at[slot * parts + h]
+                do_at = lambda h: do_smem.at[slot * parts + h]
                 q0 = lax.div(t, jnp.int32(g)) * bq
-                plgpu.barrier_wait(q_full.at[slot])
-                s_t = _mma(k_smem, q_smem.at[slot].transpose((1, 0)), (bk, bq))
+                for h in range(parts):
+                    plgpu.barrier_wait(q_full[h].at[slot])
+                s_t = _mma_sum([(own_k(h), q_at(h).transpose((1, 0))) for h in range(parts)], (bk, bq))
                 mask = _position_mask(cfg, (bk, bq), q0, k0, q_axis=1) if masked else None
                 if has_seg:
                     plgpu.barrier_wait(qseg_full.at[slot])
@@ -753,29 +811,34 @@ def _dkv_call(q, k, v, do, lse2, delta, segments, cfg: MgpuConfig):
                 p_t = jnp.exp2(s_t * c2 - lax.broadcast_in_dim(lse, (bk, bq), [1]))
                 if mask is not None:
                     p_t = jnp.where(mask, p_t, 0.0)
-                plgpu.barrier_wait(do_full.at[slot])
-                dv = _mma_into(dv, p_t.astype(dtype), do_smem.at[slot], cfg.interpret)
-                dp_t = _mma(v_smem, do_smem.at[slot].transpose((1, 0)), (bk, bq))
+                for h in range(parts):
+                    plgpu.barrier_wait(do_full[h].at[slot])
+                dv = _mma_into(dv, p_t.astype(dtype), do_at(part), cfg.interpret)
+                dp_t = _mma_sum([(own_v(h), do_at(h).transpose((1, 0))) for h in range(parts)], (bk, bq))
                 plgpu.barrier_wait(delta_full.at[slot])
                 delta = plgpu.load(delta_smem.at[slot], layout=col)
                 ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, (bk, bq), [1]))
-                dk = _mma_into(dk, ds_t.astype(dtype), q_smem.at[slot], cfg.interpret)
+                dk = _mma_into(dk, ds_t.astype(dtype), q_at(part), cfg.interpret)
                 plgpu.barrier_arrive(consumed.at[slot])
                 return dk, dv
 
             def skip(t):
                 slot = slot_of(t)
-                for bar in (q_full, do_full, lse_full, delta_full) + ((qseg_full,) if has_seg else ()):
+                bars = (*q_full, *do_full, lse_full, delta_full) + ((qseg_full,) if has_seg else ())
+                for bar in bars:
                     plgpu.barrier_wait(bar.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
 
-            zeros = _zeros((bk, head_dim))
+            zeros = _zeros((bk, w))
             dk, dv = _five_loops(start * g, own, end * g, step, skip, (zeros, zeros))
-            k_smem[...] = (dk * cfg.scale).astype(dtype)
-            v_smem[...] = dv.astype(dtype)
+            # K and V are no longer read: their own part's buffers take the results
+            dk_smem, dv_smem = own_k(part), own_v(part)
+            dk_smem[...] = (dk * cfg.scale).astype(dtype)
+            dv_smem[...] = dv.astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
-            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
+            out = (*rows, pl.ds(part * w, w))
+            plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[out], commit_group=False)
+            plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[out], commit_group=False)
             plgpu.commit_smem_to_gmem_group()
             plgpu.wait_smem_to_gmem(0)
 
@@ -784,9 +847,13 @@ def _dkv_call(q, k, v, do, lse2, delta, segments, cfg: MgpuConfig):
             plgpu.set_max_registers(40, action="decrease")
             blk = lambda t: pl.ds((start + lax.div(t, jnp.int32(g))) * bq, bq)
             head = lambda t: kv_head * g + lax.rem(t, jnp.int32(g))
-            loads = [
-                (lambda t: q_ref.at[b, blk(t), head(t)], q_smem, q_full),
-                (lambda t: do_ref.at[b, blk(t), head(t)], do_smem, do_full),
+            loads = []
+            for h in range(parts):
+                at_part = lambda buf, h=h: lambda slot: buf.at[slot * parts + h]
+                rows_of = lambda ref, h=h: lambda t: ref.at[b, blk(t), head(t), cols[h]]
+                loads.append((rows_of(q_ref), at_part(q_smem), q_full[h]))
+                loads.append((rows_of(do_ref), at_part(do_smem), do_full[h]))
+            loads += [
                 (lambda t: lse_ref.at[b, head(t), blk(t)], lse_smem, lse_full),
                 (lambda t: delta_ref.at[b, head(t), blk(t)], delta_smem, delta_full),
             ]
@@ -796,19 +863,19 @@ def _dkv_call(q, k, v, do, lse2, delta, segments, cfg: MgpuConfig):
 
     tf = _TRANSFORMS()
     bufs = (
-        plgpu.SMEM((_COMPUTE_WGS, bk, head_dim), dtype, transforms=tf),
-        plgpu.SMEM((_COMPUTE_WGS, bk, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((_COMPUTE_WGS * parts, bk, w), dtype, transforms=tf),
+        plgpu.SMEM((_COMPUTE_WGS * parts, bk, w), dtype, transforms=tf),
         plgpu.SMEM((_COMPUTE_WGS, bk), jnp.int32) if has_seg else None,
-        plgpu.SMEM((n, bq, head_dim), dtype, transforms=tf),
-        plgpu.SMEM((n, bq, head_dim), dtype, transforms=tf),
+        plgpu.SMEM((n * parts, bq, w), dtype, transforms=tf),
+        plgpu.SMEM((n * parts, bq, w), dtype, transforms=tf),
         plgpu.SMEM((n, bq), jnp.float32),
         plgpu.SMEM((n, bq), jnp.float32),
         plgpu.SMEM((n, bq), jnp.int32) if has_seg else None,
     )
     full = (
-        tuple(plgpu.Barrier(num_barriers=_COMPUTE_WGS) for _ in range(3 if has_seg else 2)),
-        plgpu.Barrier(num_barriers=n),
-        plgpu.Barrier(num_barriers=n),
+        tuple(plgpu.Barrier(num_barriers=_COMPUTE_WGS) for _ in range(2 * parts + has_seg)),
+        tuple(plgpu.Barrier(num_barriers=n) for _ in range(parts)),
+        tuple(plgpu.Barrier(num_barriers=n) for _ in range(parts)),
         plgpu.Barrier(num_barriers=n),
         plgpu.Barrier(num_barriers=n),
         plgpu.Barrier(num_barriers=n) if has_seg else None,
@@ -816,10 +883,10 @@ def _dkv_call(q, k, v, do, lse2, delta, segments, cfg: MgpuConfig):
     consumed = plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=n)
     kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
     call = _kernel_call(
-        body,
+        flash_dkv,
         cfg,
         out_type=(kv_shape, kv_shape),
-        grid=(kv_heads, seq // (_COMPUTE_WGS * bk), batch),
+        grid=(kv_heads * parts, seq // (_COMPUTE_WGS * bk), batch),
         grid_names=("heads", "kv_seq", "batch"),
         scratch=(bufs, full, consumed),
     )

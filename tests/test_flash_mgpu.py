@@ -23,6 +23,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
 from jaxtrain.pallas_kernels import chunked_attention, reference, ring_attention  # noqa: E402
 from jaxtrain.pallas_kernels.flash_mgpu import flash_attention_mgpu, unsupported_reason  # noqa: E402
+from jaxtrain.pallas_kernels.ptxas_report import mosaic_kernel_resources  # noqa: E402
 
 BF16_TOL = 2e-2  # relative max error, as tests/test_flash_attention.py
 needs_interpreter = pytest.mark.skipif(
@@ -55,6 +56,10 @@ CASES = [
     pytest.param(300, 2, 1, 64, True, 150, None, {}, id="padding-window"),  # 3 blocks: slot reuse
     pytest.param(128, 2, 1, 128, True, None, None, {}, id="head-dim-128", marks=pytest.mark.slow),
     pytest.param(128, 2, 1, 256, True, None, None, {}, id="head-dim-256", marks=pytest.mark.slow),
+    # dK/dV in two head-dim parts (head_dim 256's default) with every mask, at head_dim 128
+    pytest.param(
+        256, 4, 2, 128, True, 70, (85, 170), {"dkv_parts": 2}, id="dkv-parts", marks=pytest.mark.slow
+    ),
 ]
 
 
@@ -209,9 +214,17 @@ def test_compiles_for_h100(shape, kw):
     def loss(q, k, v, seg):
         return jnp.sum(flash_attention_mgpu(q, k, v, segment_ids=seg, **kw).astype(jnp.float32) ** 2)
 
-    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, seg).compile().as_text()
+    compiled = []
+    kernels = mosaic_kernel_resources(
+        lambda: compiled.append(jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, seg).compile())
+    )
+    hlo = compiled[0].as_text()
     assert hlo.count('custom_call_target="mosaic_gpu') == 3, targets.custom_call_targets(hlo)
     assert " dot(" not in hlo
+    # ptxas' own report of the three kernels: no wgmma serialised for want of registers (at
+    # head_dim 256 the dK/dV kernel did, with full-width accumulators: 4 KB of spills)
+    assert sorted(r.name for r in kernels) == ["flash_dkv", "flash_dq", "flash_fwd"], kernels
+    assert not any(r.wgmma_serialized for r in kernels), [r.line() for r in kernels]
 
 
 @needs_interpreter
