@@ -13,7 +13,8 @@ when there is no window; with a window, the pairs inside it).
 Implementations (columns):
 - `triton`: ours, `flash_attention` (Pallas; Triton on a GPU, the interpreter on CPU).
 - `mosaic`: ours, `flash_mgpu.flash_attention_mgpu` (Pallas Mosaic GPU, Hopper only; a row says
-  why where this jaxtrain has no such kernel or the GPU is not sm90).
+  why where this jaxtrain has no such kernel or the GPU is not sm90); `mosaic+key=value`
+  overrides one of its ``default_blocks`` (``mosaic+dkv_parts=1``).
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` (a window as
   `local_window_size=(window - 1, 0)`).
 - `xla`: `implementation="xla"`, skipped past `--xla-max-seq` (quadratic memory).
@@ -80,13 +81,14 @@ def implementation(name: str, window: int | None, on_cpu: bool):
         from jaxtrain.pallas_kernels import flash_attention
 
         return lambda q, k, v: flash_attention(q, k, v, causal=True, sliding_window=window)
-    if name == "mosaic":
+    if name.split("+")[0] == "mosaic":
         try:
             from jaxtrain.pallas_kernels.flash_mgpu import flash_attention_mgpu
         except ImportError as e:
             raise NotImplementedError("this jaxtrain has no Mosaic GPU flash kernel") from e
+        blocks = mosaic_blocks(name)
         return lambda q, k, v: flash_attention_mgpu(
-            q, k, v, causal=True, sliding_window=window, interpret=on_cpu
+            q, k, v, causal=True, sliding_window=window, interpret=on_cpu, **blocks
         )
     if name in ("cudnn", "xla"):
         local = None if window is None else (window - 1, 0)
@@ -94,6 +96,19 @@ def implementation(name: str, window: int | None, on_cpu: bool):
             q, k, v, is_causal=True, local_window_size=local, implementation=name
         )
     raise ValueError(f"--impls: unknown implementation {name!r}; expected some of {', '.join(IMPLS)}")
+
+
+def mosaic_blocks(name: str) -> dict:
+    """The block overrides of an impl named ``mosaic+key=value+...`` (``flash_mgpu``'s
+    ``default_blocks`` keys, e.g. ``mosaic+dkv_parts=1``: the head_dim-256 dK/dV kernel with
+    full-width accumulators, as before it was split)."""
+    blocks = {}
+    for item in name.split("+")[1:]:
+        key, eq, value = item.partition("=")
+        if not eq or not value.isdigit():
+            raise ValueError(f"--impls: {name!r}: expected mosaic+key=integer, got {item!r}")
+        blocks[key] = int(value)
+    return blocks
 
 
 def _inputs(batch, seq, heads, kv_heads, head_dim):
@@ -196,7 +211,7 @@ def main(argv=None) -> int:
             parser.error(f"--cases: unknown case {c!r}; expected some of {', '.join(cases)}")
     impls = [i for i in args.impls.split(",") if i]
     for i in impls:
-        if i not in IMPLS:
+        if i.split("+")[0] != "mosaic" and i not in IMPLS:
             parser.error(f"--impls: unknown implementation {i!r}; expected some of {', '.join(IMPLS)}")
 
     import jax

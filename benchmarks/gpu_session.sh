@@ -69,10 +69,15 @@ for section in $SECTIONS; do
       ;;
     sweep)
       say sweep
-      timeout 60 python3 "$REPO"/benchmarks/attention.py --gpu --cases dim64,dim256,seq16k,win1k-s8k \
+      timeout 50 python3 "$REPO"/benchmarks/attention.py --gpu --cases dim64,seq16k,win1k-s8k \
         --impls mosaic,cudnn --iters 5 --json "$OUT"/attention_sweep.json \
         > "$OUT"/attention_sweep.txt 2>&1
-      show "$OUT"/attention_sweep.txt 12
+      show "$OUT"/attention_sweep.txt 10
+      # head_dim 256: the dK/dV kernel in two head-dim parts (the default) against one (before)
+      timeout 60 python3 "$REPO"/benchmarks/attention.py --gpu --check --cases dim256 \
+        --impls mosaic,mosaic+dkv_parts=1,cudnn --iters 5 --json "$OUT"/attention_d256.json \
+        > "$OUT"/attention_d256.txt 2>&1
+      show "$OUT"/attention_d256.txt 8
       ;;
     *) echo "unknown section $section: expected attention, step, moe or sweep" >&2 ;;
   esac
