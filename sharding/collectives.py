@@ -37,6 +37,7 @@ COLLECTIVES: tuple[str, ...] = (
 # `%name = <result shape> <kind>(` or `<kind>-start(` (the async form carries the attributes;
 # its `-done` partner does not and is skipped).
 _OP = re.compile(r"%?([\w.\-]+)\s*=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_KIND = re.compile(r"\s(?:" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 _GROUPS = re.compile(
     r"replica_groups=(\{[0-9,{} ]*\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?|mesh\[[^\]]*\]\s*\{[^}]*\})"
 )
@@ -54,6 +55,20 @@ class Collective:
     groups: tuple[tuple[int, ...], ...]  # replica groups, or source->target pairs for permutes
     axes: tuple[str, ...]  # mesh axes the groups span, in mesh order; () for a no-op
     computation: str = ""  # the HLO computation holding it (a fusion body, a loop body, ENTRY)
+
+
+def match_op(line: str) -> re.Match | None:
+    """`_OP`'s match in one HLO line (groups: name, result shape, kind, "-start"), or None.
+
+    `_OP` alone is quadratic in a line's length, and a GPU program has lines of hundreds of KB
+    (a Mosaic GPU or Triton kernel serialised into its custom call): 13 s for one H100 step's
+    text. A collective's opcode is the first `<space><kind>(` of its line, so the search first
+    finds that in linear time and is then cut off right after it."""
+    for kind in _KIND.finditer(line):
+        m = _OP.search(line, 0, kind.end())
+        if m:
+            return m
+    return None
 
 
 def parse_groups(text: str) -> list[list[int]]:
@@ -93,7 +108,7 @@ def replica_groups(hlo_text: str, kind: str) -> list[list[list[int]]]:
     """The replica groups (lists of logical device ids) of every `kind` collective."""
     out = []
     for line in hlo_text.splitlines():
-        m = _OP.search(line)
+        m = match_op(line)
         g = _GROUPS.search(line) if m and m.group(3) == kind else None
         if g:
             out.append(parse_groups(g.group(1)))
@@ -140,7 +155,7 @@ def collectives_by_axes(hlo_text: str, mesh) -> list[Collective]:
         if head:
             computation = head.group(1)
             continue
-        m = _OP.search(line)
+        m = match_op(line)
         if not m:
             continue
         name, result, kind = m.group(1), m.group(2), m.group(3)

@@ -23,7 +23,14 @@ from jaxtrain import sharding
 from jaxtrain.config import load_config
 from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh
 from jaxtrain.sharding import targets
-from jaxtrain.sharding.collectives import COLLECTIVES, collectives_by_axes, parse_groups, spanned_axes
+from jaxtrain.sharding.collectives import (
+    _OP,
+    COLLECTIVES,
+    collectives_by_axes,
+    match_op,
+    parse_groups,
+    spanned_axes,
+)
 from jaxtrain.trainer.batches import abstract_batch
 from jaxtrain.trainer.program import build_program
 from tests.conftest import REPO, replace, tiny_config
@@ -221,6 +228,26 @@ def test_spanned_axes_by_hand():
     assert parse_groups("mesh['data'=2,'stage'=1,'tensor'=2] {'data'}") == [[0, 2], [1, 3]]
     assert parse_groups("mesh['a'=2,'b'=2] {'a','b'}") == [[0, 1, 2, 3]]
     assert "ragged-all-to-all" in COLLECTIVES
+
+
+def test_match_op_reads_lines_as_the_plain_pattern_does():
+    """`match_op` cuts the line after the first collective opcode before matching `_OP` (which
+    is quadratic in a line's length); on lines of every form it matches what `_OP` matches.
+    The long line is a kernel serialised into a custom call, as in a GPU program."""
+    lines = [
+        "  %all-gather.3 = bf16[8,128]{1,0} all-gather(bf16[2,128]{1,0} %p), replica_groups={{0,1,2,3}}",
+        "  ROOT %ar = (f32[4]{0}, f32[4]{0}) all-reduce-start(f32[4]{0} %x), to_apply=%add",
+        "  %ard = f32[4]{0} all-reduce-done((f32[4]{0}, f32[4]{0}) %ar)",
+        "  %f = f32[4]{0} fusion(f32[4]{0} %all-reduce.1), kind=kLoop, calls=%fused",
+        "  %cp = bf16[2]{0} collective-permute(bf16[2]{0} %a), source_target_pairs={{0,1},{1,0}}",
+        "  %m = f32[2]{0} multiply(f32[2]{0} %a, f32[2]{0} %b)",
+        '  %k = bf16[8]{0} custom-call(bf16[8]{0} %a), backend_config="' + "ab=c" * 2000 + '"',
+    ]
+    for line in lines:
+        ours, plain = match_op(line), _OP.search(line)
+        assert (ours and ours.groups()) == (plain and plain.groups()), line[:80]
+    assert [bool(match_op(line)) for line in lines] == [True, True, False, False, True, False, False]
+    assert match_op(lines[0]).group(3) == "all-gather" and match_op(lines[1]).group(4) == "-start"
 
 
 # --- deviceless: what the accelerator compilers emit ---------------------------------

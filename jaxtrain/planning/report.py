@@ -9,7 +9,7 @@ import re
 
 from jaxtrain.config import Config
 from jaxtrain.models.config import DTYPE_BYTES
-from jaxtrain.sharding.collectives import COLLECTIVES
+from jaxtrain.sharding.collectives import match_op
 
 GiB = 1024**3
 
@@ -37,10 +37,10 @@ _BITS = {
     "f64": 64,
     "c64": 64,
 }
-_COLL = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 
 
-_DCN = re.compile(r"=\s*(.*?)\ssend\(.*_xla_megascale_transfer_type=\"([A-Z_]+)\"")
+_DCN_ATTR = "_xla_megascale_transfer_type"
+_DCN = re.compile(r"=\s*(.*?)\ssend\(.*" + _DCN_ATTR + r"=\"([A-Z_]+)\"")
 
 
 def _shape_bytes(shape_text: str) -> int:
@@ -63,9 +63,9 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     """
     out: dict[str, dict[str, int]] = {}
     for line in hlo_text.splitlines():
-        m = _COLL.search(line)
+        m = match_op(line)
         if not m:
-            dcn = _DCN.search(line)
+            dcn = _DCN.search(line) if _DCN_ATTR in line else None
             if dcn:  # multi-slice TPU: DCN collectives are host-transfer sends
                 entry = out.setdefault(
                     "dcn-" + dcn.group(2).lower().replace("_", "-"), {"count": 0, "bytes": 0}
@@ -73,7 +73,7 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
                 entry["count"] += 1
                 entry["bytes"] += _shape_bytes(dcn.group(1).split("token[]")[0])
             continue
-        shape_text, kind, start = m.groups()
+        _, shape_text, kind, start = m.groups()
         nbytes = _shape_bytes(shape_text)
         if start and kind in ("all-gather", "collective-permute", "all-reduce"):
             nbytes //= 2
