@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -45,13 +44,11 @@ sys.path.insert(0, str(REPO))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from jaxtrain import sharding  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.models.config import MoEConfig  # noqa: E402
-
-DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f64": 8}
+from jaxtrain.planning.report import collectives  # noqa: E402
 
 
 def train_throughput(dispatch: str, expert: int, steps: int) -> dict:
@@ -85,18 +82,9 @@ def train_throughput(dispatch: str, expert: int, steps: int) -> dict:
 
 
 def all_to_all_bytes(hlo: str) -> dict[str, int]:
-    """Sum of result bytes of all-to-all / ragged-all-to-all ops in optimized HLO text."""
-    totals: dict[str, int] = {}
-    for line in hlo.splitlines():
-        m = re.search(r"=\s*(\(.*?\)|\S+)\s+(all-to-all|ragged-all-to-all)(-start)?\(", line)
-        if not m:
-            continue
-        nbytes = 0
-        for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
-            if dt in DTYPE_BYTES:
-                nbytes += DTYPE_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-        totals[m.group(2)] = totals.get(m.group(2), 0) + nbytes
-    return totals
+    """Summed result bytes of the all-to-all / ragged-all-to-all ops in optimized HLO text."""
+    found = collectives(hlo)
+    return {k: v["bytes"] for k, v in found.items() if k in ("all-to-all", "ragged-all-to-all")}
 
 
 def compile_mixtral_layer(devices, dispatch: str, exchange: str) -> dict:
