@@ -98,17 +98,23 @@ def implementation(name: str, window: int | None, on_cpu: bool):
     raise ValueError(f"--impls: unknown implementation {name!r}; expected some of {', '.join(IMPLS)}")
 
 
-def mosaic_blocks(name: str) -> dict:
-    """The block overrides of an impl named ``mosaic+key=value+...`` (``flash_mgpu``'s
-    ``default_blocks`` keys, e.g. ``mosaic+dkv_parts=1``: the head_dim-256 dK/dV kernel with
-    full-width accumulators, as before it was split)."""
+def parse_blocks(items: list[str], source: str) -> dict:
+    """``key=integer`` items as overrides of ``flash_mgpu.default_blocks`` (``source`` names
+    where they came from, for the error)."""
     blocks = {}
-    for item in name.split("+")[1:]:
+    for item in items:
         key, eq, value = item.partition("=")
         if not eq or not value.isdigit():
-            raise ValueError(f"--impls: {name!r}: expected mosaic+key=integer, got {item!r}")
+            raise ValueError(f"{source}: expected key=integer items, got {item!r}")
         blocks[key] = int(value)
     return blocks
+
+
+def mosaic_blocks(name: str) -> dict:
+    """The block overrides of an impl named ``mosaic+key=value+...`` (e.g.
+    ``mosaic+dkv_parts=1``: the head_dim-256 dK/dV kernel with full-width accumulators, as
+    before it was split)."""
+    return parse_blocks(name.split("+")[1:], f"--impls {name!r}")
 
 
 def _inputs(batch, seq, heads, kv_heads, head_dim):

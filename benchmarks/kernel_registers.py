@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from attention_gpu import parse_blocks  # noqa: E402  (benchmarks/, this script's folder)
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -37,14 +38,6 @@ MASKS = {
     "causal+window": dict(causal=True, sliding_window=256),
     "full": dict(causal=False),
 }
-
-
-def _blocks(text: str) -> dict:
-    out = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        out[key.strip()] = int(value)
-    return out
 
 
 def report(head_dim: int, mask: str, blocks: dict, seq: int = 1024):
@@ -70,7 +63,7 @@ def main(argv=None) -> None:
     ap.add_argument("--masks", default="causal,causal+segments,full")
     ap.add_argument("--blocks", default="", help='overrides of default_blocks, e.g. "dkv_parts=1"')
     args = ap.parse_args(argv)
-    blocks = _blocks(args.blocks)
+    blocks = parse_blocks([i for i in args.blocks.split(",") if i], "--blocks")
     print(f"jax {jax.__version__}; deviceless H100 (sm_90a); blocks {blocks or 'default'}")
     print("| head_dim | mask | kernel | spill stores / loads (bytes) | wgmma serialised |")
     print("|---:|---|---|---:|---|")

@@ -767,11 +767,16 @@ def _dkv_call(q, k, v, do, lse2, delta, segments, cfg: MgpuConfig):
         start, _, _, end = ranges_for_kv_tile(cfg, cta_k0, _COMPUTE_WGS * bk, bq)
         num_steps = (end - start) * g
 
+        def column_part(buf, i, h):
+            """Column part h of a buffer's i-th tile (a warpgroup's K/V, a stream slot's Q/dO):
+            the parts of one tile are consecutive along the leading dimension."""
+            return buf.at[i * parts + h]
+
         @pl.when(wg < _COMPUTE_WGS)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
-            own_k = lambda h: k_smem2.at[wg * parts + h]
-            own_v = lambda h: v_smem2.at[wg * parts + h]
+            own_k = lambda h: column_part(k_smem2, wg, h)
+            own_v = lambda h: column_part(v_smem2, wg, h)
             k0 = cta_k0 + wg * bk
             own = tuple(x * g for x in ranges_for_kv_tile(cfg, k0, bk, bq))
             rows = (b, pl.ds(k0, bk), kv_head)
@@ -792,8 +797,8 @@ def _dkv_call(q, k, v, do, lse2, delta, segments, cfg: MgpuConfig):
             def step(t, carry, masked):
                 dk, dv = carry
                 slot = slot_of(t)
-                q_at = lambda h: q_smem.at[slot * parts + h]
-                do_at = lambda h: do_smem.at[slot * parts + h]
+                q_at = lambda h: column_part(q_smem, slot, h)
+                do_at = lambda h: column_part(do_smem, slot, h)
                 q0 = lax.div(t, jnp.int32(g)) * bq
                 for h in range(parts):
                     plgpu.barrier_wait(q_full[h].at[slot])
@@ -849,7 +854,7 @@ def _dkv_call(q, k, v, do, lse2, delta, segments, cfg: MgpuConfig):
             head = lambda t: kv_head * g + lax.rem(t, jnp.int32(g))
             loads = []
             for h in range(parts):
-                at_part = lambda buf, h=h: lambda slot: buf.at[slot * parts + h]
+                at_part = lambda buf, h=h: lambda slot: column_part(buf, slot, h)
                 rows_of = lambda ref, h=h: lambda t: ref.at[b, blk(t), head(t), cols[h]]
                 loads.append((rows_of(q_ref), at_part(q_smem), q_full[h]))
                 loads.append((rows_of(do_ref), at_part(do_smem), do_full[h]))
