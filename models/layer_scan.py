@@ -17,6 +17,11 @@ returns a wider gradient, keeps a float32 one. One caveat: XLA may skip a bfloat
 that is widened again at once (`xla_allow_excess_precision`, on by default; seen for MoE's
 expert matmuls on CPU), which this loop keeps, so there the gradients are the rounding of
 autodiff's scan's, as the jaxpr specifies them.
+
+Both loops also start their stacked outputs (the saved activations, the layers' gradients)
+uninitialised where the program runs on one device (`_scan_into_empty`): `jax.lax.scan` fills
+them with zeros first, 12.5 GiB of writes a step on configs/gpu-peer.yaml's H100 program,
+although every layer overwrites its slice before anything reads it.
 """
 
 from __future__ import annotations
@@ -110,6 +115,42 @@ def _zeros(aval):
     return np.zeros(aval.shape, jax.dtypes.float0)
 
 
+def _unpartitioned() -> bool:
+    """Whether the program being traced runs on one device of a known mesh (`jax.set_mesh`,
+    as jaxtrain traces its programs). Only then may a stacked buffer start as `lax.empty` (an
+    AllocateBuffer on GPU and TPU, zeros on CPU): XLA's SPMD partitioner does not partition
+    that allocation but builds it whole on every device and slices it (a deviceless compile of
+    configs/gpu-peer.yaml on 8 H100s: 1.9 GiB of temporaries become 9.8). Without a mesh the
+    inputs may still be sharded, so zeros stay there too."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh.size == 1
+
+
+def _scan_into_empty(step: Callable, carry, xs, *, reverse: bool = False):
+    """`jax.lax.scan(step, carry, xs, reverse=reverse)`, its stacked outputs started as
+    `lax.empty` buffers instead of zeros: every step writes its own slice before any is read.
+    The same steps in the same order, so the same values."""
+    n = jax.tree.leaves(xs)[0].shape[0]
+    y_avals = jax.eval_shape(lambda c, x: step(c, x)[1], carry, jax.tree.map(lambda v: v[0], xs))
+    ys = jax.tree.map(lambda a: jax.lax.empty((n, *a.shape), a.dtype), y_avals)
+
+    def body(i, state):
+        c, ys = state
+        k = n - 1 - i if reverse else i
+        c, y = step(c, jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, k, keepdims=False), xs))
+        return c, jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, k, 0), ys, y)
+
+    return jax.lax.fori_loop(0, n, body, (carry, ys))
+
+
+def _loop(step: Callable, carry, xs, *, unroll: int, reverse: bool = False):
+    """The layer loop over `xs`' leading axis: `_scan_into_empty` on one device (unless
+    unrolled), `jax.lax.scan` otherwise."""
+    if unroll == 1 and _unpartitioned():
+        return _scan_into_empty(step, carry, xs, reverse=reverse)
+    return jax.lax.scan(step, carry, xs, reverse=reverse, unroll=unroll)
+
+
 def _compact_scan(body: Callable, unroll: int):
     """The scan as a custom_vjp for one call: the forward trace records in `plan` what the
     backward needs (the residuals' tree, which residuals are the step's own inputs rather than
@@ -145,7 +186,7 @@ def _compact_scan(body: Callable, unroll: int):
             plan["refs"] = [known.get(id(r)) for r in res]
             return out[0], (out[1], [r for r, ref in zip(res, plan["refs"]) if ref is None])
 
-        carry, (ys, stacked) = jax.lax.scan(step, carry, x_leaves, unroll=unroll)
+        carry, (ys, stacked) = _loop(step, carry, x_leaves, unroll=unroll)
         plan["x_tree"], plan["diff"] = x_tree, diff
         return (carry, ys), (x_leaves, consts, stacked)
 
@@ -178,7 +219,7 @@ def _compact_scan(body: Callable, unroll: int):
             )
             return ct_prev, [g if dt is None else g.astype(dt) for g, dt in zip(ct_d, plan["grad_dtypes"])]
 
-        ct_carry, ct_d = jax.lax.scan(step, ct_carry, (x_leaves, stacked, ct_ys), reverse=True, unroll=unroll)
+        ct_carry, ct_d = _loop(step, ct_carry, (x_leaves, stacked, ct_ys), unroll=unroll, reverse=True)
         ct_d = iter(ct_d)
         ct_x = [next(ct_d).astype(v.dtype) if k else None for v, k in zip(x_leaves, plan["diff"])]
         return ct_carry, jax.tree.unflatten(plan["x_tree"], ct_x), None

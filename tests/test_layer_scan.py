@@ -7,6 +7,8 @@ is the layer stack's gradients at two bytes fewer per parameter."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,3 +126,65 @@ def test_an_h100_step_holds_the_layers_gradients_in_bfloat16():
         total[compact] = deviceless.compile_report(cfg, target, estimate=False)["memory"]["total"]
     saved, want = total[False] - total[True], 2 * layer_stack_params(cfg.model)
     assert 0.8 <= saved / want <= 1.2, (saved / 2**30, want / 2**30)
+
+
+def test_the_loop_into_uninitialised_buffers_is_the_scan():
+    """`_scan_into_empty` against `jax.lax.scan`, forward and reverse, with a tree of stacked
+    outputs: the same carry and outputs, bit for bit."""
+
+    def step(c, x):
+        a, b = x
+        c = jnp.tanh(c * a + b.sum(-1))
+        return c, (c * 2, {"mean": b.mean(-1).astype(jnp.bfloat16)})
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    c0 = jax.random.normal(keys[0], (3,))
+    xs = (jax.random.normal(keys[1], (5, 3)), jax.random.normal(keys[2], (5, 3, 4)))
+    for reverse in (False, True):
+        want = jax.jit(lambda c, x: jax.lax.scan(step, c, x, reverse=reverse))(c0, xs)
+        got = jax.jit(lambda c, x: layer_scan._scan_into_empty(step, c, x, reverse=reverse))(c0, xs)
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_stacked_buffers_start_uninitialised_only_on_one_device():
+    """The gradient's jaxpr allocates with `lax.empty` under a one-device mesh; without a mesh
+    (inputs may be sharded) and under a two-device one (XLA's partitioner would build the
+    allocation whole on each device) the loops keep `jax.lax.scan`'s zeros."""
+    w = jnp.ones((4, 8, 8), jnp.float32)
+
+    def loss(w, x):
+        body = lambda x, w, consts: (jnp.tanh(x @ w.astype(jnp.bfloat16)), None)
+        return layer_scan.scan(body, x, w)[0].astype(jnp.float32).sum()
+
+    def allocates(mesh) -> bool:
+        x = jnp.ones((2, 8), jnp.bfloat16)
+        if mesh is None:
+            return "empty[" in str(jax.make_jaxpr(jax.grad(loss))(w, x))
+        with jax.set_mesh(mesh):
+            return "empty[" in str(jax.make_jaxpr(jax.grad(loss))(w, x))
+
+    one, two = (jax.sharding.Mesh(np.array(jax.devices()[:n]), ("fsdp",)) for n in (1, 2))
+    assert (allocates(None), allocates(one), allocates(two)) == (False, True, False)
+
+
+@pytest.mark.deviceless
+def test_an_h100_step_fills_no_stacked_buffer():
+    """The tiny model compiled for one H100: its layer loops' stacked buffers are
+    AllocateBuffers, and no broadcast fills a buffer as deep as the layer stack (jax.lax.scan
+    fills each with zeros first); on two H100s the zeros stay (see `_unpartitioned`)."""
+    from jaxtrain.planning import compile as deviceless
+    from jaxtrain.sharding import targets
+
+    if not targets.cuda_available():
+        pytest.skip("deviceless GPU compiles need the gpu-aot extra")
+    texts = {}
+    for gpus in (1, 2):
+        target = deviceless.parse_target("gpu:h100", gpus_per_host=gpus)
+        cfg = tiny_config(None, *BF16, "model.n_layers=3", "model.attention_impl=cudnn")
+        cfg, ici, dcn = deviceless.config_for_target(cfg, target)
+        cfg, _ = deviceless.resolved_for_target(cfg, target, ici, dcn)
+        texts[gpus] = deviceless.lower_step(cfg, deviceless.target_mesh(target, ici, dcn)).compile().as_text()
+    fill = r"= \(?bf16\[3,[^=]*? fusion\(\), kind=kLoop, calls=%fused_broadcast"  # a [layers, ...] buffer
+    fills = lambda text: re.findall(fill, text)
+    assert "AllocateBuffer" in texts[1] and not fills(texts[1])
+    assert "AllocateBuffer" not in texts[2] and fills(texts[2])
