@@ -53,7 +53,7 @@ for section in $SECTIONS; do
       ;;
     step)
       say step
-      VARIANTS="plain-grads:model.compact_grads=false"
+      VARIANTS="unrolled:model.scan_layers=false"
       if mosaic_correct "$OUT"/attention_base.json; then
         VARIANTS="$VARIANTS;mosaic:model.attention_impl=pallas_mosaic"
       fi

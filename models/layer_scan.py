@@ -137,8 +137,10 @@ def _scan_into_empty(step: Callable, carry, xs, *, reverse: bool = False):
     def body(i, state):
         c, ys = state
         k = n - 1 - i if reverse else i
-        c, y = step(c, jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, k, keepdims=False), xs))
-        return c, jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, k, 0), ys, y)
+        index = lambda v: jax.lax.dynamic_index_in_dim(v, k, keepdims=False, allow_negative_indices=False)
+        c, y = step(c, jax.tree.map(index, xs))
+        update = lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, k, 0, allow_negative_indices=False)
+        return c, jax.tree.map(update, ys, y)
 
     return jax.lax.fori_loop(0, n, body, (carry, ys))
 
