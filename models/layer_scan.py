@@ -22,6 +22,13 @@ Both loops also start their stacked outputs (the saved activations, the layers' 
 uninitialised where the program runs on one device (`_scan_into_empty`): `jax.lax.scan` fills
 them with zeros first, 12.5 GiB of writes a step on configs/gpu-peer.yaml's H100 program,
 although every layer overwrites its slice before anything reads it.
+
+Unrolled (`model.scan_layers: false`), the loops are Python loops (`_unrolled_forward`,
+`_unrolled_backward`): each layer's activations stay the arrays it made, with no stacked
+buffer to copy them into (12 GiB of copies a step on that H100 program), and each layer's
+weights are sliced from the stack only once the previous layer is done, so XLA cannot hoist
+every layer's slices to the start of the backward pass (there, 2.8 GiB of float32 slices held
+at the peak).
 """
 
 from __future__ import annotations
@@ -146,11 +153,39 @@ def _scan_into_empty(step: Callable, carry, xs, *, reverse: bool = False):
 
 
 def _loop(step: Callable, carry, xs, *, unroll: int, reverse: bool = False):
-    """The layer loop over `xs`' leading axis: `_scan_into_empty` on one device (unless
-    unrolled), `jax.lax.scan` otherwise."""
+    """The scanned layer loop over `xs`' leading axis: `_scan_into_empty` on one device
+    (unless partly unrolled), `jax.lax.scan` otherwise."""
     if unroll == 1 and _unpartitioned():
         return _scan_into_empty(step, carry, xs, reverse=reverse)
     return jax.lax.scan(step, carry, xs, reverse=reverse, unroll=unroll)
+
+
+def _layer(leaves: list, i: int, after):
+    """Layer `i`'s slices of the stacked `leaves`, cut only once `after` exists (an
+    optimization barrier ties them): XLA schedules a slice as early as its operand allows,
+    and every layer's weights exist from the step's start. Returns (slices, after)."""
+    tied, after = jax.lax.optimization_barrier((leaves, after))
+    return [leaf[i] for leaf in tied], after
+
+
+def _unrolled_forward(step: Callable, carry, x_leaves: list):
+    """The forward loop unrolled: (carry, (stacked outputs, each layer's own residuals))."""
+    ys, residuals = [], []
+    for i in range(x_leaves[0].shape[0]):
+        x_step, carry = _layer(x_leaves, i, carry)
+        carry, (y, res) = step(carry, x_step)
+        ys.append(y)
+        residuals.append(res)
+    return carry, (jax.tree.map(lambda *y: jnp.stack(y), *ys), residuals)
+
+
+def _unrolled_backward(step: Callable, ct_carry, x_leaves: list, residuals: list, ct_ys: list):
+    """The backward loop unrolled, last layer first: (carry cotangent, stacked gradients)."""
+    grads = [None] * len(residuals)
+    for i in reversed(range(len(residuals))):
+        x_step, ct_carry = _layer(x_leaves, i, ct_carry)
+        ct_carry, grads[i] = step(ct_carry, (x_step, residuals[i], [c[i] for c in ct_ys]))
+    return ct_carry, [jnp.stack(g) for g in zip(*grads, strict=True)]
 
 
 def _compact_scan(body: Callable, unroll: int):
@@ -188,7 +223,10 @@ def _compact_scan(body: Callable, unroll: int):
             plan["refs"] = [known.get(id(r)) for r in res]
             return out[0], (out[1], [r for r, ref in zip(res, plan["refs"]) if ref is None])
 
-        carry, (ys, stacked) = _loop(step, carry, x_leaves, unroll=unroll)
+        if unroll >= x_leaves[0].shape[0]:
+            carry, (ys, stacked) = _unrolled_forward(step, carry, x_leaves)
+        else:
+            carry, (ys, stacked) = _loop(step, carry, x_leaves, unroll=unroll)
         plan["x_tree"], plan["diff"] = x_tree, diff
         return (carry, ys), (x_leaves, consts, stacked)
 
@@ -221,7 +259,10 @@ def _compact_scan(body: Callable, unroll: int):
             )
             return ct_prev, [g if dt is None else g.astype(dt) for g, dt in zip(ct_d, plan["grad_dtypes"])]
 
-        ct_carry, ct_d = _loop(step, ct_carry, (x_leaves, stacked, ct_ys), unroll=unroll, reverse=True)
+        if unroll >= steps:
+            ct_carry, ct_d = _unrolled_backward(step, ct_carry, x_leaves, stacked, ct_ys)
+        else:
+            ct_carry, ct_d = _loop(step, ct_carry, (x_leaves, stacked, ct_ys), unroll=unroll, reverse=True)
         ct_d = iter(ct_d)
         ct_x = [next(ct_d).astype(v.dtype) if k else None for v, k in zip(x_leaves, plan["diff"])]
         return ct_carry, jax.tree.unflatten(plan["x_tree"], ct_x), None

@@ -7,7 +7,10 @@ is the layer stack's gradients at two bytes fewer per parameter."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +21,7 @@ from flax import nnx
 from jaxtrain import models
 from jaxtrain.models import layer_scan
 from jaxtrain.trainer.batches import batch_to_device
-from tests.conftest import REPO, program_on_mesh, tiny_config
+from tests.conftest import REPO, child_env, program_on_mesh, tiny_config
 
 BF16 = ["model.compute_dtype=bfloat16", "model.param_dtype=float32", "train.steps=1", "model.n_layers=2"]
 CASES = {
@@ -71,6 +74,39 @@ def test_gradients_are_autodiffs_rounded_as_the_program_says(case):
             )
             rounded.append(name)
     assert all("moe_blocks" in n and "w_router" not in n for n in rounded), rounded
+
+
+UNROLLED = [
+    "model.scan_layers=false",
+    "model.n_layers=3",
+    "model.moe.num_experts=4",
+    "model.moe.top_k=2",
+    "model.moe.first_dense_layers=1",
+    "model.remat=minimal_with_context",
+]
+
+
+def test_unrolled_loops_are_autodiffs_bit_for_bit_where_xla_rounds_as_written():
+    """The unrolled loops (a one-layer dense stack, then two MoE layers with router statistics
+    as outputs) against autodiff's unrolled scan, in a process where XLA rounds every bfloat16
+    value the program rounds (`--xla_allow_excess_precision=false`): the same loss and
+    gradients, bit for bit. With excess precision allowed, XLA fuses the two unrolled programs
+    differently, and which roundings it skips moves the gradients by up to 2% of their scale,
+    as much as unrolling autodiff's own scan does."""
+    code = (
+        "import json, jax, numpy as np\n"
+        "from tests.test_layer_scan import UNROLLED, _grads\n"
+        "(la, a), (lb, b) = (_grads(UNROLLED, c) for c in (False, True))\n"
+        "pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)\n"
+        "same = [bool(np.array_equal(np.asarray(x), np.asarray(y))) for x, y in pairs]\n"
+        "print(json.dumps({'loss': bool(la == lb), 'grads': same}))\n"
+    )
+    env = child_env(devices=8)
+    env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} --xla_allow_excess_precision=false"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["loss"] and result["grads"] and all(result["grads"]), result
 
 
 def test_bfloat16_gradients_are_found_where_the_backward_computes_them():
@@ -168,23 +204,35 @@ def test_stacked_buffers_start_uninitialised_only_on_one_device():
 
 
 @pytest.mark.deviceless
-def test_an_h100_step_fills_no_stacked_buffer():
-    """The tiny model compiled for one H100: its layer loops' stacked buffers are
-    AllocateBuffers, and no broadcast fills a buffer as deep as the layer stack (jax.lax.scan
-    fills each with zeros first); on two H100s the zeros stay (see `_unpartitioned`)."""
+def test_an_h100_step_neither_fills_nor_hoists():
+    """configs/gpu-peer.yaml with 4 layers compiled for one H100. Scanned: the layer loops'
+    stacked buffers are AllocateBuffers, and no broadcast fills a bf16 buffer as deep as the
+    layer stack (jax.lax.scan fills each with zeros first). Unrolled: no activation is copied
+    into a stacked buffer, and its temporaries stay below the scanned loop's (XLA hoists every
+    layer's weight slices to the backward's start unless each waits for the layer before: then
+    4586 MiB against the scanned 4531; 4371 tied)."""
+    from jaxtrain.config import load_config
     from jaxtrain.planning import compile as deviceless
+    from jaxtrain.planning.data_movement import data_movement
     from jaxtrain.sharding import targets
 
     if not targets.cuda_available():
         pytest.skip("deviceless GPU compiles need the gpu-aot extra")
-    texts = {}
-    for gpus in (1, 2):
-        target = deviceless.parse_target("gpu:h100", gpus_per_host=gpus)
-        cfg = tiny_config(None, *BF16, "model.n_layers=3", "model.attention_impl=cudnn")
+    target = deviceless.parse_target("gpu:h100", gpus_per_host=1)
+    texts, temp = {}, {}
+    for scan in (True, False):
+        overrides = [
+            "model.n_layers=4",
+            "model.attention_impl=cudnn",
+            f"model.scan_layers={str(scan).lower()}",
+        ]
+        cfg = load_config(f"{REPO}/configs/gpu-peer.yaml", overrides)
         cfg, ici, dcn = deviceless.config_for_target(cfg, target)
         cfg, _ = deviceless.resolved_for_target(cfg, target, ici, dcn)
-        texts[gpus] = deviceless.lower_step(cfg, deviceless.target_mesh(target, ici, dcn)).compile().as_text()
-    fill = r"= \(?bf16\[3,[^=]*? fusion\(\), kind=kLoop, calls=%fused_broadcast"  # a [layers, ...] buffer
-    fills = lambda text: re.findall(fill, text)
-    assert "AllocateBuffer" in texts[1] and not fills(texts[1])
-    assert "AllocateBuffer" not in texts[2] and fills(texts[2])
+        compiled = deviceless.lower_step(cfg, deviceless.target_mesh(target, ici, dcn)).compile()
+        texts[scan], temp[scan] = compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes
+    fill = r"= \(?bf16\[4,[^=]*? fusion\(\), kind=kLoop, calls=%fused_broadcast"  # a [layers, ...] buffer
+    assert "AllocateBuffer" in texts[True] and not re.findall(fill, texts[True])
+    copied = {scan: data_movement(texts[scan]).get("in-place updates", (0, 0))[1] for scan in texts}
+    assert copied[False] < 0.05 * copied[True], copied
+    assert temp[False] < temp[True], (temp[False] / 2**20, temp[True] / 2**20)
