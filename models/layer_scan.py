@@ -141,15 +141,15 @@ def _scan_into_empty(step: Callable, carry, xs, *, reverse: bool = False):
     y_avals = jax.eval_shape(lambda c, x: step(c, x)[1], carry, jax.tree.map(lambda v: v[0], xs))
     ys = jax.tree.map(lambda a: jax.lax.empty((n, *a.shape), a.dtype), y_avals)
 
-    def body(i, state):
-        c, ys = state
-        k = n - 1 - i if reverse else i
-        index = lambda v: jax.lax.dynamic_index_in_dim(v, k, keepdims=False, allow_negative_indices=False)
-        c, y = step(c, jax.tree.map(index, xs))
+    def body(state, x):  # xs sliced by scan itself, as the plain loop slices them
+        c, ys, k = state
+        c, y = step(c, x)
         update = lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, k, 0, allow_negative_indices=False)
-        return c, jax.tree.map(update, ys, y)
+        return (c, jax.tree.map(update, ys, y), k - 1 if reverse else k + 1), None
 
-    return jax.lax.fori_loop(0, n, body, (carry, ys))
+    start = jnp.int32(n - 1 if reverse else 0)
+    (carry, ys, _), _ = jax.lax.scan(body, (carry, ys, start), xs, reverse=reverse)
+    return carry, ys
 
 
 def _loop(step: Callable, carry, xs, *, unroll: int, reverse: bool = False):
