@@ -7,10 +7,12 @@ op kind, plus the heaviest ops with their HLO shapes.
 
 --gpu: configs/gpu-peer.yaml on this process's first GPU (every `auto` resolved as `jaxtrain
 train` resolves it). The GPU's kernels are summed by what they do (matmuls, attention,
-elementwise and reduction fusions, copies, collectives) and by the part of the step their HLO
-op belongs to (the named scopes forward, loss, optimizer; the backward pass is
-transpose(jvp(...))), from the HLO op each kernel event names (CUDA graphs are turned off
-for this, `--xla_gpu_enable_command_buffer=`, as kernels launched from a graph name none);
+elementwise and reduction fusions, copies, collectives; "moves: ..." for the instructions that
+only move or fill memory, by the kinds benchmarks/data_movement.py counts without a GPU)
+and by the part of the step their HLO op belongs to (the named scopes forward, loss,
+optimizer; the backward pass is transpose(jvp(...))), from the HLO op each kernel event names
+(CUDA graphs are turned off for this, `--xla_gpu_enable_command_buffer=`, as kernels launched
+from a graph name none);
 the share is of the GPU's busy time, and the step time against it says how long the GPU sat
 idle.
 
@@ -49,6 +51,7 @@ import jax  # noqa: E402
 from jaxtrain import sharding  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.data import make_data_iterator  # noqa: E402
+from jaxtrain.planning.data_movement import moves  # noqa: E402
 from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh  # noqa: E402
 from jaxtrain.trainer.batches import batch_to_device  # noqa: E402
 from jaxtrain.trainer.program import build_program  # noqa: E402
@@ -105,9 +108,13 @@ def profiled_steps(cfg, devices, steps: int):
     return cfg, compiled, times, sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1]
 
 
-def gpu_kind(op: str, kernel: str, hlo: dict[str, tuple[str, str]]) -> str:
+def gpu_kind(op: str, kernel: str, hlo: dict[str, tuple[str, str]], moving: dict | None = None) -> str:
     """What a GPU kernel does, from its HLO instruction (opcode and text) where the trace
-    names one, else from the kernel's own name."""
+    names one, else from the kernel's own name. `moving`: instructions that only move or fill
+    memory, by kind (jaxtrain/planning/data_movement.py), named as benchmarks/data_movement.py
+    names them, so that the profile and the deviceless figures compare."""
+    if moving and op in moving:
+        return f"moves: {moving[op]}"
     opcode, text = hlo.get(op, ("", ""))
     probe = f"{opcode} {text} {kernel}".lower()
     if "fmha" in probe or "flash" in probe or "attention" in probe:
@@ -187,6 +194,7 @@ def gpu_main(args) -> None:
         and "Stream" in str(e.get("args", {}).get("name"))
     }
     ops, shapes, op_names = hlo_table(compiled.as_text())
+    moving = {name: kind for name, kind, _, _ in moves(compiled.as_text())}
     # a fusion's kernel is named after it with "." as "_" (gemm_fusion_dot.25: gemm_fusion_dot_25)
     by_kernel_name = {name.replace(".", "_"): name for name in ops}
     by_kind, by_phase, by_both, per_op = (collections.Counter() for _ in range(4))
@@ -203,7 +211,7 @@ def gpu_main(args) -> None:
             continue
         unnamed += op not in ops
         ms = e["dur"] / 1e3 / args.steps
-        k, ph = gpu_kind(op, e["name"], ops), phase(op_names.get(op, ""))
+        k, ph = gpu_kind(op, e["name"], ops, moving), phase(op_names.get(op, ""))
         by_kind[k] += ms
         by_phase[ph] += ms
         by_both[(ph, k)] += ms

@@ -148,11 +148,10 @@ def _written(comps, comp: str, ins: _Instr) -> int:
     return shape_bytes(ins.shape)
 
 
-def data_movement(text: str) -> dict[str, tuple[int, int]]:
-    """{kind: (operations run per step, bytes written per step)} for compiled HLO `text`,
-    kinds as `KINDS` (absent when none)."""
+def moves(text: str):
+    """(instruction name, kind, bytes written per run, runs per step) for each instruction of
+    compiled HLO `text` that only moves or fills memory (kinds as `KINDS`)."""
     comps, entry = _parse(text)
-    count, written = Counter(), Counter()
     stack = [(entry, 1)]
     while stack:
         comp, times = stack.pop()
@@ -167,13 +166,18 @@ def data_movement(text: str) -> dict[str, tuple[int, int]]:
                     continue
                 body = comps[callee.group(1)]
                 root = next((i for i in body if i.root), body[-1])
-                kind, size = _kind(ops), _written(comps, callee.group(1), root)
+                yield ins.name, _kind(ops), _written(comps, callee.group(1), root), times
             elif ins.opcode in MOVES - _NO_KERNEL:
-                kind, size = _kind({ins.opcode}), _written(comps, comp, ins)
+                yield ins.name, _kind({ins.opcode}), _written(comps, comp, ins), times
             elif ins.opcode == "copy-start":
-                kind, size = "copies and transposes", shape_bytes(_split_shape(ins.shape[1:])[0])
-            else:
-                continue
-            count[kind] += times
-            written[kind] += size * times
+                yield ins.name, "copies and transposes", shape_bytes(_split_shape(ins.shape[1:])[0]), times
+
+
+def data_movement(text: str) -> dict[str, tuple[int, int]]:
+    """{kind: (operations run per step, bytes written per step)} for compiled HLO `text`,
+    kinds as `KINDS` (absent when none)."""
+    count, written = Counter(), Counter()
+    for _, kind, size, times in moves(text):
+        count[kind] += times
+        written[kind] += size * times
     return {k: (count[k], written[k]) for k in KINDS if count[k]}
