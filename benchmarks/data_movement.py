@@ -39,10 +39,7 @@ def measure(config: str, overrides: list[str], target_text: str, gpus: int) -> d
     from jaxtrain.planning.data_movement import data_movement
 
     target = deviceless.parse_target(target_text, gpus_per_host=gpus)
-    cfg = load_config(config, overrides)
-    cfg, ici, dcn = deviceless.config_for_target(cfg, target)
-    cfg, _ = deviceless.resolved_for_target(cfg, target, ici, dcn)
-    compiled = deviceless.lower_step(cfg, deviceless.target_mesh(target, ici, dcn)).compile()
+    compiled = deviceless.compile_for_target(load_config(config, overrides), target)
     moves = data_movement(compiled.as_text())
     return {
         "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,

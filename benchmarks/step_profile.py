@@ -168,11 +168,12 @@ def gpu_main(args) -> None:
     host.configure_host()  # the GPU launch flags jaxtrain train would start with
     cfg = load_config(GPU_CONFIG, ["logging.progress=false", *args.overrides])
     cfg, compiled, times, trace = profiled_steps(cfg, jax.devices()[:1], args.steps)
+    program = compiled.as_text()
     if args.save:  # the raw trace and the program, to read again offline
         os.makedirs(args.save, exist_ok=True)
         shutil.copy(trace, os.path.join(args.save, "step.trace.json.gz"))
         with open(os.path.join(args.save, "step.hlo.txt"), "w") as f:
-            f.write(compiled.as_text())
+            f.write(program)
     events = json.load(gzip.open(trace))["traceEvents"]
     gpu_pids = {
         e["pid"]
@@ -193,8 +194,8 @@ def gpu_main(args) -> None:
         and e.get("name") == "thread_name"
         and "Stream" in str(e.get("args", {}).get("name"))
     }
-    ops, shapes, op_names = hlo_table(compiled.as_text())
-    moving = {name: kind for name, kind, _, _ in moves(compiled.as_text())}
+    ops, shapes, op_names = hlo_table(program)
+    moving = {name: kind for name, kind, _, _ in moves(program)}
     # a fusion's kernel is named after it with "." as "_" (gemm_fusion_dot.25: gemm_fusion_dot_25)
     by_kernel_name = {name.replace(".", "_"): name for name in ops}
     by_kind, by_phase, by_both, per_op = (collections.Counter() for _ in range(4))

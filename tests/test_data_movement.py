@@ -6,7 +6,8 @@ two-output slice fusion in a TPU layout, whose tuple shape holds parentheses).""
 
 from __future__ import annotations
 
-from jaxtrain.planning.data_movement import data_movement, shape_bytes
+from jaxtrain.planning.data_movement import data_movement
+from jaxtrain.planning.report import shape_bytes
 
 HLO = """HloModule jit_step, entry_computation_layout={(bf16[8,16]{1,0})->bf16[4,8,16]{2,1,0}}
 

@@ -200,10 +200,7 @@ def _h100_step(cfg):
 
     if not targets.cuda_available():
         pytest.skip("deviceless GPU compiles need the gpu-aot extra")
-    target = deviceless.parse_target("gpu:h100", gpus_per_host=1)
-    cfg, ici, dcn = deviceless.config_for_target(cfg, target)
-    cfg, _ = deviceless.resolved_for_target(cfg, target, ici, dcn)
-    compiled = deviceless.lower_step(cfg, deviceless.target_mesh(target, ici, dcn)).compile()
+    compiled = deviceless.compile_for_target(cfg, deviceless.parse_target("gpu:h100", gpus_per_host=1))
     return compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes
 
 

@@ -303,6 +303,15 @@ def _compile_step(cfg: Config, mesh, rules=None, compiler_options: dict | None =
     return lower_step(cfg, mesh, rules).compile(compiler_options=compiler_options)
 
 
+def compile_for_target(cfg: Config, target: Target):
+    """`cfg`'s train step, every `auto` resolved for `target`, compiled by its device compiler
+    over its compile-only devices (the program alone, for tools that read it; compile_report
+    says what it means)."""
+    cfg, ici, dcn = config_for_target(cfg, target)
+    cfg, _ = resolved_for_target(cfg, target, ici, dcn)
+    return _compile_step(cfg, target_mesh(target, ici, dcn))
+
+
 class OutOfMemoryAtCompile(RuntimeError):
     """The device compiler itself refused the program for lack of memory."""
 

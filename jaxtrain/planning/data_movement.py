@@ -20,8 +20,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16}
-_BITS |= {"s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128}
+from jaxtrain.planning.report import shape_bytes
+
 # operations that compute nothing: a fusion made only of these moves or fills memory
 MOVES = frozenset(
     {
@@ -34,7 +34,6 @@ KINDS = ("fills", "in-place updates", "slices", "concatenations", "copies and tr
 _NO_KERNEL = frozenset({"parameter", "constant", "bitcast", "reshape", "tuple", "get-tuple-element"})
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) ")
 _INSTR = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = ")
-_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")
 
 
 @dataclass(frozen=True)
@@ -45,17 +44,6 @@ class _Instr:
     operands: list[str]
     line: str
     root: bool
-
-
-def shape_bytes(shape: str) -> int:
-    """Bytes of an HLO shape (an array or a tuple of them; layouts ignored)."""
-    total = 0
-    for dtype, dims in _ARRAY.findall(re.sub(r"\{[^}]*\}", "", shape)):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * _BITS.get(dtype, 8 if dtype.startswith("f8") else 0) // 8
-    return total
 
 
 def _scalar(shape: str) -> bool:

@@ -13,37 +13,21 @@ from jaxtrain.sharding.collectives import match_op
 
 GiB = 1024**3
 
-_SHAPE = re.compile(
-    r"\b(pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f8e4m3fn|f8e5m2|bf16|f16|f32|f64|c64)"
-    r"\[([0-9,]*)\]"
+# bits per element of each HLO element type (the f8 formats XLA names, complex included)
+_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32, "u32": 32}
+_BITS |= {"s64": 64, "u64": 64, "bf16": 16, "f16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128}
+_BITS |= dict.fromkeys(
+    ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e3m4", "f8e4m3fnuz", "f8e5m2fnuz", "f8e4m3b11fnuz", "f8e8m0fnu"), 8
 )
-_BITS = {
-    "pred": 8,
-    "s4": 4,
-    "u4": 4,
-    "s8": 8,
-    "u8": 8,
-    "s16": 16,
-    "u16": 16,
-    "s32": 32,
-    "u32": 32,
-    "s64": 64,
-    "u64": 64,
-    "f8e4m3fn": 8,
-    "f8e5m2": 8,
-    "bf16": 16,
-    "f16": 16,
-    "f32": 32,
-    "f64": 64,
-    "c64": 64,
-}
+_SHAPE = re.compile(r"\b(" + "|".join(sorted(_BITS, key=len, reverse=True)) + r")\[([0-9,]*)\]")
 
 
 _DCN_ATTR = "_xla_megascale_transfer_type"
 _DCN = re.compile(r"=\s*(.*?)\ssend\(.*" + _DCN_ATTR + r"=\"([A-Z_]+)\"")
 
 
-def _shape_bytes(shape_text: str) -> int:
+def shape_bytes(shape_text: str) -> int:
+    """Bytes of an HLO shape: an array, or every array of a tuple (layouts are ignored)."""
     total = 0
     for dtype, dims in _SHAPE.findall(shape_text):
         n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
@@ -71,10 +55,10 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
                     "dcn-" + dcn.group(2).lower().replace("_", "-"), {"count": 0, "bytes": 0}
                 )
                 entry["count"] += 1
-                entry["bytes"] += _shape_bytes(dcn.group(1).split("token[]")[0])
+                entry["bytes"] += shape_bytes(dcn.group(1).split("token[]")[0])
             continue
         _, shape_text, kind, start = m.groups()
-        nbytes = _shape_bytes(shape_text)
+        nbytes = shape_bytes(shape_text)
         if start and kind in ("all-gather", "collective-permute", "all-reduce"):
             nbytes //= 2
         entry = out.setdefault(kind, {"count": 0, "bytes": 0})
