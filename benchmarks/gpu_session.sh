@@ -11,10 +11,12 @@
 # step       the 0.886B Llama step: jaxtrain (auto; autodiff's layer loop, model.compact_grads=false;
 #            attention_impl=pallas_mosaic once `attention` has seen that kernel correct here)
 #            against torch.compile, each in its own process
-# moe        the dropless MoE step (Triton grouped matmul) against capacity 1.25
+# moe        the dropless MoE step (Triton grouped matmul; scanned, then unrolled layers) against
+#            capacity 1.25
 # sweep      the Mosaic kernel against cuDNN at head_dim 64/256, 16k tokens and a window
 # Each section has its own time limit, so one that hangs costs only its own minutes: attention
-# 130 s, step 260 s, moe 110 s, sweep 60 s; all four fit one 600 s command.
+# 120 s, step 250 s, moe 150 s, sweep 40 + 40 s: 600 s in all, one command's limit on the lent GPU
+# (the run of 2026-11-27, before the unrolled runs were added, took 347 s).
 set +e
 REPO=$(pwd)
 OUT=${OUT:-$REPO/gpu-out}
@@ -46,7 +48,7 @@ for section in $SECTIONS; do
   case $section in
     attention)
       say attention
-      timeout 130 python3 "$REPO"/benchmarks/attention.py --gpu --check --cases base \
+      timeout 120 python3 "$REPO"/benchmarks/attention.py --gpu --check --cases base \
         --impls mosaic,triton,cudnn --iters 10 --json "$OUT"/attention_base.json \
         > "$OUT"/attention_base.txt 2>&1
       show "$OUT"/attention_base.txt 8
@@ -57,24 +59,24 @@ for section in $SECTIONS; do
       if mosaic_correct "$OUT"/attention_base.json; then
         VARIANTS="$VARIANTS;mosaic:model.attention_impl=pallas_mosaic"
       fi
-      timeout 260 python3 "$REPO"/benchmarks/gpu_peer.py --steps 10 --only jaxtrain,torch-compile \
+      timeout 250 python3 "$REPO"/benchmarks/gpu_peer.py --steps 10 --only jaxtrain,torch-compile \
         --jaxtrain-variants "$VARIANTS" --json "$OUT"/peer.json > "$OUT"/peer.txt 2>&1
       show "$OUT"/peer.txt 20
       ;;
     moe)
       say moe
-      timeout 110 python3 "$REPO"/benchmarks/moe.py --gpu --only step --steps 10 --impls triton \
-        --json "$OUT"/moe_step.json > "$OUT"/moe_step.txt 2>&1
+      timeout 150 python3 "$REPO"/benchmarks/moe.py --gpu --only step --steps 10 --impls triton \
+        --variants "unrolled:model.scan_layers=false" --json "$OUT"/moe_step.json > "$OUT"/moe_step.txt 2>&1
       show "$OUT"/moe_step.txt 12
       ;;
     sweep)
       say sweep
-      timeout 50 python3 "$REPO"/benchmarks/attention.py --gpu --cases dim64,seq16k,win1k-s8k \
+      timeout 40 python3 "$REPO"/benchmarks/attention.py --gpu --cases dim64,seq16k,win1k-s8k \
         --impls mosaic,cudnn --iters 5 --json "$OUT"/attention_sweep.json \
         > "$OUT"/attention_sweep.txt 2>&1
       show "$OUT"/attention_sweep.txt 10
       # head_dim 256: the dK/dV kernel in two head-dim parts (the default) against one (before)
-      timeout 60 python3 "$REPO"/benchmarks/attention.py --gpu --check --cases dim256 \
+      timeout 40 python3 "$REPO"/benchmarks/attention.py --gpu --check --cases dim256 \
         --impls mosaic,mosaic+dkv_parts=1,cudnn --iters 5 --json "$OUT"/attention_d256.json \
         > "$OUT"/attention_d256.txt 2>&1
       show "$OUT"/attention_d256.txt 8

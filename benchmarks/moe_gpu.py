@@ -2,7 +2,7 @@
 --gpu`, which hands its arguments here).
 
     python benchmarks/moe.py --gpu [--steps 12] [--only matmul,step] [--impls ragged_dot,triton,mosaic]
-        [--iters 20] [--timeout 900] [--tiny] [--json OUT]
+        [--variants "label:override ...;..."] [--iters 20] [--timeout 900] [--tiny] [--json OUT]
 
 1. matmul: one grouped matmul at the MoE layer's shape, m = 8 x 2048 tokens x top-2 = 32768
    rows, 8 groups, (k, n) = (2048, 1408) (gate/up) and (1408, 2048) (down), bf16, group sizes
@@ -17,7 +17,8 @@
 2. step: `jaxtrain train configs/gpu-peer.yaml` with the MoE overrides (8 experts of 1408,
    top-2: 1.45B parameters, about 0.55B active), each in its own process (JAX preallocates 75%
    of the GPU per process; benchmarks/gpu_peer.py's child machinery): capacity 1.25, then
-   dropless with moe.grouped_matmul = each of `--impls`. s/step (median of steps 3..N-1),
+   dropless with moe.grouped_matmul = each of `--impls`, then each `--variants` entry (dropless,
+   the first of `--impls`, with more overrides: `unrolled:model.scan_layers=false`). s/step (median of steps 3..N-1),
    tokens/s, MoE MFU of the active FLOPs (jaxtrain/planning/flops.py) against the GPU's dense
    bf16 peak, and dropless / capacity time (< 1: dropless is faster).
 
@@ -171,13 +172,16 @@ def matmul_table(res: dict) -> str:
 # ---------------------------------------------------------------- 2. the training step
 
 
-def step_variants(impls: list[str], tiny: bool) -> list[tuple[str, list[str]]]:
+def step_variants(impls: list[str], tiny: bool, variants: str = "") -> list[tuple[str, list[str], dict]]:
+    """(label, overrides, environment) of each step run: capacity 1.25 first (the ratios'
+    denominator), dropless with each grouped matmul, then each `--variants` entry: dropless with
+    the first of `impls` and the entry's overrides and environment (gpu_peer's syntax)."""
     moe = [*MOE, f"model.moe.expert_mlp_dim={128 if tiny else EXPERT_DIM}"]
-    runs = [("capacity 1.25", [*moe, "model.moe.dispatch=capacity", "model.moe.capacity_factor=1.25"])]
-    for impl in impls:
-        runs.append(
-            (f"dropless {impl}", [*moe, "model.moe.dispatch=dropless", f"model.moe.grouped_matmul={impl}"])
-        )
+    runs = [("capacity 1.25", [*moe, "model.moe.dispatch=capacity", "model.moe.capacity_factor=1.25"], {})]
+    dropless = {impl: [*moe, "model.moe.dispatch=dropless", f"model.moe.grouped_matmul={impl}"] for impl in impls}
+    runs += [(f"dropless {impl}", overrides, {}) for impl, overrides in dropless.items()]
+    for label, overrides, env in gpu_peer.parse_variants(variants, with_auto=False):
+        runs.append((f"dropless {impls[0]} {label}", [*dropless[impls[0]], *overrides], env))
     return runs
 
 
@@ -192,11 +196,11 @@ def run_steps(args) -> dict:
     peak = gpu_peer.peak_flops(device, None)
     tokens = shape["batch"] * shape["seq"]
     rows = []
-    for label, overrides in step_variants(args.impls.split(","), args.tiny):
+    for label, overrides, env in step_variants(args.impls.split(","), args.tiny, args.variants):
         print(f"# MoE step ({label}) ...", file=sys.stderr, flush=True)
         cfg = load_config(args.config, [*gpu_peer.jaxtrain_overrides(shape, args.tiny), *overrides])
         flops_token = flops_per_token(cfg.model, cfg.train.seq_len)
-        row = gpu_peer.run_jaxtrain(label, overrides, {}, shape, args)
+        row = gpu_peer.run_jaxtrain(label, overrides, env, shape, args)
         if "step_time_s" in row:
             row["tokens_per_second"] = tokens / row["step_time_s"]
             row["moe_mfu"] = flops_token * row["tokens_per_second"] / peak if peak else None
@@ -242,6 +246,12 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=12, help="training steps per run (>= 4)")
     ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated: matmul,step")
     ap.add_argument("--impls", default=",".join(IMPLS), help="grouped matmuls to time")
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="more dropless step runs (first of --impls): 'label:override NAME=value ...;...', "
+        "as benchmarks/gpu_peer.py --jaxtrain-variants",
+    )
     ap.add_argument("--iters", type=int, default=20, help="timed runs per matmul measurement")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per child process")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU logic check)")
