@@ -193,10 +193,12 @@ def _metrics(out):
 @pytest.mark.timeout(600)
 def test_goodput_of_a_run_killed_once_charges_the_redone_steps(tmp_path):
     """kill -9 after step 19 with a checkpoint at 10, then the same command: goodput.json
-    holds both attempts, and the first attempt's lost time equals the time the second took
-    to redo steps 11..19 (from its own step times) within 5%. The batches take 0.4 s each, so
-    a busy CPU, or the first run of a freshly compiled step (some 0.1 s on this CPU), does
-    not decide the comparison. W&B offline: one run id, both attempts' files."""
+    holds both attempts, and the first attempt's lost time equals what its own step timer
+    logged for steps 11..19 (within 5%: the same stretch of time, two clocks), and what the
+    second attempt took to redo them (within 15%: another process on a shared CPU; one
+    suite run saw 6.3%). The batches take 0.4 s each, so a busy CPU, or the first run of a
+    freshly compiled step (some 0.1 s on this CPU), does not decide the comparison. W&B
+    offline: one run id, both attempts' files."""
     from tests.wandb_reader import read_offline_run
 
     out = tmp_path / "run"
@@ -227,9 +229,14 @@ def test_goodput_of_a_run_killed_once_charges_the_redone_steps(tmp_path):
     assert len(doc["attempts"]) == 2
     rows = _metrics(out)
     marker = next(i for i, r in enumerate(rows) if r.get("event") == "resume")
-    redone = sum(r["step_time_s"] for r in rows[marker:] if "loss" in r and 10 < r["step"] <= last_logged)
     lost = doc["attempts"][0]["seconds"]["lost"]
-    assert lost == pytest.approx(redone, rel=0.05), (lost, redone, last_logged)
+
+    def step_times(attempt_rows):
+        return sum(r["step_time_s"] for r in attempt_rows if "loss" in r and 10 < r["step"] <= last_logged)
+
+    spent, redone = step_times(rows[:marker]), step_times(rows[marker:])
+    assert lost == pytest.approx(spent, rel=0.05), (lost, spent, last_logged)
+    assert lost == pytest.approx(redone, rel=0.15), (lost, redone, last_logged)
     assert doc["seconds"]["lost"] == pytest.approx(lost)
     assert doc["seconds"]["between_attempts"] > 0
     assert sum(doc["seconds"].values()) == pytest.approx(doc["wall_s"], rel=1e-9)
