@@ -18,9 +18,9 @@
    top-2: 1.45B parameters, about 0.55B active), each in its own process (JAX preallocates 75%
    of the GPU per process; benchmarks/gpu_peer.py's child machinery): capacity 1.25, then
    dropless with moe.grouped_matmul = each of `--impls`, then each `--variants` entry (dropless,
-   the first of `--impls`, with more overrides: `unrolled:model.scan_layers=false`). s/step (median of steps 3..N-1),
-   tokens/s, MoE MFU of the active FLOPs (jaxtrain/planning/flops.py) against the GPU's dense
-   bf16 peak, and dropless / capacity time (< 1: dropless is faster).
+   the first of `--impls`, with more overrides: `unrolled:model.scan_layers=false`). s/step
+   (median of steps 3..N-1), tokens/s, MoE MFU of the active FLOPs (jaxtrain/planning/flops.py)
+   against the GPU's dense bf16 peak, and dropless / capacity time (< 1: dropless is faster).
 
 `--tiny`: 256 rows, k = n = 128, and gpu_peer's tiny model with experts of 128, for a check of
 the logic on CPU (the Triton kernel runs interpreted there; Mosaic GPU rows show their error).
@@ -178,7 +178,7 @@ def step_variants(impls: list[str], tiny: bool, variants: str = "") -> list[tupl
     the first of `impls` and the entry's overrides and environment (gpu_peer's syntax)."""
     moe = [*MOE, f"model.moe.expert_mlp_dim={128 if tiny else EXPERT_DIM}"]
     runs = [("capacity 1.25", [*moe, "model.moe.dispatch=capacity", "model.moe.capacity_factor=1.25"], {})]
-    dropless = {impl: [*moe, "model.moe.dispatch=dropless", f"model.moe.grouped_matmul={impl}"] for impl in impls}
+    dropless = {i: [*moe, "model.moe.dispatch=dropless", f"model.moe.grouped_matmul={i}"] for i in impls}
     runs += [(f"dropless {impl}", overrides, {}) for impl, overrides in dropless.items()]
     for label, overrides, env in gpu_peer.parse_variants(variants, with_auto=False):
         runs.append((f"dropless {impls[0]} {label}", [*dropless[impls[0]], *overrides], env))
