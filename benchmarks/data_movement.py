@@ -12,8 +12,11 @@ in its own process for the target as `jaxtrain compile` does, with jaxtrain's GP
 temporaries, and per kind of data movement (jaxtrain/planning/data_movement.py: zero fills,
 in-place updates of stacked buffers, slices, concatenations, copies) the operations and GiB
 written per step, with the time those writes alone take at the chip's HBM bandwidth
-(sharding/hardware.py): a floor, since most of them read as much again. These are compiler
-figures; only a GPU says what they cost in a step (`benchmarks/step_profile.py --gpu`).
+(sharding/hardware.py): a floor, since most of them read as much again. Then what every kernel
+of the step reads and writes, by the kinds `benchmarks/step_profile.py --gpu` sums a GPU trace
+by, and the time that traffic takes at HBM speed: set beside a profile's time per kind, it
+says how near memory speed each kind runs. These are compiler figures; only a GPU says what
+they cost in a step (`benchmarks/step_profile.py --gpu`).
 """
 
 from __future__ import annotations
@@ -36,14 +39,15 @@ def measure(config: str, overrides: list[str], target_text: str, gpus: int) -> d
     """This process: compile `config` + `overrides` for the target, return the figures."""
     from jaxtrain.config import load_config
     from jaxtrain.planning import compile as deviceless
-    from jaxtrain.planning.data_movement import data_movement
+    from jaxtrain.planning.data_movement import data_movement, traffic
 
     target = deviceless.parse_target(target_text, gpus_per_host=gpus)
     compiled = deviceless.compile_for_target(load_config(config, overrides), target)
-    moves = data_movement(compiled.as_text())
+    text = compiled.as_text()
     return {
         "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-        "moves": {kind: {"ops": n, "bytes": b} for kind, (n, b) in moves.items()},
+        "moves": {kind: {"ops": n, "bytes": b} for kind, (n, b) in data_movement(text).items()},
+        "traffic": {c: {"kernels": n, "read": r, "written": w} for c, (n, r, w) in traffic(text).items()},
     }
 
 
@@ -66,6 +70,18 @@ def table(label: str, row: dict, bandwidth: float) -> str:
         ms = 1e3 * m["bytes"] / bandwidth
         lines.append(f"{kind:24s} {m['ops']:9d} {m['bytes'] / GIB:12.2f} {ms:16.2f}")
     lines.append(f"{'all':24s} {'':9s} {total / GIB:12.2f} {1e3 * total / bandwidth:16.2f}")
+    lines.append("")
+    head = ("every kernel, by kind", "kernels", "GiB read", "GiB written", "ms at HBM speed")
+    lines.append("{:24s} {:>9s} {:>9s} {:>12s} {:>16s}".format(*head))
+    total = 0
+    for kind, t in row["traffic"].items():
+        moved = t["read"] + t["written"]
+        total += moved
+        lines.append(
+            f"{kind:24s} {t['kernels']:9d} {t['read'] / GIB:9.2f} {t['written'] / GIB:12.2f} "
+            f"{1e3 * moved / bandwidth:16.2f}"
+        )
+    lines.append(f"{'all':24s} {'':9s} {'':9s} {'':12s} {1e3 * total / bandwidth:16.2f}")
     return "\n".join(lines)
 
 

@@ -51,8 +51,9 @@ import jax  # noqa: E402
 from jaxtrain import sharding  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.data import make_data_iterator  # noqa: E402
-from jaxtrain.planning.data_movement import moves  # noqa: E402
+from jaxtrain.planning.data_movement import kernels, moves  # noqa: E402
 from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh  # noqa: E402
+from jaxtrain.sharding import hardware  # noqa: E402
 from jaxtrain.trainer.batches import batch_to_device  # noqa: E402
 from jaxtrain.trainer.program import build_program  # noqa: E402
 
@@ -196,9 +197,18 @@ def gpu_main(args) -> None:
     }
     ops, shapes, op_names = hlo_table(program)
     moving = {name: kind for name, kind, _, _ in moves(program)}
+    # bytes each op reads and writes a step (data_movement.kernels): how near memory speed it ran
+    traffic = {name: (read + written) * runs for name, _, read, written, runs, _ in kernels(program)}
+    chip = hardware.chip_for_device_kind(jax.devices()[0].device_kind)
+    bandwidth = chip.hbm_bytes_per_s if chip and chip.hbm_bytes_per_s else None  # None: not a known GPU
+
+    def hbm_speed(nbytes: float, ms: float) -> str:
+        return f"{nbytes / (ms / 1e3) / bandwidth:.0%}" if bandwidth and ms > 0 else "n/a"
+
     # a fusion's kernel is named after it with "." as "_" (gemm_fusion_dot.25: gemm_fusion_dot_25)
     by_kernel_name = {name.replace(".", "_"): name for name in ops}
     by_kind, by_phase, by_both, per_op = (collections.Counter() for _ in range(4))
+    kind_bytes, kind_ops = collections.Counter(), set()
     unnamed = 0
     for e in events:
         if e.get("ph") != "X" or e.get("pid") not in gpu_pids:
@@ -217,6 +227,9 @@ def gpu_main(args) -> None:
         by_phase[ph] += ms
         by_both[(ph, k)] += ms
         per_op[(op, e["name"][:60])] += ms
+        if op in traffic and op not in kind_ops:  # an op's bytes once, however many kernels it ran
+            kind_ops.add(op)
+            kind_bytes[k] += traffic[op]
     busy = sum(by_kind.values()) or float("nan")
     step_ms = 1e3 * statistics.median(times[2:])
     m = cfg.model
@@ -229,17 +242,27 @@ def gpu_main(args) -> None:
         f"step {step_ms:.1f} ms (median of steps 3..6); GPU busy {busy:.1f} ms/step "
         f"({100 * busy / step_ms:.0f}%); {unnamed} kernel events named no HLO op of the step"
     )
-    for title, counter in (("kind", by_kind), ("part of the step", by_phase)):
-        print(f"\n| {title} | GPU ms/step | share of busy |\n|---|---:|---:|")
-        for key, ms in counter.most_common():
-            print(f"| {key} | {ms:.1f} | {100 * ms / busy:.1f}% |")
+    print(
+        "\nGB: what the kind's kernels read and write a step, from the compiled program "
+        "(jaxtrain/planning/data_movement.py); HBM speed: those bytes over the kind's time, "
+        + (f"against the chip's {bandwidth / 1e9:.0f} GB/s" if bandwidth else "n/a on this device")
+    )
+    print("\n| kind | GPU ms/step | share of busy | GB | HBM speed |\n|---|---:|---:|---:|---:|")
+    for key, ms in by_kind.most_common():
+        gb = kind_bytes[key] / 1e9
+        print(f"| {key} | {ms:.1f} | {100 * ms / busy:.1f}% | {gb:.1f} | {hbm_speed(kind_bytes[key], ms)} |")
+    print("\n| part of the step | GPU ms/step | share of busy |\n|---|---:|---:|")
+    for key, ms in by_phase.most_common():
+        print(f"| {key} | {ms:.1f} | {100 * ms / busy:.1f}% |")
     print("\n| part | kind | GPU ms/step |\n|---|---|---:|")
     for (ph, k), ms in by_both.most_common(12):
         print(f"| {ph} | {k} | {ms:.1f} |")
-    print("\n| HLO op | kernel | GPU ms/step | shape | op_name |\n|---|---|---:|---|---|")
+    print("\n| HLO op | kernel | GPU ms/step | HBM speed | shape | op_name |\n|---|---|---:|---:|---|---|")
     for (op, kernel), ms in per_op.most_common(args.top):
+        speed = hbm_speed(traffic[op], ms) if op in traffic else ""
         print(
-            f"| {op} | `{kernel}` | {ms:.2f} | `{shapes.get(op, '')[:40]}` | `{op_names.get(op, '')[-70:]}` |"
+            f"| {op} | `{kernel}` | {ms:.2f} | {speed} | `{shapes.get(op, '')[:40]}` | "
+            f"`{op_names.get(op, '')[-70:]}` |"
         )
 
 

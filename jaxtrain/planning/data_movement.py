@@ -12,10 +12,17 @@ What counts: instructions of the entry computation and of everything it runs (lo
 times their known trip count, called and branch computations once), whose operation, or
 whose fused computation's every operation, only moves data (`MOVES`). A fusion's bytes are
 its root's: a dynamic-update-slice root writes only its update in place.
+
+`traffic` goes further and counts what every kernel of the step reads and writes, by the
+kinds `benchmarks/step_profile.py --gpu` sums a GPU trace by (matmuls, attention, elementwise
+fusions, reductions, moves, collectives): the bytes a kernel must move at the least, so
+bytes / HBM bandwidth is the time it would take at the chip's full memory speed. Against a
+GPU profile's time per kind, this says how far from memory speed each kind runs.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -169,3 +176,161 @@ def data_movement(text: str) -> dict[str, tuple[int, int]]:
         count[kind] += times
         written[kind] += size * times
     return {k: (count[k], written[k]) for k in KINDS if count[k]}
+
+
+# ---------------------------------------------------------------- every kernel's traffic
+
+CLASSES = ("matmuls", "attention", "elementwise fusions", "reductions", "moves", "collectives", "other")
+# no kernel of their own, or no memory traffic (AllocateBuffer only reserves)
+_NO_TRAFFIC = _NO_KERNEL | frozenset(
+    {
+        "while", "call", "conditional", "opt-barrier", "after-all", "partition-id", "replica-id",
+        "add-dependency",
+    }
+)  # fmt: skip
+_COLLECTIVE = re.compile(
+    r"^(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute|ragged-all-to-all)"
+)
+_REDUCING = frozenset({"reduce", "reduce-window", "scatter", "sort"})
+
+
+def _array_shapes(shape: str) -> list[str]:
+    """The array shapes of a (possibly tuple) shape, in order."""
+    return re.findall(r"[a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?", shape)
+
+
+def _elements(shape: str) -> int:
+    dims = re.match(r"[a-z][a-z0-9]*\[([0-9,]*)\]", shape)
+    return math.prod(int(d) for d in dims.group(1).split(",") if d) if dims else 0
+
+
+def _fusion_read(comps, fused: str) -> int:
+    """Bytes a fused computation reads from memory: each parameter whole, except one only
+    sliced (the slices' elements: a loop fusion computes only the elements its root needs,
+    so a slice after an elementwise op such as a convert reads only its part) or only updated
+    in place (nothing); scalars not at all."""
+    body = comps[fused]
+    users: dict[str, list[tuple[_Instr, int]]] = {}
+    for ins in body:
+        for k, operand in enumerate(ins.operands):
+            users.setdefault(operand, []).append((ins, k))
+
+    def uses(name: str, elements: int) -> list[tuple[_Instr, int]]:
+        """`name`'s users, through bitcasts and one-operand elementwise ops (same elements)."""
+        out = []
+        for ins, k in users.get(name, []):
+            passes = len(ins.operands) == 1 and ins.opcode not in MOVES - {"bitcast", "copy"}
+            if passes and _elements(ins.shape) == elements:
+                out.extend(uses(ins.name, elements))
+            else:
+                out.append((ins, k))
+        return out
+
+    read = 0
+    for ins in body:
+        if ins.opcode != "parameter" or _scalar(ins.shape):
+            continue
+        elements = _elements(ins.shape)
+        found = uses(ins.name, elements)
+        if found and all(u.opcode in ("slice", "dynamic-slice") and k == 0 for u, k in found):
+            per_element = shape_bytes(ins.shape) / max(elements, 1)
+            read += int(sum(_elements(u.shape) for u, _ in found) * per_element)
+        elif found and all(u.opcode == "dynamic-update-slice" and k == 0 for u, k in found):
+            continue  # the buffer updated in place
+        else:
+            read += shape_bytes(ins.shape)
+    return read
+
+
+def _fused_written(comps, fused: str) -> int:
+    body = comps[fused]
+    by_name = {i.name: i for i in body}
+    root = next((i for i in body if i.root), body[-1])
+    while root.opcode == "bitcast" and root.operands and root.operands[0] in by_name:
+        root = by_name[root.operands[0]]
+    return _written(comps, fused, root)
+
+
+def _traffic_class(comps, ins: _Instr) -> str:
+    if ins.opcode in ("custom-call", "custom-call-start"):
+        # the library call, or a Pallas kernel's name (`name = "grouped_matmul"`) and op_name
+        found = re.findall(r'custom_call_target="([^"]+)"|\bname = "([^"]+)"|op_name="([^"]+)"', ins.line)
+        names = " ".join(part for match in found for part in match).lower()
+        if any(k in names for k in ("gemm", "cublas", "matmul", "ragged_dot")):
+            return "matmuls"
+        if any(k in names for k in ("cudnn", "fmha", "flash", "attention", "mha")):
+            return "attention"
+        return "other"
+    if _COLLECTIVE.match(ins.opcode):
+        return "collectives"
+    if ins.opcode in ("fusion", "fusion-start"):
+        callee = re.search(r"calls=%([\w.\-]+)", ins.line)
+        if "gemm" in ins.line and ("__triton_gemm" in ins.line or "__cublas" in ins.line):
+            return "matmuls"
+        if "__cudnn" in ins.line:
+            return "attention"
+        ops = _ops(comps, callee.group(1)) if callee else set()
+        if ops <= MOVES:
+            return "moves"
+        if "dot" in ops or "convolution" in ops:
+            return "matmuls"
+        if "kind=kInput" in ins.line or "kind=kLoop" in ins.line:  # XLA's reduction / loop emitters
+            return "reductions" if "kind=kInput" in ins.line else "elementwise fusions"
+        return "reductions" if ops & _REDUCING else "elementwise fusions"  # e.g. a Triton norm
+    if ins.opcode in MOVES or ins.opcode == "copy-start":
+        return "moves"
+    if ins.opcode in ("dot", "convolution"):
+        return "matmuls"
+    return "reductions" if ins.opcode in _REDUCING else "elementwise fusions"
+
+
+def _op_bytes(comps, by_name: dict[str, _Instr], ins: _Instr) -> tuple[int, int]:
+    """(bytes read, bytes written) by one run of `ins`, an instruction that runs a kernel."""
+    callee = re.search(r"calls=%([\w.\-]+)", ins.line) if "fusion" in ins.opcode else None
+    if callee and callee.group(1) in comps:
+        return _fusion_read(comps, callee.group(1)), _fused_written(comps, callee.group(1))
+    operands = [by_name[o] for o in ins.operands if o in by_name and not _scalar(by_name[o].shape)]
+    shapes = _array_shapes(ins.shape)
+    if ins.opcode.endswith("-start"):  # async: ((operands), result, context): the result
+        written = shape_bytes(shapes[len(ins.operands)]) if len(shapes) > len(ins.operands) else 0
+    else:  # a custom call's byte-typed output is its workspace
+        written = sum(shape_bytes(a) for a in shapes if not a.startswith(("s8[", "u8[")))
+    if ins.opcode in ("slice", "dynamic-slice"):
+        return written, written
+    if ins.opcode == "dynamic-update-slice" and len(operands) > 1:
+        update = shape_bytes(operands[1].shape)
+        return update, update
+    return sum(shape_bytes(o.shape) for o in operands), written
+
+
+def kernels(text: str):
+    """(instruction name, class, bytes read per run, bytes written per run, runs per step,
+    metadata op_name) for every instruction of compiled HLO `text` that runs a kernel (classes
+    as `CLASSES`; AllocateBuffer, tuples, loops and their like are not kernels). Reads count
+    arrays only (scalars are indices and flags), a sliced operand for its slice, the buffer
+    of an in-place update not at all; a custom call's writes leave out its byte workspace."""
+    comps, entry = _parse(text)
+    stack = [(entry, 1)]
+    while stack:
+        comp, times = stack.pop()
+        by_name = {i.name: i for i in comps.get(comp, [])}
+        for ins in comps.get(comp, []):
+            stack.extend((c, times * n) for c, n in _callees(ins))
+            if ins.opcode in _NO_TRAFFIC or ins.opcode.endswith(("-done", "-update")) or _scalar(ins.shape):
+                continue
+            if ins.opcode.startswith("custom-call") and "AllocateBuffer" in ins.line:
+                continue
+            read, written = _op_bytes(comps, by_name, ins)
+            op_name = re.search(r'op_name="([^"]*)"', ins.line)
+            cls = _traffic_class(comps, ins)
+            yield ins.name, cls, read, written, times, op_name.group(1) if op_name else ""
+
+
+def traffic(text: str) -> dict[str, tuple[int, int, int]]:
+    """{class: (kernels run per step, bytes read, bytes written per step)} of compiled HLO
+    `text` (`kernels`), classes as `CLASSES` (absent when none)."""
+    totals: dict[str, list[int]] = {}
+    for _, cls, read, written, times, _ in kernels(text):
+        t = totals.setdefault(cls, [0, 0, 0])
+        t[0], t[1], t[2] = t[0] + times, t[1] + read * times, t[2] + written * times
+    return {c: tuple(totals[c]) for c in CLASSES if c in totals}
