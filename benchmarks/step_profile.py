@@ -117,9 +117,11 @@ def gpu_kind(op: str, kernel: str, hlo: dict[str, tuple[str, str]], moving: dict
     if moving and op in moving:
         return f"moves: {moving[op]}"
     opcode, text = hlo.get(op, ("", ""))
-    probe = f"{opcode} {text} {kernel}".lower()
+    probe = f"{op} {opcode} {text} {kernel}".lower()
     if "fmha" in probe or "flash" in probe or "attention" in probe:
         return "attention"
+    if "pallas" in probe and any(k in probe for k in ("matmul", "ragged_dot", "gmm")):
+        return "grouped matmuls (Pallas)"  # dropless MoE's experts (models/moe.py)
     if "triton" in probe and "gemm" not in probe:
         return "attention" if "pallas" in probe or "mha" in probe else "triton fusions"
     if any(k in probe for k in ("gemm", "cublas", "xmma", "cutlass", "nvjet", "dot(")) or opcode == "dot":
@@ -152,8 +154,10 @@ def hlo_table(text: str) -> tuple[dict[str, tuple[str, str]], dict[str, str], di
     # a multi-output op's shape is a tuple, with spaces: "(f32[8]{0}, f32[8]{0})"
     for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) (\w[\w-]*)\((.*)$", text, re.M):
         name, shape, opcode, rest = m.groups()
-        ops[name], shapes[name] = (opcode, rest[:400]), shape
         found = re.search(r'op_name="([^"]*)"', rest)
+        # the text gpu_kind reads: the start (target, operands) and the op_name, which a
+        # custom call's long operand list can push past the start
+        ops[name], shapes[name] = (opcode, rest[:400] + (f" {found.group(0)}" if found else "")), shape
         if found:
             names[name] = found.group(1)
     return ops, shapes, names
