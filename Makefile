@@ -22,7 +22,8 @@ test: $(STAMP)
 # The GPU host runs jax 0.11.2 (CUDA 13); we pin 0.12.0.1. This runs the GPU-path tests (cuDNN
 # attention and the dispatcher, the GPU memory plan, the launch flags, deviceless H100
 # compiles, the model and its layer loop, the Hopper flash kernel in Mosaic GPU's interpreter
-# and ptxas' report of it) under jax 0.11.2 in a venv of its own (docs/gpu.md).
+# and ptxas' report of it, the step profile's reading of HLO) under jax 0.11.2 in a venv of its
+# own (docs/gpu.md).
 JAX011 := .venv-jax011
 test-jax011:
 	@py="$$(bash .ci/find_python.sh)" || exit 1; \
@@ -35,7 +36,7 @@ test-jax011:
 	$(JAX011)/bin/python -m pytest -p no:cacheprovider -n 2 tests/test_gpu_flags.py \
 	  tests/test_cudnn_attention.py tests/test_gpu_memory_plan.py tests/test_model.py \
 	  tests/test_flash_attention_deviceless.py tests/test_layer_scan.py tests/test_flash_mgpu.py \
-	  tests/test_ptxas_report.py $(ARGS)
+	  tests/test_ptxas_report.py tests/test_data_movement.py tests/test_step_profile.py $(ARGS)
 
 bench: $(STAMP)
 	$(VPY) benchmarks/throughput.py $(ARGS)
