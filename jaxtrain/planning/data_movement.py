@@ -293,8 +293,10 @@ def _op_bytes(comps, by_name: dict[str, _Instr], ins: _Instr) -> tuple[int, int]
     shapes = _array_shapes(ins.shape)
     if ins.opcode.endswith("-start"):  # async: ((operands), result, context): the result
         written = shape_bytes(shapes[len(ins.operands)]) if len(shapes) > len(ins.operands) else 0
-    else:  # a custom call's byte-typed output is its workspace
+    elif ins.opcode == "custom-call" and len(shapes) > 1:  # a byte-typed output is its workspace
         written = sum(shape_bytes(a) for a in shapes if not a.startswith(("s8[", "u8[")))
+    else:
+        written = sum(shape_bytes(a) for a in shapes)
     if ins.opcode in ("slice", "dynamic-slice"):
         return written, written
     if ins.opcode == "dynamic-update-slice" and len(operands) > 1:
