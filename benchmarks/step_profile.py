@@ -212,7 +212,7 @@ def gpu_main(args) -> None:
     # a fusion's kernel is named after it with "." as "_" (gemm_fusion_dot.25: gemm_fusion_dot_25)
     by_kernel_name = {name.replace(".", "_"): name for name in ops}
     by_kind, by_phase, by_both, per_op = (collections.Counter() for _ in range(4))
-    kind_bytes, kind_ops = collections.Counter(), set()
+    kind_bytes, kind_ops, op_ms = collections.Counter(), set(), collections.Counter()
     unnamed = 0
     for e in events:
         if e.get("ph") != "X" or e.get("pid") not in gpu_pids:
@@ -231,6 +231,7 @@ def gpu_main(args) -> None:
         by_phase[ph] += ms
         by_both[(ph, k)] += ms
         per_op[(op, e["name"][:60])] += ms
+        op_ms[op] += ms  # all of an op's kernels: what its bytes took
         if op in traffic and op not in kind_ops:  # an op's bytes once, however many kernels it ran
             kind_ops.add(op)
             kind_bytes[k] += traffic[op]
@@ -263,7 +264,7 @@ def gpu_main(args) -> None:
         print(f"| {ph} | {k} | {ms:.1f} |")
     print("\n| HLO op | kernel | GPU ms/step | HBM speed | shape | op_name |\n|---|---|---:|---:|---|---|")
     for (op, kernel), ms in per_op.most_common(args.top):
-        speed = hbm_speed(traffic[op], ms) if op in traffic else ""
+        speed = hbm_speed(traffic[op], op_ms[op]) if op in traffic else ""
         print(
             f"| {op} | `{kernel}` | {ms:.2f} | {speed} | `{shapes.get(op, '')[:40]}` | "
             f"`{op_names.get(op, '')[-70:]}` |"
