@@ -8,15 +8,17 @@
 #
 # attention  the Hopper (Mosaic GPU) flash kernel, our Triton kernel and cuDNN at the issue shape,
 #            checked against the f32 reference
-# step       the 0.886B Llama step: jaxtrain (auto; unrolled layers, model.scan_layers=false;
+# step       the 0.886B Llama step: jaxtrain (auto, which unrolls the layers on a GPU; the scanned
+#            loop, model.scan_layers=true; remat none, which the unrolled program keeps in 28 GiB;
 #            attention_impl=pallas_mosaic once `attention` has seen that kernel correct here)
 #            against torch.compile, each in its own process
-# moe        the dropless MoE step (Triton grouped matmul; scanned, then unrolled layers) against
+# moe        the dropless MoE step (Triton grouped matmul; unrolled, then scanned layers) against
 #            capacity 1.25
 # sweep      the Mosaic kernel against cuDNN at head_dim 256, its dK/dV kernel split in two or not
 # Each section has its own time limit, so one that hangs costs only its own minutes: attention
-# 110 s, step 270 s, moe 150 s, sweep 40 s: 570 s in all, within one 600 s command on the lent GPU
-# with the wheels' install (the run of 2026-11-27, before the unrolled runs were added, took 347 s).
+# 110 s, step 230 s, moe 150 s, sweep 80 s: 570 s in all, within one 600 s command on the lent GPU
+# with the wheels' install (on 2026-11-28 the step, moe and sweep sections took 162, 106 and 80 s;
+# the sweep timed its first row, the split kernel, and ran out of time for the other two).
 set +e
 REPO=$(pwd)
 OUT=${OUT:-$REPO/gpu-out}
@@ -55,18 +57,18 @@ for section in $SECTIONS; do
       ;;
     step)
       say step
-      VARIANTS="unrolled:model.scan_layers=false"
+      VARIANTS="scanned:model.scan_layers=true;remat-none:model.remat=none"
       if mosaic_correct "$OUT"/attention_base.json; then
         VARIANTS="$VARIANTS;mosaic:model.attention_impl=pallas_mosaic"
       fi
-      timeout 270 python3 "$REPO"/benchmarks/gpu_peer.py --steps 10 --only jaxtrain,torch-compile \
+      timeout 230 python3 "$REPO"/benchmarks/gpu_peer.py --steps 10 --only jaxtrain,torch-compile \
         --jaxtrain-variants "$VARIANTS" --json "$OUT"/peer.json > "$OUT"/peer.txt 2>&1
       show "$OUT"/peer.txt 20
       ;;
     moe)
       say moe
       timeout 150 python3 "$REPO"/benchmarks/moe.py --gpu --only step --steps 10 --impls triton \
-        --variants "unrolled:model.scan_layers=false" --json "$OUT"/moe_step.json > "$OUT"/moe_step.txt 2>&1
+        --variants "scanned:model.scan_layers=true" --json "$OUT"/moe_step.json > "$OUT"/moe_step.txt 2>&1
       show "$OUT"/moe_step.txt 12
       ;;
     sweep)
@@ -74,7 +76,7 @@ for section in $SECTIONS; do
       # head_dim 64, 16k tokens and a window were measured on 2026-11-27 (docs/benchmarks.md);
       # run `attention.py --gpu --cases dim64,seq16k,win1k-s8k --impls mosaic,cudnn` for them.
       # head_dim 256: the dK/dV kernel in two head-dim parts (the default) against one (before)
-      timeout 40 python3 "$REPO"/benchmarks/attention.py --gpu --check --cases dim256 \
+      timeout 80 python3 "$REPO"/benchmarks/attention.py --gpu --check --cases dim256 \
         --impls mosaic,mosaic+dkv_parts=1,cudnn --iters 5 --json "$OUT"/attention_d256.json \
         > "$OUT"/attention_d256.txt 2>&1
       show "$OUT"/attention_d256.txt 8

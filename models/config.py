@@ -246,7 +246,11 @@ class ModelConfig:
     # from the amax of the last `fp8_amax_history` steps (kept in the train state)
     fp8: bool = False
     fp8_amax_history: int = FP8_HISTORY_DEFAULT
-    scan_layers: bool = True  # False unrolls the layer loop (same parameters)
+    # The layer loop: true runs one compiled layer body in a jax.lax.scan; false unrolls it
+    # (same parameters, no stacked buffers to copy activations into, compile time growing with
+    # depth); auto: unrolled on GPUs up to planning/resolve.py's UNROLL_MAX_LAYERS layers,
+    # scanned elsewhere (a model built directly with auto scans)
+    scan_layers: bool | str = "auto"
     # The layer loop keeps weight gradients in the compute dtype until its backward ends
     # (models/layer_scan.py: the same values, 2 bytes less per layer parameter at the peak with
     # f32 weights and bf16 compute); false: autodiff's scan
@@ -283,6 +287,11 @@ class ModelConfig:
         object.__setattr__(self, "remat_custom", tuple(sorted(pairs)))
         if isinstance(self.attention_pattern, (list, tuple)):  # YAML gives a list
             object.__setattr__(self, "attention_pattern", tuple(self.attention_pattern))
+
+    @property
+    def unrolled_layers(self) -> bool:
+        """The layer loop runs unrolled: `scan_layers: false` (auto, unresolved, scans)."""
+        return self.scan_layers is False
 
     @property
     def gathers_weights_once(self) -> bool:
@@ -359,6 +368,8 @@ class ModelConfig:
             self._check_mosaic_attention("model.gpu_flash_kernel=mosaic", "gpu_flash_kernel triton or auto")
         if self.cpu_tuning not in (True, False, "auto"):
             raise ValueError(f"model.cpu_tuning={self.cpu_tuning!r}: expected auto, true or false")
+        if self.scan_layers not in (True, False, "auto"):
+            raise ValueError(f"model.scan_layers={self.scan_layers!r}: expected auto, true or false")
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ValueError(f"model.rope_scaling={self.rope_scaling!r}: expected one of {ROPE_SCALINGS}")
         if self.rope_scaling_factor <= 0:

@@ -166,7 +166,7 @@ class Transformer(nnx.Module):
                 # Inside a scan XLA cannot CSE the recompute away, and prevent_cse=True would
                 # only add barriers; unrolled, it is what keeps the remat a remat.
                 layer = jax.checkpoint(
-                    layer, policy=remat_policy(cfg), prevent_cse=not (cfg.scan_layers or pipeline is not None)
+                    layer, policy=remat_policy(cfg), prevent_cse=cfg.unrolled_layers and pipeline is None
                 )
             if pipeline is not None:
                 # Stages over the mesh axis `stage` (sharding/pipeline.py): each layer sees
@@ -185,7 +185,7 @@ class Transformer(nnx.Module):
                 x,
                 (layer_state, meta, keys),
                 (positions, segment_ids),
-                unroll=1 if cfg.scan_layers else n,
+                unroll=n if cfg.unrolled_layers else 1,
                 compact_grads=cfg.compact_weight_grads,
             )
 

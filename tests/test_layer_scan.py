@@ -131,7 +131,7 @@ def test_bfloat16_gradients_are_found_where_the_backward_computes_them():
 
 @pytest.mark.deviceless
 def test_an_h100_step_holds_the_layers_gradients_in_bfloat16():
-    """configs/gpu-peer.yaml compiled for one H100: the compact loop's peak is lower by the
+    """configs/gpu-peer.yaml compiled for one H100, scanned: the compact loop's peak is lower by the
     layer stack's float32-minus-bfloat16 gradient bytes (within 20%: the peak moves)."""
     from jaxtrain.config import load_config
     from jaxtrain.planning import compile as deviceless
@@ -146,6 +146,7 @@ def test_an_h100_step_holds_the_layers_gradients_in_bfloat16():
         overrides = [
             "model.remat=minimal",
             "model.attention_impl=cudnn",
+            "model.scan_layers=true",  # the scanned loop's carry (auto unrolls on GPUs)
             f"model.compact_grads={str(compact).lower()}",
         ]
         cfg = load_config(f"{REPO}/configs/gpu-peer.yaml", overrides)
@@ -209,7 +210,9 @@ def test_an_h100_step_fills_no_stacked_buffer():
     """The tiny model's scanned step for one H100: its layer loops' stacked buffers are
     AllocateBuffers, and no broadcast fills a buffer as deep as the layer stack
     (jax.lax.scan fills each with zeros first)."""
-    text, _ = _h100_step(tiny_config(None, *BF16, "model.n_layers=3", "model.attention_impl=cudnn"))
+    text, _ = _h100_step(
+        tiny_config(None, *BF16, "model.n_layers=3", "model.attention_impl=cudnn", "model.scan_layers=true")
+    )
     fill = r"= \(?bf16\[3,[^=]*? fusion\(\), kind=kLoop, calls=%fused_broadcast"  # a [layers, ...] buffer
     assert "AllocateBuffer" in text and not re.findall(fill, text)
 

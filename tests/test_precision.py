@@ -178,6 +178,9 @@ def test_fp8_amax_is_the_whole_tensors_max_with_or_without_vma_checks(check_vma)
     assert float(jax.jit(f)(x)) == float(jnp.max(jnp.abs(x)))
 
 
+FP8_BF16 = ("model.compute_dtype=bfloat16", "model.fp8=true", "model.fp8_amax_history=4")
+
+
 @pytest.mark.skipif(not targets.cuda_available(), reason="jax-cuda12-plugin not installed")
 def test_fp8_deviceless_h100_compile_has_fp8_gemms():
     """XLA:GPU for an H100 keeps the fp8 matmuls: 21 GEMMs with f8 operands per layer
@@ -185,7 +188,8 @@ def test_fp8_deviceless_h100_compile_has_fp8_gemms():
     autotuning deviceless) or cuBLASLt fp8 custom calls."""
     target = parse_target("gpu:h100", gpus_per_host=1)
     cfg, ici, _ = config_for_target(
-        tiny_config(None, "model.compute_dtype=bfloat16", "model.fp8=true", "model.fp8_amax_history=4"),
+        # one scanned layer body (auto unrolls on GPUs: 21 per layer)
+        tiny_config(None, *FP8_BF16, "model.scan_layers=true"),
         target,
     )
     mesh = sharding.make_mesh(ici, target_devices(target))

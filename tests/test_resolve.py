@@ -42,6 +42,38 @@ def test_platform_choices(platform, attention, cpu_tuning, exchange, grouped):
     assert f"model.attention_impl=auto -> {attention}: " in notes
 
 
+@pytest.mark.parametrize(
+    "platform,overrides,scanned,logged",
+    [
+        ("cpu", (), True, True),
+        ("tpu", (), True, True),
+        ("gpu", (), False, True),  # 2 layers: unrolled on a GPU
+        ("gpu", ("model.n_layers=32",), False, True),  # UNROLL_MAX_LAYERS
+        ("gpu", ("model.n_layers=33",), True, True),  # deeper: one compiled layer body
+        ("gpu", ("mesh.stage=2",), True, False),  # pipeline stages loop themselves: unused, unlogged
+    ],
+)
+def test_scan_layers_auto_unrolls_on_gpus_up_to_a_depth(platform, overrides, scanned, logged):
+    """The table of the module docstring, row model.scan_layers; a value given is kept."""
+    cfg = tiny_config(None, *overrides)
+    stage = cfg.mesh.stage
+    resolution = resolve(cfg, Placement(platform, {"fsdp": 1, "stage": stage}))
+    assert resolution.config.model.scan_layers is scanned
+    assert resolution.config.model.unrolled_layers is (not scanned)
+    lines = [n for n in resolution.notes if n.startswith("model.scan_layers=")]
+    expected = f"model.scan_layers=auto -> {str(scanned).lower()}: "
+    assert len(lines) == logged and all(n.startswith(expected) for n in lines)
+    placement = Placement(platform, {"fsdp": 1, "stage": stage})
+    given = resolve(tiny_config(None, *overrides, "model.scan_layers=true"), placement)
+    assert given.config.model.scan_layers is True
+    assert not any(n.startswith("model.scan_layers") for n in given.notes)
+
+
+def test_scan_layers_refuses_anything_but_auto_true_or_false():
+    with pytest.raises(ValueError, match=r"model.scan_layers='sometimes': expected auto, true or false"):
+        tiny_config(None, "model.scan_layers=sometimes")
+
+
 def test_a_setting_given_a_value_is_kept_and_not_logged():
     cfg = tiny_config(None, "model.attention_impl=pallas", "model.cpu_tuning=false", "train.loss_chunk=32")
     resolution = resolve(cfg, Placement("cpu", {}))
