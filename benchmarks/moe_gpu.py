@@ -10,10 +10,12 @@
    backward (vjp of sum(out * c) for a fixed cotangent c, dA and dW), for `jax.lax.ragged_dot`,
    our Pallas Triton kernel (`triton_grouped_matmul`) and JAX's Mosaic GPU kernels
    (`mosaic_grouped_matmul`), plus the dense batched einsum a capacity-1.25 layer runs
-   ([8, 1.25 m / 8, k] x [8, k, n]). Median of `--iters` runs; TFLOP/s over the useful FLOPs
+   ([8, 1.25 m / 8, k] x [8, k, n]). `triton+key=value+...` times the Triton kernel with other
+   tiles (`GroupedMatmulBlocks` fields: `triton+block_n=256+num_stages=4`), for tuning them on a
+   GPU (matmul section only). Median of `--iters` runs; TFLOP/s over the useful FLOPs
    (2 m k n forward, 3x that forward + backward; the einsum's padded rows count as waste, its
-   raw figure beside); error: max|out - ragged_dot| / max|ragged_dot| (forward). One child
-   process runs them all (this process never touches the GPU).
+   raw figure beside); error: max|x - ref| / max|ref| of the output, dA and dW against
+   ragged_dot in f32. One child process runs them all (this process never touches the GPU).
 2. step: `jaxtrain train configs/gpu-peer.yaml` with the MoE overrides (8 experts of 1408,
    top-2: 1.45B parameters, about 0.55B active), each in its own process (JAX preallocates 75%
    of the GPU per process; benchmarks/gpu_peer.py's child machinery): capacity 1.25, then
@@ -34,6 +36,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
@@ -41,6 +44,7 @@ sys.path.append(str(HERE.parent.parent))  # last: an installed jaxtrain (the GPU
 sys.path.insert(0, str(HERE.parent))
 
 import gpu_peer  # noqa: E402  (captures the children's environment before JAX_PLATFORMS=cpu)
+from attention_gpu import parse_blocks  # noqa: E402
 
 GROUPS, TOP_K, EXPERT_DIM = 8, 2, 1408
 MOE = [f"model.moe.num_experts={GROUPS}", f"model.moe.top_k={TOP_K}"]
@@ -63,6 +67,29 @@ def group_sizes(m: int, skewed: bool) -> list[int]:
     return sizes
 
 
+def tiles(impl: str) -> dict:
+    """The GroupedMatmulBlocks overrides of an impl named `triton+key=value+...` ({} for a plain
+    name); ValueError naming the impl for anything else with a `+`."""
+    base, *items = impl.split("+")
+    if items and base != "triton":
+        raise ValueError(f"--impls {impl!r}: only triton takes tiles (triton+block_n=256+...)")
+    return parse_blocks(items, f"--impls {impl!r}")
+
+
+def grouped(impl: str):
+    """f(a, w, group_sizes) for one column: models/moe.py's grouped_matmul, or the Triton kernel
+    with the tiles the name gives."""
+    from jaxtrain.models.moe import grouped_matmul
+
+    blocks = tiles(impl)
+    if not blocks:
+        return lambda a, w, gs: grouped_matmul(a, w, gs, impl, full=True)
+    from jaxtrain.pallas_kernels.grouped_matmul_gpu import GroupedMatmulBlocks, triton_grouped_matmul
+
+    chosen = GroupedMatmulBlocks(**blocks)
+    return lambda a, w, gs: triton_grouped_matmul(a, w, gs, full=True, blocks=chosen)
+
+
 def _median_time(f, *args, iters: int) -> float:
     import jax
 
@@ -80,8 +107,6 @@ def matmul_worker(tiny: bool, iters: int, impls: list[str]) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxtrain.models.moe import grouped_matmul
-
     m, dims = (256, [(128, 128)]) if tiny else (8 * 2048 * TOP_K, [(2048, EXPERT_DIM), (EXPERT_DIM, 2048)])
     rows = []
     for k, n in dims:
@@ -97,18 +122,22 @@ def matmul_worker(tiny: bool, iters: int, impls: list[str]) -> dict:
             for impl in impls:
                 row = {"k": k, "n": n, "m": m, "groups": "skewed" if skewed else "equal", "impl": impl}
                 try:
-                    fwd = jax.jit(lambda a, w, gs, impl=impl: grouped_matmul(a, w, gs, impl, full=True))
+                    matmul = grouped(impl)
+                    fwd = jax.jit(matmul)
                     out = fwd(a, w, gs)
-                    if ref is None:
-                        ref = jax.lax.ragged_dot(a, w, gs, preferred_element_type=jnp.float32)
-                    err = jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref))
-                    row["error"] = float(err)
 
-                    def loss(a, w, gs, impl=impl):
-                        out = grouped_matmul(a, w, gs, impl, full=True)
+                    def loss(a, w, gs, matmul=matmul):
+                        out = matmul(a, w, gs)
                         return jnp.sum(out.astype(jnp.float32) * c.astype(jnp.float32))
 
                     bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
+                    if ref is None:  # ragged_dot in f32: the output, dA and dW
+                        exact = partial(jax.lax.ragged_dot, preferred_element_type=jnp.float32)
+                        grads = jax.jit(jax.grad(partial(loss, matmul=exact), argnums=(0, 1)))
+                        ref = (exact(a, w, gs), *grads(a, w, gs))
+                    for key, got, want in zip(("error", "error_da", "error_dw"), (out, *bwd(a, w, gs)), ref):
+                        diff = jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want))
+                        row[key] = float(diff)
                     row["fwd_s"] = _median_time(fwd, a, w, gs, iters=iters)
                     row["fwd_bwd_s"] = _median_time(bwd, a, w, gs, iters=iters)
                     row["fwd_tflops"] = flops / row["fwd_s"] / 1e12
@@ -153,7 +182,7 @@ def matmul_table(res: dict) -> str:
         f"Grouped matmul on {res['device']} (jax {res['jax']}), bf16, {GROUPS} groups; "
         "TFLOP/s of useful FLOPs",
         "",
-        "| k x n | groups | impl | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | error |",
+        "| k x n | groups | impl | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | error out, dA, dW |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
@@ -161,7 +190,7 @@ def matmul_table(res: dict) -> str:
             lines.append(f"| {r['k']} x {r['n']} | {r['groups']} | {r['impl']} | failed: {r['failed']} |||||")
             continue
         raw = f" (raw {r['raw_fwd_tflops']:.0f})" if "raw_fwd_tflops" in r else ""
-        err = f"{r['error']:.1e}" if "error" in r else ""
+        err = ", ".join(f"{r[k]:.1e}" for k in ("error", "error_da", "error_dw") if k in r)
         lines.append(
             f"| {r['k']} x {r['n']} | {r['groups']} | {r['impl']} | {r['fwd_s'] * 1e3:.3f} | "
             f"{r['fwd_tflops']:.0f}{raw} | {r['fwd_bwd_s'] * 1e3:.3f} | {r['fwd_bwd_tflops']:.0f} | {err} |"
@@ -262,11 +291,23 @@ def main(argv=None) -> None:
         result = matmul_worker(args.tiny, args.iters, args.impls.split(","))
         print("RESULT " + json.dumps(result), flush=True)
         return
-    if bad := sorted(set(args.impls.split(",")) - set(IMPLS)):
+    impls = args.impls.split(",")
+    if bad := sorted({i.split("+")[0] for i in impls} - set(IMPLS)):
         ap.error(f"--impls: unknown {bad}; expected some of {','.join(IMPLS)}")
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    try:
+        tiled = [i for i in impls if tiles(i)]
+        if tiled and "step" in only:
+            raise ValueError(f"--impls {','.join(tiled)}: tiles are for the matmul section (--only matmul)")
+        if tiled:  # each refuses a bad tile here, not in the child (jax imported, no backend started)
+            from jaxtrain.pallas_kernels.grouped_matmul_gpu import GroupedMatmulBlocks
+
+            for impl in tiled:
+                GroupedMatmulBlocks(**tiles(impl))
+    except (ValueError, TypeError) as e:
+        ap.error(str(e))
     if args.steps < 4:
         ap.error("--steps must be at least 4 (the median is over steps 3..N-1)")
-    only = [s.strip() for s in args.only.split(",") if s.strip()]
     results = {}
     if "matmul" in only:
         print("# grouped matmuls ...", file=sys.stderr, flush=True)
