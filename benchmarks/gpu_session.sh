@@ -16,7 +16,8 @@
 #            capacity 1.25
 # sweep      the Mosaic kernel against cuDNN at head_dim 256, its dK/dV kernel split in two or not
 # tiles      (not run unless named) the Triton grouped matmul of dropless MoE with other tiles,
-#            warps and stages than its defaults (GroupedMatmulBlocks), at the MoE layer's shapes
+#            warps and stages than its defaults (GroupedMatmulBlocks), at the MoE layer's shapes;
+#            200 s, so `step moe tiles` fits one 600 s command too
 # Each section has its own time limit, so one that hangs costs only its own minutes: attention
 # 110 s, step 230 s, moe 150 s, sweep 80 s: 570 s in all, within one 600 s command on the lent GPU
 # with the wheels' install (on 2026-11-28 the step, moe and sweep sections took 162, 106 and 80 s;
@@ -87,7 +88,7 @@ for section in $SECTIONS; do
       say tiles
       TILES="triton,triton+block_n=256,triton+num_stages=4,triton+num_warps=4,triton+block_m=64"
       TILES="$TILES,triton+block_k=128+num_stages=2,triton+tgmm_m=128,triton+tgmm_k=256+tgmm_n=64"
-      timeout 240 python3 "$REPO"/benchmarks/moe.py --gpu --only matmul --impls "$TILES" --iters 10 \
+      timeout 200 python3 "$REPO"/benchmarks/moe.py --gpu --only matmul --impls "$TILES" --iters 10 \
         --json "$OUT"/moe_tiles.json > "$OUT"/moe_tiles.txt 2>&1
       show "$OUT"/moe_tiles.txt 40
       ;;
