@@ -8,7 +8,7 @@
 #
 # attention  the Hopper (Mosaic GPU) flash kernel, our Triton kernel and cuDNN at the issue shape,
 #            checked against the f32 reference
-# step       the 0.886B Llama step: jaxtrain (auto, which unrolls the layers on a GPU; the scanned
+# step       the 0.886B Llama step: jaxtrain (auto, which unrolls the layers on one GPU; the scanned
 #            loop, model.scan_layers=true; remat none, which the unrolled program keeps in 28 GiB;
 #            attention_impl=pallas_mosaic once `attention` has seen that kernel correct here)
 #            against torch.compile, each in its own process

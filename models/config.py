@@ -248,7 +248,7 @@ class ModelConfig:
     fp8_amax_history: int = FP8_HISTORY_DEFAULT
     # The layer loop: true runs one compiled layer body in a jax.lax.scan; false unrolls it
     # (same parameters, no stacked buffers to copy activations into, compile time growing with
-    # depth); auto: unrolled on GPUs up to planning/resolve.py's UNROLL_MAX_LAYERS layers,
+    # depth); auto: unrolled on one GPU up to planning/resolve.py's UNROLL_MAX_LAYERS layers,
     # scanned elsewhere (a model built directly with auto scans)
     scan_layers: bool | str = "auto"
     # The layer loop keeps weight gradients in the compute dtype until its backward ends

@@ -43,27 +43,27 @@ def test_platform_choices(platform, attention, cpu_tuning, exchange, grouped):
 
 
 @pytest.mark.parametrize(
-    "platform,overrides,scanned,logged",
+    "platform,overrides,mesh,scanned,logged",
     [
-        ("cpu", (), True, True),
-        ("tpu", (), True, True),
-        ("gpu", (), False, True),  # 2 layers: unrolled on a GPU
-        ("gpu", ("model.n_layers=32",), False, True),  # UNROLL_MAX_LAYERS
-        ("gpu", ("model.n_layers=33",), True, True),  # deeper: one compiled layer body
-        ("gpu", ("mesh.stage=2",), True, False),  # pipeline stages loop themselves: unused, unlogged
+        ("cpu", (), {}, True, True),
+        ("tpu", (), {}, True, True),
+        ("gpu", (), {}, False, True),  # 2 layers on one GPU: unrolled
+        ("gpu", ("model.n_layers=32",), {}, False, True),  # UNROLL_MAX_LAYERS
+        ("gpu", ("model.n_layers=33",), {}, True, True),  # deeper: one compiled layer body
+        ("gpu", (), {"fsdp": 8}, True, True),  # several GPUs: scanned
+        ("gpu", (), {"data": 2}, True, True),
+        ("gpu", ("mesh.stage=2",), {"stage": 2}, True, False),  # stages loop themselves: unused, unlogged
     ],
 )
-def test_scan_layers_auto_unrolls_on_gpus_up_to_a_depth(platform, overrides, scanned, logged):
+def test_scan_layers_auto_unrolls_on_one_gpu_up_to_a_depth(platform, overrides, mesh, scanned, logged):
     """The table of the module docstring, row model.scan_layers; a value given is kept."""
-    cfg = tiny_config(None, *overrides)
-    stage = cfg.mesh.stage
-    resolution = resolve(cfg, Placement(platform, {"fsdp": 1, "stage": stage}))
+    placement = Placement(platform, {"fsdp": 1, **mesh})
+    resolution = resolve(tiny_config(None, *overrides), placement)
     assert resolution.config.model.scan_layers is scanned
     assert resolution.config.model.unrolled_layers is (not scanned)
     lines = [n for n in resolution.notes if n.startswith("model.scan_layers=")]
     expected = f"model.scan_layers=auto -> {str(scanned).lower()}: "
     assert len(lines) == logged and all(n.startswith(expected) for n in lines)
-    placement = Placement(platform, {"fsdp": 1, "stage": stage})
     given = resolve(tiny_config(None, *overrides, "model.scan_layers=true"), placement)
     assert given.config.model.scan_layers is True
     assert not any(n.startswith("model.scan_layers") for n in given.notes)

@@ -9,7 +9,7 @@ memory), in this order, each step seeing the ones before it:
 | model.attention_impl      | platform, chip  | GPU fastest measured (attention_speeds), TPU pallas, CPU xla |
 | model.gpu_flash_kernel    | platform, chip  | GPU: mosaic (Hopper) where it takes the case, else triton  |
 | model.cpu_tuning          | platform        | true on CPU: models/cpu_tuning.py's program changes        |
-| model.scan_layers         | platform, depth | GPU up to UNROLL_MAX_LAYERS layers unrolled, else scanned |
+| model.scan_layers         | platform, mesh  | unrolled on one GPU (up to UNROLL_MAX_LAYERS), else scanned |
 | model.moe.exchange        | platform        | padded on CPU (no ragged_all_to_all there), ragged else    |
 | model.moe.grouped_matmul  | platform, chip  | TPU megablox, GPU grouped_matmul_choice, CPU ragged_dot    |
 | mesh.head_sharding        | mesh, batch     | vocab when a device gathers fewer rows than vocab columns  |
@@ -57,10 +57,13 @@ AUTO = "auto"
 # train.loss_chunk=auto chunks (footprint.LOSS_AUTO_CHUNKS chunks) once one microbatch's f32
 # logits reach this many MiB per device
 LOSS_AUTO_MIN_MIB = 16
-# model.scan_layers=auto unrolls the layer loop on GPUs up to this many layers: no stacked
-# buffers to copy each layer's kept activations into (on one H100, 2026-11-27, the gpu-peer
-# step 0.1838 against 0.1866 s scanned, 22.3 against 23.4 GiB; the dropless MoE step 0.1736
-# against 0.1819 s), for a compile time that grows with depth (twice the scanned one at 16)
+# model.scan_layers=auto unrolls the layer loop of a one-GPU program up to this many layers: no
+# stacked buffers to copy each layer's kept activations into (on one H100, 2026-11-28, the
+# gpu-peer step 0.1823 against 0.1864 s scanned, 22.3 against 23.4 GiB; the dropless MoE step
+# 0.1732 against 0.1797 s), for a compile time that grows with depth (twice the scanned one at
+# 16). Over several GPUs the unrolled program's memory moves either way with the mesh
+# (compiled for 8 H100s: gpu-peer -0.6 GiB with fsdp, +2.6 with data; Llama-3-8B +8.4 with
+# fsdp), and no speed was measured there, so those keep the scanned loop.
 UNROLL_MAX_LAYERS = 32
 REMAT_HEADROOM = 0.9  # model.remat=auto: the estimate must fit this fraction of a device's memory
 GiB = 2**30
@@ -228,16 +231,21 @@ def _cpu_tuning(cfg: Config, p: Placement) -> tuple[bool, str]:
 
 
 def _scan_layers(cfg: Config, p: Placement) -> tuple[bool, str | None]:
-    n = cfg.model.n_layers
+    n, devices = cfg.model.n_layers, math.prod(p.mesh_shape.values())
     if p.mesh_shape.get("stage", 1) > 1:
         return True, None  # pipeline stages run their own loop over the layers
     if p.platform != "gpu":
         return True, "one compiled layer body, whatever the depth"
+    if devices > 1:
+        return True, (
+            f"{devices} GPUs: one compiled layer body; unrolling pays on one GPU, while over several the "
+            "step's memory moved with the mesh (Llama-3-8B on 8 H100s with fsdp: 25.3 against 16.9 GiB)"
+        )
     if n > UNROLL_MAX_LAYERS:
         return True, f"{n} layers, more than the {UNROLL_MAX_LAYERS} a GPU unrolls: one compiled layer body"
     return False, (
         f"{n} layers unrolled: no stacked buffers to copy each layer's kept activations into "
-        f"(GPU, up to {UNROLL_MAX_LAYERS} layers)"
+        f"(one GPU, up to {UNROLL_MAX_LAYERS} layers)"
     )
 
 
