@@ -67,27 +67,30 @@ def group_sizes(m: int, skewed: bool) -> list[int]:
     return sizes
 
 
-def tiles(impl: str) -> dict:
-    """The GroupedMatmulBlocks overrides of an impl named `triton+key=value+...` ({} for a plain
-    name); ValueError naming the impl for anything else with a `+`."""
+def tiles(impl: str):
+    """The GroupedMatmulBlocks of an impl named `triton+key=value+...` (None for a plain name);
+    ValueError or TypeError naming what is wrong for anything else with a `+`."""
     base, *items = impl.split("+")
-    if items and base != "triton":
+    if not items:
+        return None
+    if base != "triton":
         raise ValueError(f"--impls {impl!r}: only triton takes tiles (triton+block_n=256+...)")
-    return parse_blocks(items, f"--impls {impl!r}")
+    from jaxtrain.pallas_kernels.grouped_matmul_gpu import GroupedMatmulBlocks
+
+    return GroupedMatmulBlocks(**parse_blocks(items, f"--impls {impl!r}"))
 
 
 def grouped(impl: str):
     """f(a, w, group_sizes) for one column: models/moe.py's grouped_matmul, or the Triton kernel
     with the tiles the name gives."""
-    from jaxtrain.models.moe import grouped_matmul
-
     blocks = tiles(impl)
-    if not blocks:
-        return lambda a, w, gs: grouped_matmul(a, w, gs, impl, full=True)
-    from jaxtrain.pallas_kernels.grouped_matmul_gpu import GroupedMatmulBlocks, triton_grouped_matmul
+    if blocks is None:
+        from jaxtrain.models.moe import grouped_matmul
 
-    chosen = GroupedMatmulBlocks(**blocks)
-    return lambda a, w, gs: triton_grouped_matmul(a, w, gs, full=True, blocks=chosen)
+        return lambda a, w, gs: grouped_matmul(a, w, gs, impl, full=True)
+    from jaxtrain.pallas_kernels.grouped_matmul_gpu import triton_grouped_matmul
+
+    return lambda a, w, gs: triton_grouped_matmul(a, w, gs, full=True, blocks=blocks)
 
 
 def _median_time(f, *args, iters: int) -> float:
@@ -295,15 +298,10 @@ def main(argv=None) -> None:
     if bad := sorted({i.split("+")[0] for i in impls} - set(IMPLS)):
         ap.error(f"--impls: unknown {bad}; expected some of {','.join(IMPLS)}")
     only = [s.strip() for s in args.only.split(",") if s.strip()]
-    try:
-        tiled = [i for i in impls if tiles(i)]
+    try:  # a bad tile is refused here, not in the child (jax imported, no backend started)
+        tiled = [i for i in impls if tiles(i) is not None]
         if tiled and "step" in only:
             raise ValueError(f"--impls {','.join(tiled)}: tiles are for the matmul section (--only matmul)")
-        if tiled:  # each refuses a bad tile here, not in the child (jax imported, no backend started)
-            from jaxtrain.pallas_kernels.grouped_matmul_gpu import GroupedMatmulBlocks
-
-            for impl in tiled:
-                GroupedMatmulBlocks(**tiles(impl))
     except (ValueError, TypeError) as e:
         ap.error(str(e))
     if args.steps < 4:
