@@ -5,17 +5,18 @@
         [--variants "label:override ...;..."] [--iters 20] [--timeout 900] [--tiny] [--json OUT]
 
 1. matmul: one grouped matmul at the MoE layer's shape, m = 8 x 2048 tokens x top-2 = 32768
-   rows, 8 groups, (k, n) = (2048, 1408) (gate/up) and (1408, 2048) (down), bf16, group sizes
-   equal and skewed (one expert 50% of the rows, the rest shared evenly), forward and forward +
-   backward (vjp of sum(out * c) for a fixed cotangent c, dA and dW), for `jax.lax.ragged_dot`,
-   our Pallas Triton kernel (`triton_grouped_matmul`) and JAX's Mosaic GPU kernels
-   (`mosaic_grouped_matmul`), plus the dense batched einsum a capacity-1.25 layer runs
-   ([8, 1.25 m / 8, k] x [8, k, n]). `triton+key=value+...` times the Triton kernel with other
-   tiles (`GroupedMatmulBlocks` fields: `triton+block_n=256+num_stages=4`), for tuning them on a
-   GPU (matmul section only). Median of `--iters` runs; TFLOP/s over the useful FLOPs
-   (2 m k n forward, 3x that forward + backward; the einsum's padded rows count as waste, its
-   raw figure beside); error: max|x - ref| / max|ref| of the output, dA and dW against
-   ragged_dot in f32. One child process runs them all (this process never touches the GPU).
+   rows, 8 groups, (k, n) = (2048, 2 x 1408) (gate and up, one matmul over [w_gate | w_up])
+   and (1408, 2048) (down), bf16, group sizes equal and skewed (one expert 50% of the rows, the
+   rest shared evenly), forward and forward + backward (value and grads of sum(out * c) for a
+   fixed cotangent c: the forward, dA and dW), for `jax.lax.ragged_dot`, our Pallas Triton
+   kernel (`triton_grouped_matmul`) and JAX's Mosaic GPU kernels (`mosaic_grouped_matmul`),
+   plus the dense batched einsum a capacity-1.25 layer runs ([8, 1.25 m / 8, k] x [8, k, n]).
+   `triton+key=value+...` times the Triton kernel with other tiles (`GroupedMatmulBlocks`
+   fields: `triton+block_n=256+num_stages=4`), for tuning them on a GPU (matmul section only).
+   Median of `--iters` runs; TFLOP/s over the useful FLOPs (2 m k n forward, 3x that forward
+   + backward; the einsum's padded rows count as waste, its raw figure beside); error:
+   max|x - ref| / max|ref| of the output, dA and dW against ragged_dot in f32. One child
+   process runs them all (this process never touches the GPU).
 2. step: `jaxtrain train configs/gpu-peer.yaml` with the MoE overrides (8 experts of 1408,
    top-2: 1.45B parameters, about 0.55B active), each in its own process (JAX preallocates 75%
    of the GPU per process; benchmarks/gpu_peer.py's child machinery): capacity 1.25, then
@@ -110,7 +111,8 @@ def matmul_worker(tiny: bool, iters: int, impls: list[str]) -> dict:
     import jax
     import jax.numpy as jnp
 
-    m, dims = (256, [(128, 128)]) if tiny else (8 * 2048 * TOP_K, [(2048, EXPERT_DIM), (EXPERT_DIM, 2048)])
+    layer_shapes = [(2048, 2 * EXPERT_DIM), (EXPERT_DIM, 2048)]  # gate and up as one matmul; down
+    m, dims = (256, [(128, 128)]) if tiny else (8 * 2048 * TOP_K, layer_shapes)
     rows = []
     for k, n in dims:
         key = jax.random.key(k + n)
@@ -133,7 +135,10 @@ def matmul_worker(tiny: bool, iters: int, impls: list[str]) -> dict:
                         out = matmul(a, w, gs)
                         return jnp.sum(out.astype(jnp.float32) * c.astype(jnp.float32))
 
-                    bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
+                    # value and grads: with the grads alone, XLA drops the unused forward
+                    # (the loss is linear in it), and fwd+bwd would time dA and dW only
+                    both = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+                    bwd = lambda a, w, gs, both=both: both(a, w, gs)[1]
                     if ref is None:  # ragged_dot in f32: the output, dA and dW
                         exact = partial(jax.lax.ragged_dot, preferred_element_type=jnp.float32)
                         grads = jax.jit(jax.grad(partial(loss, matmul=exact), argnums=(0, 1)))
@@ -142,7 +147,7 @@ def matmul_worker(tiny: bool, iters: int, impls: list[str]) -> dict:
                         diff = jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want))
                         row[key] = float(diff)
                     row["fwd_s"] = _median_time(fwd, a, w, gs, iters=iters)
-                    row["fwd_bwd_s"] = _median_time(bwd, a, w, gs, iters=iters)
+                    row["fwd_bwd_s"] = _median_time(both, a, w, gs, iters=iters)
                     row["fwd_tflops"] = flops / row["fwd_s"] / 1e12
                     row["fwd_bwd_tflops"] = 3 * flops / row["fwd_bwd_s"] / 1e12
                 except Exception as e:  # noqa: BLE001  (a row shows why it failed)
@@ -156,7 +161,7 @@ def matmul_worker(tiny: bool, iters: int, impls: list[str]) -> dict:
         cc = jax.random.normal(kc, (GROUPS, cap, n), jnp.bfloat16)
         dense = jax.jit(lambda x, w: jnp.einsum("eck,ekn->ecn", x, w))
         dloss = jax.jit(
-            jax.grad(
+            jax.value_and_grad(
                 lambda x, w: jnp.sum(dense(x, w).astype(jnp.float32) * cc.astype(jnp.float32)), argnums=(0, 1)
             )
         )
