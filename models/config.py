@@ -27,7 +27,9 @@ REMAT_POLICIES = (
 # `model.remat: auto` (the default) is resolved to one of REMAT_POLICIES before the program is
 # built: the cheapest that fits the devices in use (jaxtrain/planning/resolve.py).
 REMAT_AUTO = "auto"
-CHECKPOINT_NAMES = ("layer_input", "qkv_proj", "context", "out_proj", "mlp_in", "mlp_out")
+# routing: an MoE layer's expert choices and dropless sort orders (int32), which every policy
+# but full keeps
+CHECKPOINT_NAMES = ("layer_input", "qkv_proj", "context", "out_proj", "mlp_in", "mlp_out", "routing")
 REMAT_CUSTOM_MODES = ("device", "offload", "recompute")
 FP8_HISTORY_DEFAULT = 1024
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_mosaic", "cudnn")

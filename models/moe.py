@@ -173,6 +173,10 @@ def route(x, w_router, bias, m: MoEConfig):
     scores = jax.nn.softmax(logits, axis=-1) if m.scoring == "softmax" else jax.nn.sigmoid(logits)
     select = scores if bias is None else scores + jax.lax.stop_gradient(bias.astype(F32))
     _, idx = jax.lax.top_k(select, m.top_k)
+    # the routing decisions ("routing": these ids, dropless's sort orders) are kept by every
+    # remat policy but full, a few bytes per token: redone, the backward would repeat the top-k
+    # and the sorts, slow on GPUs
+    idx = checkpoint_name(idx, "routing")
     weights = jnp.take_along_axis(scores, idx, axis=-1)
     if m.normalize_top_k:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -225,8 +229,16 @@ def _ragged_swiglu(x, w_gate, w_up, w_down, group_sizes, fp8=None, impl="ragged_
     rd = lambda a, w, name: fp8_ops.expert_matmul(
         lambda a, w: grouped_matmul(a, w, group_sizes, impl, full=full), a, w, *_fp8_site(fp8, name)
     )
-    gate = checkpoint_name(rd(x, w_gate, "w_gate"), "mlp_in")
-    up = checkpoint_name(rd(x, w_up, "w_up"), "mlp_in")
+    if fp8 is None:
+        # gate and up as one grouped matmul over [w_gate | w_up]: one kernel instead of two in
+        # the forward, in dA (which then sums both products in the kernel's f32 accumulator) and
+        # in dW; the concatenation fuses with the weights' cast to bf16, the slices with SwiGLU
+        f = w_gate.shape[-1]
+        gate_up = grouped_matmul(x, jnp.concatenate([w_gate, w_up], axis=-1), group_sizes, impl, full=full)
+        gate, up = gate_up[:, :f], gate_up[:, f:]
+    else:  # each weight has its own fp8 scale
+        gate, up = rd(x, w_gate, "w_gate"), rd(x, w_up, "w_up")
+    gate, up = checkpoint_name(gate, "mlp_in"), checkpoint_name(up, "mlp_in")
     return rd(jax.nn.silu(gate) * up, w_down, "w_down")
 
 
@@ -355,8 +367,8 @@ def _local_moe(
     else:
         a = b * s * k
         flat_e = idx.reshape(a)
-        order = jnp.argsort(flat_e, stable=True)  # assignments by expert
-        inverse = jnp.argsort(order)  # where each assignment sits in that order
+        order = checkpoint_name(jnp.argsort(flat_e, stable=True), "routing")  # assignments by expert
+        inverse = checkpoint_name(jnp.argsort(order), "routing")  # where each one sits in that order
         xs = sort_rows(x.reshape(b * s, d), order, inverse, k)
         group_sizes = counts.astype(jnp.int32)
         if ep == 1:
@@ -466,8 +478,8 @@ def _dropless_exchange(
     # Local expert of every buffer row (e_local: padding), then one grouped matmul.
     ends = jnp.cumsum(kept, axis=1)[src]  # [rows, e_local]
     local_e = jnp.where(valid, jnp.sum(i[:, None] >= ends, axis=1), e_local)
-    order = jnp.argsort(local_e, stable=True)
-    inverse = jnp.argsort(order)
+    order = checkpoint_name(jnp.argsort(local_e, stable=True), "routing")
+    inverse = checkpoint_name(jnp.argsort(order), "routing")
     sizes = jnp.sum(kept, axis=0).astype(jnp.int32)
     out = _ragged_swiglu(sort_rows(buf, order, inverse, 1), w_gate, w_up, w_down, sizes, fp8, impl)
     if tensor_axes:

@@ -18,15 +18,19 @@ from jaxtrain.sharding import PipelineSchedule, constrain, current_rules, is_voc
 # What the backward pass may keep from the forward pass, per `cfg.remat` (models/config.py
 # REMAT_POLICIES says what each keeps). The names are the `checkpoint_name` tags in
 # models/layers.py and models/moe.py. Policies modelled on MaxText's `remat_policy` list.
+# Every policy but full keeps MoE layers' routing decisions (int32, a few bytes per token):
+# recomputed, the backward repeats the top-k and the sorts of dropless dispatch, which on an H100
+# made minimal_with_context 9% slower than none on the 8-expert step of docs/benchmarks.md.
 _MATMULS = ("qkv_proj", "out_proj", "mlp_in", "mlp_out")
+_ROUTING = ("routing",)
 _SAVED_NAMES = {
-    "minimal": _MATMULS,
-    "minimal_with_context": (*_MATMULS, "context"),
-    "save_dot_except_mlp": ("qkv_proj", "out_proj"),
-    "save_qkv_proj": ("qkv_proj",),
-    "save_out_proj": ("out_proj",),
-    "save_attention": ("qkv_proj", "context", "out_proj"),
-    "save_except_mlp_in": ("qkv_proj", "context", "out_proj", "mlp_out"),
+    "minimal": (*_MATMULS, *_ROUTING),
+    "minimal_with_context": (*_MATMULS, "context", *_ROUTING),
+    "save_dot_except_mlp": ("qkv_proj", "out_proj", *_ROUTING),
+    "save_qkv_proj": ("qkv_proj", *_ROUTING),
+    "save_out_proj": ("out_proj", *_ROUTING),
+    "save_attention": ("qkv_proj", "context", "out_proj", *_ROUTING),
+    "save_except_mlp_in": ("qkv_proj", "context", "out_proj", "mlp_out", *_ROUTING),
 }
 OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
 
@@ -42,11 +46,12 @@ def remat_policy(cfg: ModelConfig):
     if cfg.remat == "full":
         return cp.nothing_saveable
     if cfg.remat == "save_matmuls":
-        return cp.dots_with_no_batch_dims_saveable
+        routing = cp.save_only_these_names(*_ROUTING)
+        return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, routing)
     if cfg.remat in _SAVED_NAMES:
         return cp.save_only_these_names(*_SAVED_NAMES[cfg.remat])
     if cfg.remat == "offload_matmuls":
-        saved, offloaded = (), _MATMULS
+        saved, offloaded = _ROUTING, _MATMULS
     elif cfg.remat == "custom":
         saved = tuple(n for n, mode in cfg.remat_custom if mode == "device")
         offloaded = tuple(n for n, mode in cfg.remat_custom if mode == "offload")

@@ -262,15 +262,15 @@ def remat_policies(m) -> tuple[str, ...]:
 #: is always kept (the scanned layer's carry).
 SAVED_NAMES = {
     "full": (),
-    "minimal": ("qkv_proj", "out_proj", "mlp_in", "mlp_out"),
-    "minimal_with_context": ("qkv_proj", "context", "out_proj", "mlp_in", "mlp_out"),
-    "save_matmuls": ("qkv_proj", "out_proj", "mlp_in", "mlp_out"),
-    "save_dot_except_mlp": ("qkv_proj", "out_proj"),
-    "save_qkv_proj": ("qkv_proj",),
-    "save_out_proj": ("out_proj",),
-    "save_attention": ("qkv_proj", "context", "out_proj"),
-    "save_except_mlp_in": ("qkv_proj", "context", "out_proj", "mlp_out"),
-    "offload_matmuls": (),  # the minimal names go to pinned host memory
+    "minimal": ("qkv_proj", "out_proj", "mlp_in", "mlp_out", "routing"),
+    "minimal_with_context": ("qkv_proj", "context", "out_proj", "mlp_in", "mlp_out", "routing"),
+    "save_matmuls": ("qkv_proj", "out_proj", "mlp_in", "mlp_out", "routing"),
+    "save_dot_except_mlp": ("qkv_proj", "out_proj", "routing"),
+    "save_qkv_proj": ("qkv_proj", "routing"),
+    "save_out_proj": ("out_proj", "routing"),
+    "save_attention": ("qkv_proj", "context", "out_proj", "routing"),
+    "save_except_mlp_in": ("qkv_proj", "context", "out_proj", "mlp_out", "routing"),
+    "offload_matmuls": ("routing",),  # the minimal names go to pinned host memory
 }
 
 
@@ -278,10 +278,12 @@ def name_bytes_per_token(m, tensor: int = 1, moe_rows: float = 1.0) -> dict[str,
     """Bytes per token per layer of each checkpoint name (heads / mlp shard over tensor);
     `moe_rows`: rows the expert matmuls run over per assignment (moe_row_factor)."""
     a, hd, t = DTYPE_BYTES.get(m.compute_dtype, 4), m.resolved_head_dim, max(1, tensor)
-    mlp, outputs = m.mlp_dim, 1
+    mlp, outputs, routing = m.mlp_dim, 1, 0
     if m.moe is not None:  # top-k experts' intermediates per token (plus shared ones)
         mlp = m.moe.mlp_dim(m) * (m.moe.top_k * moe_rows + m.moe.num_shared_experts)
         outputs = m.moe.top_k  # mlp_out: the top_k expert outputs per token, before the combine
+        # routing: int32 expert ids, and dropless's two sort orders, per assignment
+        routing = 4 * m.moe.top_k * (1 if m.moe.dispatch == "capacity" else 3)
     return {
         "layer_input": m.d_model * a,
         "qkv_proj": (m.n_heads + 2 * m.n_kv_heads) * hd * a / t,
@@ -289,6 +291,7 @@ def name_bytes_per_token(m, tensor: int = 1, moe_rows: float = 1.0) -> dict[str,
         "out_proj": m.d_model * a,
         "mlp_in": 2 * mlp * a / t,
         "mlp_out": outputs * m.d_model * a,
+        "routing": routing,
     }
 
 
