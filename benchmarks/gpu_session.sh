@@ -12,12 +12,14 @@
 #            loop, model.scan_layers=true; remat none, which the unrolled program keeps in 28 GiB;
 #            attention_impl=pallas_mosaic once `attention` has seen that kernel correct here)
 #            against torch.compile, each in its own process
-# moe        the dropless MoE step (Triton grouped matmul; unrolled, then scanned layers) against
+# moe        the dropless MoE step (Triton grouped matmul, remat auto, then remat none) against
 #            capacity 1.25
 # sweep      the Mosaic kernel against cuDNN at head_dim 256, its dK/dV kernel split in two or not
 # tiles      (not run unless named) the Triton grouped matmul of dropless MoE with other tiles,
 #            warps and stages than its defaults (GroupedMatmulBlocks), at the MoE layer's shapes;
 #            200 s, so `step moe tiles` fits one 600 s command too
+# gmm        (not run unless named) the Triton grouped matmul alone at the MoE layer's shapes, 120 s
+# long       (not run unless named) the Mosaic kernel against cuDNN at 32k and 8k tokens, 80 s
 # Each section has its own time limit, so one that hangs costs only its own minutes: attention
 # 110 s, step 230 s, moe 150 s, sweep 80 s: 570 s in all, within one 600 s command on the lent GPU
 # with the wheels' install (on 2026-11-28 the step, moe and sweep sections took 162, 106 and 80 s;
@@ -71,7 +73,7 @@ for section in $SECTIONS; do
     moe)
       say moe
       timeout 150 python3 "$REPO"/benchmarks/moe.py --gpu --only step --steps 10 --impls triton \
-        --variants "scanned:model.scan_layers=true" --json "$OUT"/moe_step.json > "$OUT"/moe_step.txt 2>&1
+        --variants "remat-none:model.remat=none" --json "$OUT"/moe_step.json > "$OUT"/moe_step.txt 2>&1
       show "$OUT"/moe_step.txt 12
       ;;
     sweep)
@@ -86,13 +88,30 @@ for section in $SECTIONS; do
       ;;
     tiles)
       say tiles
-      TILES="triton,triton+block_n=256,triton+num_stages=4,triton+num_warps=4,triton+block_m=64"
-      TILES="$TILES,triton+block_k=128+num_stages=2,triton+tgmm_m=128,triton+tgmm_k=256+tgmm_n=64"
+      # tiles that divide the MoE layer's 1408 (a multiple of 128, not 256), so no padding copies;
+      # block_k=32 with 4 stages and 4 warps is Triton's H100 matmul tutorial's first config
+      TILES="triton,triton+num_stages=4,triton+num_warps=4,triton+block_k=32+num_stages=4+num_warps=4"
+      TILES="$TILES,triton+block_m=64,triton+block_k=128+num_stages=2,triton+tgmm_m=128"
+      TILES="$TILES,triton+num_stages=4+tgmm_m=128"
       timeout 200 python3 "$REPO"/benchmarks/moe.py --gpu --only matmul --impls "$TILES" --iters 10 \
         --json "$OUT"/moe_tiles.json > "$OUT"/moe_tiles.txt 2>&1
       show "$OUT"/moe_tiles.txt 40
       ;;
-    *) echo "unknown section $section: expected attention, step, moe, sweep or tiles" >&2 ;;
+    gmm)
+      say gmm
+      timeout 120 python3 "$REPO"/benchmarks/moe.py --gpu --only matmul --impls triton --iters 10 \
+        --json "$OUT"/moe_matmul.json > "$OUT"/moe_matmul.txt 2>&1
+      show "$OUT"/moe_matmul.txt 12
+      ;;
+    long)
+      say long
+      # the long end of the issue's 2k-32k sweep: one row of 32k tokens, and B2 S8192
+      timeout 80 python3 "$REPO"/benchmarks/attention.py --gpu --check --cases seq32k,seq8k \
+        --impls mosaic,cudnn --iters 5 --json "$OUT"/attention_long.json \
+        > "$OUT"/attention_long.txt 2>&1
+      show "$OUT"/attention_long.txt 8
+      ;;
+    *) echo "unknown section $section: expected attention, step, moe, sweep, tiles, gmm or long" >&2 ;;
   esac
 done
 say done
