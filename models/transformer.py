@@ -20,7 +20,7 @@ from jaxtrain.sharding import PipelineSchedule, constrain, current_rules, is_voc
 # models/layers.py and models/moe.py. Policies modelled on MaxText's `remat_policy` list.
 # Every policy but full keeps MoE layers' routing decisions (int32, a few bytes per token):
 # recomputed, the backward repeats the top-k and the sorts of dropless dispatch, which on an H100
-# made minimal_with_context 9% slower than none on the 8-expert step of docs/benchmarks.md.
+# cost minimal_with_context 1.1% of the 8-expert step of docs/benchmarks.md.
 _MATMULS = ("qkv_proj", "out_proj", "mlp_in", "mlp_out")
 _ROUTING = ("routing",)
 _SAVED_NAMES = {
