@@ -138,12 +138,12 @@ def matmul_worker(tiny: bool, iters: int, impls: list[str]) -> dict:
                     # value and grads: with the grads alone, XLA drops the unused forward
                     # (the loss is linear in it), and fwd+bwd would time dA and dW only
                     both = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-                    bwd = lambda a, w, gs, both=both: both(a, w, gs)[1]
                     if ref is None:  # ragged_dot in f32: the output, dA and dW
                         exact = partial(jax.lax.ragged_dot, preferred_element_type=jnp.float32)
                         grads = jax.jit(jax.grad(partial(loss, matmul=exact), argnums=(0, 1)))
                         ref = (exact(a, w, gs), *grads(a, w, gs))
-                    for key, got, want in zip(("error", "error_da", "error_dw"), (out, *bwd(a, w, gs)), ref):
+                    got_all = (out, *both(a, w, gs)[1])  # the output, dA and dW
+                    for key, got, want in zip(("error", "error_da", "error_dw"), got_all, ref):
                         diff = jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want))
                         row[key] = float(diff)
                     row["fwd_s"] = _median_time(fwd, a, w, gs, iters=iters)

@@ -30,6 +30,26 @@ REMAT_AUTO = "auto"
 # routing: an MoE layer's expert choices and dropless sort orders (int32), which every policy
 # but full keeps
 CHECKPOINT_NAMES = ("layer_input", "qkv_proj", "context", "out_proj", "mlp_in", "mlp_out", "routing")
+# The names each policy keeps on the device, one table for the model (models/transformer.py
+# builds the jax policies from it) and the planner (jaxtrain/planning/footprint.py counts their
+# bytes). save_matmuls keeps every matmul without batch dims (jax's rule: the matmul names);
+# offload_matmuls sends the matmul names to host memory. Every policy but full keeps MoE
+# layers' routing decisions (int32, a few bytes per token): recomputed, the backward repeats
+# the top-k and the sorts of dropless dispatch, which on an H100 cost minimal_with_context
+# 1.1% of the 8-expert step of docs/benchmarks.md.
+MATMUL_NAMES = ("qkv_proj", "out_proj", "mlp_in", "mlp_out")
+REMAT_KEPT_NAMES = {
+    "full": (),
+    "minimal": (*MATMUL_NAMES, "routing"),
+    "minimal_with_context": (*MATMUL_NAMES, "context", "routing"),
+    "save_matmuls": (*MATMUL_NAMES, "routing"),
+    "save_dot_except_mlp": ("qkv_proj", "out_proj", "routing"),
+    "save_qkv_proj": ("qkv_proj", "routing"),
+    "save_out_proj": ("out_proj", "routing"),
+    "save_attention": ("qkv_proj", "context", "out_proj", "routing"),
+    "save_except_mlp_in": ("qkv_proj", "context", "out_proj", "mlp_out", "routing"),
+    "offload_matmuls": ("routing",),
+}
 REMAT_CUSTOM_MODES = ("device", "offload", "recompute")
 FP8_HISTORY_DEFAULT = 1024
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_mosaic", "cudnn")

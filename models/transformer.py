@@ -9,29 +9,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.models import cpu_tuning, layer_scan, lora
-from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.config import MATMUL_NAMES, REMAT_KEPT_NAMES, ModelConfig
 from jaxtrain.models.layers import REGION_INPUT_AXES, RESIDUAL_AXES, Block, PatternGroup, RMSNorm, param
 from jaxtrain.models.masks import softcapped
 from jaxtrain.models.moe import MoEBlock
 from jaxtrain.sharding import PipelineSchedule, constrain, current_rules, is_vocab_parallel, logical_to_spec
 
-# What the backward pass may keep from the forward pass, per `cfg.remat` (models/config.py
-# REMAT_POLICIES says what each keeps). The names are the `checkpoint_name` tags in
-# models/layers.py and models/moe.py. Policies modelled on MaxText's `remat_policy` list.
-# Every policy but full keeps MoE layers' routing decisions (int32, a few bytes per token):
-# recomputed, the backward repeats the top-k and the sorts of dropless dispatch, which on an H100
-# cost minimal_with_context 1.1% of the 8-expert step of docs/benchmarks.md.
-_MATMULS = ("qkv_proj", "out_proj", "mlp_in", "mlp_out")
-_ROUTING = ("routing",)
-_SAVED_NAMES = {
-    "minimal": (*_MATMULS, *_ROUTING),
-    "minimal_with_context": (*_MATMULS, "context", *_ROUTING),
-    "save_dot_except_mlp": ("qkv_proj", "out_proj", *_ROUTING),
-    "save_qkv_proj": ("qkv_proj", *_ROUTING),
-    "save_out_proj": ("out_proj", *_ROUTING),
-    "save_attention": ("qkv_proj", "context", "out_proj", *_ROUTING),
-    "save_except_mlp_in": ("qkv_proj", "context", "out_proj", "mlp_out", *_ROUTING),
-}
+# What the backward pass may keep from the forward pass, per `cfg.remat`: models/config.py
+# REMAT_KEPT_NAMES. The names are the `checkpoint_name` tags in models/layers.py and
+# models/moe.py. Policies modelled on MaxText's `remat_policy` list.
 OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
 
 
@@ -45,16 +31,16 @@ def remat_policy(cfg: ModelConfig):
         return None
     if cfg.remat == "full":
         return cp.nothing_saveable
-    if cfg.remat == "save_matmuls":
-        routing = cp.save_only_these_names(*_ROUTING)
-        return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, routing)
-    if cfg.remat in _SAVED_NAMES:
-        return cp.save_only_these_names(*_SAVED_NAMES[cfg.remat])
+    if cfg.remat == "save_matmuls":  # jax's rule for the matmuls, the names beyond them
+        named = cp.save_only_these_names(*(set(REMAT_KEPT_NAMES["save_matmuls"]) - set(MATMUL_NAMES)))
+        return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, named)
     if cfg.remat == "offload_matmuls":
-        saved, offloaded = _ROUTING, _MATMULS
+        saved, offloaded = REMAT_KEPT_NAMES["offload_matmuls"], MATMUL_NAMES
     elif cfg.remat == "custom":
         saved = tuple(n for n, mode in cfg.remat_custom if mode == "device")
         offloaded = tuple(n for n, mode in cfg.remat_custom if mode == "offload")
+    elif cfg.remat in REMAT_KEPT_NAMES:
+        return cp.save_only_these_names(*REMAT_KEPT_NAMES[cfg.remat])
     else:
         raise ValueError(f"model.remat={cfg.remat!r}: no policy")  # validate() catches this first
     return cp.save_and_offload_only_these_names(

@@ -36,7 +36,7 @@ import os
 import jax
 
 from jaxtrain.config import Config, ConfigError
-from jaxtrain.models.config import DTYPE_BYTES
+from jaxtrain.models.config import DTYPE_BYTES, REMAT_KEPT_NAMES
 from jaxtrain.models.moe import capacity, receive_rows
 from jaxtrain.sharding import hardware
 
@@ -258,20 +258,10 @@ def remat_policies(m) -> tuple[str, ...]:
     return tuple(p for p in REMAT_BY_COST if m.moe is not None or p != "save_except_mlp_in")
 
 
-#: Checkpoint names each policy keeps on the device (models/transformer.py); `layer_input`
-#: is always kept (the scanned layer's carry).
-SAVED_NAMES = {
-    "full": (),
-    "minimal": ("qkv_proj", "out_proj", "mlp_in", "mlp_out", "routing"),
-    "minimal_with_context": ("qkv_proj", "context", "out_proj", "mlp_in", "mlp_out", "routing"),
-    "save_matmuls": ("qkv_proj", "out_proj", "mlp_in", "mlp_out", "routing"),
-    "save_dot_except_mlp": ("qkv_proj", "out_proj", "routing"),
-    "save_qkv_proj": ("qkv_proj", "routing"),
-    "save_out_proj": ("out_proj", "routing"),
-    "save_attention": ("qkv_proj", "context", "out_proj", "routing"),
-    "save_except_mlp_in": ("qkv_proj", "context", "out_proj", "mlp_out", "routing"),
-    "offload_matmuls": ("routing",),  # the minimal names go to pinned host memory
-}
+#: Checkpoint names each policy keeps on the device, the table the model's policies are built
+#: from (offload_matmuls: the minimal names go to pinned host memory); `layer_input` is always
+#: kept (the scanned layer's carry).
+SAVED_NAMES = REMAT_KEPT_NAMES
 
 
 def name_bytes_per_token(m, tensor: int = 1, moe_rows: float = 1.0) -> dict[str, float]:
