@@ -18,6 +18,8 @@ import contextlib
 import contextvars
 import functools
 import math
+import re
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -195,14 +197,15 @@ def tree_specs(logical_tree: Any, rules: AxisRules, mesh: Mesh, shapes: Any = No
     """Map a pytree whose leaves are logical-axes tuples to PartitionSpecs.
 
     `shapes`, if given, is a matching pytree of arrays / ShapeDtypeStructs; it
-    lets non-dividing mesh axes drop out per array.
+    lets non-dividing mesh axes drop out per array. Where `shapes` holds None (no array there:
+    `eqx.partition` leaves None for an Equinox module's other fields) the spec is None too.
     """
     if shapes is None:
         return jax.tree.map(
             lambda ax: logical_to_spec(ax or (), rules, mesh), logical_tree, is_leaf=_is_axes_leaf
         )
     return jax.tree.map(
-        lambda ax, x: logical_to_spec(ax or (), rules, mesh, np.shape(x)),
+        lambda ax, x: None if x is None else logical_to_spec(ax or (), rules, mesh, np.shape(x)),
         logical_tree,
         shapes,
         is_leaf=_is_axes_leaf,
@@ -301,22 +304,168 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, rules, mesh, x.shape))
 
 
-# --- a table for humans -------------------------------------------------------
+# --- paths: naming parameters, and naming their axes by path ---------------------------------
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+#: `logical_axes_by_path`'s `default` when none is given: a leaf no pattern matches is an error.
+MISSING: Any = _Missing()
+
+
+def _key_name(key: Any) -> str:
+    return str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))))
 
 
 def _path_str(path: tuple) -> str:
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+    return ".".join(_key_name(k) for k in path)
+
+
+def _named_leaves(tree: Any, is_leaf: Any = None) -> list[tuple[str, Any]]:
+    """`tree`'s leaves (`jax.tree.leaves` order) with their paths written `a.b.0.c`: dict keys,
+    sequence indices and attributes (dataclass fields, Equinox and NNX modules) joined by dots.
+
+    A Flax NNX variable (`nnx.Param`) is a pytree node whose one child is its `value`; that last
+    step is left out, so `nnx.state(model)` names its leaves as `nnx.to_pure_dict` of it does. The
+    variable type is looked up only if flax is already imported: a tree can hold one only then,
+    and this module must not import flax.
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    nnx = sys.modules.get("flax.nnx")
+    variable = getattr(nnx, "Variable", None)
+    holders: set[tuple] = set()
+    if variable is not None:
+        stop = lambda x: isinstance(x, variable) or (is_leaf is not None and is_leaf(x))
+        for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=stop)[0]:
+            if isinstance(x, variable):
+                holders.add(tuple(path))
+    named = []
+    for path, x in flat:
+        if path and _key_name(path[-1]) == "value" and tuple(path[:-1]) in holders:
+            path = path[:-1]
+        named.append((_path_str(path), x))
+    return named
+
+
+def _is_array(x: Any) -> bool:
+    """An array leaf (jax or numpy array, ShapeDtypeStruct), as opposed to the other leaves a
+    model's tree may hold (an Equinox module's activation function, a Python number)."""
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _axes_or_none(axes: Any, where: str) -> LogicalAxes | None:
+    if axes is None:
+        return None
+    if isinstance(axes, (tuple, list)) and all(a is None or isinstance(a, str) for a in axes):
+        return tuple(axes)
+    raise ValueError(f"{where}={axes!r}: expected None (replicated) or a tuple of logical names")
+
+
+def _compile_patterns(patterns: Any) -> list[tuple[re.Pattern, LogicalAxes | None]]:
+    if isinstance(patterns, (str, bytes, dict)) or not isinstance(patterns, Sequence):
+        raise ValueError(f"patterns={patterns!r}: expected an ordered list of (regex, axes) pairs")
+    compiled = []
+    for i, pair in enumerate(patterns):
+        is_pair = isinstance(pair, (tuple, list)) and len(pair) == 2
+        if not (is_pair and isinstance(pair[0], (str, re.Pattern))):
+            raise ValueError(f"patterns[{i}]={pair!r}: expected a (regex, axes) pair")
+        try:
+            regex = re.compile(pair[0])
+        except re.error as e:
+            raise ValueError(f"patterns[{i}]: {pair[0]!r} is not a regular expression ({e})") from None
+        compiled.append((regex, _axes_or_none(pair[1], f"patterns[{i}] axes")))
+    return compiled
+
+
+def logical_axes_by_path(tree: Any, patterns: Sequence[tuple[str, Any]], *, default: Any = MISSING) -> Any:
+    """Logical axis names for a model that does not name its own, from its parameters' paths.
+
+    `tree` holds the parameters (or their `ShapeDtypeStruct`s): a plain dict, Flax linen's
+    `variables`, Flax NNX's `nnx.state(model)`, an Equinox module. `patterns` is an ordered list
+    of `(regex, axes)`; each array leaf's path, written as `parameter_table` writes it
+    (`params.Dense_0.kernel`, `layers.0.weight`), is matched with `re.search` and the first
+    pattern that matches gives its axes: a tuple with one logical name (or None) per dimension,
+    or None for replicated at any rank. These are EasyLM's regex partition rules, producing
+    logical names for the rule table rather than mesh axes.
+
+    Returns a tree of `tree`'s structure with an axes tuple at each array leaf (None axes become
+    `(None,) * rank`), ready for `tree_shardings(..., shapes=tree)` and `parameter_table`.
+    Leaves that are not arrays (an Equinox module's activation function) become None, as
+    `eqx.partition(model, eqx.is_array)` leaves them. A leaf no pattern matches is an error
+    naming its path unless `default` is given (`default=None`: replicated); axes whose length is
+    not the leaf's rank are an error naming the path, the axes and the shape.
+    """
+    compiled = _compile_patterns(patterns)
+    if default is not MISSING:
+        default = _axes_or_none(default, "default")
+    leaves, unmatched = [], []
+    for name, x in _named_leaves(tree):
+        if not _is_array(x):
+            leaves.append(None)
+            continue
+        shape = tuple(x.shape)
+        match = next((i for i, (regex, _) in enumerate(compiled) if regex.search(name)), None)
+        if match is not None:
+            axes, source = compiled[match][1], f"patterns[{match}] ({compiled[match][0].pattern!r})"
+        elif default is not MISSING:
+            axes, source = default, "default"
+        else:
+            unmatched.append(f"{name!r} {shape}")
+            leaves.append(None)
+            continue
+        if axes is None:
+            axes = (None,) * len(shape)
+        elif len(axes) != len(shape):
+            raise ValueError(
+                f"{source} gives {name!r} the axes {axes}: {len(axes)} names for an array of shape {shape}"
+            )
+        leaves.append(axes)
+    if unmatched:
+        shown = ", ".join(unmatched[:8]) + (f" and {len(unmatched) - 8} more" if len(unmatched) > 8 else "")
+        raise ValueError(
+            f"no pattern matches {shown}: add a pattern for it, or pass default=None to "
+            "replicate the leaves no pattern names"
+        )
+    return jax.tree.structure(tree).unflatten(leaves)
+
+
+# --- a table for humans -------------------------------------------------------
 
 
 def parameter_table(params: Any, logical_tree: Any, rules: AxisRules, mesh: Mesh) -> list[dict]:
-    """One row per parameter: name, shape, dtype, logical axes, spec, bytes per device."""
+    """One row per parameter: name, shape, dtype, logical axes, spec, bytes per device.
+
+    Parameters and axes are paired by path, so the two trees must have the same structure (the
+    leaves' paths, as the rows name them, agree one by one; an NNX state and its pure dict
+    agree): otherwise a ValueError names the first path that differs, where pairing by leaf
+    order would silently mislabel rows. Where `params` holds None (what `eqx.partition` leaves
+    where a module holds no array) there is no parameter: no row, and `logical_tree` may hold
+    None there or nothing.
+    """
     sizes = dict(mesh.shape)
-    flat_params, _ = jax.tree_util.tree_flatten_with_path(params)
-    flat_axes = jax.tree.leaves(logical_tree, is_leaf=_is_axes_leaf)
-    if len(flat_params) != len(flat_axes):
-        raise ValueError(f"params has {len(flat_params)} leaves but logical_tree has {len(flat_axes)}")
+    flat_params = _named_leaves(params, is_leaf=lambda x: x is None)
+    no_array = {name for name, x in flat_params if x is None}
+    flat_params = [(name, x) for name, x in flat_params if x is not None]
+    flat_axes = [
+        (name, axes)
+        for name, axes in _named_leaves(logical_tree, is_leaf=_is_axes_leaf)
+        if not (axes is None and name in no_array)
+    ]
+    for i in range(max(len(flat_params), len(flat_axes))):
+        in_params = flat_params[i][0] if i < len(flat_params) else None
+        in_axes = flat_axes[i][0] if i < len(flat_axes) else None
+        if in_params != in_axes:
+            raise ValueError(
+                f"params and logical_tree differ in structure at leaf {i}: params has "
+                f"{in_params if in_params is None else repr(in_params)}, logical_tree has "
+                f"{in_axes if in_axes is None else repr(in_axes)} (logical_tree needs params' "
+                "structure; logical_axes_by_path builds one from paths)"
+            )
     rows = []
-    for (path, x), axes in zip(flat_params, flat_axes):
+    for (name, x), (_, axes) in zip(flat_params, flat_axes):
         shape = tuple(np.shape(x))
         spec = logical_to_spec(axes or (), rules, mesh, shape)
         local = list(shape)
@@ -326,7 +475,7 @@ def parameter_table(params: Any, logical_tree: Any, rules: AxisRules, mesh: Mesh
         itemsize = np.dtype(x.dtype).itemsize
         rows.append(
             dict(
-                name=_path_str(path),
+                name=name,
                 shape=shape,
                 dtype=str(np.dtype(x.dtype)),
                 logical_axes=tuple(axes or ()),
