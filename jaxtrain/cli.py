@@ -325,7 +325,7 @@ def _run_training(cfg, distributed) -> int:
         distributed.finish()
         print(f"jaxtrain: error: {e}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    except (DataError, CheckpointError) as e:
+    except (ConfigError, DataError, CheckpointError) as e:  # ConfigError: a setting resolution refused
         distributed.finish()
         return _fail(str(e))
     except TrainingFault as e:

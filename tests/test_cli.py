@@ -88,6 +88,22 @@ def test_train_end_to_end_on_a_sharded_mesh(tmp_path):
         (["mesh.data=8", "train.global_batch_size=12"], "train.global_batch_size=12: expected a multiple of"),
         (["mesh.data=2", "train.microbatches=3", "train.global_batch_size=8"], "train.global_batch_size=8"),
         (["mesh.data=3"], "mesh: product 3 (data=3) does not equal the device count 8"),
+        # a GPU-only attention for this CPU program: refused at resolution, before any build
+        (
+            ["mesh.data=8", "model.attention_impl=cudnn", "model.compute_dtype=bfloat16"],
+            "model.attention_impl=cudnn: cuDNN's fused attention runs only on NVIDIA GPUs, and this "
+            "program runs on CPU; expected xla or auto",
+        ),
+        (
+            [
+                "mesh.data=8",
+                "model.attention_impl=pallas_mosaic",
+                "model.compute_dtype=bfloat16",
+                "model.head_dim=64",
+            ],
+            "model.attention_impl=pallas_mosaic: the Hopper flash kernel (Pallas Mosaic GPU) runs only on "
+            "Hopper GPUs, and this program runs on CPU",
+        ),
         (["mesh.data=8", "data.source=text", "data.paths=[/nonexistent/file.txt]"], "/nonexistent/file.txt"),
         (
             [

@@ -86,6 +86,29 @@ def test_a_setting_given_a_value_is_kept_and_not_logged():
     )
 
 
+GPU_ATTENTION = {
+    "cudnn": ("model.compute_dtype=bfloat16",),
+    "pallas_mosaic": ("model.compute_dtype=bfloat16", "model.head_dim=64"),
+}
+
+
+@pytest.mark.parametrize("impl", list(GPU_ATTENTION))
+def test_a_gpu_attention_is_refused_for_a_program_that_runs_elsewhere(impl):
+    """cuDNN's attention has no CPU lowering (a CPU run died with an internal error) and the
+    Mosaic GPU kernel's interpreter never finished a CPU step in 10 minutes: for a CPU or TPU
+    program resolution refuses either in one line naming it and what to use; for a GPU (what
+    `jaxtrain compile --target gpu:*` resolves for) it is kept."""
+    from jaxtrain.config import ConfigError
+
+    cfg = tiny_config(None, f"model.attention_impl={impl}", *GPU_ATTENTION[impl])
+    for platform, instead in [("cpu", "xla or auto"), ("tpu", "pallas (the Mosaic TPU flash kernel)")]:
+        with pytest.raises(ConfigError, match=rf"model.attention_impl={impl}: .* runs only on .*GPUs") as e:
+            resolve(cfg, Placement(platform, {}))
+        assert f"this program runs on {platform.upper()}; expected {instead}" in str(e.value)
+        assert "--target gpu:h100" in str(e.value) and "\n" not in str(e.value)
+    assert resolve(cfg, Placement("gpu", {}, chip="h100")).config.model.attention_impl == impl
+
+
 def test_every_auto_is_gone_after_resolving_and_the_builder_refuses_one_left():
     cfg = dataclasses.replace(
         load_config(MOE), model=dataclasses.replace(load_config(MOE).model, remat="auto")

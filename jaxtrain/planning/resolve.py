@@ -20,8 +20,10 @@ memory), in this order, each step seeing the ones before it:
 `jaxtrain train`, `compile`, `plan` and `generate` all resolve here, so they build the same
 program for the same placement; the run's `config.yaml` records the resolved values and the
 log has one line per resolved setting saying what and why (none for a setting the placement
-does not use: `model.gpu_flash_kernel` off GPUs). The model itself never asks
-which platform it runs on (models/ hold no platform branches): it reads these values.
+does not use: `model.gpu_flash_kernel` off GPUs). A setting given explicitly that the
+placement's platform cannot run (`model.attention_impl: cudnn` for a CPU program) is refused
+here, in one line (a ConfigError). The model itself never asks which platform it runs on
+(models/ hold no platform branches): it reads these values.
 
 Nothing here starts a backend or needs a device: the planner resolves its candidates for
 targets it only describes (a `Placement` is plain data).
@@ -39,7 +41,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxtrain import sharding
-from jaxtrain.config import Config
+from jaxtrain.config import Config, ConfigError
 from jaxtrain.planning.attention_speeds import choose_gpu_attention, choose_gpu_flash_kernel
 from jaxtrain.planning.footprint import (
     LOSS_AUTO_CHUNKS,
@@ -128,7 +130,33 @@ def resolve(cfg: Config, placement: Placement, *, recorded_remat: str | None = N
             continue
         shown = str(value).lower() if isinstance(value, bool) else value  # as YAML writes it
         notes.append(f"{name}=auto -> {shown}: {why}")
+    _refuse_other_platforms(cfg, placement)
     return Resolution(cfg, tuple(notes))
+
+
+# Settings that name one platform's implementation, and the platform they need. Set explicitly
+# for a program that runs elsewhere they would fail deep in the build (cuDNN's attention has
+# no CPU or TPU lowering: an internal error) or never finish (the Mosaic GPU kernel's
+# interpreter ran a tiny model's CPU training step for over 10 minutes), so resolution refuses
+# them in one line; `jaxtrain compile --target gpu:...` resolves for a GPU and keeps them.
+_GPU_ONLY_ATTENTION = {
+    "cudnn": "cuDNN's fused attention runs only on NVIDIA GPUs",
+    "pallas_mosaic": "the Hopper flash kernel (Pallas Mosaic GPU) runs only on Hopper GPUs",
+}
+_ATTENTION_HERE = {
+    "cpu": "xla or auto (or pallas: the portable flash kernel, interpreted)",
+    "tpu": "pallas (the Mosaic TPU flash kernel), xla or auto",
+}
+
+
+def _refuse_other_platforms(cfg: Config, p: Placement) -> None:
+    impl = cfg.model.attention_impl
+    if impl in _GPU_ONLY_ATTENTION and p.platform != "gpu":
+        raise ConfigError(
+            f"model.attention_impl={impl}: {_GPU_ONLY_ATTENTION[impl]}, and this program runs on "
+            f"{p.platform.upper()}; expected {_ATTENTION_HERE.get(p.platform, 'xla or auto')} here, "
+            "or compile it for a GPU with `jaxtrain compile --target gpu:h100`"
+        )
 
 
 def agreed(resolution: Resolution) -> Resolution:
