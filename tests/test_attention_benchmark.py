@@ -74,3 +74,36 @@ def test_gpu_timing_counts_attended_pairs_and_checks_errors():
     lines = attention_gpu.table(rows).splitlines()
     assert lines[2].startswith("| tiny-win | 1, 256, 2, 1, 64 | 64 | triton |")
     assert lines[3].startswith("| tiny-win | 1, 256, 2, 1, 64 | 64 | cudnn | NotImplementedError")
+
+
+def test_gpu_check_reads_every_batch_row_and_head_of_the_timed_calls():
+    """`attention.py --gpu --check` (what benchmarks/gpu_session.sh reads before it trusts the
+    Hopper kernel) compares the whole output and gradients of the calls it then times. Oracle:
+    XLA's own bf16 attention is within bf16's tolerance of the f32 reference, and the same with
+    batch row 1's last query head (kv head 1's group) scaled by 1.25 is not: a fault the former
+    check, batch row 0 and the first kv head's group only, could not see. Our Triton kernel
+    (interpreted) passes at two batch rows and two kv heads with groups of 4."""
+    import argparse
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import attention_gpu
+
+    shape = attention_gpu.TINY["tiny-gqa"]
+    q, k, v, cot = attention_gpu._inputs(*shape[:5])
+    exact = attention_gpu.implementation("xla", None, on_cpu=True)
+    scaled = jnp.ones(q.shape[:3] + (1,), q.dtype).at[1, :, -1].set(1.25)
+    faulty = lambda q, k, v: exact(q, k, v) * scaled
+
+    def errors(f):
+        return attention_gpu.check_errors(jax.jit(f), attention_gpu.gpu_peer.fwd_bwd(f), q, k, v, cot, None)
+
+    good, bad = errors(exact), errors(faulty)
+    assert set(good) == {"err_out", "err_dq", "err_dk", "err_dv"}
+    assert max(good.values()) < 2e-2, good
+    assert bad["err_out"] > 0.05 and bad["err_dq"] > 0.05, bad
+
+    args = argparse.Namespace(iters=1, check=True, xla_max_seq=8192)
+    (row,) = attention_gpu.run_case("tiny-gqa", shape, ["triton"], args)
+    assert max(row[k] for k in good) < 2e-2, row

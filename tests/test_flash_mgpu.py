@@ -1,7 +1,8 @@
 """The Mosaic GPU (Hopper) flash attention (pallas_kernels/flash_mgpu.py): under the Mosaic GPU
 interpreter (jax >= 0.12), output and dq/dk/dv of ``flash_attention_mgpu`` against jax.grad
-of ``reference.attention`` in float32, bf16 inputs, for GQA causal, a sliding window, packed
-segments, non-causal, a length no tile divides (padding) and head_dim 128/256; the same for
+of ``reference.attention`` in float32, bf16 inputs, for GQA causal (two batch rows, a group of
+four query heads per kv head), a sliding window, packed segments, non-causal, a length no
+tile divides (padding) and head_dim 128/256; the same for
 the kernels as the blocks of chunked and ring attention; what the kernel refuses; a
 deviceless H100 (sm_90a) compile of forward + backward is three Mosaic GPU kernels (forward,
 dQ, dK/dV) and no XLA attention."""
@@ -31,9 +32,10 @@ needs_interpreter = pytest.mark.skipif(
 )
 
 
-def _inputs(seq, q_heads, kv_heads, head_dim, seed=0):
+def _inputs(seq, q_heads, kv_heads, head_dim, seed=0, batch=1):
     ks = jax.random.split(jax.random.key(seed), 4)
-    shapes = [(1, seq, q_heads, head_dim), (1, seq, kv_heads, head_dim), (1, seq, kv_heads, head_dim)]
+    q_shape, kv_shape = (batch, seq, q_heads, head_dim), (batch, seq, kv_heads, head_dim)
+    shapes = [q_shape, kv_shape, kv_shape]
     shapes.append(shapes[0])
     return [jax.random.normal(key, s, jnp.float32).astype(jnp.bfloat16) for key, s in zip(ks, shapes)]
 
@@ -48,17 +50,18 @@ def _rel_err(x, ref):
 
 
 CASES = [
-    # seq, q_heads, kv_heads, head_dim, causal, window, segment cuts, blocks
-    pytest.param(128, 2, 1, 64, True, None, None, {}, id="gqa-causal"),
-    pytest.param(256, 2, 1, 64, True, 70, (85, 170), {}, id="causal-window-segments"),
-    pytest.param(128, 2, 2, 64, False, None, None, {}, id="non-causal"),
-    pytest.param(128, 2, 1, 64, False, 40, (50,), {}, id="window-segments"),
-    pytest.param(300, 2, 1, 64, True, 150, None, {}, id="padding-window"),  # 3 blocks: slot reuse
-    pytest.param(128, 2, 1, 128, True, None, None, {}, id="head-dim-128", marks=pytest.mark.slow),
-    pytest.param(128, 2, 1, 256, True, None, None, {}, id="head-dim-256", marks=pytest.mark.slow),
+    # batch, seq, q_heads, kv_heads, head_dim, causal, window, segment cuts, blocks
+    # two batch rows (the grid's batch axis) of a GQA group of 4 query heads per kv head
+    pytest.param(2, 128, 4, 1, 64, True, None, None, {}, id="batch2-gqa4-causal", marks=pytest.mark.slow),
+    pytest.param(1, 256, 2, 1, 64, True, 70, (85, 170), {}, id="causal-window-segments"),
+    pytest.param(1, 128, 2, 2, 64, False, None, None, {}, id="non-causal"),
+    pytest.param(1, 128, 2, 1, 64, False, 40, (50,), {}, id="window-segments"),
+    pytest.param(1, 300, 2, 1, 64, True, 150, None, {}, id="padding-window"),  # 3 blocks: slot reuse
+    pytest.param(1, 128, 2, 1, 128, True, None, None, {}, id="head-dim-128", marks=pytest.mark.slow),
+    pytest.param(1, 128, 2, 1, 256, True, None, None, {}, id="head-dim-256", marks=pytest.mark.slow),
     # dK/dV in two head-dim parts (head_dim 256's default) with every mask, at head_dim 128
     pytest.param(
-        256, 4, 2, 128, True, 70, (85, 170), {"dkv_parts": 2}, id="dkv-parts", marks=pytest.mark.slow
+        1, 256, 4, 2, 128, True, 70, (85, 170), {"dkv_parts": 2}, id="dkv-parts", marks=pytest.mark.slow
     ),
 ]
 
@@ -77,10 +80,10 @@ def _assert_matches_reference(attn, q, k, v, do, **kw):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("seq, q_heads, kv_heads, head_dim, causal, window, cuts, blocks", CASES)
-def test_matches_reference(seq, q_heads, kv_heads, head_dim, causal, window, cuts, blocks):
-    q, k, v, do = _inputs(seq, q_heads, kv_heads, head_dim)
-    seg = None if cuts is None else _segments(seq, cuts)
+@pytest.mark.parametrize("batch, seq, q_heads, kv_heads, head_dim, causal, window, cuts, blocks", CASES)
+def test_matches_reference(batch, seq, q_heads, kv_heads, head_dim, causal, window, cuts, blocks):
+    q, k, v, do = _inputs(seq, q_heads, kv_heads, head_dim, batch=batch)
+    seg = None if cuts is None else jnp.tile(_segments(seq, cuts), (batch, 1))
     kw = dict(causal=causal, sliding_window=window, segment_ids=seg)
     attn = lambda q, k, v: flash_attention_mgpu(q, k, v, interpret=True, **kw, **blocks)
     _assert_matches_reference(attn, q, k, v, do, **kw)
