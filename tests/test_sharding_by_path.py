@@ -317,7 +317,6 @@ def _train(case: Case, params, axes, mesh=None, steps: int = 3):
     return losses, params, opt_state
 
 
-@pytest.mark.slow
 def test_sharded_adam_steps_equal_one_device(case, mesh):
     """3 Adam steps on data x fsdp x tensor = 2 x 2 x 2 equal one device (losses rtol 1e-5,
     parameters rtol 1e-4 / atol 1e-6: float32 reduction order only); parameters and both Adam
