@@ -1,0 +1,177 @@
+"""The local checkpoint tier (`checkpoint.local_dir`, `local_every`, `local_keep`) in one
+process: its layout and keep policy, the restore rule between the tiers, goodput's `lost`, a
+corrupt local step skipped for the next one, and the bad inputs.
+
+Oracles: an uninterrupted run's own metrics (bit for bit on CPU: same program, same inputs);
+goodput's `lost` recomputed by hand from the killed attempt's own bucket snapshots. The
+two-process kill -9 evidence is tests/test_local_checkpoint_multiprocess.py."""
+
+import json
+import os
+import re
+import shutil
+
+import jax
+import pytest
+
+from jaxtrain.cli import main
+from jaxtrain.config import ConfigError, load_config
+from jaxtrain.observe.goodput import LOOP_BUCKETS
+from jaxtrain.recovery.checkpoint import CheckpointMismatchError
+from jaxtrain.trainer import train
+from tests.conftest import REPO
+from tests.test_checkpoint import by_step, small
+
+pytestmark = pytest.mark.timeout(300)
+TINY = os.path.join(REPO, "configs", "tiny.yaml")
+
+
+def tiered(tmp_path, *overrides):
+    """8 steps on fsdp=2: persistent every 4 (steps 4, 8), local every 2 (2 and 6: a step the
+    persistent tier saves is not saved locally too)."""
+    return small(
+        tmp_path,
+        "train.steps=8",
+        "mesh.fsdp=2",
+        "checkpoint.every=4",
+        f"checkpoint.local_dir={tmp_path / 'local'}",
+        "checkpoint.local_every=2",
+        *overrides,
+    )
+
+
+def resume_rows(out_dir):
+    rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
+    return [r for r in rows if r.get("event") == "resume"]
+
+
+def test_local_tier_layout_restore_rule_goodput_and_corruption(tmp_path, capsys):
+    cfg = tiered(tmp_path)
+    devices = jax.devices()[:2]
+    first = train(cfg, devices=devices)
+    want = by_step(first.metrics)
+    assert sorted(want) == list(range(1, 9))
+    local = tmp_path / "local" / "process_0"
+    assert sorted(os.listdir(local), key=int) == ["2", "6"]  # local_keep=2
+    assert sorted(os.listdir(local / "6")) == ["arrays.bin", "manifest.json"]
+    assert sorted(os.listdir(tmp_path / "checkpoints"), key=int) == ["4", "8"]
+
+    # a kill after step 7: the persistent tier's newest is 4, the local tier holds 6
+    shutil.rmtree(tmp_path / "checkpoints" / "8")
+    capsys.readouterr()
+    second = train(cfg, devices=devices)
+    assert second.start_step == 6
+    assert by_step(second.metrics) == {s: v for s, v in want.items() if s > 6}  # bit for bit
+    err = " ".join(capsys.readouterr().err.split())
+    assert "restore: step 6 from the local tier" in err and "persistent tier's (4," in err, err
+    row = resume_rows(tmp_path)[-1]
+    assert (row["step"], row["tier"], row["checkpoint"]) == (6, "local", str(local / "6"))
+
+    # goodput: the first attempt's steps 6..8 are lost, measured by its own snapshots at the
+    # local save of step 6 and at its last logged step (8); those since step 4 would be more
+    attempts = json.load(open(tmp_path / "goodput.json"))["attempts"]
+    assert len(attempts) == 2
+    prev = attempts[0]
+    last_step, at_last = prev["last_logged"]
+    assert last_step == 8
+    by_hand = sum(at_last[k] - prev["at_save"]["6"][k] for k in LOOP_BUCKETS)
+    since_4 = sum(at_last[k] - prev["at_save"]["4"][k] for k in LOOP_BUCKETS)
+    assert prev["seconds"]["lost"] == pytest.approx(by_hand, rel=1e-9, abs=1e-12)
+    assert 0 < prev["seconds"]["lost"] < since_4
+
+    # equal steps in both tiers: the persistent one wins
+    capsys.readouterr()
+    assert train(cfg, devices=devices).start_step == 8  # persistent 8 again, local {2, 6}
+    assert "restore: step 8 (or the newest readable before it) from the persistent tier" in " ".join(
+        capsys.readouterr().err.split()
+    )
+
+    # no persistent checkpoint left; local 6 is corrupt (one byte of a shard flipped): proved
+    # by its CRC-32, set aside, and the next step every process holds (2) restored
+    shutil.rmtree(tmp_path / "checkpoints")
+    with open(local / "6" / "arrays.bin", "r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    capsys.readouterr()
+    third = train(cfg, devices=devices)
+    err = " ".join(capsys.readouterr().err.split())
+    assert third.start_step == 2, err
+    assert re.search(r"local checkpoint \S+/process_0/6 is unreadable \(.*fails its CRC-32 check", err), err
+    assert "moved it to 6.unreadable" in err
+    assert by_step(third.metrics) == {s: v for s, v in want.items() if s > 2}
+    assert sorted(os.listdir(local)) == ["2", "6", "6.unreadable"]
+
+
+def test_local_tier_of_another_model_or_mesh_is_one_clean_line(tmp_path, capsys):
+    devices = jax.devices()[:2]
+    train(tiered(tmp_path, "train.steps=2", "checkpoint.every=0"), devices=devices)
+    assert os.listdir(tmp_path / "local" / "process_0") == ["2"]
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"local checkpoint \S+/process_0/2: array 'params/blocks/mlp/w_down' has shape "
+        r"\(2, 128, 64\) in the local checkpoint but \(2, 256, 64\) in the run",
+    ):
+        train(tiered(tmp_path, "checkpoint.every=0", "model.mlp_dim=256"), devices=devices)
+    # another mesh shape, through the CLI: exit 2 and one line
+    code = main(
+        [
+            "train",
+            TINY,
+            f"output_dir={tmp_path}",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "model.d_model=64",
+            "model.mlp_dim=128",
+            "train.seq_len=32",
+            "optimizer.decay_steps=20",
+            "train.steps=4",
+            "mesh.data=8",
+            f"checkpoint.local_dir={tmp_path / 'local'}",
+            "checkpoint.local_every=2",
+        ]
+    )
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: error")]
+    assert code == 2 and len(err) == 1, err
+    assert "it was written on mesh {'fsdp': 2} by 1 process(es); the run has mesh {'data': 8} on 1" in err[0]
+    assert os.listdir(tmp_path / "local" / "process_0") == ["2"]  # nothing touched
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (
+            "checkpoint.local_dir=gs://bucket/local checkpoint.local_every=2",
+            "checkpoint.local_dir='gs://bucket/local': expected a path on each host",
+        ),
+        (
+            "checkpoint.local_dir=/tmp/l checkpoint.local_every=10 checkpoint.every=10",
+            "checkpoint.local_every=10: expected below checkpoint.every=10",
+        ),
+        ("checkpoint.local_every=2", "checkpoint.local_every=2: expected checkpoint.local_dir to be set too"),
+        ("checkpoint.local_dir=/tmp/l", "checkpoint.local_dir='/tmp/l': expected checkpoint.local_every > 0"),
+        (
+            "checkpoint.local_dir=/tmp/l checkpoint.local_every=2 checkpoint.local_keep=0",
+            "checkpoint.local_keep=0: expected a positive integer",
+        ),
+    ],
+)
+def test_local_tier_config_errors(overrides, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_config(TINY, overrides.split())
+
+
+def test_local_dir_on_object_storage_exits_2_with_one_line(tmp_path, capsys):
+    code = main(
+        [
+            "train",
+            TINY,
+            f"output_dir={tmp_path}",
+            "checkpoint.local_dir=gs://bucket/local",
+            "checkpoint.local_every=2",
+        ]
+    )
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1 and err[0].startswith("jaxtrain: error: checkpoint.local_dir="), err
+    assert not os.listdir(tmp_path)
