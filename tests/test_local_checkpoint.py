@@ -10,6 +10,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import time
 
 import jax
 import pytest
@@ -20,7 +22,9 @@ from jaxtrain.observe.goodput import LOOP_BUCKETS
 from jaxtrain.recovery.checkpoint import CheckpointMismatchError
 from jaxtrain.trainer import train
 from tests.conftest import REPO
-from tests.test_checkpoint import by_step, small
+from tests.test_checkpoint import COMPARED, by_step, small
+from tests.test_checkpoint_kill import records
+from tests.test_multiprocess import assert_ok, launch, wait_all
 
 pytestmark = pytest.mark.timeout(300)
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
@@ -63,7 +67,7 @@ def test_local_tier_layout_restore_rule_goodput_and_corruption(tmp_path, capsys)
     assert second.start_step == 6
     assert by_step(second.metrics) == {s: v for s, v in want.items() if s > 6}  # bit for bit
     err = " ".join(capsys.readouterr().err.split())
-    assert "restore: step 6 from the local tier" in err and "persistent tier's (4," in err, err
+    assert "restore: step 6 from the local tier" in err and "persistent tier's newest: step 4 (" in err, err
     row = resume_rows(tmp_path)[-1]
     assert (row["step"], row["tier"], row["checkpoint"]) == (6, "local", str(local / "6"))
 
@@ -175,3 +179,70 @@ def test_local_dir_on_object_storage_exits_2_with_one_line(tmp_path, capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(err) == 1 and err[0].startswith("jaxtrain: error: checkpoint.local_dir="), err
     assert not os.listdir(tmp_path)
+
+
+def _kill_after(procs, out_dir, step, skip_rows):
+    """SIGKILL both process groups once process 0 has logged `step` (after `skip_rows`
+    earlier rows); returns each process's stderr, whitespace-normalised."""
+    deadline = time.monotonic() + 300
+    while not any(r["step"] >= step for r in records(out_dir)[skip_rows:]):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            pytest.fail(
+                f"never reached step {step}: " + " | ".join(p.communicate()[1][-1500:] for p in procs)
+            )
+        time.sleep(0.01)
+    for p in procs:
+        os.killpg(p.pid, signal.SIGKILL)
+    return [" ".join(p.communicate()[1].split()) for p in procs]
+
+
+def _choices(errs):
+    """Each process's restore line: (step, tier)."""
+    found = [
+        re.search(r"restore: step (\d+) (?:\(or the newest readable before it\) )?from the (\w+) tier", e)
+        for e in errs
+    ]
+    assert all(found), errs
+    return [(int(m.group(1)), m.group(2)) for m in found]
+
+
+@pytest.mark.slow  # four two-process runs: about two minutes on a loaded 2-core machine
+def test_two_processes_kill_9_resume_from_the_local_tier_then_without_process_1s(tmp_path):
+    """The issue's evidence: two processes (mesh.dcn_data=2), persistent every 10, local every
+    2. kill -9 both after step 13; the rerun restores from the local tier at a step past 10;
+    kill again, delete process_1/, and the rerun restores the same (persistent) step on both
+    processes. Oracle: the uninterrupted two-process run; every logged step of every attempt
+    equals its row bit for bit (same program, same inputs, same collectives)."""
+    args = [
+        "mesh.data=1",
+        "mesh.dcn_data=2",
+        "train.steps=20",
+        "checkpoint.every=10",
+        "checkpoint.local_every=2",
+    ]
+    ref_dir, out = tmp_path / "ref", tmp_path / "run"
+    assert_ok(wait_all(launch(ref_dir, *args, f"checkpoint.local_dir={tmp_path / 'ref_local'}")))
+    ref = {r["step"]: tuple(r[k] for k in COMPARED) for r in records(ref_dir)}
+    assert sorted(ref) == list(range(1, 21))
+    local = tmp_path / "local"
+    args.append(f"checkpoint.local_dir={local}")
+
+    _kill_after(launch(out, *args), out, 13, 0)
+    rows = len(records(out))
+    errs = _kill_after(launch(out, *args), out, 17, rows)
+    (step, tier), other = _choices(errs)
+    assert other == (step, tier) and tier == "local" and step > 10 and step % 2 == 0, errs
+    assert resume_rows(out)[-1]["step"] == step and resume_rows(out)[-1]["tier"] == "local"
+
+    shutil.rmtree(local / "process_1")  # a replaced host
+    results = wait_all(launch(out, *args))
+    assert_ok(results)
+    assert _choices([" ".join(err.split()) for _, _, err in results]) == [(10, "persistent")] * 2
+    assert (resume_rows(out)[-1]["step"], resume_rows(out)[-1]["tier"]) == (10, "persistent")
+    got = records(out)
+    assert {r["step"] for r in got} == set(range(1, 21))
+    for r in got:
+        assert tuple(r[k] for k in COMPARED) == ref[r["step"]], (r, ref[r["step"]])

@@ -306,10 +306,12 @@ class LocalCheckpointer:
             dtype = jax.numpy.dtype(entry["dtype"])
             shards = {tuple(tuple(k) for k in s["index"]): s for s in entry["shards"]}
             on_devices = []
+            memory_kind = getattr(want.sharding, "memory_kind", None)  # optimizer.offload: pinned_host
             for device, index in want.sharding.addressable_devices_indices_map(want.shape).items():
                 key = _index_key(index, want.shape)
                 host = self._shard(path, buffer, name, shards[key], dtype, key)
-                on_devices.append(jax.device_put(host, device))
+                place = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+                on_devices.append(jax.device_put(host, place))
             leaves.append(jax.make_array_from_single_device_arrays(want.shape, want.sharding, on_devices))
         state = jax.tree.unflatten(jax.tree.structure(target), leaves)
         return Restored(

@@ -113,19 +113,22 @@ def restore(
 
 def _choice(local, restored, persistent, newest_persistent, per_process) -> str:
     """The one line that says which step and tier every process restores, and why."""
-    where = f"{persistent.directory}" if persistent is not None else "none (checkpoint.every=0)"
+    if persistent is None:
+        newest = "none (checkpoint.every=0)"
+    else:
+        step = "none" if newest_persistent is None else f"step {newest_persistent}"
+        newest = f"{step} ({persistent.directory})"
     if restored is not None:
         return (
             f"restore: step {restored.step} from the local tier {local.local_dir}/process_*, the newest "
-            f"step every process holds and newer than the persistent tier's "
-            f"({newest_persistent if newest_persistent is not None else 'none'}, {where})"
+            f"step every process holds; the persistent tier's newest: {newest}"
         )
     why = f"no readable local step newer than it is held by every process ({_describe_held(per_process)})"
     if newest_persistent is None:
         return f"restore: nothing from either tier: starting from step 0; {why}"
     return (
         f"restore: step {newest_persistent} (or the newest readable before it) from the persistent "
-        f"tier {where}; {why}"
+        f"tier {persistent.directory}; {why}"
     )
 
 
