@@ -14,13 +14,19 @@ import signal
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxtrain.cli import main
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.observe.goodput import LOOP_BUCKETS
-from jaxtrain.recovery.checkpoint import CheckpointMismatchError
+from jaxtrain.recovery import read_errors
+from jaxtrain.recovery.checkpoint import CheckpointError, CheckpointMismatchError
+from jaxtrain.recovery.local import LocalCheckpointer
 from jaxtrain.trainer import train
+from jaxtrain.trainer.step import TrainState
 from tests.conftest import REPO
 from tests.test_checkpoint import COMPARED, by_step, small
 from tests.test_checkpoint_kill import records
@@ -140,6 +146,75 @@ def test_local_tier_of_another_model_or_mesh_is_one_clean_line(tmp_path, capsys)
     assert code == 2 and len(err) == 1, err
     assert "it was written on mesh {'fsdp': 2} by 1 process(es); the run has mesh {'data': 8} on 1" in err[0]
     assert os.listdir(tmp_path / "local" / "process_0") == ["2"]  # nothing touched
+    # a fresh start over local steps would mix two runs: refused, as over persistent ones
+    with pytest.raises(CheckpointError, match=r"checkpoint.resume=false but checkpoint.local_dir=.* holds"):
+        train(tiered(tmp_path, "checkpoint.every=0", "checkpoint.resume=false"), devices=devices)
+    assert os.listdir(tmp_path / "local" / "process_0") == ["2"]
+
+
+def _state(mesh, scale=1.0):
+    """A small TrainState: an fsdp-sharded float32 matrix, a replicated bfloat16 vector, the
+    int32 step and a loss window with NaN (empty) slots."""
+    shard = lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, P(*spec)))  # noqa: E731
+    return TrainState(
+        step=shard(jnp.int32(7), ()),
+        params={
+            "w": shard(scale * jnp.arange(32.0).reshape(8, 4), ("fsdp", None)),
+            "b": shard(jnp.linspace(-1, 1, 4).astype(jnp.bfloat16), (None,)),
+        },
+        opt_state=(),
+        loss_window=shard(jnp.array([2.5, jnp.nan, jnp.nan]), (None,)),
+    )
+
+
+def _target(state):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+
+def test_local_checkpointer_roundtrip_keep_atomicity_and_proofs(tmp_path):
+    """Saved arrays come back exactly (the oracle: the arrays saved), onto their shardings;
+    the newest `keep` steps stay; a killed write's tmp folder is never listed and is removed
+    by the next run; a failed write is one warning line; damaged bytes are proof."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+    lines = []
+    (tmp_path / "process_0" / "5.tmp-123").mkdir(parents=True)  # a write killed earlier
+    ckpt = LocalCheckpointer(tmp_path, keep=2, log=lines.append)
+    assert not (tmp_path / "process_0" / "5.tmp-123").exists()
+    for step in (2, 4, 6):
+        ckpt.save(step, _state(mesh, step), {"batch": step}, {"mesh": {"fsdp": 2}})
+    ckpt.wait()
+    assert ckpt.steps() == [4, 6]
+    state = _state(mesh, 6)
+    target = _target(state)
+    assert ckpt.mismatch(6, target, {"fsdp": 2}) is None
+    restored = ckpt.read(6, target)
+    assert (restored.step, restored.tier, restored.data_state) == (6, "local", {"batch": 6})
+    for got, want in zip(jax.tree.leaves(restored.state), jax.tree.leaves(state)):
+        assert got.dtype == want.dtype and got.sharding == want.sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # exact, NaN == NaN
+    wider = target._replace(params={**target.params, "w": jax.ShapeDtypeStruct((8, 5), jnp.float32)})
+    assert ckpt.mismatch(6, wider, {"fsdp": 2}) == (
+        "array 'params/w' has shape (8, 4) in the local checkpoint but (8, 5) in the run"
+    )
+    assert "it was written on mesh {'fsdp': 2}" in ckpt.mismatch(6, target, {"data": 2})
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    ckpt._write = full_disk
+    ckpt.save(8, state, {"batch": 8}, {"mesh": {"fsdp": 2}})
+    ckpt.wait()
+    assert ckpt.steps() == [4, 6] and len(lines) == 1
+    assert lines[0].startswith("warning: local checkpoint step 8 was not written") and "No space" in lines[0]
+
+    arrays = tmp_path / "process_0" / "6" / "arrays.bin"
+    arrays.write_bytes(arrays.read_bytes()[:-3])  # cut short
+    with pytest.raises(read_errors.UnreadableBytes, match="holds .* bytes, its manifest names"):
+        ckpt.read(6, target)
+    os.remove(tmp_path / "process_0" / "4" / "manifest.json")
+    with pytest.raises(FileNotFoundError) as missing:
+        ckpt.read(4, target)
+    assert read_errors.verdict(missing.value) == read_errors.UNREADABLE
 
 
 @pytest.mark.parametrize(

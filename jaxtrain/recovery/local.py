@@ -144,7 +144,7 @@ class LocalCheckpointer:
         self.directory = process_folder(local_dir, jax.process_index())
         self.keep, self.async_save, self.log = keep, async_save, log
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._error: tuple[int, BaseException] | None = None  # a failed write's (step, error)
         self.directory.mkdir(parents=True, exist_ok=True)
         for name in os.listdir(self.directory):  # leftovers of killed writes
             if ".tmp-" in name:
@@ -170,18 +170,24 @@ class LocalCheckpointer:
         }
         if self.async_save:
             self._thread = threading.Thread(
-                target=self._write_in_background, args=(step, arrays, header), name="jaxtrain-local-save"
+                target=self._write_or_keep_error, args=(step, arrays, header), name="jaxtrain-local-save"
             )
             self._thread.start()
         else:
-            self._write(step, arrays, header)
+            self._write_or_keep_error(step, arrays, header)
+            self.wait()
         return blocked
 
-    def _write_in_background(self, step: int, arrays: list[_HostArray], header: dict) -> None:
+    def _write_or_keep_error(self, step: int, arrays: list[_HostArray], header: dict) -> None:
+        """Write, or keep the storage error (a full RAM disk, a failed local disk) for `wait`
+        to report: the local tier is a cache, and the run goes on without this step."""
         try:
             self._write(step, arrays, header)
-        except BaseException as e:  # noqa: BLE001 - raised in the loop's thread by wait()
-            self._error = e
+        except OSError as e:
+            self._error = (step, e)
+            shutil.rmtree(self.directory / f"{step}.tmp-{os.getpid()}", ignore_errors=True)
+        except BaseException as e:  # noqa: BLE001 - a bug: raised in the loop's thread by wait()
+            self._error = (step, e)
 
     def _write(self, step: int, arrays: list[_HostArray], header: dict) -> None:
         tmp = self.directory / f"{step}.tmp-{os.getpid()}"
@@ -225,13 +231,19 @@ class LocalCheckpointer:
             shutil.rmtree(self.directory / str(old), ignore_errors=True)
 
     def wait(self) -> None:
-        """Block until the write in flight is complete; raise its error, if it failed."""
+        """Block until the write in flight is complete. A storage error it met is one warning
+        line (the step is not in the local tier; the run goes on); any other error is raised."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(f"local checkpoint write to {self.directory} failed: {error}") from error
+            (step, error), self._error = self._error, None
+            if not isinstance(error, OSError):
+                raise error
+            self.log(
+                f"warning: local checkpoint step {step} was not written to {self.directory} ({error}); "
+                "training goes on, and a restart restores an earlier local step or the persistent tier"
+            )
 
     def close(self) -> None:
         self.wait()
