@@ -285,12 +285,13 @@ def _choices(errs):
 
 
 @pytest.mark.slow  # four two-process runs: about two minutes on a loaded 2-core machine
-def test_two_processes_kill_9_resume_from_the_local_tier_then_without_process_1s(tmp_path):
+def test_two_processes_kill_9_resume_from_the_local_tier_then_without_process_1s_folder(tmp_path):
     """The issue's evidence: two processes (mesh.dcn_data=2), persistent every 10, local every
     2. kill -9 both after step 13; the rerun restores from the local tier at a step past 10;
-    kill again, delete process_1/, and the rerun restores the same (persistent) step on both
-    processes. Oracle: the uninterrupted two-process run; every logged step of every attempt
-    equals its row bit for bit (same program, same inputs, same collectives)."""
+    kill again, delete process_1/, and the rerun restores the same step on both processes:
+    process 0's newest local step, its replica sent to process 1. Oracle: the uninterrupted
+    two-process run; every logged step of every attempt equals its row bit for bit (same
+    program, same inputs, same collectives)."""
     args = [
         "mesh.data=1",
         "mesh.dcn_data=2",
@@ -312,11 +313,17 @@ def test_two_processes_kill_9_resume_from_the_local_tier_then_without_process_1s
     assert other == (step, tier) and tier == "local" and step > 10 and step % 2 == 0, errs
     assert resume_rows(out)[-1]["step"] == step and resume_rows(out)[-1]["tier"] == "local"
 
-    shutil.rmtree(local / "process_1")  # a replaced host
+    # a replaced host: process 1's shards are gone, but with dcn_data=2 the state is replicated
+    # across the two processes (slices), so process 0's copy of its newest step is sent to it
+    shutil.rmtree(local / "process_1")
+    newest = max(int(n) for n in os.listdir(local / "process_0") if n.isdigit())
+    assert newest > 10
     results = wait_all(launch(out, *args))
     assert_ok(results)
-    assert _choices([" ".join(err.split()) for _, _, err in results]) == [(10, "persistent")] * 2
-    assert (resume_rows(out)[-1]["step"], resume_rows(out)[-1]["tier"]) == (10, "persistent")
+    errs = [" ".join(err.split()) for _, _, err in results]
+    assert _choices(errs) == [(newest, "local")] * 2
+    assert all(f"local step {newest}: replica 0 along mesh axis data sent to process [1]" in e for e in errs)
+    assert (resume_rows(out)[-1]["step"], resume_rows(out)[-1]["tier"]) == (newest, "local")
     got = records(out)
     assert {r["step"] for r in got} == set(range(1, 21))
     for r in got:

@@ -1,11 +1,15 @@
 """Which step a restart restores, from which tier, agreed by every process.
 
 Every process reports the local steps it holds (one small all-gather of a fixed-size int
-array). The candidates are the steps every process holds, newer than the persistent tier's
-newest; they are tried newest first, every process reading its own shards and all agreeing on
-the outcome (a second all-gather of verdicts):
+array). The candidates are the local steps newer than the persistent tier's newest that are
+held whole across the processes: every process holds its own shards, or (where the state is
+replicated along mesh axis `data`, as across slices with `mesh.dcn_data`) every process of
+one replica holds them. They are tried newest first, the holders reading their own shards and
+all agreeing on the outcome (a second all-gather of verdicts):
 
-- all read it: restored from the local tier;
+- all holders read it: restored from the local tier; with a replica, one jitted program
+  copies the source replica's arrays to every device (an exact copy, through the collectives
+  XLA picks), and the data position and meta are sent from the first holder;
 - a process's bytes prove it unreadable (read_errors.py): that process sets its copy aside as
   `{step}.unreadable`, a warning line says so, and the next candidate is tried;
 - a process's local tier was written by another model, mesh or sharding: the run stops with
@@ -14,17 +18,15 @@ the outcome (a second all-gather of verdicts):
 
 With no candidate left, the persistent tier's newest readable checkpoint is restored
 (Checkpointer.restore_latest, unchanged). So a process whose local tier is missing or
-unreadable (a replaced host) never makes the others restore a step it cannot get. The choice
-is one log line. Local steps newer than the restored one belong to an abandoned attempt and
-are deleted, so that the rerun rewrites them.
-
-A process's shards are only ever on its own host: where the mesh replicates the state across
-slices (`mesh.dcn_data`), another slice's copy is not sent to a process that lacks its own;
-that process's loss falls back to the persistent tier (docs/checkpoints.md).
+unreadable (a replaced host) never makes the others restore a step it cannot get: its shards
+come from a replica, or every process falls back. The choice is one log line. Local steps
+newer than the restored one belong to an abandoned attempt and are deleted, so that the rerun
+rewrites them.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import jax
@@ -44,6 +46,7 @@ from jaxtrain.trainer.step import TrainState
 
 MAX_HELD = 32  # local steps each process reports (newest first): the all-gather's fixed width
 MISMATCH = 9  # a verdict above read_errors' own: the local tier does not fit the run
+REPLICA_AXIS = "data"  # the mesh axis across which the state is replicated (mesh.dcn_data: slices)
 
 
 def _gather(row: np.ndarray) -> np.ndarray:
@@ -62,6 +65,87 @@ def held_by_every_process(steps: list[int]) -> tuple[list[int], list[list[int]]]
     per_process = [[int(s) for s in r if s >= 0] for r in _gather(row)]
     common = set(per_process[0]).intersection(*per_process[1:])
     return sorted(common, reverse=True), per_process
+
+
+def _candidates(
+    per_process: list[list[int]], target: TrainState, newest_persistent: int | None
+) -> list[tuple[int, set[int], int | None]]:
+    """(step, the processes holding it, the replica index it is sent from or None), newest
+    first: the local steps newer than the persistent tier's newest that every process holds,
+    or that the processes of one whole replica along mesh axis `data` hold, when the state is
+    replicated along it (module docstring)."""
+    newer = {s for steps in per_process for s in steps if newest_persistent is None or s > newest_persistent}
+    everyone = set(range(len(per_process)))
+    found = []
+    for step in sorted(newer, reverse=True):
+        holders = {p for p, steps in enumerate(per_process) if step in steps}
+        if holders == everyone:
+            found.append((step, holders, None))
+        elif (source := replica_source(target, holders)) is not None:
+            found.append((step, holders, source))
+    return found
+
+
+def _names_axis(spec, axis: str) -> bool:
+    return any(axis in (p if isinstance(p, tuple) else (p,)) for p in spec if p is not None)
+
+
+def replica_source(target: TrainState, holders: set[int], axis: str = REPLICA_AXIS) -> int | None:
+    """The index along mesh axis `axis` of a replica whose devices all belong to `holders`,
+    when every state array is replicated along `axis` (its sharding never names it); None
+    otherwise (no such axis of size > 1, an array sharded along it, no whole replica held)."""
+    leaves = jax.tree.leaves(target._replace(frozen=None))
+    if not leaves or not holders:
+        return None
+    mesh = leaves[0].sharding.mesh
+    if axis not in mesh.axis_names or mesh.shape[axis] < 2:
+        return None
+    if any(leaf.sharding.mesh != mesh or _names_axis(leaf.sharding.spec, axis) for leaf in leaves):
+        return None
+    by_replica = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), 0)
+    for r in range(by_replica.shape[0]):
+        if all(d.process_index in holders for d in by_replica[r].flat):
+            return r
+    return None
+
+
+def _send_replica(restored: Restored | None, target: TrainState, source: int, axis: str = REPLICA_AXIS):
+    """Every process's state, copied from replica `source` along `axis`: the processes that
+    read the step contribute their arrays, the others zeros, and one jitted program selects
+    the source replica's values for every device (exact: a copy, no arithmetic)."""
+    target = target._replace(frozen=None)
+    leaves = jax.tree.leaves(target)
+    mesh = leaves[0].sharding.mesh
+    have = jax.tree.leaves(restored.state._replace(frozen=None)) if restored is not None else None
+    stacked = []
+    for i, want in enumerate(leaves):
+        spec = jax.sharding.PartitionSpec(axis, *want.sharding.spec)
+        sharding = jax.sharding.NamedSharding(mesh, spec, memory_kind=want.sharding.memory_kind)
+        blocks = []
+        index_map = want.sharding.addressable_devices_indices_map(want.shape)
+        by_device = {s.device: s.data for s in have[i].addressable_shards} if have is not None else {}
+        for device, index in index_map.items():
+            if device in by_device:
+                block = np.asarray(by_device[device])
+            else:
+                shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, want.shape))
+                block = np.zeros(shape, want.dtype)
+            place = jax.sharding.SingleDeviceSharding(device, memory_kind=want.sharding.memory_kind)
+            blocks.append(jax.device_put(block[None], place))
+        shape = (mesh.shape[axis], *want.shape)
+        stacked.append(jax.make_array_from_single_device_arrays(shape, sharding, blocks))
+    pick = jax.jit(lambda xs: [x[source] for x in xs], out_shardings=[leaf.sharding for leaf in leaves])
+    return jax.tree.unflatten(jax.tree.structure(target), pick(stacked))
+
+
+def _broadcast_json(doc: dict | None, source_process: int) -> dict:
+    """`doc` as process `source_process` has it, on every process (two small all-gathers)."""
+    raw = np.frombuffer(json.dumps(doc).encode(), np.uint8) if doc is not None else np.zeros(0, np.uint8)
+    lengths = _gather(np.asarray([raw.size]))[:, 0]
+    padded = np.zeros(int(lengths.max()), np.int32)
+    padded[: raw.size] = raw
+    rows = _gather(padded)
+    return json.loads(bytes(rows[source_process, : lengths[source_process]].astype(np.uint8)))
 
 
 def _describe_held(per_process: list[list[int]]) -> str:
@@ -97,9 +181,9 @@ def restore(
                 f"steps ({_describe_held(per_process)}); a fresh run would mix with them. Use another "
                 "checkpoint.local_dir, or remove them"
             )
-        candidates = [s for s in common if newest_persistent is None or s > newest_persistent]
-        for step in candidates:
-            restored = _try_local(local, step, target, mesh_shape, log)
+        candidates = _candidates(per_process, target, newest_persistent)
+        for step, holders, source in candidates:
+            restored = _try_local(local, step, target, mesh_shape, log, holders, source)
             if restored is not None:
                 break
         if resume and (restored is not None or newest_persistent is not None or any(per_process)):
@@ -121,7 +205,7 @@ def _choice(local, restored, persistent, newest_persistent, per_process) -> str:
     if restored is not None:
         return (
             f"restore: step {restored.step} from the local tier {local.local_dir}/process_*, the newest "
-            f"step every process holds; the persistent tier's newest: {newest}"
+            f"step held whole across the processes; the persistent tier's newest: {newest}"
         )
     why = f"no readable local step newer than it is held by every process ({_describe_held(per_process)})"
     if newest_persistent is None:
@@ -133,20 +217,37 @@ def _choice(local, restored, persistent, newest_persistent, per_process) -> str:
 
 
 def _try_local(
-    local: LocalCheckpointer, step: int, target: TrainState, mesh_shape: dict, log: Callable[[str], None]
+    local: LocalCheckpointer,
+    step: int,
+    target: TrainState,
+    mesh_shape: dict,
+    log: Callable[[str], None],
+    holders: set[int],
+    source: int | None,
 ) -> Restored | None:
-    """Local step `step` on every process, or None on every process (one set it aside)."""
+    """Local step `step` on every process, or None on every process (one set it aside). The
+    `holders` read their own; with a `source` replica, it is sent to the others."""
     verdict, problem, restored = read_errors.OK, None, None
-    try:
-        problem = local.mismatch(step, target, mesh_shape)
-        if problem is not None:
-            verdict = MISMATCH
-        else:
-            restored = local.read(step, target)
-    except Exception as e:  # noqa: BLE001 - classified: proof of damage, memory, or a read that proves nothing
-        verdict, problem = read_errors.verdict(e), read_errors.summary(e)
+    if jax.process_index() in holders:
+        try:
+            problem = local.mismatch(step, target, mesh_shape)
+            if problem is not None:
+                verdict = MISMATCH
+            else:
+                restored = local.read(step, target)
+        except Exception as e:  # noqa: BLE001 - classified: proof of damage, memory, or a read that proves nothing
+            verdict, problem = read_errors.verdict(e), read_errors.summary(e)
     verdicts = _gather(np.asarray([verdict]))[:, 0]
     worst = int(verdicts.max())
+    if worst == read_errors.OK and source is not None:
+        first = min(holders)
+        header = {"data": restored.data_state, "meta": restored.meta} if restored is not None else None
+        header = _broadcast_json(header, first)
+        state = _send_replica(restored, target, source)
+        sent_to = sorted(set(range(jax.process_count())) - holders)
+        path = str(local.path(step)) if restored is not None else f"{local.local_dir}/process_{first}/{step}"
+        log(f"local step {step}: replica {source} along mesh axis {REPLICA_AXIS} sent to process {sent_to}")
+        return Restored(step, state, dict(header["data"]), dict(header["meta"]), tier="local", path=path)
     if worst == read_errors.OK:
         return restored
     if worst == MISMATCH:
