@@ -328,3 +328,53 @@ def test_two_processes_kill_9_resume_from_the_local_tier_then_without_process_1s
     assert {r["step"] for r in got} == set(range(1, 21))
     for r in got:
         assert tuple(r[k] for k in COMPARED) == ref[r["step"]], (r, ref[r["step"]])
+
+
+@pytest.mark.slow  # three two-process runs: about two minutes on a loaded 2-core machine
+def test_two_processes_sharded_state_corrupt_or_missing_local_step_falls_back_together(tmp_path):
+    """fsdp=8 across both processes: each holds half of every array, so no process can stand
+    in for the other. Process 1's local step 4 corrupt: both skip it (the next candidate, 2,
+    is older than persistent 3) and restore persistent step 3; process 1 alone sets its copy
+    aside. process_1/ deleted: both restore persistent step 3 again. Oracle: the first run's
+    rows, bit for bit."""
+    out, local = tmp_path / "run", tmp_path / "local"
+    args = [
+        "mesh.data=1",
+        "mesh.fsdp=8",
+        "train.steps=8",
+        "checkpoint.every=3",
+        "checkpoint.local_every=2",
+        f"checkpoint.local_dir={local}",
+    ]
+    assert_ok(wait_all(launch(out, *args)))  # persistent 3, 6, 8; local 2, 4 on each process
+    ref = {r["step"]: tuple(r[k] for k in COMPARED) for r in records(out)}
+    assert sorted(ref) == list(range(1, 9))
+    assert sorted(os.listdir(local / "process_1"), key=int) == ["2", "4"]
+
+    def rerun():
+        for step in ("6", "8"):
+            shutil.rmtree(out / "checkpoints" / step)
+        before = len(records(out))
+        results = wait_all(launch(out, *args))
+        assert_ok(results)
+        errs = [" ".join(err.split()) for _, _, err in results]
+        assert _choices(errs) == [(3, "persistent")] * 2, errs
+        assert (resume_rows(out)[-1]["step"], resume_rows(out)[-1]["tier"]) == (3, "persistent")
+        rows = records(out)[before:]
+        assert [r["step"] for r in rows] == list(range(4, 9))
+        for r in rows:
+            assert tuple(r[k] for k in COMPARED) == ref[r["step"]], (r, ref[r["step"]])
+        return errs
+
+    arrays = local / "process_1" / "4" / "arrays.bin"
+    data = bytearray(arrays.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    arrays.write_bytes(bytes(data))
+    errs = rerun()
+    assert "is unreadable" in errs[1] and "fails its CRC-32 check" in errs[1]
+    assert "is unreadable" not in errs[0]
+    assert "4.unreadable" in os.listdir(local / "process_1")
+
+    shutil.rmtree(local / "process_1")  # a replaced host
+    errs = rerun()
+    assert "process 1: none" in errs[0], errs[0]

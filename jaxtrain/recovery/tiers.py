@@ -153,9 +153,10 @@ def _describe_held(per_process: list[list[int]]) -> str:
         return f"this process holds {per_process[0] or 'none'}"
     none = [p for p, steps in enumerate(per_process) if not steps]
     held = "; ".join(f"process {p}: {steps or 'none'}" for p, steps in enumerate(per_process))
-    return held + (
-        f" (process{'es' * (len(none) > 1)} {', '.join(map(str, none))} hold none)" if none else ""
-    )
+    if not none:
+        return held
+    who = f"processes {', '.join(map(str, none))} hold" if len(none) > 1 else f"process {none[0]} holds"
+    return f"{held} ({who} none)"
 
 
 def restore(

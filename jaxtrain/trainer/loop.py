@@ -21,8 +21,8 @@ resolved values.
 Fault tolerance (details in jaxtrain/recovery: checkpoint.py, faults.py, distributed.py):
 - resume: the newest complete checkpoint is restored (state, data position, fault-monitor
   state), so the losses continue exactly as in an uninterrupted run: from `checkpoint.dir`,
-  or from the local tier (`checkpoint.local_dir`) when every process holds a newer step
-  there (recovery/tiers.py);
+  or from the local tier (`checkpoint.local_dir`) when it holds a newer step whole across
+  the processes (recovery/tiers.py);
 - preemption: SIGTERM/SIGINT (or, multi-process, JAX's preemption sync point)
   finish the current step, save a checkpoint, wait for it and return;
 - numerical faults: skipped updates / loss spikes are counted, and a streak of
