@@ -57,14 +57,12 @@ def _gather(row: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(row)).reshape(jax.process_count(), -1)
 
 
-def held_by_every_process(steps: list[int]) -> tuple[list[int], list[list[int]]]:
-    """(the steps every process holds, newest first; each process's own, newest first)."""
+def held_per_process(steps: list[int]) -> list[list[int]]:
+    """Each process's local steps, newest first (at most MAX_HELD each), on every process."""
     row = np.full(MAX_HELD, -1, np.int32)
     newest = sorted(steps, reverse=True)[:MAX_HELD]
     row[: len(newest)] = newest
-    per_process = [[int(s) for s in r if s >= 0] for r in _gather(row)]
-    common = set(per_process[0]).intersection(*per_process[1:])
-    return sorted(common, reverse=True), per_process
+    return [[int(s) for s in r if s >= 0] for r in _gather(row)]
 
 
 def _candidates(
@@ -171,11 +169,11 @@ def restore(
     """The agreed step from the agreed tier (module docstring); None for a fresh start.
     Every process must call it. `resume`: False refuses local steps as the persistent tier
     refuses checkpoints (a fresh run would mix with them)."""
-    persistent_steps = persistent.steps() if persistent is not None and resume else []
-    newest_persistent = persistent_steps[-1] if persistent_steps else None
     restored = None
     if local is not None:
-        common, per_process = held_by_every_process(local.steps())
+        persistent_steps = persistent.steps() if persistent is not None and resume else []
+        newest_persistent = persistent_steps[-1] if persistent_steps else None
+        per_process = held_per_process(local.steps())
         if not resume and any(per_process):
             raise CheckpointError(
                 f"checkpoint.resume=false but checkpoint.local_dir={local.local_dir!r} holds local "

@@ -719,7 +719,7 @@ def _log_preemption(run: _Run, result: TrainResult, step: int) -> None:
 
 def _resume(run: _Run):
     """Restore the newest readable checkpoint into (state, data position, monitor); None if none.
-    With a local tier, recovery/tiers.py picks the step and tier every process restores."""
+    recovery/tiers.py picks the step and the tier every process restores."""
     cfg, checkpointer = run.cfg, run.checkpointer
     if checkpointer is None and run.local is None:
         return None
@@ -730,19 +730,14 @@ def _resume(run: _Run):
                 f"{existing}; a fresh run would mix with them. Use another checkpoint.dir / "
                 "output_dir, or remove them"
             )
-    if run.local is not None:
-        restored = tiers.restore(
-            checkpointer,
-            run.local,
-            run.target,
-            dict(run.mesh.shape),
-            resume=cfg.checkpoint.resume,
-            log=run.writer.log,
-        )
-    elif cfg.checkpoint.resume:
-        restored = checkpointer.restore_latest(run.target)
-    else:
-        restored = None
+    restored = tiers.restore(
+        checkpointer,
+        run.local,
+        run.target,
+        dict(run.mesh.shape),
+        resume=cfg.checkpoint.resume,
+        log=run.writer.log,
+    )
     if restored is None:
         return None
     run.feeder.seek(restored.data_state)
