@@ -125,23 +125,11 @@ def test_local_tier_of_another_model_or_mesh_is_one_clean_line(tmp_path, capsys)
     ):
         train(tiered(tmp_path, "checkpoint.every=0", "model.mlp_dim=256"), devices=devices)
     # another mesh shape, through the CLI: exit 2 and one line
-    code = main(
-        [
-            "train",
-            TINY,
-            f"output_dir={tmp_path}",
-            "logging.progress=false",
-            "logging.tensorboard=false",
-            "model.d_model=64",
-            "model.mlp_dim=128",
-            "train.seq_len=32",
-            "optimizer.decay_steps=20",
-            "train.steps=4",
-            "mesh.data=8",
-            f"checkpoint.local_dir={tmp_path / 'local'}",
-            "checkpoint.local_every=2",
-        ]
-    )
+    small_model = ("model.d_model=64", "model.mlp_dim=128", "train.seq_len=32", "optimizer.decay_steps=20")
+    quiet = ("logging.progress=false", "logging.tensorboard=false")
+    local_tier = (f"checkpoint.local_dir={tmp_path / 'local'}", "checkpoint.local_every=2")
+    run = (f"output_dir={tmp_path}", "train.steps=4", "mesh.data=8")
+    code = main(["train", TINY, *quiet, *small_model, *run, *local_tier])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: error")]
     assert code == 2 and len(err) == 1, err
     assert "it was written on mesh {'fsdp': 2} by 1 process(es); the run has mesh {'data': 8} on 1" in err[0]
