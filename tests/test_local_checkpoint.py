@@ -300,6 +300,13 @@ def test_two_processes_kill_9_resume_from_the_local_tier_then_without_process_1s
     (step, tier), other = _choices(errs)
     assert other == (step, tier) and tier == "local" and step > 10 and step % 2 == 0, errs
     assert resume_rows(out)[-1]["step"] == step and resume_rows(out)[-1]["tier"] == "local"
+    # goodput: the killed first attempt lost only its time since its local save of `step`
+    # (its own bucket snapshots there and at its last logged step), less than since step 10
+    first = json.load(open(out / "goodput.json"))["attempts"][0]
+    at_last = first["last_logged"][1]
+    since = lambda s: sum(at_last[k] - first["at_save"][str(s)][k] for k in LOOP_BUCKETS)  # noqa: E731
+    assert first["seconds"]["lost"] == pytest.approx(since(step), rel=1e-9, abs=1e-12)
+    assert first["seconds"]["lost"] < since(10)
 
     # a replaced host: process 1's shards are gone, but with dcn_data=2 the state is replicated
     # across the two processes (slices), so process 0's copy of its newest step is sent to it
