@@ -1,6 +1,7 @@
 """What checkpointing costs the training loop: blocked time per save and throughput overhead.
 
     python benchmarks/checkpoint.py [--config configs/bench-peer.yaml] [--steps 20] [--every 10]
+                                    [--local-every 2 [--local-dir /dev/shm/bench]]
 
 Trains the config twice in this process on simulated CPU devices (as many as its
 mesh needs): once without checkpoints and once saving every `--every` steps
@@ -13,6 +14,11 @@ overhead <= 5%.
 On CPU the "device" is host memory and the background write competes with the
 training step for the same cores, so the overhead here is an upper bound for an
 accelerator, where the step runs on the device while the host writes.
+
+`--local-every N` adds a third run with only the local tier (checkpoint.local_dir, every N
+steps, recovery/local.py) in `--local-dir` (default: a folder under /dev/shm where it exists,
+else the temporary folder), and reports its blocked time per save and its step time against
+the run without checkpoints.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ def main() -> None:
     p.add_argument("--config", default=os.path.join(REPO, "configs", "bench-peer.yaml"))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--every", type=int, default=10)
+    p.add_argument("--local-every", type=int, default=0, help="also run with the local tier every N steps")
+    p.add_argument("--local-dir", default=None, help="the local tier's folder (default: under /dev/shm)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
     args = p.parse_args()
 
@@ -60,6 +68,22 @@ def main() -> None:
             t0 = time.perf_counter()
             result = train(run_cfg)
             runs[name] = (result.metrics, time.perf_counter() - t0)
+        local_run = None
+        if args.local_every:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else tmp
+            with tempfile.TemporaryDirectory(prefix="jaxtrain-local-bench-", dir=args.local_dir or shm) as ld:
+                local_cfg = load_config(
+                    args.config,
+                    [
+                        *base,
+                        f"output_dir={tmp}/local",
+                        "checkpoint.every=0",
+                        f"checkpoint.local_dir={ld}",
+                        f"checkpoint.local_every={args.local_every}",
+                    ],
+                )
+                t0 = time.perf_counter()
+                local_run = (train(local_cfg).metrics, time.perf_counter() - t0)
         ckpt_bytes = sum(
             os.path.getsize(os.path.join(d, f))
             for d, _, fs in os.walk(f"{tmp}/{args.every}/checkpoints")
@@ -118,6 +142,18 @@ def main() -> None:
         f"throughput overhead within the saving run (save step + next step over the median): "
         f"{100 * excess / (n * ck_med):+.1f}% over {n} steps (target <= 5%)"
     )
+    if local_run is not None:
+        local_m, local_wall = local_run
+        local_step = statistics.mean(r["step_time_s"] for r in local_m[1:])
+        local_med = statistics.median(r["step_time_s"] for r in local_m[1:])
+        blocked = [r["local_checkpoint_blocked_s"] for r in local_m if "local_checkpoint_blocked_s" in r]
+        print(
+            f"local tier every {args.local_every}: mean step {local_step:.3f} s, median {local_med:.3f} s, "
+            f"wall {local_wall:.1f} s; {len(blocked)} saves, loop blocked median "
+            f"{1e3 * statistics.median(blocked) if blocked else 0:.1f} ms; step time vs no checkpoints: "
+            f"mean {100 * (local_step / base_step - 1):+.1f}%, "
+            f"median {100 * (local_med / base_med - 1):+.1f}%"
+        )
     print(
         f"host load average (1/5/15 min) at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
         f"on {os.cpu_count()} cores"

@@ -175,6 +175,12 @@ class CheckpointConfig:
     # reads storage did not serve (unavailable, credentials) are retried this many times,
     # 2, 4, 8, ... s apart, then the run stops with exit 5, nothing moved
     read_retries: int = 4
+    # the local tier (recovery/local.py): a path on each host (local disk, or a RAM disk such
+    # as /dev/shm/run), where every process writes its own shards to {local_dir}/process_{i}/
+    # every local_every steps (below `every`), keeping the newest local_keep; null: no local tier
+    local_dir: str | None = None
+    local_every: int = 0  # steps between local saves (needs local_dir; 0: none)
+    local_keep: int = 2  # local steps kept per process
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -465,6 +471,8 @@ def validate_paths(cfg: Config) -> None:
     where a folder is needed (output_dir, checkpoint.dir, train.init_from). URLs
     (gs://...) are left to the storage layer."""
     folders = {"output_dir": cfg.output_dir, "checkpoint.dir": cfg.checkpoint_dir}
+    if cfg.checkpoint.local_dir is not None:
+        folders["checkpoint.local_dir"] = cfg.checkpoint.local_dir
     if cfg.train.init_from:
         folders["train.init_from"] = cfg.train.init_from
     for key, value in folders.items():
@@ -811,6 +819,36 @@ def _validate_data_tokens(d: DataConfig) -> None:
             raise ConfigError(f"data.weights[{i}]={w}: expected a positive number")
 
 
+def _validate_local_tier(c: CheckpointConfig) -> None:
+    """checkpoint.local_*: a host path, saved more often than the persistent tier."""
+    if c.local_dir is not None and "://" in c.local_dir:
+        raise ConfigError(
+            f"checkpoint.local_dir={c.local_dir!r}: expected a path on each host (local disk or a "
+            "RAM disk such as /dev/shm/run), not object storage; object storage is checkpoint.dir's"
+        )
+    if c.local_dir == "":
+        raise ConfigError("checkpoint.local_dir='': expected a path on each host or null (no local tier)")
+    if c.local_every < 0:
+        raise ConfigError(f"checkpoint.local_every={c.local_every}: expected >= 0 (0: no local tier)")
+    if c.local_keep < 1:
+        raise ConfigError(f"checkpoint.local_keep={c.local_keep}: expected a positive integer")
+    if c.local_every > 0 and c.local_dir is None:
+        raise ConfigError(
+            f"checkpoint.local_every={c.local_every}: expected checkpoint.local_dir to be set too "
+            "(a path on each host)"
+        )
+    if c.local_dir is not None and c.local_every == 0:
+        raise ConfigError(
+            f"checkpoint.local_dir={c.local_dir!r}: expected checkpoint.local_every > 0 "
+            "(the steps between local saves)"
+        )
+    if c.every > 0 and c.local_every >= c.every:
+        raise ConfigError(
+            f"checkpoint.local_every={c.local_every}: expected below checkpoint.every={c.every} "
+            "(the local tier is the frequent one)"
+        )
+
+
 def _validate_fault_tolerance(cfg: Config) -> None:
     c, d, f = cfg.checkpoint, cfg.distributed, cfg.faults
     if c.every < 0:
@@ -825,6 +863,7 @@ def _validate_fault_tolerance(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.on_unreadable={c.on_unreadable!r}: expected one of stop, skip")
     if c.read_retries < 0:
         raise ConfigError(f"checkpoint.read_retries={c.read_retries}: expected >= 0")
+    _validate_local_tier(c)
     explicit = {k: getattr(d, k) for k in ("coordinator_address", "num_processes", "process_id")}
     given = [k for k, v in explicit.items() if v is not None]
     if given and len(given) < 3:

@@ -284,7 +284,8 @@ def test_a_resumed_run_marks_where_it_appends(tmp_path, capsys):
     assert cli.main([*common, "train.steps=4"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 2, 3, 4]
-    assert rows[2] == {"step": 2, "event": "resume", "checkpoint": str(tmp_path / "checkpoints" / "2")}
+    checkpoint = str(tmp_path / "checkpoints" / "2")
+    assert rows[2] == {"step": 2, "event": "resume", "tier": "persistent", "checkpoint": checkpoint}
     assert all("loss" in r for i, r in enumerate(rows) if i != 2)
 
 

@@ -11,8 +11,9 @@ bucket (the one open at the time), so an attempt's buckets sum to its wall time:
 - `checkpoint_save`: the loop blocked by a save (and waiting for the last one at the end);
 - `eval`: evaluations, their compile included;
 - `lost`: steps done again: after a restart, the previous attempt's time from the checkpoint
-  this attempt resumed from to that attempt's last logged step (moved out of the buckets that
-  time was charged to: steps, data wait, evals, saves); after a fault rollback, this
+  this attempt resumed from (of either tier: recovery/tiers.py) to that attempt's last logged
+  step (moved out of the buckets that time was charged to: steps, data wait, evals, saves);
+  after a fault rollback, this
   attempt's time since the checkpoint it rolled back to.
 
 Across attempts `between_attempts` is the time from an attempt's last record to the next
@@ -53,6 +54,7 @@ class GoodputClock:
         self.first_step = first_step
         self.at_loop: dict[str, float] | None = None  # the buckets when the steps began
         self.at_save: dict[int, dict[str, float]] = {}  # checkpoint step -> the buckets then
+        self._local_saves: set[int] = set()  # the steps of at_save saved to the local tier
         self.last_logged: tuple[int, dict[str, float]] | None = None  # (step, the buckets then)
 
     def elapsed(self) -> float:
@@ -85,10 +87,20 @@ class GoodputClock:
     def logged(self, step: int) -> None:
         self.last_logged = (step, self.snapshot())
 
-    def saved(self, step: int) -> None:
+    def saved(self, step: int, tier: str = "persistent") -> None:
+        """A checkpoint of `step` was started (`tier`: "persistent" or "local"). The newest
+        KEEP_SAVES of each tier are kept: frequent local saves must not push out the
+        persistent step a restart may fall back to."""
         self.at_save[step] = self.snapshot()
-        for old in sorted(self.at_save)[:-KEEP_SAVES]:  # a restart or rollback uses recent ones
-            del self.at_save[old]
+        if tier == "local":
+            self._local_saves.add(step)
+        else:
+            self._local_saves.discard(step)
+        for local in (True, False):
+            steps = sorted(s for s in self.at_save if (s in self._local_saves) == local)
+            for old in steps[:-KEEP_SAVES]:  # a restart or rollback uses recent ones
+                del self.at_save[old]
+                self._local_saves.discard(old)
 
     def rolled_back(self, to_step: int) -> None:
         """A fault rollback to checkpoint `to_step`: the time since this attempt saved it is

@@ -174,6 +174,8 @@ class Restored:
     state: TrainState
     data_state: dict
     meta: dict
+    tier: str = "persistent"  # or "local" (recovery/local.py)
+    path: str = ""  # the step's folder
 
 
 def abstract_state(program: TrainProgram) -> TrainState:
@@ -466,7 +468,11 @@ class Checkpointer:
         if not isinstance(state, TrainState):  # older Orbax returns the target's structure as a dict
             state = TrainState(**state)
         return Restored(
-            step=step, state=state, data_state=dict(items["data"]), meta=dict(items["meta"] or {})
+            step=step,
+            state=state,
+            data_state=dict(items["data"]),
+            meta=dict(items["meta"] or {}),
+            path=str(self.directory / str(step)),
         )
 
     def param_metadata(self, step: int) -> dict:

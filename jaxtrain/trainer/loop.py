@@ -19,9 +19,10 @@ Every `auto` setting is resolved once, first (planning/resolve.py), and config.y
 resolved values.
 
 Fault tolerance (details in jaxtrain/recovery: checkpoint.py, faults.py, distributed.py):
-- resume: the newest complete checkpoint in `checkpoint.dir` is restored (state,
-  data position, fault-monitor state), so the losses continue exactly as in an
-  uninterrupted run;
+- resume: the newest complete checkpoint is restored (state, data position, fault-monitor
+  state), so the losses continue exactly as in an uninterrupted run: from `checkpoint.dir`,
+  or from the local tier (`checkpoint.local_dir`) when it holds a newer step whole across
+  the processes (recovery/tiers.py);
 - preemption: SIGTERM/SIGINT (or, multi-process, JAX's preemption sync point)
   finish the current step, save a checkpoint, wait for it and return;
 - numerical faults: skipped updates / loss spikes are counted, and a streak of
@@ -55,6 +56,7 @@ from jaxtrain.observe.profiler import ProfileWindow
 from jaxtrain.observe.stragglers import StragglerReport
 from jaxtrain.planning.flops import flops_per_token, mesh_peak_flops
 from jaxtrain.planning.resolve import agreed, axis_rules, placement_of_devices, resolve
+from jaxtrain.recovery import tiers
 from jaxtrain.recovery.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -65,6 +67,7 @@ from jaxtrain.recovery.checkpoint import (
 )
 from jaxtrain.recovery.distributed import describe_topology
 from jaxtrain.recovery.faults import FaultMonitor
+from jaxtrain.recovery.local import LocalCheckpointer
 from jaxtrain.trainer.batches import BatchFeeder
 from jaxtrain.trainer.evaluate import Evaluator
 from jaxtrain.trainer.program import TrainProgram, build_program, pipeline_schedule
@@ -252,6 +255,8 @@ def train(cfg: Config, *, devices=None) -> TrainResult:
                 with clock.phase("checkpoint_save"):
                     if run.checkpointer is not None:
                         run.checkpointer.wait()  # the last write is on disk before we say so
+                    if run.local is not None:
+                        run.local.wait()
             if result.preempted_by:
                 _log_preemption(run, result, step)
             result.state, result.final_step = state, step
@@ -287,13 +292,14 @@ def _loop(run: _Run, result: TrainResult, step_fn, state, step: int, first_batch
             stragglers.window.data_wait += time.perf_counter() - t0
         stop = preemption.requested(step)  # sync ids = step numbers, as Orbax uses
         save_due = run.save_due(step, stop)
+        local_due = run.local_due(step, stop, save_due)
         log_due = step % run.cfg.logging.every == 0 or step == total
         # Evaluate at eval.every and after the last step (not when stopping early).
         eval_due = (
             run.evaluator is not None and run.evaluator.due(step, total) and (not stop or step == total)
         )
         straggler_due = stragglers.due(step)
-        if not (log_due or save_due or stop or eval_due or straggler_due):
+        if not (log_due or save_due or local_due or stop or eval_due or straggler_due):
             continue
         t0 = time.perf_counter()
         action, newest = _process_pending(pending, run.monitor)
@@ -313,9 +319,10 @@ def _loop(run: _Run, result: TrainResult, step_fn, state, step: int, first_batch
             evaluated = run.evaluator(state, step) if eval_due else None
         with clock.phase("checkpoint_save"):
             blocked = run.save(step, state, data_state, result) if save_due else None
+            local_blocked = run.save_local(step, state, data_state, result) if local_due else None
         stragglers.window.waited += time.perf_counter() - t0  # the device, the others, eval, save
         if log_due:
-            record = _metrics_record(run, step, newest, timer.lap(step), blocked)
+            record = _metrics_record(run, step, newest, timer.lap(step), blocked, local_blocked)
             run.writer.write(record)
             result.metrics.append(record)
             clock.logged(step)
@@ -327,7 +334,7 @@ def _loop(run: _Run, result: TrainResult, step_fn, state, step: int, first_batch
             _report_stragglers(run, step)
         if evaluated is not None or blocked is not None:
             run.writer.sync()  # remote output_dir: metrics durable with each checkpoint / eval
-        if log_due or evaluated is not None or blocked is not None:
+        if log_due or evaluated is not None or blocked is not None or local_blocked is not None:
             run.goodput_file.write(clock, durable=evaluated is not None or blocked is not None)
         if stop:
             result.preempted_by = preemption.signal_name
@@ -378,6 +385,7 @@ class _Run:
     profile: ProfileWindow
     evaluator: Evaluator | None = None  # `eval.every` > 0
     base_fingerprint: str | None = None  # model.lora: the frozen base's (checkpoint meta)
+    local: LocalCheckpointer | None = None  # the local tier (`checkpoint.local_dir`)
 
     def save_due(self, step: int, stop: bool) -> bool:
         every = self.cfg.checkpoint.every
@@ -387,8 +395,17 @@ class _Run:
             and (step % every == 0 or step == self.cfg.train.steps or stop)
         )
 
-    def save(self, step: int, state, data_state: dict, result: TrainResult) -> float | None:
-        """Checkpoint `step`; returns the seconds the loop was blocked (None: not written)."""
+    def local_due(self, step: int, stop: bool, save_due: bool) -> bool:
+        """A local save: every `checkpoint.local_every` steps, unless the persistent tier saves
+        this step (a restart would prefer it); at a stop or the last step too, when there is no
+        persistent tier to save them."""
+        c = self.cfg.checkpoint
+        if self.local is None or save_due:
+            return False
+        return step % c.local_every == 0 or (c.every == 0 and (stop or step == self.cfg.train.steps))
+
+    def meta(self) -> dict:
+        """A checkpoint's `meta` (either tier): the config, the fault monitor, the seed, the layout."""
         meta = {
             "config": to_dict(self.cfg),
             "faults": self.monitor.state_dict(),
@@ -398,7 +415,20 @@ class _Run:
         }
         if self.base_fingerprint is not None:
             meta["lora_base"] = self.base_fingerprint
-        blocked = self.checkpointer.save(step, state, data_state, meta)
+        return meta
+
+    def save_local(self, step: int, state, data_state: dict, result: TrainResult) -> float:
+        """Local-tier save of `step` (this process's shards); returns the seconds the loop was blocked."""
+        blocked = self.local.save(step, state, data_state, self.meta())
+        self.clock.saved(step, tier="local")
+        if self.cfg.checkpoint.every == 0:
+            result.checkpoint_step = step
+        self.writer.log(f"local checkpoint step {step}: loop blocked {blocked * 1e3:.0f} ms")
+        return blocked
+
+    def save(self, step: int, state, data_state: dict, result: TrainResult) -> float | None:
+        """Checkpoint `step`; returns the seconds the loop was blocked (None: not written)."""
+        blocked = self.checkpointer.save(step, state, data_state, self.meta())
         if blocked is not None:
             result.checkpoint_step = step
             self.clock.saved(step)
@@ -416,7 +446,9 @@ def _recorded_remat(cfg: Config) -> str | None:
     if cfg.model.remat != "auto":
         return None
     recorded = storage.as_path(cfg.output_dir) / "config.yaml"
-    if not (cfg.checkpoint.resume and storage.as_path(cfg.checkpoint_dir).is_dir() and recorded.is_file()):
+    local = cfg.checkpoint.local_dir is not None and os.path.isdir(cfg.checkpoint.local_dir)
+    held = local or storage.as_path(cfg.checkpoint_dir).is_dir()
+    if not (cfg.checkpoint.resume and held and recorded.is_file()):
         return None
     try:
         return (yaml.safe_load(recorded.read_text()) or {}).get("model", {}).get("remat")
@@ -450,6 +482,14 @@ def _setup(cfg: Config, devices, clock: goodput.GoodputClock, notes: tuple[str, 
         program = build_program(cfg, mesh, rules)
         _log_start(cfg, mesh, rates, writer, (*notes, *filter(None, [host.note()])))
         checkpointer = _checkpointer(cfg, writer.log)
+        local = None
+        if cfg.checkpoint.local_dir is not None:
+            local = LocalCheckpointer(
+                cfg.checkpoint.local_dir,
+                keep=cfg.checkpoint.local_keep,
+                async_save=cfg.checkpoint.async_save,
+                log=writer.log,
+            )
         feeder = BatchFeeder(cfg, data, mesh, program.batch_sharding)
         evaluator = None
         if eval_data is not None:
@@ -474,12 +514,15 @@ def _setup(cfg: Config, devices, clock: goodput.GoodputClock, notes: tuple[str, 
                 ),
                 profile=ProfileWindow(cfg.profile.steps, cfg.profile_dir, writer.log),
                 evaluator=evaluator,
+                local=local,
             )
             yield run
         finally:
             with clock.phase("checkpoint_save"):
                 if checkpointer is not None:
                     checkpointer.close()  # waits for a write still in flight
+                if local is not None:
+                    local.close()
             for it in (data, eval_data):  # open shard files (remote: HTTP sessions)
                 if hasattr(it, "close"):
                     it.close()
@@ -542,7 +585,8 @@ def _record_start(run: _Run, restored) -> None:
         step = restored.step if restored is not None else 0
         marker = {"step": step, "event": "resume" if restored is not None else "restart"}
         if restored is not None:
-            marker["checkpoint"] = str(run.checkpointer.directory / str(restored.step))
+            marker["tier"] = restored.tier
+            marker["checkpoint"] = restored.path
         run.writer.write(marker)
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
@@ -594,7 +638,9 @@ def _process_pending(pending: list[tuple[int, int, dict]], monitor: FaultMonitor
     return action, fetched[-1]
 
 
-def _metrics_record(run: _Run, step: int, m: dict, step_time: float, blocked: float | None) -> dict:
+def _metrics_record(
+    run: _Run, step: int, m: dict, step_time: float, blocked: float | None, local_blocked: float | None = None
+) -> dict:
     """One line of metrics.jsonl: the step's metrics (host values), throughput and MFU."""
     rates, monitor = run.rates, run.monitor
     record = {
@@ -626,6 +672,8 @@ def _metrics_record(run: _Run, step: int, m: dict, step_time: float, blocked: fl
         record["loss_scale_overflows"] = int(m["loss_scale_overflows"])
     if blocked is not None:
         record["checkpoint_blocked_s"] = blocked
+    if local_blocked is not None:
+        record["local_checkpoint_blocked_s"] = local_blocked
     return record
 
 
@@ -658,36 +706,44 @@ def _report_goodput(run: _Run) -> None:
 
 
 def _log_preemption(run: _Run, result: TrainResult, step: int) -> None:
-    where = (
-        f"saved checkpoint step {result.checkpoint_step} in {run.checkpointer.directory}"
-        if run.checkpointer is not None and run.cfg.checkpoint.every > 0
-        else "no checkpoint written (checkpoint.every=0)"
-    )
+    if run.checkpointer is not None and run.cfg.checkpoint.every > 0:
+        where = f"saved checkpoint step {result.checkpoint_step} in {run.checkpointer.directory}"
+    elif run.local is not None:
+        where = f"saved local checkpoint step {result.checkpoint_step} in {run.local.directory}"
+    else:
+        where = "no checkpoint written (checkpoint.every=0)"
     run.writer.log(
         f"preempted by {result.preempted_by} after step {step}: {where}; run the same command again to resume"
     )
 
 
 def _resume(run: _Run):
-    """Restore the newest readable checkpoint into (state, data position, monitor); None if none."""
+    """Restore the newest readable checkpoint into (state, data position, monitor); None if none.
+    recovery/tiers.py picks the step and the tier every process restores."""
     cfg, checkpointer = run.cfg, run.checkpointer
-    if checkpointer is None:
+    if checkpointer is None and run.local is None:
         return None
-    if not cfg.checkpoint.resume:
+    if not cfg.checkpoint.resume and checkpointer is not None:
         if existing := checkpointer.steps():
             raise CheckpointError(
                 f"checkpoint.resume=false but {checkpointer.directory} already holds checkpoints "
                 f"{existing}; a fresh run would mix with them. Use another checkpoint.dir / "
                 "output_dir, or remove them"
             )
-        return None
-    restored = checkpointer.restore_latest(run.target)
+    restored = tiers.restore(
+        checkpointer,
+        run.local,
+        run.target,
+        dict(run.mesh.shape),
+        resume=cfg.checkpoint.resume,
+        log=run.writer.log,
+    )
     if restored is None:
         return None
     run.feeder.seek(restored.data_state)
     run.monitor.load_state_dict(restored.meta.get("faults", {}))
     run.writer.log(
-        f"resumed from checkpoint {checkpointer.directory / str(restored.step)} "
+        f"resumed from checkpoint {restored.path} "
         f"(step {restored.step}, next batch {restored.data_state.get('batch')})"
     )
     changes = _config_changes(restored.meta.get("config", {}), to_dict(cfg))
@@ -710,7 +766,7 @@ def _with_base(run: _Run, restored) -> TrainState:
     saved, have = restored.meta.get("lora_base"), fingerprint(frozen)
     if saved != have:
         raise CheckpointMismatchError(
-            f"checkpoint {run.checkpointer.directory / str(restored.step)}: its LoRA adapters were "
+            f"checkpoint {restored.path}: its LoRA adapters were "
             f"trained on a base with fingerprint {saved}, but train.init_from={cfg.train.init_from!r} "
             f"has {have}; expected the same base weights (or train into a new output_dir)"
         )
@@ -732,6 +788,8 @@ def _rollback(run: _Run, step: int):
             + ("" if cfg.checkpoint.every else "; checkpoint.every=0")
         )
     discarded = checkpointer.discard_after(restored.step)
+    if run.local is not None:  # the abandoned timeline's local steps too
+        discarded += run.local.discard_after(restored.step)
     run.clock.rolled_back(restored.step)
     resume_batch = streak.last_batch + 1
     writer.log(
