@@ -1,0 +1,270 @@
+"""One result file per benchmark run: what it measured, and enough to trace it.
+
+Every script in benchmarks/ that prints figures runs its work inside `record(...)`:
+
+    with result_file.record("throughput") as rec:
+        ...                                            # prints as before
+        rec.figures["runs"] = rows                     # the raw figures, numbers unrounded
+        rec.table("bf16", header, cells)               # a table the docs may quote, as printed
+
+and on success writes `benchmarks/results/<script>/<UTC time>-<sha>.json` holding
+
+- `git`: the commit and whether the tree was clean (`git status --porcelain` empty). A copy
+  of the tree without `.git` (a lent GPU host) reads `.whl/REVISION`, which the GPU recipe
+  writes before the copy travels (docs/gpu.md);
+- `date` (UTC), `machine` (host name, CPU model and count, memory), `devices` (GPU names from
+  nvidia-smi, and JAX's devices when the process has imported jax), `versions` (python, jax,
+  jaxlib, flax, optax, orbax, numpy; torch, transformers, liger-kernel, torchtitan where
+  installed; read from package metadata, so nothing is imported for it);
+- `command`: the exact command line, and the environment variables that change what runs
+  (JAX_*, XLA_FLAGS, JAXTRAIN_*, CUDA_VISIBLE_DEVICES);
+- `figures`: what the script put there; `tables`: the tables it printed, as cells (what
+  benchmarks/report.py copies into the docs); `printed`: everything it wrote to stdout.
+
+JAXTRAIN_RESULTS_DIR moves the folder (the test suite points it at a scratch directory);
+`JAXTRAIN_RESULTS_DIR=off` writes nothing. A run that raises writes nothing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "benchmarks" / "results"
+REVISION_FILE = REPO / ".whl" / "REVISION"
+VERSIONED = (
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "numpy",
+    "torch",
+    "transformers",
+    "liger-kernel",
+    "torchtitan",
+)
+ENV_PREFIXES = ("JAX_", "XLA_", "JAXTRAIN_", "CUDA_VISIBLE_DEVICES", "TORCH")
+UNTRACED = "untraced"
+
+
+def results_dir() -> Path | None:
+    """Where result files go: JAXTRAIN_RESULTS_DIR, else benchmarks/results; None for `off`."""
+    where = os.environ.get("JAXTRAIN_RESULTS_DIR")
+    if where == "off":
+        return None
+    return Path(where) if where else RESULTS_DIR
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
+    if not shutil.which(cmd[0]):
+        return None
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    except OSError:  # no such folder
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def git_state(repo: Path = REPO, revision_file: Path = REVISION_FILE) -> dict:
+    """{"sha", "clean"} of `repo`'s checkout, from git or else `revision_file` (`SHA clean` or
+    `SHA dirty`, one line); both None when neither says."""
+    sha = _run(["git", "rev-parse", "HEAD"], repo)
+    if sha is not None:
+        status = _run(["git", "status", "--porcelain", "--untracked-files=no"], repo)
+        return {"sha": sha.strip(), "clean": None if status is None else not status.strip()}
+    if revision_file.is_file():
+        sha, _, state = revision_file.read_text().strip().partition(" ")
+        return {"sha": sha, "clean": {"clean": True, "dirty": False}.get(state.strip())}
+    return {"sha": None, "clean": None}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def machine() -> dict:
+    return {
+        "host": platform.node(),
+        "os": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "memory_gib": _memory_gib(),
+    }
+
+
+def devices() -> dict:
+    """GPU names (nvidia-smi: no process touches the GPU for it) and, if this process has
+    imported jax, what jax runs on."""
+    found: dict = {}
+    smi = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
+    if smi:
+        found["gpus"] = [line.strip() for line in smi.splitlines() if line.strip()]
+    if "jax" in sys.modules:
+        jax = sys.modules["jax"]
+        try:
+            devs = jax.devices()
+            found["jax"] = {"platform": devs[0].platform, "kind": devs[0].device_kind, "count": len(devs)}
+        except Exception as e:  # noqa: BLE001 - a backend that cannot start is recorded, not fatal
+            found["jax"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+    return found
+
+
+def versions() -> dict:
+    found = {"python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def command(argv: list[str] | None = None) -> dict:
+    argv = sys.argv if argv is None else argv
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+    return {"argv": list(argv), "line": shlex.join(["python", *argv]), "env": env}
+
+
+def provenance(argv: list[str] | None = None) -> dict:
+    """Everything a result file says besides its figures."""
+    return {
+        "git": git_state(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "devices": devices(),
+        "versions": versions(),
+        "command": command(argv),
+    }
+
+
+def repeat_stats(values: list[float]) -> dict:
+    """min, median and max of per-repeat figures, and how many."""
+    if not values:
+        raise ValueError("repeat_stats: no values")
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
+
+
+def check_table(name: str, header: list[str], rows: list[list]) -> dict:
+    """A table as a result file holds it: every row as many cells as the header, cells text."""
+    header = [str(h) for h in header]
+    cells = []
+    for i, row in enumerate(rows):
+        if len(row) != len(header):
+            raise ValueError(f"table {name!r} row {i}: {len(row)} cells, expected {len(header)} ({header})")
+        cells.append(["" if c is None else str(c).replace("|", "/").replace("\n", " ") for c in row])
+    return {"header": header, "rows": cells}
+
+
+class _Tee(io.TextIOBase):
+    def __init__(self, stream):
+        self.stream, self.buffer_ = stream, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.buffer_.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+class Recorder:
+    """Collects one run's figures and tables; `record` writes them when the run ends well."""
+
+    def __init__(self, script: str, argv: list[str] | None = None):
+        self.script, self.argv = script, argv
+        self.figures: dict = {}
+        self.tables: dict[str, dict] = {}
+        self.path: Path | None = None
+        self._tee: _Tee | None = None
+
+    def table(self, name: str, header: list[str], rows: list[list]) -> None:
+        self.tables[name] = check_table(name, header, rows)
+
+    def content(self) -> dict:
+        return {
+            "script": self.script,
+            **provenance(self.argv),
+            "figures": self.figures,
+            "tables": self.tables,
+            "printed": self._tee.buffer_.getvalue() if self._tee else "",
+        }
+
+    def write(self, where: Path | None = None) -> Path | None:
+        where = results_dir() if where is None else where
+        if where is None:
+            return None
+        body = self.content()
+        stamp = body["date"].replace("-", "").replace(":", "").replace("+0000", "Z")
+        sha = (body["git"]["sha"] or "nogit")[:8]
+        folder = where / self.script
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{stamp}-{sha}.json"
+        n = 1
+        while path.exists():  # two runs in one second
+            n += 1
+            path = folder / f"{stamp}-{sha}-{n}.json"
+        path.write_text(json.dumps(body, indent=1, default=_jsonable) + "\n")
+        self.path = path
+        return path
+
+    def __enter__(self) -> Recorder:
+        self._tee = _Tee(sys.stdout)
+        sys.stdout = self._tee
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        sys.stdout = self._tee.stream
+        ended_well = kind is None or (kind is SystemExit and value.code in (0, None))
+        if ended_well:
+            path = self.write()
+            if path is not None:
+                print(f"result file: {_relative(path)}", file=sys.stderr)
+
+
+def _relative(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def _jsonable(x):
+    """numpy scalars and arrays, paths, tuples of the figures, as JSON takes them."""
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if isinstance(x, (Path, set, frozenset)):
+        return str(x) if isinstance(x, Path) else sorted(x)
+    return repr(x)
+
+
+def record(script: str, argv: list[str] | None = None) -> Recorder:
+    """`with record("name") as rec:` around a benchmark's work (see the module docstring)."""
+    return Recorder(script, argv)
