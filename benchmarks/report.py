@@ -33,13 +33,17 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+try:  # imported as benchmarks.report (the tests)
+    from benchmarks.result_file import SEPARATOR, split_row
+except ImportError:  # run as a script: its folder is on the path
+    from result_file import SEPARATOR, split_row
+
 REPO = Path(__file__).resolve().parent.parent
 PAGE = REPO / "docs" / "benchmarks.md"
 RESULTS_DIR = REPO / "benchmarks" / "results"
 UNTRACED = "untraced"
 OPEN = re.compile(r"^<!--\s*results:\s*(\S+)(?:\s+(\S+))?(?:\s+(\S+))?\s*-->\s*$")
 CLOSE = re.compile(r"^<!--\s*/results\s*-->\s*$")
-SEPARATOR = re.compile(r"^\|(\s*:?-+:?\s*\|)+\s*$")
 
 
 @dataclass
@@ -56,14 +60,6 @@ class Block:
     @property
     def name(self) -> str:
         return self.script if self.table is None else f"{self.script} {self.table}"
-
-
-def split_row(line: str) -> list[str]:
-    """The cells of a Markdown table row (`\\|` inside a cell is not a separator)."""
-    body = line.strip()
-    body = body[1:] if body.startswith("|") else body
-    body = body[:-1] if body.endswith("|") and not body.endswith("\\|") else body
-    return [c.strip() for c in re.split(r"(?<!\\)\|", body)]
 
 
 def join_row(cells: list[str]) -> str:

@@ -18,11 +18,20 @@ and on success writes `benchmarks/results/<script>/<UTC time>-<sha>.json` holdin
   installed; read from package metadata, so nothing is imported for it);
 - `command`: the exact command line, and the environment variables that change what runs
   (JAX_*, XLA_FLAGS, JAXTRAIN_*, CUDA_VISIBLE_DEVICES);
-- `figures`: what the script put there; `tables`: the tables it printed, as cells (what
-  benchmarks/report.py copies into the docs); `printed`: everything it wrote to stdout.
+- `figures`: what the script put there, and `json_rows`: every JSON object it printed on a
+  line of stdout or stderr (the raw rows most scripts print as they go);
+- `tables`: the tables it named, as cells (what benchmarks/report.py copies into the docs),
+  and every Markdown table it printed, as `printed_1`, `printed_2`, ... in order;
+- `printed`: everything it wrote to stdout.
+
+A script whose whole work is `main()` ends with `sys.exit(result_file.run("name", main))`, and
+adds its figures and tables from inside with `result_file.add_figures(...)` and
+`result_file.add_table(...)` (no-ops when nothing records, as when a test calls `main`).
 
 JAXTRAIN_RESULTS_DIR moves the folder (the test suite points it at a scratch directory);
-`JAXTRAIN_RESULTS_DIR=off` writes nothing. A run that raises writes nothing.
+`JAXTRAIN_RESULTS_DIR=off` writes nothing. A run that raises (SystemExit included: `--help`,
+a usage error) or returns a non-zero exit code writes nothing, and neither does a script's own
+worker process (`--worker`, `--child` on its command line): its parent records the run.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import io
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import statistics
@@ -56,7 +66,8 @@ VERSIONED = (
     "torchtitan",
 )
 ENV_PREFIXES = ("JAX_", "XLA_", "JAXTRAIN_", "CUDA_VISIBLE_DEVICES", "TORCH")
-UNTRACED = "untraced"
+WORKER_FLAGS = ("--worker", "--child")
+_ACTIVE: list[Recorder] = []
 
 
 def results_dir() -> Path | None:
@@ -183,6 +194,48 @@ def check_table(name: str, header: list[str], rows: list[list]) -> dict:
     return {"header": header, "rows": cells}
 
 
+SEPARATOR = re.compile(r"^\|(\s*:?-+:?\s*\|)+\s*$")
+
+
+def split_row(line: str) -> list[str]:
+    """The cells of a Markdown table row (`\\|` inside a cell is not a separator)."""
+    body = line.strip()
+    body = body[1:] if body.startswith("|") else body
+    body = body[:-1] if body.endswith("|") and not body.endswith("\\|") else body
+    return [c.strip() for c in re.split(r"(?<!\\)\|", body)]
+
+
+def markdown_tables(text: str) -> list[dict]:
+    """Every Markdown table in `text` (a header row, a separator, rows), as {"header", "rows"}."""
+    lines, found, i = text.splitlines(), [], 0
+    while i + 1 < len(lines):
+        if lines[i].lstrip().startswith("|") and SEPARATOR.match(lines[i + 1].strip()):
+            j = i + 2
+            while j < len(lines) and lines[j].lstrip().startswith("|"):
+                j += 1
+            found.append({"header": split_row(lines[i]), "rows": [split_row(r) for r in lines[i + 2 : j]]})
+            i = j
+        else:
+            i += 1
+    return found
+
+
+def json_rows(text: str) -> list[dict]:
+    """The JSON objects of `text`, one per line at most (`name: {...} (3 s)` counts)."""
+    rows = []
+    for line in text.splitlines():
+        start, end = line.find("{"), line.rfind("}")
+        if start < 0 or end < start:
+            continue
+        try:
+            row = json.loads(line[start : end + 1])
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
 class _Tee(io.TextIOBase):
     def __init__(self, stream):
         self.stream, self.buffer_ = stream, io.StringIO()
@@ -200,26 +253,37 @@ class Recorder:
 
     def __init__(self, script: str, argv: list[str] | None = None):
         self.script, self.argv = script, argv
+        self.enabled = not any(flag in (sys.argv if argv is None else argv) for flag in WORKER_FLAGS)
+        self.failed = False
         self.figures: dict = {}
         self.tables: dict[str, dict] = {}
         self.path: Path | None = None
         self._tee: _Tee | None = None
+        self._err: _Tee | None = None
 
     def table(self, name: str, header: list[str], rows: list[list]) -> None:
         self.tables[name] = check_table(name, header, rows)
 
     def content(self) -> dict:
+        printed = self._tee.buffer_.getvalue() if self._tee else ""
+        logged = self._err.buffer_.getvalue() if self._err else ""
+        figures = dict(self.figures)
+        if rows := json_rows(printed + "\n" + logged):
+            figures.setdefault("json_rows", rows)
+        tables = dict(self.tables)
+        for i, table in enumerate(markdown_tables(printed), 1):
+            tables.setdefault(f"printed_{i}", table)
         return {
             "script": self.script,
             **provenance(self.argv),
-            "figures": self.figures,
-            "tables": self.tables,
-            "printed": self._tee.buffer_.getvalue() if self._tee else "",
+            "figures": figures,
+            "tables": tables,
+            "printed": printed,
         }
 
     def write(self, where: Path | None = None) -> Path | None:
         where = results_dir() if where is None else where
-        if where is None:
+        if where is None or not self.enabled:
             return None
         body = self.content()
         stamp = body["date"].replace("-", "").replace(":", "").replace("+0000", "Z")
@@ -236,13 +300,15 @@ class Recorder:
         return path
 
     def __enter__(self) -> Recorder:
-        self._tee = _Tee(sys.stdout)
-        sys.stdout = self._tee
+        self._tee, self._err = _Tee(sys.stdout), _Tee(sys.stderr)
+        sys.stdout, sys.stderr = self._tee, self._err
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, kind, value, tb) -> None:
-        sys.stdout = self._tee.stream
-        ended_well = kind is None or (kind is SystemExit and value.code in (0, None))
+        sys.stdout, sys.stderr = self._tee.stream, self._err.stream
+        _ACTIVE.remove(self)
+        ended_well = kind is None and not self.failed  # not on --help's SystemExit(0) either
         if ended_well:
             path = self.write()
             if path is not None:
@@ -268,3 +334,28 @@ def _jsonable(x):
 def record(script: str, argv: list[str] | None = None) -> Recorder:
     """`with record("name") as rec:` around a benchmark's work (see the module docstring)."""
     return Recorder(script, argv)
+
+
+def run(script: str, main, argv: list[str] | None = None):
+    """`main()` recorded as `script`; its return value (a non-zero exit code: nothing written)."""
+    with record(script, argv) as rec:
+        code = main()
+        rec.failed = code not in (None, 0)
+    return code
+
+
+def current() -> Recorder | None:
+    """The innermost recording run, or None."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def add_figures(**named) -> None:
+    """Figures of the current run, by name (nothing when no run records)."""
+    if rec := current():
+        rec.figures.update(named)
+
+
+def add_table(name: str, header: list[str], rows: list[list]) -> None:
+    """A printed table of the current run (nothing when no run records)."""
+    if rec := current():
+        rec.table(name, header, rows)

@@ -102,6 +102,8 @@ def test_a_recorded_run_writes_its_provenance_tables_and_output(tmp_path, monkey
     argv = ["benchmarks/demo.py", "--steps", "3"]
     with result_file.record("demo", argv) as rec:
         print("step 0.5 s")
+        print('auto: {"step_time_s": 0.5} (3 s)', file=sys.stderr)
+        print("| run | s |\n|---|---:|\n| auto | 0.5 |")
         rec.figures["step_time_s"] = 0.5
         rec.table("step", ["run", "s/step"], [["auto", 0.5]])
     body = json.loads(rec.path.read_text())
@@ -116,9 +118,10 @@ def test_a_recorded_run_writes_its_provenance_tables_and_output(tmp_path, monkey
     assert {"jax", "flax", "optax"} <= set(body["versions"])
     assert body["command"]["line"] == "python benchmarks/demo.py --steps 3"
     assert body["machine"]["cpu_count"] >= 1 and body["machine"]["cpu"]
-    assert body["figures"] == {"step_time_s": 0.5}
+    assert body["figures"] == {"step_time_s": 0.5, "json_rows": [{"step_time_s": 0.5}]}
     assert body["tables"]["step"] == {"header": ["run", "s/step"], "rows": [["auto", "0.5"]]}
-    assert body["printed"] == "step 0.5 s\n"
+    assert body["tables"]["printed_1"] == {"header": ["run", "s"], "rows": [["auto", "0.5"]]}
+    assert body["printed"] == "step 0.5 s\n| run | s |\n|---|---:|\n| auto | 0.5 |\n"
     assert "step 0.5 s" in capsys.readouterr().out  # still printed
 
 
@@ -146,3 +149,22 @@ def test_tables_must_have_the_headers_cells_and_repeats_give_min_median_max():
     assert result_file.repeat_stats([0.3, 0.1, 0.2]) == {"min": 0.1, "median": 0.2, "max": 0.3, "n": 3}
     with pytest.raises(ValueError):
         result_file.repeat_stats([])
+
+
+def test_run_records_main_unless_it_fails_or_is_a_worker(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_RESULTS_DIR", str(tmp_path))
+
+    def main():
+        result_file.add_figures(rows=[1, 2])
+        result_file.add_table("t", ["a"], [["1"]])
+        return 0
+
+    assert result_file.run("demo", main, ["benchmarks/demo.py"]) == 0
+    (written,) = (tmp_path / "demo").glob("*.json")
+    body = json.loads(written.read_text())
+    assert body["figures"] == {"rows": [1, 2]} and body["tables"]["t"]["rows"] == [["1"]]
+    assert result_file.run("failing", lambda: 2, ["benchmarks/failing.py"]) == 2
+    assert result_file.run("worker", main, ["benchmarks/worker.py", "--worker", "matmul"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
+    result_file.add_figures(ignored=True)  # no run records: nothing happens
+    assert result_file.current() is None
