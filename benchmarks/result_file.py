@@ -9,7 +9,8 @@ Every script in benchmarks/ that prints figures runs its work inside `record(...
 
 and on success writes `benchmarks/results/<script>/<UTC time>-<sha>.json` holding
 
-- `git`: the commit and whether the tree was clean (`git status --porcelain` empty). A copy
+- `git`: the commit, whether the tree was clean (`git status --porcelain` empty) and if not,
+  which tracked files differed. A copy
   of the tree without `.git` (a lent GPU host) reads `.whl/REVISION`, which the GPU recipe
   writes before the copy travels (docs/gpu.md);
 - `date` (UTC), `machine` (host name, CPU model and count, memory), `devices` (GPU names from
@@ -89,12 +90,15 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
 
 
 def git_state(repo: Path = REPO, revision_file: Path = REVISION_FILE) -> dict:
-    """{"sha", "clean"} of `repo`'s checkout, from git or else `revision_file` (`SHA clean` or
-    `SHA dirty`, one line); both None when neither says."""
+    """{"sha", "clean"} of `repo`'s checkout (and "changed": the files that differ from the
+    commit, when some do), from git or else `revision_file` (`SHA clean` or `SHA dirty`, one
+    line); both None when neither says."""
     sha = _run(["git", "rev-parse", "HEAD"], repo)
     if sha is not None:
         status = _run(["git", "status", "--porcelain", "--untracked-files=no"], repo)
-        return {"sha": sha.strip(), "clean": None if status is None else not status.strip()}
+        changed = None if status is None else [line[3:] for line in status.splitlines() if line.strip()]
+        state = {"sha": sha.strip(), "clean": None if changed is None else not changed}
+        return {**state, "changed": changed} if changed else state
     if revision_file.is_file():
         sha, _, state = revision_file.read_text().strip().partition(" ")
         return {"sha": sha, "clean": {"clean": True, "dirty": False}.get(state.strip())}
