@@ -168,3 +168,19 @@ def test_run_records_main_unless_it_fails_or_is_a_worker(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
     result_file.add_figures(ignored=True)  # no run records: nothing happens
     assert result_file.current() is None
+
+
+def test_every_benchmark_script_records_its_run():
+    """Every script of benchmarks/ with a __main__ writes a result file: through
+    `result_file.run` around its main, or `result_file.record` inside it (gpu_peer.py, whose
+    workers run the same file). report.py, the helpers and the peers' shell scripts print no
+    figures."""
+    helpers = {"report.py", "result_file.py", "torch_peer.py"}
+    unrecorded = []
+    for path in sorted((REPO / "benchmarks").glob("*.py")):
+        text = path.read_text()
+        if path.name in helpers or '__name__ == "__main__"' not in text:
+            continue
+        if "result_file.run(" not in text and "result_file.record(" not in text:
+            unrecorded.append(path.name)
+    assert unrecorded == []
