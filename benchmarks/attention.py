@@ -88,8 +88,9 @@ import warnings
 if __name__ == "__main__" and "--gpu" in sys.argv:  # before this process pins itself to the CPU
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import attention_gpu
+    import result_file
 
-    sys.exit(attention_gpu.main(sys.argv[1:]))
+    sys.exit(result_file.run("attention_gpu", lambda: attention_gpu.main(sys.argv[1:])))
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -490,4 +491,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import result_file  # benchmarks/: on the path when run as a script
+
+    sys.exit(result_file.run("attention", main))

@@ -161,4 +161,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import result_file  # benchmarks/: on the path when run as a script
+
+    sys.exit(result_file.run("checkpoint", main))

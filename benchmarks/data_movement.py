@@ -120,4 +120,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import result_file  # benchmarks/: on the path when run as a script
+
+    sys.exit(result_file.run("data_movement", main))

@@ -129,4 +129,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import result_file  # benchmarks/: on the path when run as a script
+
+    sys.exit(result_file.run("flash_bwd", main))

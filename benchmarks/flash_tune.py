@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 import time
 
 import jax
@@ -125,4 +126,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import result_file  # benchmarks/: on the path when run as a script
+
+    sys.exit(result_file.run("flash_tune", main))

@@ -248,4 +248,6 @@ def print_table(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import result_file  # benchmarks/: on the path when run as a script
+
+    sys.exit(result_file.run("generate", main))

@@ -1,15 +1,22 @@
-"""jaxtrain against transformers + torch (eager and torch.compile) on one GPU, same model, same
-batch, and an attention micro-benchmark (ours, cuDNN, XLA), in one run.
+"""jaxtrain against torch at its best (transformers or torchtitan; eager, or the whole step under
+torch.compile) on one GPU, same model, same batch, and an attention micro-benchmark (ours,
+cuDNN, XLA), in one run.
 
-    python benchmarks/gpu_peer.py [--steps 20] [--only jaxtrain,torch-eager,torch-compile,attention]
+    python benchmarks/gpu_peer.py [--steps 20] [--repeats 3] [--warmup 3]
+        [--only jaxtrain,torch-eager,torch-compile,torchtitan,attention]
         [--jaxtrain-variants "remat-full:model.remat=full;flags-off:JAXTRAIN_GPU_XLA_FLAGS=off"]
+        [--torch-attention auto|cudnn|flash|efficient] [--torch-loss hf|liger]
+        [--torch-compile-mode default|max-autotune] [--torch-remat none|full]
+        [--torch-variants "fa2:attention=flash;liger:loss=liger;titan:model=torchtitan"]
         [--batch B] [--seq S] [--tiny] [--attn-shape 4,4096,32,8,128] [--attn-dtype bfloat16]
         [--peak-tflops T] [--timeout 900] [--torch-python PATH] [--json OUT]
 
 The model is configs/gpu-peer.yaml (a 0.886B Llama, batch 8 x 2048, bf16 compute, f32 master
 weights). Every contender runs in its own process with the GPU to itself (JAX preallocates 75%
 of GPU memory in any process that touches it), one after the other; this process never touches
-the GPU (it imports jax with JAX_PLATFORMS=cpu, for the FLOPs per token only):
+the GPU (it imports jax with JAX_PLATFORMS=cpu, for the FLOPs and parameters only). Each
+contender trains `--warmup` untimed steps, then `--repeats` windows of `--steps` (>= 20) timed
+steps; its step time is the median of the windows' medians, with their min and max.
 
 - jaxtrain: `python -m jaxtrain train configs/gpu-peer.yaml` once with no overrides (`auto`)
   and once per `--jaxtrain-variants` entry (`label:token token ...`, `;`-separated; an entry
@@ -17,16 +24,20 @@ the GPU (it imports jax with JAX_PLATFORMS=cpu, for the FLOPs per token only):
   letters, digits and underscores goes into that child's environment (over the caller's: e.g.
   `JAXTRAIN_GPU_XLA_FLAGS=off`, `XLA_FLAGS=--xla_foo=1`; the same NAME again appends its value
   after a space, for several XLA flags); any other token (`model.remat=minimal`) is a jaxtrain
-  override. Median `step_time_s` of metrics.jsonl over steps 3..N-1, `peak_memory_bytes` of its
-  rows where present (device 0's `memory_stats()["peak_bytes_in_use"]`), the lines that say what
-  `model.attention_impl=auto` and `model.remat=auto` resolved to, and the `GPU XLA flags:` line
-  (what jaxtrain did to XLA_FLAGS; GPU only).
-- torch-eager / torch-compile: `transformers.LlamaForCausalLM` of the same shape (sdpa
-  attention) in float32 on cuda, bf16 autocast over forward and loss, AdamW (fused),
-  clip_grad_norm_(1.0), random tokens with labels = inputs; `torch.compile(model)` for the
-  second. Median of steps 3..N-1 timed with torch.cuda.synchronize, torch.cuda.max_memory_allocated
-  (and reserved). `--torch-python` runs these workers under another Python (they import neither
-  jax nor jaxtrain).
+  override. Step times from metrics.jsonl, `peak_memory_bytes` of its rows where present
+  (device 0's `memory_stats()["peak_bytes_in_use"]`), the lines that say what
+  `model.attention_impl=auto` and `model.remat=auto` resolved to, and the `GPU XLA flags:` line.
+- torch (benchmarks/torch_peer.py, which says what each setting does): `torch-eager` and
+  `torch-compile` (transformers' Llama), `torchtitan` (torchtitan's Llama 3, compiled), with the
+  `--torch-*` settings, then one run per `--torch-variants` entry (`label:key=value ...`, keys
+  model, compile, mode, attention, loss, remat; each from torch-compile's settings). Recorded:
+  the SDPA operators that ran (the backend torch actually took), graphs and graph breaks under
+  torch.compile, torch.cuda.max_memory_allocated (and reserved), the parameter count, which must
+  equal jaxtrain's (the run exits 1 naming both otherwise). `--torch-python` runs these workers
+  under another Python (they import neither jax nor jaxtrain).
+- memory: jaxtrain's `auto` run against each torch run at torch's default (no remat), and every
+  jaxtrain run against every torch run at the same remat policy (`model.remat=none` against
+  `--torch-remat none`, `full` against `full`).
 - attention: causal GQA attention at `--attn-shape B,S,H,KV,D`, forward and forward + backward
   (value_and_grad of sum(o * c) in f32, c a fixed random cotangent) of ours
   (`sharded_flash_attention`, Pallas: Triton on GPU, interpreted on CPU), cuDNN and XLA
@@ -47,15 +58,19 @@ the GPU (it imports jax with JAX_PLATFORMS=cpu, for the FLOPs per token only):
 
 MFU: jaxtrain's FLOPs per token (jaxtrain/planning/flops.py: 6 x params without the embedding
 + causal attention) against the GPU's dense bf16 peak from jaxtrain's hardware table (989
-TFLOP/s on H100 and H200) or `--peak-tflops`; n/a on CPU. Ratios: the torch time / the
-contender's (>1: the contender is faster). `--tiny` shrinks both sides to a 2-layer d_model 128
-model at batch 2 x 128 for a check of the script's logic on CPU. Nothing else may run on the
+TFLOP/s on H100 and H200) or `--peak-tflops`; n/a on CPU. Ratio: the fastest torch run's step
+time over the contender's (>1: the contender is faster). The run's result file
+(benchmarks/result_file.py) holds every row and the tables `step`, `memory`, `attention`.
+`--tiny` shrinks both sides to a 2-layer d_model 128 model at batch 2 x 128 for a check of the
+script's logic on CPU (cuDNN and memory-efficient SDPA, Liger and torchtitan's FlexAttention
+backward are CUDA only: those runs refuse in one line there). Nothing else may run on the
 machine meanwhile: this is a timing.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -68,9 +83,17 @@ import tempfile
 import time
 from pathlib import Path
 
+try:  # imported as benchmarks.gpu_peer (the tests)
+    from benchmarks import result_file, torch_peer
+except ImportError:  # run as a script, from anywhere: its folder is on the path
+    import result_file
+    import torch_peer
+
 HERE = Path(__file__).resolve()
 CONFIG = HERE.parent.parent / "configs" / "gpu-peer.yaml"
-SECTIONS = ("jaxtrain", "torch-eager", "torch-compile", "attention")
+SECTIONS = ("jaxtrain", "torch-eager", "torch-compile", "torchtitan", "attention")
+DEFAULT_SECTIONS = ("jaxtrain", "torch-eager", "torch-compile", "attention")
+MIN_TIMED_STEPS = 20
 # The children's environment: this process's, before it sets JAX_PLATFORMS=cpu for itself.
 CHILD_ENV = dict(os.environ)
 MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim")
@@ -159,16 +182,51 @@ def result_line(stdout: str) -> dict | None:
     return None
 
 
-def timed_median(times: list[float]) -> float:
-    """Median of steps 3..N-1 (1-based: the first two compile, the last may wait on the rest)."""
-    return statistics.median(times[2 : len(times) - 1] or times[-1:])
+def window_stats(times: list[float], warmup: int, steps: int, repeats: int) -> dict:
+    """Step-time figures of one contender's run: the first `warmup` steps (compiles) left out,
+    then `repeats` windows of `steps` steps each, a median per window; `step_time_s` is the
+    median of those, with their min and max. Steps past the windows (jaxtrain's last, which
+    may wait on the rest) are left out too."""
+    need = warmup + steps * repeats
+    if len(times) < need:
+        raise ValueError(
+            f"{len(times)} step times, expected at least warmup {warmup} + {repeats} x {steps} = {need}"
+        )
+    per_repeat = [
+        statistics.median(times[warmup + r * steps : warmup + (r + 1) * steps]) for r in range(repeats)
+    ]
+    stats = result_file.repeat_stats(per_repeat)
+    return {
+        "step_time_s": stats["median"],
+        "step_time_min_s": stats["min"],
+        "step_time_max_s": stats["max"],
+        "repeats": repeats,
+        "steps_per_repeat": steps,
+        "per_repeat_s": per_repeat,
+    }
 
 
 # ---------------------------------------------------------------- contenders
 
 
+def jaxtrain_remat(overrides: list[str], auto_lines: list[str]) -> str:
+    """The remat policy a jaxtrain run used: its override, else what `auto` resolved to."""
+    for token in reversed(overrides):
+        if token.startswith("model.remat="):
+            return token.split("=", 1)[1]
+    for line in auto_lines:
+        if line.startswith("model.remat=auto -> "):
+            return line[len("model.remat=auto -> ") :].split()[0].rstrip(":,;")
+    return "auto"
+
+
+def safe_name(label: str) -> str:
+    """`label` as a folder name."""
+    return re.sub(r"[^\w.=-]", "_", label)
+
+
 def run_jaxtrain(label: str, overrides: list[str], env: dict[str, str], shape: dict, args) -> dict:
-    out = tempfile.mkdtemp(prefix=f"gpu-peer-jaxtrain-{re.sub(r'[^\w.=-]', '_', label)}-")
+    out = tempfile.mkdtemp(prefix=f"gpu-peer-jaxtrain-{safe_name(label)}-")
     cmd = [
         sys.executable,
         "-m",
@@ -176,16 +234,17 @@ def run_jaxtrain(label: str, overrides: list[str], env: dict[str, str], shape: d
         "train",
         str(Path(args.config).resolve()),
         f"output_dir={out}",
-        f"train.steps={args.steps}",
+        f"train.steps={total_steps(args) + 1}",
         *jaxtrain_overrides(shape, args.tiny),
         *overrides,
     ]
-    row = {"contender": f"jaxtrain ({label})", "overrides": overrides, "env": env}
+    row = {"contender": f"jaxtrain ({label})", "side": "jaxtrain", "overrides": overrides, "env": env}
     start = time.perf_counter()
     rc, stdout, stderr = run_child(cmd, args.timeout, out, env)
     row["wall_s"] = time.perf_counter() - start
     log = (stdout + stderr).splitlines()
     row["auto"] = [m.group(1).strip() for m in map(AUTO_LINE.search, log) if m]
+    row["remat"] = jaxtrain_remat(overrides, row["auto"])
     flags = [m.group(1).strip() for m in map(GPU_FLAGS_LINE.search, log) if m]
     row["gpu_xla_flags"] = flags[-1] if flags else None
     metrics = Path(out) / "metrics.jsonl"
@@ -195,28 +254,41 @@ def run_jaxtrain(label: str, overrides: list[str], env: dict[str, str], shape: d
     steps = sorted((r for r in records if "step" in r and "step_time_s" in r), key=lambda r: r["step"])
     peaks = [r["peak_memory_bytes"] for r in steps if r.get("peak_memory_bytes") is not None]
     shutil.rmtree(out, ignore_errors=True)
+    timed = steps[args.warmup : total_steps(args)]
     return {
         **row,
-        "step_time_s": timed_median([r["step_time_s"] for r in steps]),
+        **window_stats([r["step_time_s"] for r in steps], args.warmup, args.steps, args.repeats),
         "peak_memory_bytes": max(peaks) if peaks else None,
-        "jaxtrain_mfu": statistics.median(r["mfu"] for r in steps[2:-1] or steps[-1:]),
+        "jaxtrain_mfu": statistics.median(r["mfu"] for r in timed)
+        if all("mfu" in r for r in timed)
+        else None,
         "final_loss": steps[-1]["loss"],
     }
 
 
-def run_torch(compile_: bool, shape: dict, args) -> dict:
-    name = "torch-compile" if compile_ else "torch-eager"
-    cwd = tempfile.mkdtemp(prefix=f"gpu-peer-{name}-")
-    cmd = [args.torch_python, str(HERE), "--worker", "torch", "--compile", str(int(compile_))]
-    cmd += ["--shape", json.dumps(shape), "--steps", str(args.steps)]
+def total_steps(args) -> int:
+    """Training steps a contender runs: warmup, then the repeats' timed windows."""
+    return args.warmup + args.steps * args.repeats
+
+
+def run_torch(run: torch_peer.TorchRun, shape: dict, args) -> dict:
+    cwd = tempfile.mkdtemp(prefix=f"gpu-peer-torch-{safe_name(run.label)}-")
+    cmd = [args.torch_python, str(HERE), "--worker", "torch", "--run", json.dumps(dataclasses.asdict(run))]
+    cmd += ["--shape", json.dumps(shape), "--total-steps", str(total_steps(args))]
     start = time.perf_counter()
     rc, stdout, stderr = run_child(cmd, args.timeout, cwd)
     shutil.rmtree(cwd, ignore_errors=True)
-    row = {"contender": name, "wall_s": time.perf_counter() - start}
+    row = {
+        "contender": run.label,
+        "side": "torch",
+        "setting": run.describe(),
+        "remat": run.remat,
+        "wall_s": time.perf_counter() - start,
+    }
     result = result_line(stdout) if rc == 0 else None
     if result is None:
         return {**row, "error": failure(rc, stderr, args.timeout)}
-    return {**row, **result}
+    return {**row, **result, **window_stats(result["step_times_s"], args.warmup, args.steps, args.repeats)}
 
 
 def run_attention(args) -> dict:
@@ -232,76 +304,32 @@ def run_attention(args) -> dict:
     return {**result, "wall_s": time.perf_counter() - start}
 
 
+def torch_runs(only: list[str], args) -> list[torch_peer.TorchRun]:
+    """The torch contenders: the sections named in --only with the --torch-* settings, then
+    --torch-variants (each starting from torch.compile with those settings)."""
+    base = torch_peer.TorchRun(
+        "torch-compile",
+        compile=True,
+        mode=args.torch_compile_mode,
+        attention=args.torch_attention,
+        loss=args.torch_loss,
+        remat=args.torch_remat,
+    )
+    runs = []
+    if "torch-eager" in only:
+        runs.append(dataclasses.replace(base, label="torch-eager", compile=False))
+    if "torch-compile" in only:
+        runs.append(base)
+    if "torchtitan" in only:
+        runs.append(dataclasses.replace(base, label="torchtitan", model="torchtitan", attention="auto"))
+    runs += torch_peer.parse_runs(args.torch_variants, base)
+    labels = [r.label for r in runs]
+    if dupes := sorted({x for x in labels if labels.count(x) > 1}):
+        raise ValueError(f"--torch-variants: labels {dupes} clash with the sections' runs")
+    return runs
+
+
 # ---------------------------------------------------------------- workers (own processes)
-
-
-def torch_worker(shape: dict, steps: int, compile_: bool) -> dict:
-    """One transformers + torch training run; imports neither jax nor jaxtrain."""
-    import torch
-    import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=shape["vocab_size"],
-        hidden_size=shape["d_model"],
-        intermediate_size=shape["mlp_dim"],
-        num_hidden_layers=shape["n_layers"],
-        num_attention_heads=shape["n_heads"],
-        num_key_value_heads=shape["n_kv_heads"],
-        head_dim=shape["head_dim"],
-        max_position_embeddings=shape["seq"],
-        rope_theta=shape["rope_theta"],
-        tie_word_embeddings=shape["tie_embeddings"],
-        attn_implementation="sdpa",
-    )
-    with device:
-        model = LlamaForCausalLM(config).to(torch.float32)
-    model.train()
-    params = sum(p.numel() for p in model.parameters())
-    try:
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-        fused = True
-    except (RuntimeError, TypeError, ValueError):  # fused AdamW unsupported on this device
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-        fused = False
-    forward = torch.compile(model) if compile_ else model
-    gen = torch.Generator(device=device).manual_seed(0)
-    batches = torch.randint(
-        0, shape["vocab_size"], (steps, shape["batch"], shape["seq"]), device=device, generator=gen
-    )
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-
-    def step(x):
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = forward(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    times, losses = [], []
-    for i in range(steps):
-        sync()
-        t0 = time.perf_counter()
-        loss = step(batches[i])
-        sync()
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-    return {
-        "step_time_s": timed_median(times),
-        "step_times_s": times,
-        "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-        "reserved_memory_bytes": torch.cuda.max_memory_reserved() if cuda else None,
-        "final_loss": losses[-1],
-        "params": params,
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "fused_adamw": fused,
-        "versions": f"torch {torch.__version__}, transformers {transformers.__version__}",
-    }
 
 
 def causal_flops(b: int, s: int, h: int, d: int, matmuls: int) -> float:
@@ -546,15 +574,59 @@ def peak_flops(device: str | None, override_tflops: float | None) -> float | Non
 
 
 def add_figures(rows: list[dict], shape: dict, flops_token: float, peak: float | None) -> None:
+    """tokens/s, MFU and the fastest torch run's step time over each row's."""
     tokens = shape["batch"] * shape["seq"]
-    times = {r["contender"]: r.get("step_time_s") for r in rows}
+    torch_times = [r["step_time_s"] for r in rows if r.get("side") == "torch" and "step_time_s" in r]
+    fastest = min(torch_times) if torch_times else None
     for r in rows:
         if "step_time_s" not in r:
             continue
         r["tokens_per_second"] = tokens / r["step_time_s"]
         r["mfu"] = flops_token * r["tokens_per_second"] / peak if peak else None
-        for key, other in (("vs_torch_compile", "torch-compile"), ("vs_torch_eager", "torch-eager")):
-            r[key] = times[other] / r["step_time_s"] if times.get(other) else None
+        r["vs_fastest_torch"] = fastest / r["step_time_s"] if fastest else None
+
+
+def check_param_counts(params: int, rows: list[dict]) -> list[str]:
+    """One line per torch run whose model has another number of parameters than jaxtrain's."""
+    return [
+        f"{r['contender']}: {r['params']:,} parameters, jaxtrain's model {params:,}: not the same model"
+        for r in rows
+        if r.get("params") is not None and r["params"] != params
+    ]
+
+
+def memory_pairs(rows: list[dict]) -> list[dict]:
+    """Peak memory side by side: jaxtrain's default run (`auto`) against each torch run at
+    torch's default (no remat), and every jaxtrain run against every torch run at the same
+    remat policy (`none` or `full`)."""
+    measured = [r for r in rows if r.get("peak_memory_bytes") and "error" not in r]
+    jax_rows = [r for r in measured if r.get("side") == "jaxtrain"]
+    torch_rows = [r for r in measured if r.get("side") == "torch"]
+
+    def pair(what: str, j: dict, t: dict) -> dict:
+        return {
+            "comparison": what,
+            "jaxtrain": j["contender"],
+            "torch": t["contender"],
+            "jaxtrain_bytes": j["peak_memory_bytes"],
+            "torch_bytes": t["peak_memory_bytes"],
+            "ratio": j["peak_memory_bytes"] / t["peak_memory_bytes"],
+        }
+
+    pairs = [
+        pair(f"each side's default (jaxtrain remat {j['remat']}, torch none)", j, t)
+        for j in jax_rows
+        if j["contender"] == "jaxtrain (auto)"
+        for t in torch_rows
+        if t["remat"] == "none"
+    ]
+    pairs += [
+        pair(f"same remat: {t['remat']}", j, t)
+        for t in torch_rows
+        for j in jax_rows
+        if j["remat"] == t["remat"]
+    ]
+    return pairs
 
 
 def _cell(x, fmt: str) -> str:
@@ -565,45 +637,110 @@ def _clean(text: str) -> str:
     return text.replace("|", "/").replace("\n", " ")
 
 
-def contender_table(rows: list[dict]) -> str:
-    cols = [
-        "contender",
-        "s/step",
-        "tokens/s",
-        "MFU",
-        "peak GiB",
-        "torch.compile / this",
-        "torch eager / this",
-    ]
-    lines = ["| " + " | ".join([*cols, "notes"]) + " |", "|" + "---|" * (len(cols) + 1)]
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(_clean(str(c)) for c in row) + " |" for row in rows])
+
+
+STEP_HEADER = [
+    "contender",
+    "s/step (median)",
+    "repeats min-max",
+    "tokens/s",
+    "MFU",
+    "peak GiB",
+    "fastest torch / this",
+    "notes",
+]
+
+
+def contender_cells(rows: list[dict]) -> list[list[str]]:
+    cells_of = []
     for r in rows:
         if "error" in r:
-            cells = [r["contender"], f"error: {_clean(r['error'])}", *[""] * (len(cols) - 2)]
+            cells = [r["contender"], f"error: {_clean(r['error'])}", *[""] * (len(STEP_HEADER) - 3)]
         else:
             peak = r.get("peak_memory_bytes")
             cells = [
                 r["contender"],
                 f"{r['step_time_s']:.4f}",
+                f"{r['step_time_min_s']:.4f}-{r['step_time_max_s']:.4f}",
                 f"{r['tokens_per_second']:,.0f}",
                 "n/a" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%",
                 "n/a" if peak is None else f"{peak / GIB:.1f}",
-                _cell(r.get("vs_torch_compile"), ".2f"),
-                _cell(r.get("vs_torch_eager"), ".2f"),
+                _cell(r.get("vs_fastest_torch"), ".2f"),
             ]
-        notes = [
-            a.split(":")[0]
-            for a in r.get("auto", [])
-            if a.startswith(("model.attention_impl", "model.remat"))
+        cells.append(_clean("; ".join(contender_notes(r))))
+        cells_of.append(cells)
+    return cells_of
+
+
+def contender_notes(r: dict) -> list[str]:
+    notes = [
+        a.split(":")[0] for a in r.get("auto", []) if a.startswith(("model.attention_impl", "model.remat"))
+    ]
+    if r.get("gpu_xla_flags"):
+        notes.append(r["gpu_xla_flags"].split(";")[0].replace(" (docs/gpu.md)", ""))
+    given = [f"{name}={value}" for name, value in r.get("env", {}).items()]
+    if given or r.get("overrides"):
+        notes.insert(0, " ".join([*given, *r.get("overrides", [])]))
+    if r.get("setting"):
+        notes.append(r["setting"])
+    if r.get("sdpa_ops"):
+        ran = sorted(
+            {op.removeprefix("aten::").removesuffix("_backward") for op in r["sdpa_ops"]}
+            - {"scaled_dot_product_attention"}
+        )
+        notes.append("ran " + ", ".join(ran))
+    if "graph_breaks" in r:
+        notes.append(f"{r['graphs']} graphs, {r['graph_breaks']} graph breaks")
+    if r.get("reserved_memory_bytes"):
+        notes.append(f"reserved {r['reserved_memory_bytes'] / GIB:.1f} GiB")
+    return notes
+
+
+MEMORY_HEADER = ["comparison", "jaxtrain", "GiB", "torch", "GiB", "jaxtrain / torch"]
+
+
+def memory_cells(pairs: list[dict]) -> list[list[str]]:
+    return [
+        [
+            p["comparison"],
+            p["jaxtrain"],
+            f"{p['jaxtrain_bytes'] / GIB:.1f}",
+            p["torch"],
+            f"{p['torch_bytes'] / GIB:.1f}",
+            f"{p['ratio']:.2f}",
         ]
-        if r.get("gpu_xla_flags"):
-            notes.append(r["gpu_xla_flags"].split(";")[0].replace(" (docs/gpu.md)", ""))
-        given = [f"{name}={value}" for name, value in r.get("env", {}).items()]
-        if given or r.get("overrides"):
-            notes.insert(0, " ".join([*given, *r.get("overrides", [])]))
-        if r.get("reserved_memory_bytes"):
-            notes.append(f"reserved {r['reserved_memory_bytes'] / GIB:.1f} GiB")
-        lines.append("| " + " | ".join([*cells, _clean("; ".join(notes))]) + " |")
-    return "\n".join(lines)
+        for p in pairs
+    ]
+
+
+ATTENTION_HEADER = [
+    "impl",
+    "fwd ms",
+    "fwd TFLOP/s",
+    "fwd+bwd ms",
+    "fwd+bwd TFLOP/s",
+    "err out",
+    "err dq",
+    "err dk",
+    "err dv",
+]
+
+
+def attention_cells(att: dict) -> list[list[str]]:
+    rows = []
+    for r in att["rows"]:
+        cells = [r["impl"]]
+        for part in ("fwd", "fwd_bwd"):
+            if f"{part}_error" in r:
+                cells += [f"error: {_clean(r[f'{part}_error'])}", ""]
+            else:
+                cells += [f"{1e3 * r[f'{part}_s']:.3f}", f"{r[f'{part}_tflops']:.3g}"]
+        cells += [_cell(r.get(key), ".2e") for key in ("err_out", "err_dq", "err_dk", "err_dv")]
+        rows.append(cells)
+    return rows
 
 
 def attention_table(att: dict) -> str:
@@ -616,34 +753,19 @@ def attention_table(att: dict) -> str:
         f"{att['flops_fwd'] / 1e12:.3g} TFLOP forward, {att['flops_fwd_bwd'] / 1e12:.3g} forward + backward; "
         "error = max|x - ref| / max|ref| against XLA in f32\n\n"
     )
-    cols = ["impl", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s"]
-    cols += ["err out", "err dq", "err dk", "err dv"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in att["rows"]:
-        cells = [r["impl"]]
-        for part in ("fwd", "fwd_bwd"):
-            if f"{part}_error" in r:
-                cells += [f"error: {_clean(r[f'{part}_error'])}", ""]
-            else:
-                cells += [f"{1e3 * r[f'{part}_s']:.3f}", f"{r[f'{part}_tflops']:.3g}"]
-        cells += [_cell(r.get(key), ".2e") for key in ("err_out", "err_dq", "err_dk", "err_dv")]
-        lines.append("| " + " | ".join(cells) + " |")
     wrapper = att.get("cudnn_wrapper")
-    return head + "\n".join(lines) + ("\n\n" + wrapper_table(wrapper) if wrapper else "")
+    table = markdown(ATTENTION_HEADER, attention_cells(att))
+    return head + table + ("\n\n" + wrapper_table(wrapper) if wrapper else "")
 
 
-def wrapper_table(rows: list[dict]) -> str:
-    head = (
-        "jaxtrain's cuDNN wrapper (pallas_kernels/cudnn_attention.py, fallback: the Pallas flash "
-        "kernel), causal, same shape; error against pallas_kernels/reference.py in f32 with the "
-        "same mask (padding: real queries only, cotangent 0 on padding); finite: output and "
-        "dq, dk, dv over the full arrays\n\n"
-    )
-    cols = ["case", "fwd+bwd ms", "err out", "err dq", "err dk", "err dv", "finite"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+WRAPPER_HEADER = ["case", "fwd+bwd ms", "err out", "err dq", "err dk", "err dv", "finite"]
+
+
+def wrapper_cells(rows: list[dict]) -> list[list[str]]:
+    out = []
     for r in rows:
         if "error" in r:
-            lines.append("| " + " | ".join([r["case"], f"error: {_clean(r['error'])}", *[""] * 5]) + " |")
+            out.append([r["case"], f"error: {_clean(r['error'])}", *[""] * 5])
             continue
         bwd_error, fwd_error = r.get("fwd_bwd_error"), r.get("fwd_error")
         cells = [r["case"]]
@@ -656,8 +778,18 @@ def wrapper_table(rows: list[dict]) -> str:
         fin = r.get("finite", {})
         bad = [key for key, ok in fin.items() if not ok]
         cells.append("n/a" if not fin else f"no ({', '.join(bad)})" if bad else f"yes ({len(fin)}/4)")
-        lines.append("| " + " | ".join(cells) + " |")
-    return head + "\n".join(lines)
+        out.append(cells)
+    return out
+
+
+def wrapper_table(rows: list[dict]) -> str:
+    head = (
+        "jaxtrain's cuDNN wrapper (pallas_kernels/cudnn_attention.py, fallback: the Pallas flash "
+        "kernel), causal, same shape; error against pallas_kernels/reference.py in f32 with the "
+        "same mask (padding: real queries only, cotangent 0 on padding); finite: output and "
+        "dq, dk, dv over the full arrays\n\n"
+    )
+    return head + markdown(WRAPPER_HEADER, wrapper_cells(rows))
 
 
 # ---------------------------------------------------------------- main
@@ -681,10 +813,14 @@ def parse_variants(text: str, with_auto: bool = True) -> list[tuple[str, list[st
     return [(label, overrides, env) for label, (overrides, env) in variants.items()]
 
 
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=20, help="training steps per contender (>= 4)")
-    ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per repeat (>= 20)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed windows per contender: min/median/max")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles)")
+    ap.add_argument(
+        "--only", default=",".join(DEFAULT_SECTIONS), help=f"comma-separated, of {','.join(SECTIONS)}"
+    )
     ap.add_argument(
         "--jaxtrain-variants",
         default="",
@@ -692,6 +828,20 @@ def main(argv=None) -> None:
         "`auto`; NAME=value: the child's environment)",
     )
     ap.add_argument("--no-auto", action="store_true", help="only the --jaxtrain-variants runs")
+    ap.add_argument("--torch-attention", choices=torch_peer.ATTENTION, default="auto", help="SDPA backend")
+    ap.add_argument(
+        "--torch-loss", choices=torch_peer.LOSSES, default="hf", help="hf, or Liger's fused linear CE"
+    )
+    ap.add_argument("--torch-compile-mode", choices=torch_peer.COMPILE_MODES, default="default")
+    ap.add_argument(
+        "--torch-remat", choices=torch_peer.REMAT, default="none", help="activation checkpointing"
+    )
+    ap.add_argument(
+        "--torch-variants",
+        default="",
+        help="more torch runs: 'label:model=torchtitan compile=1 mode=max-autotune attention=cudnn "
+        "loss=liger remat=full;label:...' (each from torch.compile with the --torch-* settings)",
+    )
     ap.add_argument("--config", default=str(CONFIG), help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=None, help="global batch, both sides")
     ap.add_argument("--seq", type=int, default=None, help="sequence length, both sides")
@@ -705,24 +855,48 @@ def main(argv=None) -> None:
     ap.add_argument("--json", metavar="OUT", default=None, help="also write every result as JSON")
     # Hidden: the workers' own modes (this file, in a child process).
     ap.add_argument("--worker", choices=("torch", "attention"), default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--compile", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--run", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--total-steps", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--shape", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
 
-    if args.worker == "torch":
-        result = torch_worker(json.loads(args.shape), args.steps, bool(args.compile))
-        print("RESULT " + json.dumps(result), flush=True)
-        return
-    if args.worker == "attention":
-        result = attention_worker(args.attn_shape, args.attn_dtype, args.attn_iters)
-        print("RESULT " + json.dumps(result), flush=True)
-        return
 
+def check_args(ap: argparse.ArgumentParser, args) -> list[str]:
+    """The sections to run; exits with a usage error on a bad combination."""
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     if bad := sorted(set(only) - set(SECTIONS)):
         ap.error(f"--only: unknown sections {bad}; expected some of {','.join(SECTIONS)}")
-    if args.steps < 4:
-        ap.error("--steps must be at least 4 (the median is over steps 3..N-1)")
+    if args.steps < MIN_TIMED_STEPS:
+        ap.error(f"--steps={args.steps}: expected >= {MIN_TIMED_STEPS} timed steps per repeat")
+    if args.repeats < 1 or args.warmup < 1:
+        ap.error(f"--repeats={args.repeats}, --warmup={args.warmup}: expected >= 1 each")
+    try:
+        torch_runs(only, args)
+    except ValueError as e:
+        ap.error(str(e))
+    return only
+
+
+def main(argv=None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+
+    if args.worker == "torch":
+        run = torch_peer.TorchRun(**json.loads(args.run))
+        result = torch_peer.worker(json.loads(args.shape), run, args.total_steps)
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+    if args.worker == "attention":
+        result = attention_worker(args.attn_shape, args.attn_dtype, args.attn_iters)
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+
+    only = check_args(ap, args)
+    with result_file.record("gpu_peer", argv if argv is None else [__file__, *argv]) as rec:
+        return run_sections(only, args, rec)
+
+
+def run_sections(only: list[str], args, rec) -> int:
     shape = model_shape(args)
     flops_token, params = model_flops(shape, args)
 
@@ -735,10 +909,9 @@ def main(argv=None) -> None:
         for label, overrides, env in parse_variants(args.jaxtrain_variants, not args.no_auto):
             print(f"# jaxtrain ({label}) ...", file=sys.stderr, flush=True)
             rows.append(report(run_jaxtrain(label, overrides, env, shape, args)))
-    for name, compile_ in (("torch-eager", False), ("torch-compile", True)):
-        if name in only:
-            print(f"# {name} ...", file=sys.stderr, flush=True)
-            rows.append(report(run_torch(compile_, shape, args)))
+    for run in torch_runs(only, args):
+        print(f"# {run.label} ({run.describe()}) ...", file=sys.stderr, flush=True)
+        rows.append(report(run_torch(run, shape, args)))
     attention = None
     if "attention" in only:
         print("# attention ...", file=sys.stderr, flush=True)
@@ -747,16 +920,23 @@ def main(argv=None) -> None:
     device = gpu_name() or next((r["device"] for r in rows if r.get("device", "cpu") != "cpu"), None)
     peak = peak_flops(device, args.peak_tflops)
     add_figures(rows, shape, flops_token, peak)
+    mismatched = check_param_counts(params, rows)
+    pairs = memory_pairs(rows)
     results = {
         "device": device or "cpu",
         "peak_flops": peak,
         "shape": shape,
         "params": params,
         "flops_per_token": flops_token,
+        "warmup": args.warmup,
         "steps": args.steps,
+        "repeats": args.repeats,
         "contenders": rows,
+        "memory": pairs,
+        "param_mismatches": mismatched,
         "attention": attention,
     }
+    rec.figures.update(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
@@ -766,12 +946,15 @@ def main(argv=None) -> None:
             f"{device or 'CPU'}: Llama of {params:,} parameters (d_model {shape['d_model']}, "
             f"{shape['n_layers']} layers, {shape['n_heads']}/{shape['n_kv_heads']} heads of "
             f"{shape['head_dim']}, mlp {shape['mlp_dim']}, vocab {shape['vocab_size']}), batch "
-            f"{shape['batch']} x {shape['seq']}, median of steps 3..{args.steps - 1}; "
+            f"{shape['batch']} x {shape['seq']}; after {args.warmup} untimed steps, the median of "
+            f"{args.repeats} repeats of the median of {args.steps} steps; "
             f"{flops_token / 1e9:.3g} GFLOP/token; MFU "
             + (f"against {peak / 1e12:.0f} TFLOP/s" if peak else "n/a (no GPU peak)")
             + "\n"
         )
-        print(contender_table(rows))
+        step_rows = contender_cells(rows)
+        rec.table("step", STEP_HEADER, step_rows)
+        print(markdown(STEP_HEADER, step_rows))
         autos = [
             (r["contender"], a)
             for r in rows
@@ -782,10 +965,22 @@ def main(argv=None) -> None:
             print()
             for who, line in autos:
                 print(f"- {who}: {line}")
+    if pairs:
+        print("\nPeak memory, jaxtrain against torch:\n")
+        rec.table("memory", MEMORY_HEADER, memory_cells(pairs))
+        print(markdown(MEMORY_HEADER, memory_cells(pairs)))
     if attention is not None:
         print()
         print(attention_table(attention))
+        if "error" not in attention:
+            rec.table("attention", ATTENTION_HEADER, attention_cells(attention))
+            if attention.get("cudnn_wrapper"):
+                rec.table("cudnn_wrapper", WRAPPER_HEADER, wrapper_cells(attention["cudnn_wrapper"]))
+    if mismatched:
+        print("\nparameter counts differ:\n" + "\n".join(mismatched), file=sys.stderr)
+        raise SystemExit(1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

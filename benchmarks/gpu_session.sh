@@ -1,18 +1,22 @@
 #!/bin/bash
-# The figures issues #31 and #32 still owe, measured in one run on one lent GPU (docs/gpu.md,
-# "Measuring on your GPU"). Run from the repository root with the wheels of ../shared/GPU.md in
-# .whl/ (jaxtrain + flax, optax, orbax, chex); writes tables and JSON under $OUT (default
-# ./gpu-out). Sections, in this order unless named: attention step moe sweep.
+# The GPU figures, measured in one run on one lent GPU (docs/gpu.md, "Measuring on your GPU").
+# Run from the repository root with the wheels of docs/gpu.md in .whl/ (jaxtrain + flax, optax,
+# orbax, chex, liger-kernel, torchtitan and its pure-Python dependencies, and .whl/REVISION);
+# writes logs and JSON under $OUT (default ./gpu-out) and every script's result file under
+# $OUT/results/<script>/ (copy them into benchmarks/results/ and run benchmarks/report.py).
+# Sections, in this order unless named: attention step moe sweep.
 #
-#   bash benchmarks/gpu_session.sh [attention] [step] [moe] [sweep]
+#   bash benchmarks/gpu_session.sh [attention] [step] [moe] [sweep] [peer]
 #
 # attention  the Hopper (Mosaic GPU) flash kernel, our Triton kernel and cuDNN at the issue shape,
 #            checked against the f32 reference: the whole output and gradients of the very calls
 #            then timed, all 4 batch rows and 32 heads (attention_gpu.check_errors)
-# step       the 0.886B Llama step: jaxtrain (auto, which unrolls the layers on one GPU; the scanned
-#            loop, model.scan_layers=true; remat none, which the unrolled program keeps in 28 GiB;
-#            attention_impl=pallas_mosaic once `attention` has seen that kernel correct here)
-#            against torch.compile, each in its own process
+# step       the 0.886B Llama step: jaxtrain (auto; remat none; attention_impl=pallas_mosaic once
+#            `attention` has seen that kernel correct here) against the whole torch step compiled,
+#            SDPA pinned to cuDNN and to FlashAttention-2; 3 repeats of 20 timed steps each
+# peer       (not run unless named) torch's other best settings at the same shape: Liger's fused
+#            linear cross-entropy, max-autotune, torchtitan's Llama 3, and remat full on both
+#            sides for memory at the same policy; 400 s
 # moe        the dropless MoE step (Triton grouped matmul, remat auto, then remat none) against
 #            capacity 1.25
 # sweep      the Mosaic kernel against cuDNN at head_dim 256, its dK/dV kernel split in two or not
@@ -22,13 +26,13 @@
 # gmm        (not run unless named) the Triton grouped matmul alone at the MoE layer's shapes, 120 s
 # long       (not run unless named) the Mosaic kernel against cuDNN at 32k and 8k tokens, 80 s
 # Each section has its own time limit, so one that hangs costs only its own minutes: attention
-# 110 s, step 230 s, moe 150 s, sweep 80 s: 570 s in all, within one 600 s command on the lent GPU
-# with the wheels' install (on 2026-11-28 the step, moe and sweep sections took 162, 106 and 80 s;
-# the sweep timed its first row, the split kernel, and ran out of time for the other two).
+# 110 s, step 280 s, moe 150 s, sweep 80 s: 620 s in all, so run `attention step` and `moe sweep`
+# as two commands on a lent GPU, and `peer` as a third.
 set +e
 REPO=$(pwd)
 OUT=${OUT:-$REPO/gpu-out}
 mkdir -p "$OUT"
+export JAXTRAIN_RESULTS_DIR="$OUT/results"
 SECTIONS=${*:-attention step moe sweep}
 if ls "$REPO"/.whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -64,13 +68,23 @@ for section in $SECTIONS; do
       ;;
     step)
       say step
-      VARIANTS="scanned:model.scan_layers=true;remat-none:model.remat=none"
+      VARIANTS="remat-none:model.remat=none"
       if mosaic_correct "$OUT"/attention_base.json; then
         VARIANTS="$VARIANTS;mosaic:model.attention_impl=pallas_mosaic"
       fi
-      timeout 230 python3 "$REPO"/benchmarks/gpu_peer.py --steps 10 --only jaxtrain,torch-compile \
-        --jaxtrain-variants "$VARIANTS" --json "$OUT"/peer.json > "$OUT"/peer.txt 2>&1
-      show "$OUT"/peer.txt 20
+      timeout 280 python3 "$REPO"/benchmarks/gpu_peer.py --steps 20 --repeats 3 \
+        --only jaxtrain,torch-compile --jaxtrain-variants "$VARIANTS" --torch-attention cudnn \
+        --torch-variants "sdpa-flash:attention=flash" --json "$OUT"/peer.json > "$OUT"/peer.txt 2>&1
+      show "$OUT"/peer.txt 24
+      ;;
+    peer)
+      say peer
+      timeout 400 python3 "$REPO"/benchmarks/gpu_peer.py --steps 20 --repeats 3 \
+        --only jaxtrain,torch-compile,torchtitan --no-auto --jaxtrain-variants "full:model.remat=full" \
+        --torch-attention cudnn --torch-loss liger \
+        --torch-variants "max-autotune:mode=max-autotune;full:remat=full" \
+        --json "$OUT"/peer_best.json > "$OUT"/peer_best.txt 2>&1
+      show "$OUT"/peer_best.txt 24
       ;;
     moe)
       say moe
@@ -113,7 +127,7 @@ for section in $SECTIONS; do
         > "$OUT"/attention_long.txt 2>&1
       show "$OUT"/attention_long.txt 8
       ;;
-    *) echo "unknown section $section: expected attention, step, moe, sweep, tiles, gmm or long" >&2 ;;
+    *) echo "unknown section $section: expected attention, step, moe, sweep, peer, tiles, gmm or long" >&2 ;;
   esac
 done
 say done

@@ -12,6 +12,7 @@ loaded machine slows all of them alike: compare the ratios, not the absolute tim
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -97,4 +98,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import result_file  # benchmarks/: on the path when run as a script
+
+    sys.exit(result_file.run("loss_chunk", main))

@@ -141,4 +141,6 @@ def _fp8_gemms(cfg, target) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import result_file  # benchmarks/: on the path when run as a script
+
+    sys.exit(result_file.run("memory_ladder", main))

@@ -29,9 +29,9 @@ from pathlib import Path
 if __name__ == "__main__" and "--gpu" in sys.argv:  # before this process pins itself to the CPU
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import moe_gpu
+    import result_file
 
-    moe_gpu.main(sys.argv[1:])
-    sys.exit(0)
+    sys.exit(result_file.run("moe_gpu", lambda: moe_gpu.main(sys.argv[1:])))
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -190,4 +190,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import result_file  # benchmarks/: on the path when run as a script
+
+    sys.exit(result_file.run("moe", main))

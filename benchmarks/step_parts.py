@@ -19,6 +19,7 @@ a timing.
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -142,4 +143,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import result_file  # benchmarks/: on the path when run as a script
+
+    sys.exit(result_file.run("step_parts", main))
