@@ -99,7 +99,8 @@ def attend(
 ):
     """Dispatch to one attention implementation (see module docstring). `softmax_scale`:
     the query scale (None: q/k head_dim ** -0.5); `softcap`: the logit cap (every path but cuDNN);
-    `sinks`: `[heads]` sink logits (`xla_attention`); v's head dim may differ from q/k's;
+    `sinks`: `[heads]` sink logits (`xla_attention`; every path but cuDNN); v's head dim may
+    differ from q/k's (every path but cuDNN);
     `gpu_kernel`: which Pallas flash kernel runs on a GPU, "triton" or "mosaic" (Hopper), for
     `pallas`, cuDNN's fallback and the context-parallel blocks (`pallas_mosaic`: always mosaic).
 
@@ -112,7 +113,7 @@ def attend(
     if softcap is not None and impl == "cudnn":
         raise ValueError(f"attention softcap {softcap}: cuDNN's attention takes none; use pallas or xla")
     context = _context_size() > 1
-    _check_supported(impl, context, context_impl, q, v, sinks)
+    _check_supported(impl, context, q, v, sinks)
     if context:
         return _named(
             _context_attention(
@@ -127,6 +128,7 @@ def attend(
                 softmax_scale=softmax_scale,
                 softcap=softcap,
                 gpu_kernel=gpu_kernel,
+                sinks=sinks,
             )
         )
     if impl == "xla":
@@ -161,6 +163,7 @@ def attend(
             scale=softmax_scale,
             softcap=softcap,
             gpu_kernel=gpu_kernel,
+            sinks=sinks,
         )
     if impl == "cudnn":
         return _cudnn_attention(
@@ -180,17 +183,19 @@ def _same_head_dims(q, v) -> bool:
     return q.shape[-1] == v.shape[-1]
 
 
-def _check_supported(impl, context, context_impl, q, v, sinks):
-    """One-line errors for settings a path does not implement (never silently ignored)."""
-    where = f"context_impl={context_impl!r}" if context else f"impl={impl!r}"
-    if context or impl != "xla":
-        if sinks is not None:
-            raise ValueError(f"attention sinks: not supported by attention {where}; use impl=xla")
-        if not _same_head_dims(q, v):
-            raise ValueError(
-                f"attention value head dim {v.shape[-1]} != query/key head dim {q.shape[-1]}: "
-                f"not supported by attention {where}; use impl=xla"
-            )
+def _check_supported(impl, context, q, v, sinks):
+    """One-line errors for settings a path does not implement (never silently ignored): cuDNN
+    (jax.nn.dot_product_attention) takes no sinks and wants v shaped like k. The Hopper
+    kernel's own limits are named by `flash_attention.check_gpu_kernel`."""
+    if impl != "cudnn" or context:  # context parallel: cudnn blocks run the flash kernel
+        return
+    if sinks is not None:
+        raise ValueError("attention sinks: cuDNN's attention takes none; use impl=pallas or xla")
+    if not _same_head_dims(q, v):
+        raise ValueError(
+            f"attention value head dim {v.shape[-1]} != query/key head dim {q.shape[-1]}: "
+            "jax.nn.dot_product_attention (cuDNN) wants v shaped like k; use impl=pallas or xla"
+        )
 
 
 def _named(out):
@@ -251,7 +256,7 @@ def _cudnn_attention(q, k, v, *, segment_ids, causal, sliding_window, scale=None
 
 
 def _pallas_attention(
-    q, k, v, *, segment_ids, causal, sliding_window, scale=None, softcap=None, gpu_kernel="triton"
+    q, k, v, *, segment_ids, causal, sliding_window, scale=None, softcap=None, gpu_kernel="triton", sinks=None
 ):
     """The flash kernel per shard (`_shards`)."""
     mesh, batch_axes, head_axes = _shards(q)
@@ -268,6 +273,7 @@ def _pallas_attention(
         softmax_scale=scale,
         softcap=softcap,
         gpu_kernel=gpu_kernel,
+        sinks=sinks,
     )
 
 
@@ -279,7 +285,19 @@ def _context_size() -> int:
 
 
 def _context_attention(
-    q, k, v, *, segment_ids, causal, impl, sliding_window, context_impl, softmax_scale, softcap, gpu_kernel
+    q,
+    k,
+    v,
+    *,
+    segment_ids,
+    causal,
+    impl,
+    sliding_window,
+    context_impl,
+    softmax_scale,
+    softcap,
+    gpu_kernel,
+    sinks=None,
 ):
     """Ring or Ulysses attention over the `context` mesh axis; batch and heads split
     as the active rules split the `batch` / `act_heads` activations. Inputs are in
@@ -306,6 +324,7 @@ def _context_attention(
         sliding_window=sliding_window,
         softmax_scale=softmax_scale,
         softcap=softcap,
+        sinks=sinks,
     )
     if context_impl == "ring":
         return ring_attention(q, k, v, **kwargs)

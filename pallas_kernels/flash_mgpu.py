@@ -189,10 +189,14 @@ def default_blocks(head_dim: int) -> dict:
     )
 
 
-def unsupported_reason(*, head_dim: int, dtype, softcap=None) -> str | None:
+def unsupported_reason(*, head_dim: int, dtype, softcap=None, v_head_dim=None, sinks=False) -> str | None:
     """Why this kernel cannot run a case (the dispatcher then keeps Triton), or None."""
     if softcap is not None:
         return "softcap is not implemented in the Mosaic GPU kernel"
+    if v_head_dim not in (None, head_dim):
+        return f"value head_dim {v_head_dim} != query/key head_dim {head_dim}: not in the Mosaic GPU kernel"
+    if sinks:
+        return "attention sinks are not implemented in the Mosaic GPU kernel"
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} is not one of {HEAD_DIMS}"
     if jnp.dtype(dtype) not in _DTYPES:

@@ -114,18 +114,6 @@ def test_attend_bypasses_the_cpu_tuned_path(case):
     np.testing.assert_allclose(out, reference(q, k, v, visible, sinks=sinks), atol=2e-5)
 
 
-@pytest.mark.parametrize(
-    "impl, sinks, dv, match",
-    [
-        ("cudnn", True, 24, "attention sinks: not supported by attention impl='cudnn'"),
-    ],
-)
-def test_unsupported_settings_are_refused(impl, sinks, dv, match):
-    q, k, v, s = inputs(dv=dv)
-    with pytest.raises(ValueError, match=match):
-        attend(q, k, v, impl=impl, sinks=s if sinks else None)
-
-
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("sinks", [False, True])
 def test_cached_decode_equals_the_reference(window, sinks):
