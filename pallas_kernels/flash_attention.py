@@ -1264,7 +1264,6 @@ def flash_attention(
         dtype=q.dtype,
         softcap=softcap,
         v_head_dim=v_head_dim,
-        sinks=sinks is not None,
     )
     if gpu_kernel == "mosaic":
         from jaxtrain.pallas_kernels.flash_mgpu import flash_attention_mgpu
@@ -1278,6 +1277,7 @@ def flash_attention(
             sliding_window=sliding_window,
             softmax_scale=softmax_scale,
             interpret=bool(interpret),
+            sinks=sinks,
         )
 
     # Triton blocks must be powers of two in every dim: pad head_dim with zeros
@@ -1320,7 +1320,7 @@ def check_sinks(sinks, q_heads: int):
 
 
 def check_gpu_kernel(
-    gpu_kernel: str, *, backend: str, head_dim: int, dtype, softcap=None, v_head_dim=None, sinks=False
+    gpu_kernel: str, *, backend: str, head_dim: int, dtype, softcap=None, v_head_dim=None
 ) -> str:
     """``gpu_kernel`` if it can run the case on ``backend`` (CPU: its interpreter), else a
     ValueError naming the key: 'mosaic' (flash_mgpu.py) is a Hopper kernel with its own
@@ -1333,9 +1333,7 @@ def check_gpu_kernel(
             raise ValueError("gpu_kernel='mosaic' is a Hopper GPU kernel; the backend here is tpu")
         from jaxtrain.pallas_kernels.flash_mgpu import unsupported_reason
 
-        reason = unsupported_reason(
-            head_dim=head_dim, dtype=dtype, softcap=softcap, v_head_dim=v_head_dim, sinks=sinks
-        )
+        reason = unsupported_reason(head_dim=head_dim, dtype=dtype, softcap=softcap, v_head_dim=v_head_dim)
         if reason:
             raise ValueError(
                 f"gpu_kernel='mosaic' cannot run this case: {reason}; expected gpu_kernel='triton'"

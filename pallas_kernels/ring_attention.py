@@ -356,7 +356,6 @@ def ring_attention(
             dtype=q.dtype,
             softcap=softcap,
             v_head_dim=v_head_dim,
-            sinks=sinks is not None,
         )
     block = BlockConfig(
         backend=backend,

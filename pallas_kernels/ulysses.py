@@ -115,7 +115,6 @@ def ulysses_attention(
             dtype=q.dtype,
             softcap=softcap,
             v_head_dim=v.shape[3],
-            sinks=sinks is not None,
         )
     perm = _zigzag(seq, n) if load_balanced else None
     inv = None if perm is None else np.argsort(perm)

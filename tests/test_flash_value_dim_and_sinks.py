@@ -149,7 +149,6 @@ def test_attend_routes_sinks_and_value_dim_to_the_flash_kernel():
     [
         ("cudnn", 24, True, "attention sinks: cuDNN's attention takes none"),
         ("cudnn", 16, False, "value head dim 16 != query/key head dim 24"),
-        ("pallas_mosaic", 24, True, "attention sinks are not implemented in the Mosaic GPU kernel"),
         ("pallas_mosaic", 16, False, "value head_dim 16 != query/key head_dim 24"),
     ],
 )
@@ -162,7 +161,7 @@ def test_paths_without_the_case_refuse_it(impl, dv, sinks, match):
 @pytest.mark.parametrize("case", [dict(sinks=True), dict(v_head_dim=64)])
 def test_auto_gives_cases_cudnn_cannot_run_to_the_triton_kernel(case):
     """GPT-OSS's sinks and MLA's value head dim: `auto` on an H100 takes the Pallas (Triton)
-    kernel where it would take cuDNN, and the flash kernel choice keeps Triton."""
+    kernel where it would take cuDNN; the Hopper kernel takes sinks but not MLA's value dim."""
     from jaxtrain.planning.attention_speeds import choose_gpu_attention, choose_gpu_flash_kernel
 
     args = dict(chip="h100", head_dim=128, compute_dtype="bfloat16")
@@ -170,4 +169,4 @@ def test_auto_gives_cases_cudnn_cannot_run_to_the_triton_kernel(case):
     impl, why = choose_gpu_attention(window=False, **args, **case)
     assert impl == "pallas" and "not cudnn" in why
     assert choose_gpu_flash_kernel(**args)[0] == "mosaic"
-    assert choose_gpu_flash_kernel(**args, **case)[0] == "triton"
+    assert choose_gpu_flash_kernel(**args, **case)[0] == ("mosaic" if "sinks" in case else "triton")

@@ -112,13 +112,13 @@ def cudnn_cannot(
 
 def _mosaic_can(
     *, chip: str | None, head_dim: int, compute_dtype: str, softcap: bool, sinks=False, v_head_dim=None
-) -> bool:
+) -> bool:  # `sinks`: the kernel takes them (flash_mgpu._with_sinks)
     """The Hopper flash kernel (pallas_kernels/flash_mgpu.py, `pallas_mosaic`) can run the case:
     an sm90 chip and what the kernel itself accepts."""
     from jaxtrain.pallas_kernels.flash_mgpu import unsupported_reason
 
     reason = unsupported_reason(
-        head_dim=head_dim, dtype=compute_dtype, softcap=softcap or None, v_head_dim=v_head_dim, sinks=sinks
+        head_dim=head_dim, dtype=compute_dtype, softcap=softcap or None, v_head_dim=v_head_dim
     )
     return chip in HOPPER_CHIPS and reason is None
 
@@ -189,7 +189,7 @@ def choose_gpu_flash_kernel(
     )
     if not _mosaic_can(chip=chip, **case):
         return "triton", "the Triton kernel: the Hopper kernel needs an sm90 chip, 16-bit compute, " + (
-            "head_dim 64/128/256 (v's as q/k's), no softcap and no sinks"
+            "head_dim 64/128/256 (v's as q/k's) and no softcap"
         )
     pairs: dict[tuple[str, int], dict[str, float]] = {}  # (chip, head_dim) -> impl -> TFLOP/s
     for row in SPEEDS:
