@@ -158,15 +158,18 @@ def test_paths_without_the_case_refuse_it(impl, dv, sinks, match):
         attend(q, k, v, impl=impl, sinks=s if sinks else None)
 
 
-@pytest.mark.parametrize("case", [dict(sinks=True), dict(v_head_dim=64)])
-def test_auto_gives_cases_cudnn_cannot_run_to_the_triton_kernel(case):
-    """GPT-OSS's sinks and MLA's value head dim: `auto` on an H100 takes the Pallas (Triton)
-    kernel where it would take cuDNN; the Hopper kernel takes sinks but not MLA's value dim."""
+@pytest.mark.parametrize(
+    "case, impl, kernel",
+    [(dict(sinks=True), "pallas_mosaic", "mosaic"), (dict(v_head_dim=64), "pallas", "triton")],
+)
+def test_auto_gives_cases_cudnn_cannot_run_to_a_flash_kernel(case, impl, kernel):
+    """GPT-OSS's sinks and MLA's value head dim: `auto` on an H100 takes a Pallas kernel where
+    it would take cuDNN, the fastest measured one that runs the case: the Hopper kernel takes
+    sinks, only Triton takes MLA's value dim."""
     from jaxtrain.planning.attention_speeds import choose_gpu_attention, choose_gpu_flash_kernel
 
     args = dict(chip="h100", head_dim=128, compute_dtype="bfloat16")
     assert choose_gpu_attention(window=False, **args)[0] == "cudnn"
-    impl, why = choose_gpu_attention(window=False, **args, **case)
-    assert impl == "pallas" and "not cudnn" in why
-    assert choose_gpu_flash_kernel(**args)[0] == "mosaic"
-    assert choose_gpu_flash_kernel(**args, **case)[0] == ("mosaic" if "sinks" in case else "triton")
+    chosen, why = choose_gpu_attention(window=False, **args, **case)
+    assert chosen == impl and "not cudnn" in why
+    assert choose_gpu_flash_kernel(**args, **case)[0] == kernel
