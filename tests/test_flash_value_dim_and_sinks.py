@@ -173,3 +173,23 @@ def test_auto_gives_cases_cudnn_cannot_run_to_a_flash_kernel(case, impl, kernel)
     chosen, why = choose_gpu_attention(window=False, **args, **case)
     assert chosen == impl and "not cudnn" in why
     assert choose_gpu_flash_kernel(**args, **case)[0] == kernel
+
+
+@pytest.mark.parametrize("context_impl", [pytest.param("ring", marks=pytest.mark.slow), "ulysses"])
+def test_attend_routes_them_to_context_parallelism(context_impl):
+    """Under a mesh with context=2 and the default rules, `attend` runs ring or Ulysses
+    attention (XLA blocks here, the CPU default), sinks and value dim included; its input is in
+    zig-zag order, as the trainer feeds it."""
+    from jaxtrain import sharding
+
+    q, k, v, sinks = inputs(s=32)
+    visible = visible_mask(np.ones((2, 32), np.int32))
+    perm = np.asarray(zigzag_permutation(32, 2))
+    mesh = _mesh((2,), ("context",))
+    with jax.set_mesh(mesh), sharding.axis_rules(sharding.DEFAULT_RULES):
+        fn = jax.jit(
+            lambda q, k, v, s: attend(
+                q[:, perm], k[:, perm], v[:, perm], impl="xla", context_impl=context_impl, sinks=s
+            )[:, np.argsort(perm)]
+        )
+        _check(fn, (q, k, v, sinks), lambda q, k, v, s: reference(q, k, v, visible, sinks=s), (0, 1, 2, 3))
