@@ -19,6 +19,10 @@ instead, combined with the same batch/head sharding; `impl` then only picks the
 per-block compute (flash kernel or XLA; cudnn and pallas_mosaic blocks run the Triton flash
 kernel, whose log-sum-exp the ring combines). Sequences are then in zig-zag order
 (`sharding.context`, applied to every batch by the trainer).
+
+Every path but cuDNN takes v with a head dim of its own (MLA: q/k 192, v 128; the output has
+v's) and `sinks`, one logit per query head in every softmax's denominator with no value
+(GPT-OSS); cuDNN refuses both in one line, the Hopper kernel the value dim.
 """
 
 from __future__ import annotations
