@@ -58,6 +58,7 @@ __all__ = [
     "mgpu_block_config",
     "put",
     "softmax_delta",
+    "with_sinks",
     "zero_grads",
 ]
 
@@ -80,6 +81,7 @@ class BlockConfig:
     softcap: float | None = None  # logit cap c: scores -> c * tanh(scores / c) before the mask
     window: int | None = None  # causal sliding window, in sequence order (see the module doc)
     gpu_kernel: str = "triton"  # flash blocks on GPU: 'triton' or 'mosaic' (flash_mgpu, Hopper)
+    v_head_dim: int | None = None  # v's head dim where it differs from q/k's (MLA); None: head_dim
 
     @property
     def window_reach(self) -> int:
@@ -142,7 +144,7 @@ def _xla_fwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, distance=0):
     )
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), _NEG_INF)[..., 0]
     b, c = q.shape[:2]
-    return o.reshape(q.shape), lse.reshape(b, spec.q_heads, c)
+    return o.reshape(b, c, spec.q_heads, v.shape[-1]), lse.reshape(b, spec.q_heads, c)
 
 
 def _xla_bwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, lse, do, delta, distance=0):
@@ -152,7 +154,7 @@ def _xla_bwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, lse, do, delta,
     s, dcap = _xla_scores(spec, q, k, q_seg, k_seg, diagonal, distance)
     lse_g = lse.reshape(b, spec.kv_heads, g, c)[..., None]
     p = jnp.exp(s - lse_g)  # [b, kv, g, q, t]
-    dog = do.astype(jnp.float32).reshape(b, c, spec.kv_heads, g, d)
+    dog = do.astype(jnp.float32).reshape(b, c, spec.kv_heads, g, v.shape[-1])
     dv = jnp.einsum("bkgqt,bqkgd->btkd", p, dog, precision=prec)
     dp = jnp.einsum("bqkgd,btkd->bkgqt", dog, v.astype(jnp.float32), precision=prec)
     ds = p * (dp - delta.reshape(b, spec.kv_heads, g, c)[..., None]) * spec.scale
@@ -175,7 +177,8 @@ def flash_block_config(spec: BlockConfig, diagonal: bool, dtype, distance: int =
     must be a multiple of every block), causal inside diagonal pairs only, the window
     shifted by ``distance`` chunks (``FlashConfig.q_offset``).
     ValueError when the chunk does not fit (blocks, or TPU VMEM)."""
-    blocks = resolve_block_sizes(spec.block_sizes, spec.backend, spec.chunk, spec.head_dim, dtype)
+    dims = (spec.head_dim, spec.v_head_dim or spec.head_dim)
+    blocks = resolve_block_sizes(spec.block_sizes, spec.backend, spec.chunk, max(dims), dtype)
     for b in blocks.as_tuple():
         if spec.chunk % b:
             raise ValueError(
@@ -188,6 +191,7 @@ def flash_block_config(spec: BlockConfig, diagonal: bool, dtype, distance: int =
         blocks=blocks,
         dtype=dtype,
         softcap=spec.softcap,
+        v_head_dim=spec.v_head_dim,
         **_pair_geometry(spec, diagonal, distance),
     )
 
@@ -304,7 +308,8 @@ def block_fwd(spec: BlockConfig, q, k, v, q_seg, k_seg, diagonal, distance=0):
     fn = _block_fns(spec)[0]
     b, c = q.shape[:2]
     o_dtype = q.dtype if spec.use_flash else jnp.float32  # as the block's own output
-    nothing = lambda: (jnp.zeros(q.shape, o_dtype), jnp.full((b, spec.q_heads, c), _NEG_INF, jnp.float32))
+    o_shape = (b, c, spec.q_heads, v.shape[-1])
+    nothing = lambda: (jnp.zeros(o_shape, o_dtype), jnp.full((b, spec.q_heads, c), _NEG_INF, jnp.float32))
     return _at_distance(
         spec, diagonal, distance, lambda d: fn(spec, q, k, v, q_seg, k_seg, diagonal, d), nothing
     )
@@ -403,10 +408,22 @@ def bwd_pairs(block: BlockConfig, pairs, c, q, seg, kv, lse, do, delta, grads, d
     return dq, dk, dv
 
 
-def empty_output(q):
-    """(o, lse) accumulators before any key: zeros and -inf."""
+def empty_output(q, v_head_dim=None):
+    """(o, lse) accumulators before any key: zeros and -inf (o with ``v_head_dim``, None: q's)."""
     b, L, h, d = q.shape
+    d = d if v_head_dim is None else v_head_dim
     return jnp.zeros((b, L, h, d), jnp.float32), jnp.full((b, h, L), _NEG_INF, jnp.float32)
+
+
+def with_sinks(o, lse, sinks):
+    """(o, lse) [b, L, h, d] f32 / [b, h, L] of a softmax over every key, with each head's sink
+    logit ([h]) added to the denominator: lse' = logaddexp(lse, sink), o' = o exp(lse - lse')
+    (a query that saw no key: lse' = sink, o' = 0). The backward then runs on (o', lse') as
+    usual, and the sinks' gradient is ``flash_attention.sink_grad``."""
+    if sinks is None:
+        return o, lse
+    new = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
+    return o * jnp.moveaxis(jnp.exp(lse - new), 1, 2)[..., None], new
 
 
 def zero_grads(q, k, v):

@@ -25,14 +25,17 @@ from jaxtrain.pallas_kernels.blocks import (
     flash_block_config,
     fwd_pairs,
     softmax_delta,
+    with_sinks,
     zero_grads,
 )
 from jaxtrain.pallas_kernels.flash_attention import (
     BlockSizes,
     check_gpu_kernel,
+    check_sinks,
     check_softcap,
     check_window,
     flash_attention,
+    sink_grad,
 )
 from jaxtrain.pallas_kernels.mesh_utils import resolve_backend
 
@@ -65,24 +68,28 @@ def _distance(qi, ki):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked(spec: _Chunked, q, k, v, seg):
-    return _chunked_fwd_local(spec, q, k, v, seg)[0]
+def _chunked(spec: _Chunked, q, k, v, seg, sinks):
+    return _chunked_fwd_local(spec, q, k, v, seg, sinks)[0]
 
 
-def _chunked_fwd_local(spec, q, k, v, seg):
+def _chunked_fwd_local(spec, q, k, v, seg, sinks):
     c = q.shape[1] // spec.chunks
-    o, lse = fwd_pairs(spec.block, _chunk_pairs(spec), c, q, seg, (k, v, seg), empty_output(q), _distance)
+    acc = empty_output(q, v.shape[-1])
+    o, lse = with_sinks(
+        *fwd_pairs(spec.block, _chunk_pairs(spec), c, q, seg, (k, v, seg), acc, _distance), sinks
+    )
     return o.astype(q.dtype), lse
 
 
-def _chunked_fwd(spec, q, k, v, seg):
-    o, lse = _chunked_fwd_local(spec, q, k, v, seg)
-    return o, (q, k, v, seg, o, lse)
+def _chunked_fwd(spec, q, k, v, seg, sinks):
+    o, lse = _chunked_fwd_local(spec, q, k, v, seg, sinks)
+    return o, (q, k, v, seg, sinks, o, lse)
 
 
 def _chunked_bwd(spec, res, do):
-    q, k, v, seg, o, lse = res
+    q, k, v, seg, sinks, o, lse = res
     c = q.shape[1] // spec.chunks
+    delta = softmax_delta(o, do)
     dq, dk, dv = bwd_pairs(
         spec.block,
         _chunk_pairs(spec),
@@ -92,11 +99,12 @@ def _chunked_bwd(spec, res, do):
         (k, v, seg),
         lse,
         do,
-        softmax_delta(o, do),
+        delta,
         zero_grads(q, k, v),
         _distance,
     )
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    dsinks = None if sinks is None else sink_grad(sinks, lse, delta)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, dsinks
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -158,6 +166,7 @@ def chunked_attention(
     interpret: bool | None = None,
     block_impl: str | None = None,
     gpu_kernel: str = "triton",
+    sinks=None,
 ):
     """Exact attention on one device's ``[batch, seq, heads, head_dim]`` arrays, the
     sequence cut into ``chunks`` pieces: the ring's per-block kernels for every
@@ -168,7 +177,8 @@ def chunked_attention(
     (``flash_chunks_needed``). Sequence order, no permutation. ``softcap``, and
     ``sliding_window`` (causal only): as for ``flash_attention``; pairs of chunks the window
     cannot reach are skipped. ``gpu_kernel``: the flash blocks' family on GPU, as for
-    ``ring_attention``.
+    ``ring_attention``. v's head dim may differ from q/k's; ``sinks`` ([heads]): as for
+    ``flash_attention``, added once to the merged softmax.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 4:
@@ -192,8 +202,17 @@ def chunked_attention(
     if interpret is None:
         interpret = backend == "cpu"
     window = check_window(sliding_window, causal)
+    sinks = check_sinks(sinks, q_heads)
+    v_head_dim = v.shape[3]
     if block_impl == "pallas":
-        check_gpu_kernel(gpu_kernel, backend=backend, head_dim=head_dim, dtype=q.dtype, softcap=softcap)
+        check_gpu_kernel(
+            gpu_kernel,
+            backend=backend,
+            head_dim=head_dim,
+            dtype=q.dtype,
+            softcap=softcap,
+            v_head_dim=v_head_dim,
+        )
     block = BlockConfig(
         backend=backend,
         scale=float(softmax_scale or 1.0 / math.sqrt(head_dim)),
@@ -207,9 +226,10 @@ def chunked_attention(
         softcap=check_softcap(softcap),
         window=window,
         gpu_kernel=gpu_kernel,
+        v_head_dim=None if v_head_dim == head_dim else v_head_dim,
     )
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
-    return _chunked(_Chunked(chunks=chunks, causal=bool(causal), block=block), q, k, v, seg)
+    return _chunked(_Chunked(chunks=chunks, causal=bool(causal), block=block), q, k, v, seg, sinks)
 
 
 def flash_attention_any_length(q, k, v, *, backend=None, **kwargs):
@@ -220,7 +240,11 @@ def flash_attention_any_length(q, k, v, *, backend=None, **kwargs):
     window_ok = kwargs.get("sliding_window") is None or kwargs.get("causal", False)
     if resolved == "tpu" and window_ok and kwargs.get("gpu_kernel", "triton") == "triton":
         chunks = flash_chunks_needed(
-            q.shape[1], q.shape[3], q.dtype, backend=resolved, block_sizes=kwargs.get("block_sizes")
+            q.shape[1],
+            max(q.shape[3], v.shape[3]),
+            q.dtype,
+            backend=resolved,
+            block_sizes=kwargs.get("block_sizes"),
         )
         if chunks > 1:
             return chunked_attention(q, k, v, chunks=chunks, backend=resolved, block_impl="pallas", **kwargs)

@@ -64,6 +64,7 @@ __all__ = [
     "BlockSizes",
     "FlashConfig",
     "check_gpu_kernel",
+    "check_sinks",
     "check_softcap",
     "check_window",
     "cost_estimates",
@@ -78,6 +79,7 @@ __all__ = [
     "from_kernel_layout",
     "matmul_precision",
     "resolve_block_sizes",
+    "sink_grad",
     "to_kernel_layout",
 ]
 
@@ -220,10 +222,18 @@ class FlashConfig:
     # Attach a pl.CostEstimate (read from cost_estimates() when built, so that the
     # jit cache of _flash_padded keys on it).
     charge_cost: bool = dataclasses.field(default_factory=lambda: _CHARGE_COST)
+    # The value (and output) head dim seen by the kernel when it differs from q/k's
+    # (MLA: 128 against 192); None: head_dim.
+    v_head_dim: int | None = None
 
     @property
     def group(self) -> int:
         return self.q_heads // self.kv_heads
+
+    @property
+    def dv(self) -> int:
+        """The value / output head dim."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
 
 # ----------------------------------------------------------------------------
@@ -301,11 +311,10 @@ def _masked_loops(ranges, body):
 # ----------------------------------------------------------------------------
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, *rest, cfg: FlashConfig, has_segments: bool):
+def _fwd_kernel(q_ref, k_ref, v_ref, *rest, cfg: FlashConfig, has_segments: bool, has_sinks: bool = False):
     if has_segments:
-        q_seg_ref, kv_seg_ref, o_ref, lse_ref = rest
-    else:
-        o_ref, lse_ref = rest
+        q_seg_ref, kv_seg_ref, *rest = rest
+    sink_ref, o_ref, lse_ref = rest if has_sinks else (None, *rest)
     bq, bk = cfg.blocks.block_q, cfg.blocks.block_kv
     q0 = pl.program_id(2) * bq
     q = q_ref[...]
@@ -329,10 +338,17 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, cfg: FlashConfig, has_segments: bool
     carry = (
         jnp.full((bq, 1), _MASK_VALUE, jnp.float32),
         jnp.zeros((bq, 1), jnp.float32),
-        jnp.zeros((bq, q.shape[-1]), jnp.float32),
+        jnp.zeros((bq, v_ref.shape[-1]), jnp.float32),
     )
     ranges = ranges_for_q_tile(cfg, q0, bq, bk)
     m, l, acc = _masked_loops(ranges, body)(carry)
+    if has_sinks:
+        # The head's sink logit joins the denominator as one more key with no value. A row
+        # that saw no key then gets m = sink, l = 1 and output 0 (exp(mask - sink) = 0).
+        sink = jnp.transpose(sink_ref[...])  # [1, bq] -> [bq, 1], the head's logit in every row
+        m_new = jnp.maximum(m, sink)
+        alpha = jnp.exp(m - m_new)
+        m, l, acc = m_new, alpha * l + jnp.exp(sink - m_new), alpha * acc
     # A row that saw no allowed key keeps m at the mask value (an allowed score is far
     # above it) and summed exp(0) = 1 per masked entry: its output is 0 and its LSE the mask
     # value (ring and chunked attention merge it with weight 0). Only blocks of a q_offset
@@ -390,8 +406,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, cfg: Fla
         refs = (q_ref, do_ref, lse_ref, delta_ref, q_seg_ref)
         return _kv_tile_step(cfg, carry, i, masked, refs, k, v, kv_seg, k0)[:2]
 
-    zeros = jnp.zeros((bk, k.shape[-1]), jnp.float32)
-    dk, dv = _masked_loops(ranges_for_kv_tile(cfg, k0, bk, bq), body)((zeros, zeros))
+    zeros = (jnp.zeros((bk, k.shape[-1]), jnp.float32), jnp.zeros((bk, v.shape[-1]), jnp.float32))
+    dk, dv = _masked_loops(ranges_for_kv_tile(cfg, k0, bk, bq), body)(zeros)
     dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -474,8 +490,8 @@ def _fused_bwd_kernel(
             acc_ref[pl.ds(q0, bq), :] += dq
         return dk, dv
 
-    zeros = jnp.zeros((bk, k.shape[-1]), jnp.float32)
-    dk, dv = _masked_loops(ranges_for_kv_tile(cfg, k0, bk, bq), body)((zeros, zeros))
+    zeros = (jnp.zeros((bk, k.shape[-1]), jnp.float32), jnp.zeros((bk, v.shape[-1]), jnp.float32))
+    dk, dv = _masked_loops(ranges_for_kv_tile(cfg, k0, bk, bq), body)(zeros)
     dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
     if acc_ref is not dq_ref:
@@ -499,24 +515,25 @@ def to_kernel_layout(x, cfg: FlashConfig):
 
 
 def from_kernel_layout(x, cfg: FlashConfig, heads: int):
+    """The inverse of ``to_kernel_layout`` (q/k-like or v-like: the head dim is x's)."""
     if cfg.head_major:
         return jnp.swapaxes(x, 1, 2)
-    b, s, _ = x.shape
-    return x.reshape(b, s, heads, cfg.head_dim)
+    b, s, hd = x.shape
+    return x.reshape(b, s, heads, hd // heads)
 
 
-def _whole_spec(cfg: FlashConfig, head_fn):
+def _whole_spec(cfg: FlashConfig, head_fn, d=None):
     """BlockSpec for the whole [seq, D] sequence of one head (read by the in-kernel loop)."""
-    return _tile_spec(cfg, cfg.seq_pad, head_fn, whole=True)
+    return _tile_spec(cfg, cfg.seq_pad, head_fn, d, whole=True)
 
 
-def _tile_spec(cfg: FlashConfig, block: int, head_fn, *, whole: bool = False):
+def _tile_spec(cfg: FlashConfig, block: int, head_fn, d=None, *, whole: bool = False):
     """BlockSpec for the grid step's [block, D] tile of one head (or, whole=True, all of it).
 
     Grid is (batch, q_head, tile); ``head_fn`` maps the query head to the head of
-    this operand (identity, or // group for kv heads).
+    this operand (identity, or // group for kv heads); ``d``: the head dim (None: q/k's).
     """
-    d = cfg.head_dim
+    d = cfg.head_dim if d is None else d
     seq_idx = (lambda i: 0) if whole else (lambda i: i)
     if cfg.head_major:
         spec = (None, None, block, d)
@@ -546,6 +563,12 @@ def _vector_tile_spec(block: int, *, per_head: bool):
     if per_head:
         return pl.BlockSpec((None, None, None, 1, block), lambda b, h, i: (b, h, i, 0, 0))
     return pl.BlockSpec((None, None, 1, block), lambda b, h, i: (b, i, 0, 0))
+
+
+def _sink_spec(block: int):
+    """The head's sink logit as a [1, block] row (every entry the same): a [heads, 1, block]
+    operand, so that it is a per-query column in-kernel as the segment ids are."""
+    return pl.BlockSpec((None, 1, block), lambda b, h, i: (h, 0, 0))
 
 
 def _vector_rows_spec(cfg: FlashConfig, block: int, *, per_head: bool):
@@ -603,6 +626,8 @@ def _visited_blocks(cfg: FlashConfig, kind: str) -> int:
 # them: forward S, PV; dQ S, dP, dS K; dK/dV S, P^T dO, dP, dS^T Q; fused: all
 # five backward ones once. Split backward 3 + 4 = 7, fused 5 (plus the forward's 2).
 KERNEL_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4, "fused": 5}
+# Of those, the ones over the value head dim (PV; dP; dP, dV; dP, dV), the others over q/k's.
+_VALUE_MATMULS = {"fwd": 1, "dq": 1, "dkv": 2, "fused": 2}
 
 # Whether pallas_calls traced from here carry a cost estimate (see cost_estimates).
 _CHARGE_COST = True
@@ -671,7 +696,9 @@ def _cost(cfg: FlashConfig, kind: str, batch: int, operands, outputs) -> pl.Cost
     )
     per_pair = 1 if cfg.softcap is None else 2  # exp, and the softcap's tanh
     return pl.CostEstimate(
-        flops=int(2 * matmuls * pairs * cfg.head_dim),
+        flops=int(
+            2 * pairs * ((matmuls - _VALUE_MATMULS[kind]) * cfg.head_dim + _VALUE_MATMULS[kind] * cfg.dv)
+        ),
         transcendentals=int(per_pair * pairs),
         bytes_accessed=int(nbytes),
     )
@@ -686,10 +713,11 @@ def _cost(cfg: FlashConfig, kind: str, batch: int, operands, outputs) -> pl.Cost
 # ----------------------------------------------------------------------------
 
 
-def _specs(cfg: FlashConfig, kind: str, *, has_segments: bool):
+def _specs(cfg: FlashConfig, kind: str, *, has_segments: bool, has_sinks: bool = False):
     """(in_specs, out_specs) of kernel ``kind`` ('fwd', 'dq' or 'dkv') over the grid (batch, q_head, tile).
 
-    Operands are (q, k, v[, dO, LSE, delta][, q segment ids, kv segment ids]).
+    Operands are (q, k, v[, dO, LSE, delta][, q segment ids, kv segment ids][, sinks (fwd)]).
+    q, k, dQ, dK have q/k's head dim, v, O, dO, dV the value head dim (``cfg.dv``).
     The forward and dQ kernels tile the queries and loop over keys; dK/dV tiles
     the keys and loops over queries. The tiled side's operands are the grid
     step's tile (a row for per-position vectors), the looped side's are whole.
@@ -698,34 +726,37 @@ def _specs(cfg: FlashConfig, kind: str, *, has_segments: bool):
     bq, bk = cfg.blocks.for_kernel(kind)
     g = cfg.group
     q_head, kv_head = (lambda h: h), (lambda h: h // g)
+    dv = cfg.dv
     if kind in ("dkv", "fused"):
-        q_spec = _whole_spec(cfg, q_head)
-        kv_spec = _tile_spec(cfg, bk, kv_head)
+        q_spec, o_spec = _whole_spec(cfg, q_head), _whole_spec(cfg, q_head, dv)
+        k_spec, v_spec = _tile_spec(cfg, bk, kv_head), _tile_spec(cfg, bk, kv_head, dv)
         q_vector = _vector_rows_spec(cfg, bq, per_head=True)
         seg_specs = [_vector_rows_spec(cfg, bq, per_head=False), _vector_tile_spec(bk, per_head=False)]
     else:
-        q_spec = _tile_spec(cfg, bq, q_head)
-        kv_spec = _whole_spec(cfg, kv_head)
+        q_spec, o_spec = _tile_spec(cfg, bq, q_head), _tile_spec(cfg, bq, q_head, dv)
+        k_spec, v_spec = _whole_spec(cfg, kv_head), _whole_spec(cfg, kv_head, dv)
         q_vector = _vector_tile_spec(bq, per_head=True)
         seg_specs = [_vector_tile_spec(bq, per_head=False), _vector_rows_spec(cfg, bk, per_head=False)]
-    in_specs = [q_spec, kv_spec, kv_spec]
+    in_specs = [q_spec, k_spec, v_spec]
     if kind != "fwd":
-        in_specs += [q_spec, q_vector, q_vector]  # dO is laid out like q; LSE, delta per query
+        in_specs += [o_spec, q_vector, q_vector]  # dO is laid out like O; LSE, delta per query
     if has_segments:
         in_specs += seg_specs
+    if has_sinks:
+        in_specs.append(_sink_spec(bq))
     if kind == "fwd":
-        return in_specs, [q_spec, q_vector]  # O, LSE
+        return in_specs, [o_spec, q_vector]  # O, LSE
     if kind == "dq":
         return in_specs, q_spec
     # dK, dV per *query* head: a key tile of head h.
-    kv_out = _tile_spec(cfg, bk, q_head)
+    dk_out, dv_out = _tile_spec(cfg, bk, q_head), _tile_spec(cfg, bk, q_head, dv)
     if kind == "dkv":
-        return in_specs, [kv_out, kv_out]
+        return in_specs, [dk_out, dv_out]
     # Fused: dQ of the whole sequence of head h; on GPU (f32) also its zeros input.
     dq_whole = _whole_spec(cfg, q_head)
     if cfg.backend == "gpu":
         in_specs.append(dq_whole)
-    return in_specs, [dq_whole, kv_out, kv_out]
+    return in_specs, [dq_whole, dk_out, dv_out]
 
 
 def _call(
@@ -741,23 +772,32 @@ def _call(
     extra=(),
     aliases=None,
     scratch=(),
+    sinks=None,
 ):
     """pallas_call of kernel ``kind`` over the grid (batch, q_head, tile), per-backend params and costs.
 
     Operands: ``arrays`` (q, k, v[, dO]), then the ``per_query`` vectors (LSE,
-    delta), then the segment ids, then ``extra`` (aliased to outputs by
-    ``aliases``, {operand index: output index}), all as ``_specs`` describes them.
+    delta), then the segment ids, then the ``sinks`` ([q_heads] f32 or None; the forward
+    only), then ``extra`` (aliased to outputs by ``aliases``, {operand index: output index}),
+    all as ``_specs`` describes them.
     """
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must both be given or both be None")
     has_segments = q_segment_ids is not None
     bq, bk = cfg.blocks.for_kernel(kind)
     segments = [_vectors(q_segment_ids, bq), _vectors(kv_segment_ids, bk)] if has_segments else []
-    operands = [*arrays, *(_vectors(x, bq) for x in per_query), *segments, *extra]
-    in_specs, out_specs = _specs(cfg, kind, has_segments=has_segments)
+    has_sinks = sinks is not None
+    sink_rows = (
+        [jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, None], (cfg.q_heads, 1, bq))]
+        if has_sinks
+        else []
+    )
+    operands = [*arrays, *(_vectors(x, bq) for x in per_query), *segments, *sink_rows, *extra]
+    in_specs, out_specs = _specs(cfg, kind, has_segments=has_segments, has_sinks=has_sinks)
     batch = operands[0].shape[0]
+    flags = dict(has_sinks=True) if has_sinks else {}
     return pl.pallas_call(
-        functools.partial(kernel, cfg=cfg, has_segments=has_segments),
+        functools.partial(kernel, cfg=cfg, has_segments=has_segments, **flags),
         out_shape=out_shape,
         grid=(batch, cfg.q_heads, cfg.seq_pad // (bk if kind in ("dkv", "fused") else bq)),
         in_specs=in_specs,
@@ -771,16 +811,45 @@ def _call(
     )(*operands)
 
 
-def flash_fwd_call(q, k, v, q_segment_ids, kv_segment_ids, cfg: FlashConfig):
+def _value_shape(cfg: FlashConfig, batch: int) -> tuple[int, ...]:
+    """Kernel-layout shape of a per-query-head array with the value head dim (O, dO, dV)."""
+    if cfg.head_major:
+        return (batch, cfg.q_heads, cfg.seq_pad, cfg.dv)
+    return (batch, cfg.seq_pad, cfg.q_heads * cfg.dv)
+
+
+def _key_shape(cfg: FlashConfig, batch: int) -> tuple[int, ...]:
+    """Kernel-layout shape of a per-query-head array with q/k's head dim (dK per query head)."""
+    if cfg.head_major:
+        return (batch, cfg.q_heads, cfg.seq_pad, cfg.head_dim)
+    return (batch, cfg.seq_pad, cfg.q_heads * cfg.head_dim)
+
+
+def flash_fwd_call(q, k, v, q_segment_ids, kv_segment_ids, cfg: FlashConfig, sinks=None):
     """Forward kernel on kernel-layout q, k, v (``to_kernel_layout``) of cfg.seq_pad positions.
 
     Segment ids: [batch, seq] int32 for the queries and for the keys, or both None.
-    Returns (O in q's dtype and layout, LSE f32 as [batch, q_heads, seq / block_q, 1, block_q]).
+    ``sinks``: [q_heads] logits (f32) that join each head's softmax denominator with no
+    value (GPT-OSS), or None; the LSE then includes them.
+    Returns (O in q's dtype, v's layout, LSE f32 as [batch, q_heads, seq / block_q, 1, block_q]).
     """
     bq = cfg.blocks.block_q
     lse_shape = (q.shape[0], cfg.q_heads, cfg.seq_pad // bq, 1, bq)
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
-    return _call(cfg, "fwd", _fwd_kernel, [q, k, v], [], q_segment_ids, kv_segment_ids, out_shape=out_shape)
+    out_shape = [
+        jax.ShapeDtypeStruct(_value_shape(cfg, q.shape[0]), q.dtype),
+        jax.ShapeDtypeStruct(lse_shape, jnp.float32),
+    ]
+    return _call(
+        cfg,
+        "fwd",
+        _fwd_kernel,
+        [q, k, v],
+        [],
+        q_segment_ids,
+        kv_segment_ids,
+        out_shape=out_shape,
+        sinks=sinks,
+    )
 
 
 def flash_dq_call(q, k, v, do, lse, delta, q_segment_ids, kv_segment_ids, cfg: FlashConfig, *, out_dtype):
@@ -794,11 +863,8 @@ def flash_dq_call(q, k, v, do, lse, delta, q_segment_ids, kv_segment_ids, cfg: F
 def flash_dkv_call(q, k, v, do, lse, delta, q_segment_ids, kv_segment_ids, cfg: FlashConfig, *, out_dtype):
     """dK, dV per *query* head ([B, S, Hq*D] or [B, Hq, S, D], ``out_dtype``); the caller
     sums GQA groups. Arguments as for ``flash_dq_call``."""
-    if cfg.head_major:
-        shape = (q.shape[0], cfg.q_heads, cfg.seq_pad, cfg.head_dim)
-    else:
-        shape = (q.shape[0], cfg.seq_pad, cfg.q_heads * cfg.head_dim)
-    out_shape = [jax.ShapeDtypeStruct(shape, out_dtype)] * 2
+    batch = q.shape[0]
+    out_shape = [jax.ShapeDtypeStruct(f(cfg, batch), out_dtype) for f in (_key_shape, _value_shape)]
     arrays, per_query = [q, k, v, do], [lse, delta]
     return _call(
         cfg, "dkv", _dkv_kernel, arrays, per_query, q_segment_ids, kv_segment_ids, out_shape=out_shape
@@ -815,15 +881,15 @@ def flash_fused_bwd_call(
     (atomics into HBM) a narrower ``dq_dtype`` is a cast in XLA. Other
     arguments as for ``flash_dq_call``.
     """
-    if cfg.head_major:
-        kv_shape = (q.shape[0], cfg.q_heads, cfg.seq_pad, cfg.head_dim)
-    else:
-        kv_shape = (q.shape[0], cfg.seq_pad, cfg.q_heads * cfg.head_dim)
     atomic = cfg.backend == "gpu"
     dq_dtype = jnp.dtype(dq_dtype)
     f32 = jnp.dtype(jnp.float32)
     dq_shape = jax.ShapeDtypeStruct(q.shape, f32 if atomic else dq_dtype)
-    out_shape = [dq_shape, *[jax.ShapeDtypeStruct(kv_shape, out_dtype)] * 2]
+    batch = q.shape[0]
+    out_shape = [
+        dq_shape,
+        *(jax.ShapeDtypeStruct(f(cfg, batch), out_dtype) for f in (_key_shape, _value_shape)),
+    ]
     arrays, per_query = [q, k, v, do], [lse, delta]
     extra, aliases, scratch = (), None, ()
     if atomic:  # atomics add into a zeroed buffer
@@ -855,24 +921,32 @@ def flash_fused_bwd_call(
 # ----------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, segment_ids, cfg: FlashConfig):
-    return _flash_fwd(q, k, v, segment_ids, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, segment_ids, sinks, cfg: FlashConfig):
+    return _flash_fwd(q, k, v, segment_ids, sinks, cfg)[0]
 
 
-def _flash_fwd(q, k, v, segment_ids, cfg: FlashConfig):
+def _flash_fwd(q, k, v, segment_ids, sinks, cfg: FlashConfig):
     qk, kk, vk = (to_kernel_layout(x, cfg) for x in (q, k, v))
-    ok, lse = flash_fwd_call(qk, kk, vk, segment_ids, segment_ids, cfg)
+    ok, lse = flash_fwd_call(qk, kk, vk, segment_ids, segment_ids, cfg, sinks)
     out = from_kernel_layout(ok, cfg, q.shape[2])
     # The output (in the caller's layout: the value the model names `context` too) and the
     # statistics, named for remat policies that keep attention (remat_names.py): then the
     # backward needs no second forward kernel. q, k, v stay in kernel layout.
     out, lse = (checkpoint_name(x, ATTENTION_RESIDUALS) for x in (out, lse))
-    return out, (qk, kk, vk, segment_ids, out, lse)
+    return out, (qk, kk, vk, segment_ids, sinks, out, lse)
+
+
+def sink_grad(sinks, lse, delta):
+    """d loss / d sinks [heads] from the LSE (sinks included) and delta = rowsum(dO * O),
+    both [batch, heads, seq] (padded queries: LSE +inf). The sink is one more softmax column
+    with no value, so its dP is 0 and its dS is P_sink * (0 - delta), P_sink = exp(sink - LSE)."""
+    p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+    return -jnp.sum(p_sink * delta, axis=(0, 2)).astype(sinks.dtype)
 
 
 def _flash_bwd(cfg: FlashConfig, residuals, do):
-    qk, kk, vk, segment_ids, out, lse = residuals
+    qk, kk, vk, segment_ids, sinks, out, lse = residuals
     ok = to_kernel_layout(out, cfg)
     batch, q_heads, kv_heads = qk.shape[0], cfg.q_heads, cfg.kv_heads
     seq_pad = cfg.seq_pad
@@ -903,7 +977,7 @@ def _flash_bwd(cfg: FlashConfig, residuals, do):
         g = cfg.group
         dk = dk.reshape(batch, seq_pad, kv_heads, g, -1).sum(axis=3).astype(kk.dtype)
         dv = dv.reshape(batch, seq_pad, kv_heads, g, -1).sum(axis=3).astype(vk.dtype)
-    return dq, dk, dv, None
+    return dq, dk, dv, None, None if sinks is None else sink_grad(sinks, lse, delta)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -953,7 +1027,7 @@ def resolve_block_sizes(block_sizes, backend: str, seq_len: int, head_dim: int, 
 
 def _tpu_vmem_need(cfg: FlashConfig, itemsize: int) -> int:
     """Rough VMEM bytes of the largest kernel: whole-sequence operands + tiles + f32 temporaries."""
-    d = max(cfg.head_dim, 128)  # lanes pad to 128
+    d = max(cfg.head_dim, cfg.dv, 128)  # lanes pad to 128
     whole = 2 * cfg.seq_pad * d * itemsize  # K+V (fwd, dq) or Q+dO (dkv, fused), single-buffered
     if cfg.fused_bwd:
         # The fused kernel's whole f32 dQ sum, and its narrower output block if any.
@@ -997,12 +1071,14 @@ def flash_config(
     dtype,
     softcap: float | None = None,
     q_offset: int = 0,
+    v_head_dim: int | None = None,
 ) -> FlashConfig:
     """The kernels' static configuration for resolved ``blocks`` (``resolve_block_sizes``).
 
-    ``seq_pad`` must be a multiple of every block; ``head_dim`` is the kernel's
-    (padded to a power of two on GPU). On TPU it carries the VMEM limit, and
-    raises ValueError when one head's whole sequence does not fit VMEM.
+    ``seq_pad`` must be a multiple of every block; ``head_dim`` (q/k) and ``v_head_dim``
+    (v and the output; None: ``head_dim``) are the kernel's (padded to a power of two on GPU).
+    On TPU it carries the VMEM limit, and raises ValueError when one head's whole sequence
+    does not fit VMEM.
 
     ``blocks.fused_bwd`` None picks the backward per backend: fused on TPU (and
     on CPU, whose interpreter runs the grid in order as Mosaic does) where its
@@ -1030,6 +1106,7 @@ def flash_config(
         fused_bwd=backend != "gpu" if blocks.fused_bwd is None else blocks.fused_bwd,
         softcap=softcap,
         q_offset=int(q_offset),
+        v_head_dim=None if v_head_dim in (None, head_dim) else int(v_head_dim),
     )
     if backend == "tpu":
         if blocks.fused_bwd is None and cfg.fused_bwd:
@@ -1092,12 +1169,14 @@ def flash_attention(
     backend: str | None = None,
     interpret: bool | None = None,
     gpu_kernel: str = "triton",
+    sinks=None,
 ):
     """Memory-efficient exact attention as Pallas kernels (forward and backward).
 
     Args:
       q: [batch, seq, q_heads, head_dim], float32 / bfloat16 / float16.
-      k, v: [batch, seq, kv_heads, head_dim], same dtype; q_heads % kv_heads == 0
+      k: [batch, seq, kv_heads, head_dim], v: [batch, seq, kv_heads, v_head_dim] (the
+        value head dim may differ: MLA), same dtype; q_heads % kv_heads == 0
         (GQA / MQA: query head h reads kv head h // (q_heads // kv_heads)).
       causal: query i attends to keys j <= i.
       segment_ids: optional [batch, seq] integers; attention stays within a segment.
@@ -1115,9 +1194,12 @@ def flash_attention(
       gpu_kernel: 'triton' (these kernels) or 'mosaic' (``flash_mgpu.py``: Hopper only,
         16-bit inputs, head_dim 64/128/256, no softcap; on 'cpu' its own interpreter). Not
         for TPU. ``block_sizes`` apply to the Triton kernels only.
+      sinks: optional [q_heads] logits (GPT-OSS): each joins its head's softmax
+        denominator, exp(sink - max), and carries no value; None: no sink (a sink of 0
+        is not none).
 
     Returns:
-      [batch, seq, q_heads, head_dim] in q's dtype. Differentiable in q, k, v.
+      [batch, seq, q_heads, v_head_dim] in q's dtype. Differentiable in q, k, v and sinks.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(name, x)
@@ -1128,8 +1210,9 @@ def flash_attention(
         raise ValueError(
             f"seq mismatch: k and v must have q's sequence length {seq_len}, got k {k.shape}, v {v.shape}"
         )
-    if k.shape[3] != head_dim or v.shape[3] != head_dim:
+    if k.shape[3] != head_dim or v.shape[3] == 0:
         raise ValueError(f"head_dim mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
+    v_head_dim = v.shape[3]
     if v.shape[2] != k.shape[2]:
         raise ValueError(f"v must have k's number of heads: k {k.shape}, v {v.shape}")
     kv_heads = k.shape[2]
@@ -1165,6 +1248,7 @@ def flash_attention(
     if not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     softcap = check_softcap(softcap)
+    sinks = check_sinks(sinks, q_heads)
     if backend is None:
         backend = resolve_backend(q)
     elif backend not in _BACKENDS:
@@ -1174,7 +1258,12 @@ def flash_attention(
     if backend == "cpu" and not interpret:
         raise ValueError("backend='cpu' only runs in interpret mode (interpret=True or None)")
     gpu_kernel = check_gpu_kernel(
-        gpu_kernel, backend=backend, head_dim=head_dim, dtype=q.dtype, softcap=softcap
+        gpu_kernel,
+        backend=backend,
+        head_dim=head_dim,
+        dtype=q.dtype,
+        softcap=softcap,
+        v_head_dim=v_head_dim,
     )
     if gpu_kernel == "mosaic":
         from jaxtrain.pallas_kernels.flash_mgpu import flash_attention_mgpu
@@ -1188,14 +1277,14 @@ def flash_attention(
             sliding_window=sliding_window,
             softmax_scale=softmax_scale,
             interpret=bool(interpret),
+            sinks=sinks,
         )
 
     # Triton blocks must be powers of two in every dim: pad head_dim with zeros
     # (zero q/k columns add nothing to scores; zero v columns are sliced off).
-    kernel_head_dim = head_dim
-    if backend == "gpu" and not _is_pow2(head_dim):
-        kernel_head_dim = max(pl.next_power_of_2(head_dim), _TRITON_MIN_BLOCK)
-    blocks = resolve_block_sizes(block_sizes, backend, seq_len, kernel_head_dim, q.dtype)
+    kernel_dim = lambda d: max(pl.next_power_of_2(d), _TRITON_MIN_BLOCK) if backend == "gpu" else d
+    kernel_head_dim, kernel_v_dim = kernel_dim(head_dim), kernel_dim(v_head_dim)
+    blocks = resolve_block_sizes(block_sizes, backend, seq_len, max(kernel_head_dim, kernel_v_dim), q.dtype)
     seq_pad = _round_up(seq_len, math.lcm(*blocks.as_tuple()))
     cfg = flash_config(
         backend=backend,
@@ -1211,11 +1300,28 @@ def flash_attention(
         blocks=blocks,
         dtype=q.dtype,
         softcap=softcap,
+        v_head_dim=kernel_v_dim,
     )
-    return _flash_padded(q, k, v, segment_ids, cfg=cfg, head_dim=head_dim)
+    return _flash_padded(q, k, v, segment_ids, sinks, cfg=cfg, head_dim=head_dim, v_head_dim=v_head_dim)
 
 
-def check_gpu_kernel(gpu_kernel: str, *, backend: str, head_dim: int, dtype, softcap=None) -> str:
+def check_sinks(sinks, q_heads: int):
+    """Sink logits as a [q_heads] float array (None: none); ValueError otherwise."""
+    if sinks is None:
+        return None
+    if not hasattr(sinks, "shape") or tuple(sinks.shape) != (q_heads,):
+        raise ValueError(
+            f"sinks must have shape (q_heads,) = {(q_heads,)}, "
+            f"got {getattr(sinks, 'shape', type(sinks).__name__)}"
+        )
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise ValueError(f"sinks must be floats, got {sinks.dtype}")
+    return sinks
+
+
+def check_gpu_kernel(
+    gpu_kernel: str, *, backend: str, head_dim: int, dtype, softcap=None, v_head_dim=None
+) -> str:
     """``gpu_kernel`` if it can run the case on ``backend`` (CPU: its interpreter), else a
     ValueError naming the key: 'mosaic' (flash_mgpu.py) is a Hopper kernel with its own
     limits (``flash_mgpu.unsupported_reason``). Shared by every entry point that takes it
@@ -1227,7 +1333,7 @@ def check_gpu_kernel(gpu_kernel: str, *, backend: str, head_dim: int, dtype, sof
             raise ValueError("gpu_kernel='mosaic' is a Hopper GPU kernel; the backend here is tpu")
         from jaxtrain.pallas_kernels.flash_mgpu import unsupported_reason
 
-        reason = unsupported_reason(head_dim=head_dim, dtype=dtype, softcap=softcap)
+        reason = unsupported_reason(head_dim=head_dim, dtype=dtype, softcap=softcap, v_head_dim=v_head_dim)
         if reason:
             raise ValueError(
                 f"gpu_kernel='mosaic' cannot run this case: {reason}; expected gpu_kernel='triton'"
@@ -1235,18 +1341,18 @@ def check_gpu_kernel(gpu_kernel: str, *, backend: str, head_dim: int, dtype, sof
     return gpu_kernel
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "head_dim"))
-def _flash_padded(q, k, v, segment_ids, *, cfg: FlashConfig, head_dim: int):
+@functools.partial(jax.jit, static_argnames=("cfg", "head_dim", "v_head_dim"))
+def _flash_padded(q, k, v, segment_ids, sinks, *, cfg: FlashConfig, head_dim: int, v_head_dim: int):
     pad_s = cfg.seq_pad - cfg.seq_len
-    pad_d = cfg.head_dim - head_dim
-    if pad_s or pad_d:
-        widths = ((0, 0), (0, pad_s), (0, 0), (0, pad_d))
-        q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
+    pad_d, pad_v = cfg.head_dim - head_dim, cfg.dv - v_head_dim
+    if pad_s or pad_d or pad_v:
+        widths = lambda d: ((0, 0), (0, pad_s), (0, 0), (0, d))
+        q, k, v = jnp.pad(q, widths(pad_d)), jnp.pad(k, widths(pad_d)), jnp.pad(v, widths(pad_v))
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
         if pad_s:
             segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad_s)))
-    out = _flash(q, k, v, segment_ids, cfg)
-    if pad_s or pad_d:
-        out = out[:, : cfg.seq_len, :, :head_dim]
+    out = _flash(q, k, v, segment_ids, sinks, cfg)
+    if pad_s or pad_v:
+        out = out[:, : cfg.seq_len, :, :v_head_dim]
     return out

@@ -189,10 +189,12 @@ def default_blocks(head_dim: int) -> dict:
     )
 
 
-def unsupported_reason(*, head_dim: int, dtype, softcap=None) -> str | None:
+def unsupported_reason(*, head_dim: int, dtype, softcap=None, v_head_dim=None) -> str | None:
     """Why this kernel cannot run a case (the dispatcher then keeps Triton), or None."""
     if softcap is not None:
         return "softcap is not implemented in the Mosaic GPU kernel"
+    if v_head_dim not in (None, head_dim):
+        return f"value head_dim {v_head_dim} != query/key head_dim {head_dim}: not in the Mosaic GPU kernel"
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} is not one of {HEAD_DIMS}"
     if jnp.dtype(dtype) not in _DTYPES:
@@ -903,9 +905,9 @@ def _dkv_call(q, k, v, do, lse2, delta, segments, cfg: MgpuConfig):
 # ----------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, segment_ids, cfg: MgpuConfig):
-    return mgpu_fwd(q, k, v, _self_segments(segment_ids), cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, segment_ids, sinks, cfg: MgpuConfig):
+    return _flash_fwd(q, k, v, segment_ids, sinks, cfg)[0]
 
 
 def _self_segments(segment_ids):
@@ -913,18 +915,35 @@ def _self_segments(segment_ids):
     return None if segment_ids is None else (segment_ids, segment_ids)
 
 
-def _flash_fwd(q, k, v, segment_ids, cfg: MgpuConfig):
-    out, lse = mgpu_fwd(q, k, v, _self_segments(segment_ids), cfg)
+def _with_sinks(out, lse, sinks):
+    """The kernel's (out, lse) with each head's sink logit added to the softmax denominator
+    (in XLA: O(S) work): lse' = logaddexp(lse, sink), out' = out exp(lse - lse'). The backward
+    kernels then run on (out', lse') unchanged."""
+    if sinks is None:
+        return out, lse
+    new = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
+    weight = jnp.exp(lse - new).transpose(0, 2, 1)[..., None]  # [B, S, Hq, 1]
+    return (out.astype(jnp.float32) * weight).astype(out.dtype), new
+
+
+def _flash_fwd(q, k, v, segment_ids, sinks, cfg: MgpuConfig):
+    out, lse = _with_sinks(*mgpu_fwd(q, k, v, _self_segments(segment_ids), cfg), sinks)
     # Named as the Triton kernel names its own (remat_names.py): a remat policy keeping
     # `context` then saves these, and the backward runs no second forward kernel.
     out, lse = (checkpoint_name(x, ATTENTION_RESIDUALS) for x in (out, lse))
-    return out, (q, k, v, segment_ids, out, lse)
+    return out, (q, k, v, segment_ids, sinks, out, lse)
 
 
 def _flash_bwd(cfg: MgpuConfig, residuals, do):
-    q, k, v, segment_ids, out, lse = residuals
-    dq, dk, dv = mgpu_bwd(q, k, v, _self_segments(segment_ids), lse, softmax_delta(out, do), do, cfg)
-    return dq, dk, dv, None
+    q, k, v, segment_ids, sinks, out, lse = residuals
+    delta = softmax_delta(out, do)
+    dq, dk, dv = mgpu_bwd(q, k, v, _self_segments(segment_ids), lse, delta, do, cfg)
+    if sinks is None:
+        return dq, dk, dv, None, None
+    # dS of the sink column: P_sink (0 - delta), over the real queries (the padded ones' dO is 0)
+    from jaxtrain.pallas_kernels.flash_attention import sink_grad
+
+    return dq, dk, dv, None, sink_grad(sinks, lse, delta)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -942,16 +961,18 @@ def flash_attention_mgpu(
     softcap: float | None = None,
     q_offset: int = 0,
     interpret: bool = False,
+    sinks=None,
     **blocks,
 ):
     """Attention with ``reference.attention``'s semantics on the Mosaic GPU kernels.
 
     Inputs are validated by the caller (``flash_attention``); here only what this kernel
     cannot do raises (``unsupported_reason``). ``blocks`` override ``default_blocks``.
-    ``interpret=True`` runs Mosaic GPU's interpreter (CPU tests).
+    ``interpret=True`` runs Mosaic GPU's interpreter (CPU tests). ``sinks`` ([q_heads]): added
+    to the forward kernel's softmax statistics in XLA (``_with_sinks``).
     """
     batch, seq_len, q_heads, head_dim = q.shape
-    reason = unsupported_reason(head_dim=head_dim, dtype=q.dtype, softcap=softcap)
+    reason = unsupported_reason(head_dim=head_dim, dtype=q.dtype, softcap=softcap, v_head_dim=v.shape[3])
     if reason:
         raise NotImplementedError(reason)
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
@@ -967,15 +988,15 @@ def flash_attention_mgpu(
         interpret=interpret,
         **blocks,
     )
-    return _padded(q, k, v, segment_ids, cfg=cfg)
+    return _padded(q, k, v, segment_ids, sinks, cfg=cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _padded(q, k, v, segment_ids, *, cfg: MgpuConfig):
+def _padded(q, k, v, segment_ids, sinks, *, cfg: MgpuConfig):
     pad = cfg.seq_pad - cfg.seq_len
     if pad:
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
     if segment_ids is not None:
         segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, pad)))
-    out = _flash(q, k, v, segment_ids, cfg)
+    out = _flash(q, k, v, segment_ids, sinks, cfg)
     return out[:, : cfg.seq_len] if pad else out

@@ -116,8 +116,8 @@ def device_kind() -> str | None:
 
 
 def check_context_inputs(q, k, v, *, mesh, axis_name):
-    """ValueError unless q, k, v are [batch, seq, heads, head_dim] (GQA allowed)
-    and ``axis_name`` is a mesh axis."""
+    """ValueError unless q, k, v are [batch, seq, heads, head_dim] (GQA allowed; v's head dim
+    may differ from q/k's) and ``axis_name`` is a mesh axis."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 4:
             raise ValueError(
@@ -126,7 +126,7 @@ def check_context_inputs(q, k, v, *, mesh, axis_name):
             )
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name={axis_name!r} is not a mesh axis (mesh axes: {mesh.axis_names})")
-    if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+    if k.shape[:3] != v.shape[:3] or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
         raise ValueError(
             f"k and v must be [batch, seq, kv_heads, head_dim] like q: q {q.shape}, k {k.shape}, v {v.shape}"
         )
@@ -134,17 +134,20 @@ def check_context_inputs(q, k, v, *, mesh, axis_name):
         raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]})")
 
 
-def shard_over_sequence(local, q, k, v, segment_ids, *, mesh, axis_name, batch_axes, head_axes):
+def shard_over_sequence(local, q, k, v, segment_ids, *, mesh, axis_name, batch_axes, head_axes, sinks=None):
     """Run ``local(q, k, v, seg)`` per shard: sequence split over ``axis_name``,
-    batch over ``batch_axes``, heads over ``head_axes``; output laid out like q."""
+    batch over ``batch_axes``, heads over ``head_axes``; output laid out like q. With
+    ``sinks`` ([q heads], split over ``head_axes`` as the heads): ``local(q, k, v, seg, sinks)``."""
     x_spec = P(batch_axes or None, axis_name, head_axes or None, None)
     seg_spec = P(batch_axes or None, axis_name)
     if segment_ids is None:
-        fn_local = lambda q, k, v: local(q, k, v, None)
+        fn_local = lambda q, k, v, *sinks: local(q, k, v, None, *sinks)
         in_specs, args = (x_spec,) * 3, (q, k, v)
     else:
-        fn_local = lambda q, k, v, s: local(q, k, v, s.astype(jnp.int32))
+        fn_local = lambda q, k, v, s, *sinks: local(q, k, v, s.astype(jnp.int32), *sinks)
         in_specs, args = (x_spec,) * 3 + (seg_spec,), (q, k, v, segment_ids)
+    if sinks is not None:
+        in_specs, args = (*in_specs, P(head_axes or None)), (*args, sinks)
     # check_vma=False: the Pallas kernels' out_shapes carry no manual-axis types
     # and interpret mode fails the varying-axes check (JAX_NOTES, Pallas).
     fn = jax.shard_map(fn_local, mesh=mesh, in_specs=in_specs, out_specs=x_spec, check_vma=False)

@@ -18,6 +18,9 @@ Semantics (shared with ``pallas_kernels.flash_attention``):
   Every query may attend to itself, so no row is ever fully masked.
 * ``softcap=c`` (c > 0, Gemma 2's attention-logit softcapping): the scaled scores become
   ``c * tanh(scores / c)`` before the mask.
+* v may have a head dim of its own (MLA): the output has v's head dim.
+* ``sinks`` ([q_heads], GPT-OSS): each head's logit joins its softmax denominator as one
+  more column with no value (exp(sink - max) added to the sum; a sink of 0 still adds).
 * Softmax and accumulation in float32; the output has q's dtype.
 """
 
@@ -66,6 +69,7 @@ def attention(
     sliding_window: int | None = None,
     softmax_scale: float | None = None,
     softcap: float | None = None,
+    sinks=None,
 ):
     """Reference attention; same arguments and semantics as ``flash_attention``."""
     batch, seq, q_heads, head_dim = q.shape
@@ -85,6 +89,10 @@ def attention(
     mask = attention_mask(seq, causal=causal, segment_ids=segment_ids, sliding_window=sliding_window)
     if mask is not None:
         scores = jnp.where(mask, scores, -jnp.inf)
-    weights = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        weights = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[None, :, None, None], (*scores.shape[:3], 1))
+        weights = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, vf, precision=hi)
     return out.astype(q.dtype)

@@ -51,9 +51,17 @@ from jaxtrain.pallas_kernels.blocks import (
     empty_output,
     fwd_pairs,
     softmax_delta,
+    with_sinks,
     zero_grads,
 )
-from jaxtrain.pallas_kernels.flash_attention import BlockSizes, check_gpu_kernel, check_softcap, check_window
+from jaxtrain.pallas_kernels.flash_attention import (
+    BlockSizes,
+    check_gpu_kernel,
+    check_sinks,
+    check_softcap,
+    check_window,
+    sink_grad,
+)
 from jaxtrain.pallas_kernels.mesh_utils import (
     axes_tuple,
     check_context_inputs,
@@ -190,7 +198,7 @@ def _distance(ring: _Ring, step):
     return lambda qi, ki: position(i, qi) - position(j, ki)
 
 
-def _ring_fwd_local(ring: _Ring, q, k, v, seg):
+def _ring_fwd_local(ring: _Ring, q, k, v, seg, sinks):
     c = q.shape[1] // ring.chunks
 
     def step_fn(step, kv, acc):
@@ -199,13 +207,12 @@ def _ring_fwd_local(ring: _Ring, q, k, v, seg):
             ring, step, lambda pairs, acc: fwd_pairs(ring.block, pairs, c, q, seg, kv, acc, distance), acc
         )
 
-    o, lse = _ring_loop(ring, (k, v, seg), empty_output(q), step_fn)
+    o, lse = with_sinks(*_ring_loop(ring, (k, v, seg), empty_output(q, v.shape[-1]), step_fn), sinks)
     return o.astype(q.dtype), lse
 
 
-def _ring_bwd_local(ring: _Ring, q, k, v, seg, o, lse, do):
+def _ring_bwd_local(ring: _Ring, q, k, v, seg, lse, do, delta):
     c = q.shape[1] // ring.chunks
-    delta = softmax_delta(o, do)
 
     def step_fn(step, kv, grads):
         distance = _distance(ring, step)
@@ -226,19 +233,23 @@ def _ring_bwd_local(ring: _Ring, q, k, v, seg, o, lse, do):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(ring: _Ring, q, k, v, seg):
-    return _ring_fwd_local(ring, q, k, v, seg)[0]
+def _ring(ring: _Ring, q, k, v, seg, sinks):
+    return _ring_fwd_local(ring, q, k, v, seg, sinks)[0]
 
 
-def _ring_fwd(ring, q, k, v, seg):
-    o, lse = _ring_fwd_local(ring, q, k, v, seg)
-    return o, (q, k, v, seg, o, lse)
+def _ring_fwd(ring, q, k, v, seg, sinks):
+    o, lse = _ring_fwd_local(ring, q, k, v, seg, sinks)
+    return o, (q, k, v, seg, sinks, o, lse)
 
 
 def _ring_bwd(ring, res, do):
-    q, k, v, seg, o, lse = res
-    dq, dk, dv = _ring_bwd_local(ring, q, k, v, seg, o, lse, do)
-    return dq, dk, dv, None
+    q, k, v, seg, sinks, o, lse = res
+    delta = softmax_delta(o, do)
+    dq, dk, dv = _ring_bwd_local(ring, q, k, v, seg, lse, do, delta)
+    # this shard's queries' part; shard_map's transpose sums it over the sequence (and batch)
+    # shards, which the sinks are replicated over
+    dsinks = None if sinks is None else sink_grad(sinks, lse, delta)
+    return dq, dk, dv, None, dsinks
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -269,13 +280,15 @@ def ring_attention(
     interpret: bool | None = None,
     block_impl: str | None = None,
     gpu_kernel: str = "triton",
+    sinks=None,
 ):
     """Exact attention on global ``[batch, seq, heads, head_dim]`` arrays whose
     sequence dim is sharded over ``axis_name`` (output sharded the same way).
 
     Args:
-      q: [batch, seq, q_heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim]
-        (GQA: q_heads % kv_heads == 0).
+      q: [batch, seq, q_heads, head_dim]; k: [batch, seq, kv_heads, head_dim], v:
+        [batch, seq, kv_heads, v_head_dim] (GQA: q_heads % kv_heads == 0; MLA: v's head dim
+        differs).
       mesh: a ``Mesh`` or the ``AbstractMesh`` in context; ``axis_name`` is the ring.
       causal: causal mask in *sequence* order, derived from the chunk layout.
       segment_ids: optional [batch, seq] ints, in the same (permuted) order as q.
@@ -295,6 +308,8 @@ def ring_attention(
       gpu_kernel: the flash blocks' family on GPU: 'triton', or 'mosaic' (the Hopper
         kernels of ``flash_mgpu``; the chunk must be a multiple of their tile, 128 at
         head_dim <= 256, and ``block_sizes`` does not apply).
+      sinks: optional [q_heads] logits, as for ``flash_attention``: added once to each
+        query's softmax after the ring has merged every block.
     """
     check_context_inputs(q, k, v, mesh=mesh, axis_name=axis_name)
     batch, seq, q_heads, head_dim = q.shape
@@ -331,8 +346,17 @@ def ring_attention(
         block_impl = "xla" if backend == "cpu" else "pallas"
     if block_impl not in ("xla", "pallas"):
         raise ValueError(f"block_impl={block_impl!r}: expected 'xla', 'pallas' or None")
+    sinks = check_sinks(sinks, q_heads)
+    v_head_dim = v.shape[3]
     if block_impl == "pallas":
-        check_gpu_kernel(gpu_kernel, backend=backend, head_dim=head_dim, dtype=q.dtype, softcap=softcap)
+        check_gpu_kernel(
+            gpu_kernel,
+            backend=backend,
+            head_dim=head_dim,
+            dtype=q.dtype,
+            softcap=softcap,
+            v_head_dim=v_head_dim,
+        )
     block = BlockConfig(
         backend=backend,
         scale=float(softmax_scale),
@@ -346,11 +370,12 @@ def ring_attention(
         softcap=check_softcap(softcap),
         window=check_window(sliding_window, causal),
         gpu_kernel=gpu_kernel,
+        v_head_dim=None if v_head_dim == head_dim else v_head_dim,
     )
     ring = _Ring(axis=axis_name, n=n, causal=bool(causal), balanced=chunks == 2, block=block)
 
     return shard_over_sequence(
-        lambda q, k, v, seg: _ring(ring, q, k, v, seg),
+        lambda q, k, v, seg, sinks=None: _ring(ring, q, k, v, seg, sinks),
         q,
         k,
         v,
@@ -359,4 +384,5 @@ def ring_attention(
         axis_name=axis_name,
         batch_axes=batch_axes,
         head_axes=head_axes,
+        sinks=sinks,
     )

@@ -39,11 +39,12 @@ def sharded_flash_attention(
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
     gpu_kernel: str = "triton",
+    sinks=None,
 ):
     """``flash_attention`` over global ``[batch, seq, heads, head_dim]`` arrays on ``mesh``
-    (``shard_attention`` says how it is split). The backend follows the mesh's devices
-    (CPU -> interpret mode). ``mesh`` may be a ``Mesh`` or the ``AbstractMesh`` of the
-    context (``jax.get_abstract_mesh()`` under ``jax.set_mesh``).
+    (``shard_attention`` says how it is split); ``sinks`` [heads] split with the heads. The
+    backend follows the mesh's devices (CPU -> interpret mode). ``mesh`` may be a ``Mesh`` or
+    the ``AbstractMesh`` of the context (``jax.get_abstract_mesh()`` under ``jax.set_mesh``).
     """
     kwargs = dict(
         causal=causal,
@@ -55,9 +56,11 @@ def sharded_flash_attention(
         backend=None if mesh is None else mesh_backend(mesh),
         gpu_kernel=gpu_kernel,
     )
-    kernel = lambda q, k, v, seg: flash_attention_any_length(q, k, v, segment_ids=seg, **kwargs)
+    kernel = lambda q, k, v, seg, sinks=None: flash_attention_any_length(
+        q, k, v, segment_ids=seg, sinks=sinks, **kwargs
+    )
     return shard_attention(
-        kernel, q, k, v, segment_ids, mesh=mesh, batch_axes=batch_axes, head_axes=head_axes
+        kernel, q, k, v, segment_ids, mesh=mesh, batch_axes=batch_axes, head_axes=head_axes, sinks=sinks
     )
 
 
@@ -71,16 +74,22 @@ def shard_attention(
     mesh,
     batch_axes: Sequence[str] | str | None,
     head_axes: Sequence[str] | str | None,
+    sinks=None,
 ):
     """``kernel(q, k, v, segment_ids)`` per shard of global ``[batch, seq, heads, head_dim]``
-    arrays: batch split over ``batch_axes`` (possibly empty), q heads over ``head_axes``; kv
-    heads too when divisible, else k/v stay replicated over ``head_axes`` and each shard picks
-    the kv heads its q heads read. Mesh axes named in neither are replicated (the kernel runs
-    redundantly on them). With ``mesh`` None or of one device the kernel is called directly.
-    Any attention kernel XLA cannot partition (Pallas, cuDNN) goes through here.
+    arrays (v's head dim may differ): batch split over ``batch_axes`` (possibly empty), q
+    heads over ``head_axes``; kv heads too when divisible, else k/v stay replicated over
+    ``head_axes`` and each shard picks the kv heads its q heads read. Mesh axes named in
+    neither are replicated (the kernel runs redundantly on them). With ``mesh`` None or of one
+    device the kernel is called directly. ``sinks`` ([q heads] or None): split with the q
+    heads and passed on as ``kernel(..., sinks=)`` when given. Any attention kernel XLA cannot
+    partition (Pallas, cuDNN) goes through here.
     """
+    call = lambda q, k, v, seg, sinks: (
+        kernel(q, k, v, seg) if sinks is None else kernel(q, k, v, seg, sinks=sinks)
+    )
     if mesh is None or math.prod(mesh.axis_sizes) == 1:
-        return kernel(q, k, v, segment_ids)
+        return call(q, k, v, segment_ids, sinks)
     batch_axes = axes_tuple("batch_axes", batch_axes)
     head_axes = axes_tuple("head_axes", head_axes)
     for name, axes in (("batch_axes", batch_axes), ("head_axes", head_axes)):
@@ -117,7 +126,7 @@ def shard_attention(
     group = q_heads // kv_heads
     local_q_heads = q_heads // n_head
 
-    def local(q, k, v, seg):
+    def local(q, k, v, seg, sinks=None):
         if not shard_kv:
             # k/v hold every kv head; keep those this shard's q heads read.
             shard = lax.axis_index(head_axes)
@@ -131,11 +140,14 @@ def shard_attention(
                 idx = (first_q_head + jnp.arange(local_q_heads)) // group
                 k = jnp.take(k, idx, axis=2)
                 v = jnp.take(v, idx, axis=2)
-        return kernel(q, k, v, seg)
+        return call(q, k, v, seg, sinks)
 
     seg_spec = P(b_spec, None)
     in_specs = (q_spec, kv_spec, kv_spec, None if segment_ids is None else seg_spec)
+    args = (q, k, v, segment_ids)
+    if sinks is not None:  # one logit per q head: split as the q heads are
+        in_specs, args = (*in_specs, P(h_spec)), (*args, sinks)
     # check_vma=False: the kernels' out_shapes carry no manual-axis types, and
     # interpret mode fails the varying-axes check (JAX_NOTES, Pallas).
     fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)
-    return fn(*reshard_to_specs(mesh, (q, k, v, segment_ids), in_specs))
+    return fn(*reshard_to_specs(mesh, args, in_specs))

@@ -27,7 +27,7 @@ from jax import lax
 
 from jaxtrain.pallas_kernels import reference
 from jaxtrain.pallas_kernels.chunked import flash_attention_any_length
-from jaxtrain.pallas_kernels.flash_attention import check_gpu_kernel
+from jaxtrain.pallas_kernels.flash_attention import check_gpu_kernel, check_sinks
 from jaxtrain.pallas_kernels.mesh_utils import (
     axes_tuple,
     check_context_inputs,
@@ -63,6 +63,7 @@ def ulysses_attention(
     gpu_kernel: str = "triton",
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks=None,
 ):
     """Attention on ``[batch, seq, heads, head_dim]`` arrays sharded on seq over
     ``axis_name``; output sharded the same way. See the module docstring.
@@ -74,6 +75,8 @@ def ulysses_attention(
     softcap: optional logit cap, as for ``flash_attention``.
     gpu_kernel: the flash kernel's family on GPU ('triton' or 'mosaic'), as for
     ``flash_attention``; each shard runs it over the whole sequence of its heads.
+    v's head dim may differ from q/k's (MLA); ``sinks`` ([q_heads]): as for
+    ``flash_attention``, each shard's slice going with its heads.
     """
     check_context_inputs(q, k, v, mesh=mesh, axis_name=axis_name)
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
@@ -103,8 +106,16 @@ def ulysses_attention(
         block_impl = "xla" if backend == "cpu" else "pallas"
     if block_impl not in ("xla", "pallas"):
         raise ValueError(f"block_impl={block_impl!r}: expected 'xla', 'pallas' or None")
+    sinks = check_sinks(sinks, q_heads)
     if block_impl == "pallas":
-        check_gpu_kernel(gpu_kernel, backend=backend, head_dim=q.shape[3], dtype=q.dtype, softcap=softcap)
+        check_gpu_kernel(
+            gpu_kernel,
+            backend=backend,
+            head_dim=q.shape[3],
+            dtype=q.dtype,
+            softcap=softcap,
+            v_head_dim=v.shape[3],
+        )
     perm = _zigzag(seq, n) if load_balanced else None
     inv = None if perm is None else np.argsort(perm)
 
@@ -114,7 +125,10 @@ def ulysses_attention(
     def heads_to_seq(x):
         return lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
 
-    def local(q, k, v, seg):
+    def local(q, k, v, seg, sinks=None):
+        if sinks is not None:  # the all_to_all hands shard i the i-th slice of the local heads
+            per = sinks.shape[0] // n
+            sinks = lax.dynamic_slice_in_dim(sinks, lax.axis_index(axis_name) * per, per)
         q, k, v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
         if seg is not None:
             seg = lax.all_gather(seg, axis_name, axis=1, tiled=True)
@@ -135,6 +149,7 @@ def ulysses_attention(
                 softcap=softcap,
                 backend=backend,
                 gpu_kernel=gpu_kernel,
+                sinks=sinks,
             )
         else:
             o = reference.attention(
@@ -146,6 +161,7 @@ def ulysses_attention(
                 softmax_scale=softmax_scale,
                 sliding_window=sliding_window,
                 softcap=softcap,
+                sinks=sinks,
             )
         if perm is not None:
             o = o[:, perm]
@@ -161,4 +177,5 @@ def ulysses_attention(
         axis_name=axis_name,
         batch_axes=batch_axes,
         head_axes=head_axes,
+        sinks=sinks,
     )

@@ -58,9 +58,17 @@ def _devices_or_skip(target: str):
 
 
 def _loss(mesh, head_axes=(), **kwargs):
-    def loss(q, k, v, seg=None):
+    def loss(q, k, v, seg=None, sinks=None):
         o = sharded_flash_attention(
-            q, k, v, mesh=mesh, batch_axes=("data",), head_axes=head_axes, segment_ids=seg, **kwargs
+            q,
+            k,
+            v,
+            mesh=mesh,
+            batch_axes=("data",),
+            head_axes=head_axes,
+            segment_ids=seg,
+            sinks=sinks,
+            **kwargs,
         )
         return jnp.sum(o.astype(jnp.float32) ** 2)
 
@@ -145,6 +153,35 @@ def test_all_masking_paths_compile(target):
             softcap=case["softcap"],
         )
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile()
+        hlo = compiled.as_text()
+        assert targets.has_custom_call(hlo, CUSTOM_CALL[target]), case
+        assert not re.search(r"\s(dot|convolution)\(", hlo), case
+
+
+@pytest.mark.parametrize("target", ["tpu", "gpu"])
+def test_value_head_dim_and_sinks_compile(target):
+    """The kernels' two frontier-model cases, forward + backward (the sinks' gradient too):
+    MLA's value head dim (q/k 192, v 128; DeepSeek-V3) and GPT-OSS's sink logits with a sliding
+    window (GQA, head_dim 64), heads split over 'tensor' (the sinks with them)."""
+    devices = _devices_or_skip(target)
+    mesh = Mesh(np.array(devices).reshape(4, 2), ("data", "tensor"))
+    spec, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    cases = [
+        dict(q_heads=8, kv_heads=8, head_dim=192, v_head_dim=128, window=None, sinks=False),
+        dict(q_heads=8, kv_heads=2, head_dim=64, v_head_dim=64, window=128, sinks=True),
+    ]
+    seq = 1024
+    for case in cases:
+        shape = lambda heads, d: jax.ShapeDtypeStruct((BATCH, seq, heads, d), jnp.bfloat16, sharding=spec)
+        q, k = shape(case["q_heads"], case["head_dim"]), shape(case["kv_heads"], case["head_dim"])
+        v = shape(case["kv_heads"], case["v_head_dim"])
+        sinks = jax.ShapeDtypeStruct((case["q_heads"],), jnp.float32, sharding=replicated)
+        attend = _loss(mesh, head_axes=("tensor",), causal=True, sliding_window=case["window"])
+        if case["sinks"]:
+            loss, args = (lambda q, k, v, s: attend(q, k, v, sinks=s)), (q, k, v, sinks)
+        else:
+            loss, args = attend, (q, k, v)
+        compiled = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).lower(*args).compile()
         hlo = compiled.as_text()
         assert targets.has_custom_call(hlo, CUSTOM_CALL[target]), case
         assert not re.search(r"\s(dot|convolution)\(", hlo), case

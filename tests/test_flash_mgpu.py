@@ -90,6 +90,24 @@ def test_matches_reference(batch, seq, q_heads, kv_heads, head_dim, causal, wind
 
 
 @needs_interpreter
+def test_sinks_match_reference():
+    """GPT-OSS's sink logits (added to the kernel's statistics in XLA): output, dq/dk/dv and
+    d sinks against jax.grad of the f32 reference; 200 positions: a padded last tile."""
+    q, k, v, do = _inputs(200, 2, 1, 64)
+    sinks = jnp.array([0.0, 1.5], jnp.float32)  # a zero sink still counts
+    kw = dict(causal=True, sliding_window=90)
+    attn = lambda q, k, v, s: flash_attention_mgpu(q, k, v, interpret=True, sinks=s, **kw)
+    out, vjp = jax.vjp(attn, q, k, v, sinks)
+    f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]
+    ref_fn = lambda q, k, v, s: reference.attention(q, k, v, sinks=s, **kw)
+    ref, ref_vjp = jax.vjp(ref_fn, *f32(q, k, v), sinks)
+    errors = {"out": _rel_err(out, ref)}
+    for name, g, rg in zip(("dq", "dk", "dv", "dsinks"), vjp(do), ref_vjp(*f32(do))):
+        errors[name] = _rel_err(g, rg)
+    assert all(e <= BF16_TOL for e in errors.values()), errors
+
+
+@needs_interpreter
 def test_chunked_attention_blocks_match_reference():
     """The blocks ring attention is made of, on one device (``chunked_attention``): two chunks
     of 128, a causal window of 150 that reaches from the second into the first (the kernels'
@@ -195,8 +213,9 @@ def test_refuses_what_it_cannot_do():
     [
         ((1, 1000, 4, 2, 128), dict(causal=True, sliding_window=300, segments=True)),
         ((1, 1024, 4, 2, 256), dict(causal=True)),
+        ((1, 1000, 4, 2, 64), dict(causal=True, sliding_window=128, sinks=True)),
     ],
-    ids=["d128-window-segments-padding", "d256"],
+    ids=["d128-window-segments-padding", "d256", "d64-window-sinks-padding"],
 )
 def test_compiles_for_h100(shape, kw):
     from jax.sharding import Mesh, NamedSharding
@@ -213,13 +232,16 @@ def test_compiles_for_h100(shape, kw):
     q = jax.ShapeDtypeStruct((b, seq, hq, d), jnp.bfloat16, sharding=s)
     k = jax.ShapeDtypeStruct((b, seq, hk, d), jnp.bfloat16, sharding=s)
     seg = jax.ShapeDtypeStruct((b, seq), jnp.int32, sharding=s) if kw.pop("segments", False) else None
+    sinks = jax.ShapeDtypeStruct((hq,), jnp.float32, sharding=s) if kw.pop("sinks", False) else None
 
-    def loss(q, k, v, seg):
-        return jnp.sum(flash_attention_mgpu(q, k, v, segment_ids=seg, **kw).astype(jnp.float32) ** 2)
+    def loss(q, k, v, seg, sinks):
+        out = flash_attention_mgpu(q, k, v, segment_ids=seg, sinks=sinks, **kw)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
 
+    grad = jax.grad(loss, argnums=(0, 1, 2) if sinks is None else (0, 1, 2, 4))
     compiled = []
     kernels = mosaic_kernel_resources(
-        lambda: compiled.append(jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, seg).compile())
+        lambda: compiled.append(jax.jit(grad).lower(q, k, k, seg, sinks).compile())
     )
     hlo = compiled[0].as_text()
     assert hlo.count('custom_call_target="mosaic_gpu') == 3, targets.custom_call_targets(hlo)

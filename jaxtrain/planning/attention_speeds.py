@@ -82,11 +82,21 @@ def cudnn_cannot(
     compute_dtype: str,
     softcap: bool = False,
     max_head_dim: int | None = None,
+    sinks: bool = False,
+    v_head_dim: int | None = None,
 ) -> str | None:
     """Why cuDNN's attention cannot run this case (None: it can). `max_head_dim`: None asks
-    this process (`cudnn_max_head_dim`)."""
+    this process (`cudnn_max_head_dim`); `sinks`: sink logits (GPT-OSS); `v_head_dim`: the
+    value head dim where it differs from `head_dim` (MLA)."""
     if softcap:
         return "a logit softcap (jax.nn.dot_product_attention's cuDNN path takes none)"
+    if sinks:
+        return "attention sinks (jax.nn.dot_product_attention's cuDNN path takes none)"
+    if v_head_dim not in (None, head_dim):
+        return (
+            f"value head_dim {v_head_dim} != query/key head_dim {head_dim} "
+            "(jax.nn.dot_product_attention wants v shaped like k)"
+        )
     if chip is None:  # every GPU of the hardware table is Ampere or newer
         return "the GPU is unknown to sharding/hardware.py (cuDNN's attention needs Ampere or newer)"
     if compute_dtype not in CUDNN_DTYPES:
@@ -100,12 +110,16 @@ def cudnn_cannot(
     return None
 
 
-def _mosaic_can(*, chip: str | None, head_dim: int, compute_dtype: str, softcap: bool) -> bool:
+def _mosaic_can(
+    *, chip: str | None, head_dim: int, compute_dtype: str, softcap: bool, sinks=False, v_head_dim=None
+) -> bool:  # `sinks`: the kernel takes them (flash_mgpu._with_sinks)
     """The Hopper flash kernel (pallas_kernels/flash_mgpu.py, `pallas_mosaic`) can run the case:
     an sm90 chip and what the kernel itself accepts."""
     from jaxtrain.pallas_kernels.flash_mgpu import unsupported_reason
 
-    reason = unsupported_reason(head_dim=head_dim, dtype=compute_dtype, softcap=softcap or None)
+    reason = unsupported_reason(
+        head_dim=head_dim, dtype=compute_dtype, softcap=softcap or None, v_head_dim=v_head_dim
+    )
     return chip in HOPPER_CHIPS and reason is None
 
 
@@ -117,18 +131,18 @@ def choose_gpu_attention(
     compute_dtype: str,
     softcap: bool = False,
     cudnn_head_dim_max: int | None = None,
+    sinks: bool = False,
+    v_head_dim: int | None = None,
 ) -> tuple[str, str]:
     """(impl, why) for a GPU run: the fastest measured implementation that can run the case.
-    `cudnn_head_dim_max`: cudnn_cannot's `max_head_dim`."""
-    why_not = cudnn_cannot(
-        chip=chip,
-        head_dim=head_dim,
-        compute_dtype=compute_dtype,
-        softcap=softcap,
-        max_head_dim=cudnn_head_dim_max,
+    `cudnn_head_dim_max`: cudnn_cannot's `max_head_dim`; `sinks`, `v_head_dim`: as for
+    cudnn_cannot (cases the Triton kernel takes and cuDNN does not)."""
+    case = dict(
+        head_dim=head_dim, compute_dtype=compute_dtype, softcap=softcap, sinks=sinks, v_head_dim=v_head_dim
     )
+    why_not = cudnn_cannot(chip=chip, max_head_dim=cudnn_head_dim_max, **case)
     candidates = {"pallas", "xla"} | (set() if why_not else {"cudnn"})
-    if _mosaic_can(chip=chip, head_dim=head_dim, compute_dtype=compute_dtype, softcap=softcap):
+    if _mosaic_can(chip=chip, **case):
         candidates.add("pallas_mosaic")
     rows = [s for s in SPEEDS if s.impl in candidates and s.window == window] or [
         s for s in SPEEDS if s.impl in candidates
@@ -158,15 +172,24 @@ def choose_gpu_attention(
 
 
 def choose_gpu_flash_kernel(
-    *, chip: str | None, head_dim: int, compute_dtype: str, softcap: bool = False
+    *,
+    chip: str | None,
+    head_dim: int,
+    compute_dtype: str,
+    softcap: bool = False,
+    sinks: bool = False,
+    v_head_dim: int | None = None,
 ) -> tuple[str, str]:
     """(kernel, why): which of our Pallas flash kernels a GPU run uses where it runs one
     (`model.gpu_flash_kernel: auto`): the Hopper kernel ("mosaic") on an sm90 chip where it
     takes the case and the table does not measure it slower than Triton at the nearest
     head_dim; "triton" otherwise."""
-    if not _mosaic_can(chip=chip, head_dim=head_dim, compute_dtype=compute_dtype, softcap=softcap):
+    case = dict(
+        head_dim=head_dim, compute_dtype=compute_dtype, softcap=softcap, sinks=sinks, v_head_dim=v_head_dim
+    )
+    if not _mosaic_can(chip=chip, **case):
         return "triton", "the Triton kernel: the Hopper kernel needs an sm90 chip, 16-bit compute, " + (
-            "head_dim 64/128/256 and no softcap"
+            "head_dim 64/128/256 (v's as q/k's) and no softcap"
         )
     pairs: dict[tuple[str, int], dict[str, float]] = {}  # (chip, head_dim) -> impl -> TFLOP/s
     for row in SPEEDS:
