@@ -117,6 +117,26 @@ class LoRAConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MTPConfig:
+    """Multi-token prediction (models/mtp.py; DeepSeek-V3 report section 2.2): `depth` modules
+    in sequence after the main model, module k predicting token t + k + 1 from module k - 1's
+    hidden state (the main model's last residual, before its final norm, for k = 1) and the
+    embedding of token t + k; their cross-entropy joins the training objective. Generation
+    uses the main model alone. `model.mtp: null`: none."""
+
+    depth: int = 1  # prediction modules (DeepSeek-V3: 1, predicting the token after next)
+    # the mean of the modules' cross-entropies, times this, is added to the main loss
+    # (DeepSeek-V3: 0.3 for the first 10T tokens, then 0.1)
+    loss_weight: float = 0.3
+
+    def validate(self) -> None:
+        if self.depth < 1:
+            raise ValueError(f"model.mtp.depth={self.depth}: expected a positive integer")
+        if not self.loss_weight >= 0:
+            raise ValueError(f"model.mtp.loss_weight={self.loss_weight}: expected a number >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class MoEConfig:
     """Mixture-of-experts feed-forward (models/moe.py); `model.moe: null` is a dense model.
 
@@ -295,6 +315,9 @@ class ModelConfig:
     moe: MoEConfig | None = None  # mixture of experts (models/moe.py); None: dense
     # low-rank adapters on a frozen base (models/lora.py); None: every weight trains
     lora: LoRAConfig | None = None
+    # multi-token prediction modules, trained with the model, unused by generation
+    # (models/mtp.py); None: none
+    mtp: MTPConfig | None = None
 
     def __post_init__(self):
         # A mapping (Python callers, YAML) or pairs in any order -> sorted (name, mode) pairs.
@@ -418,6 +441,13 @@ class ModelConfig:
             )
         if self.moe is not None:
             self.moe.validate(self)
+        if self.mtp is not None:
+            self.mtp.validate()
+            if self.fp8:
+                raise ValueError(
+                    "model.mtp with model.fp8=true: the prediction modules have no fp8 state yet; "
+                    "expected model.mtp null or model.fp8 false"
+                )
         if self.lora is not None:
             self.lora.validate()
             experts = [t for t in self.lora.targets if t in ("w_gate", "w_up", "w_down")]
@@ -530,7 +560,19 @@ class ModelConfig:
                 + 3 * d * f * m.num_shared_experts
             )
             total += m.num_moe_layers(self) * (moe_mlp - mlp)
-        return total
+        return total + self.mtp_param_count()
+
+    def mtp_param_count(self) -> int:
+        """Parameters of the multi-token prediction modules (model.mtp; 0 without): per depth
+        three norms, eh_proj [2 d_model, d_model] and one block of the model's own kind (an MoE
+        block on MoE models), adapters included: a one-layer model's layer."""
+        if self.mtp is None:
+            return 0
+        one_moe = None if self.moe is None else dataclasses.replace(self.moe, first_dense_layers=0, every=1)
+        one = dataclasses.replace(self, n_layers=1, moe=one_moe, mtp=None)
+        block = one.param_count(include_embedding=False) - self.d_model  # less the final norm
+        block -= 0 if self.tie_embeddings else self.vocab_size * self.d_model  # and the head
+        return self.mtp.depth * (3 * self.d_model + 2 * self.d_model * self.d_model + block)
 
     def adapter_param_count(self) -> int:
         """Parameters of the LoRA adapters (model.lora; 0 without): r x (fan_in + fan_out) per
@@ -553,4 +595,5 @@ class ModelConfig:
             return total
         m = self.moe
         idle = 3 * self.d_model * m.mlp_dim(self) * (m.num_experts - m.top_k)
-        return total - m.num_moe_layers(self) * idle
+        mtp_moe_layers = 0 if self.mtp is None else self.mtp.depth  # their blocks are MoE too
+        return total - (m.num_moe_layers(self) + mtp_moe_layers) * idle
