@@ -146,6 +146,34 @@ def test_loss_matches_the_reference(chunk):
     np.testing.assert_allclose(float(value), float(np.mean(ahead)), rtol=LOSS_RTOL)
 
 
+def test_remat_and_unrolled_modules_change_nothing():
+    """The modules under remat full and unrolled (model.scan_layers false) give the loss and
+    gradients of remat none, scanned: the policy only changes what the backward recomputes."""
+    batch = {k: jnp.asarray(v) for k, v in packed_batch().items()}
+
+    def value_and_grads(cfg):
+        graphdef, params = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+
+        @jax.jit
+        def run(params):
+            def loss(params):
+                model = nnx.merge(graphdef, params)
+                seg = batch["segment_ids"]
+                residual, _ = model.hidden(
+                    batch["inputs"], positions=batch["positions"], segment_ids=seg, normed=False
+                )
+                return mtp_loss(model, residual, batch, segment_ids=seg, chunk=0)[0]
+
+            return jax.value_and_grad(loss)(params)
+
+        return jax.device_get(run(params))
+
+    ref_value, ref_grads = value_and_grads(CFG)
+    value, grads = value_and_grads(dataclasses.replace(CFG, remat="full", scan_layers=False))
+    np.testing.assert_allclose(value, ref_value, rtol=LOSS_RTOL)
+    assert_grads_close(nnx.to_pure_dict(grads), nnx.to_pure_dict(ref_grads))
+
+
 def test_param_count_and_axes():
     for cfg in (CFG, dataclasses.replace(CFG, moe=models.MoEConfig(num_experts=4, top_k=2, score_bias=True))):
         params = nnx.state(models.Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
