@@ -4,6 +4,7 @@ first in eh_proj's input as DeepSeek's checkpoints), one device against a sharde
 training loop's metrics, and generation, which must not depend on the prediction modules."""
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -132,46 +133,50 @@ def test_lookahead_by_hand():
     )
 
 
-@pytest.mark.parametrize("chunk", [0, 4], ids=["plain", "chunked"])
-def test_loss_matches_the_reference(chunk):
-    model = models.Transformer(CFG, rngs=nnx.Rngs(0))
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+@functools.cache
+def value_and_grads(cfg, chunk=0):
+    """The modules' loss (trainer/mtp.py `mtp_loss`) on `packed_batch` and its gradients with
+    respect to every parameter, jitted, for the model `cfg` at seed 0."""
     batch = {k: jnp.asarray(v) for k, v in packed_batch().items()}
-    residual, _ = model.hidden(
-        batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"], normed=False
-    )
-    value, stats = mtp_loss(model, residual, batch, segment_ids=batch["segment_ids"], chunk=chunk)
-    _, ahead = ref_losses(params, batch, CFG)
-    assert stats is None  # a dense model's blocks are dense
-    np.testing.assert_allclose(float(value), float(np.mean(ahead)), rtol=LOSS_RTOL)
+    graphdef, params = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+
+    def loss(params):
+        model, seg = nnx.merge(graphdef, params), batch["segment_ids"]
+        residual, _ = model.hidden(
+            batch["inputs"], positions=batch["positions"], segment_ids=seg, normed=False
+        )
+        value, stats = mtp_loss(model, residual, batch, segment_ids=seg, chunk=chunk)
+        assert stats is None  # a dense model's blocks are dense
+        return value
+
+    value, grads = jax.device_get(jax.jit(jax.value_and_grad(loss))(params))
+    return value, nnx.to_pure_dict(grads), nnx.to_pure_dict(params)
+
+
+@functools.cache
+def reference_value_and_grads():
+    batch = packed_batch()
+    _, _, params = value_and_grads(CFG)
+    mean_ahead = lambda p: jnp.mean(jnp.stack(ref_losses(p, batch, CFG)[1]))
+    return jax.device_get(jax.jit(jax.value_and_grad(mean_ahead))(params))
+
+
+@pytest.mark.parametrize("chunk", [0, 4], ids=["plain", "chunked"])
+def test_loss_and_gradients_match_the_reference(chunk):
+    value, grads, _ = value_and_grads(CFG, chunk)
+    ref_value, ref_grads = reference_value_and_grads()
+    np.testing.assert_allclose(value, ref_value, rtol=LOSS_RTOL)
+    assert_grads_close(grads, ref_grads)
+    assert np.abs(grads["mtp"]["eh_proj"]).max() > 0 and np.abs(grads["blocks"]["attn"]["wq"]).max() > 0
 
 
 def test_remat_and_unrolled_modules_change_nothing():
     """The modules under remat full and unrolled (model.scan_layers false) give the loss and
     gradients of remat none, scanned: the policy only changes what the backward recomputes."""
-    batch = {k: jnp.asarray(v) for k, v in packed_batch().items()}
-
-    def value_and_grads(cfg):
-        graphdef, params = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
-
-        @jax.jit
-        def run(params):
-            def loss(params):
-                model = nnx.merge(graphdef, params)
-                seg = batch["segment_ids"]
-                residual, _ = model.hidden(
-                    batch["inputs"], positions=batch["positions"], segment_ids=seg, normed=False
-                )
-                return mtp_loss(model, residual, batch, segment_ids=seg, chunk=0)[0]
-
-            return jax.value_and_grad(loss)(params)
-
-        return jax.device_get(run(params))
-
-    ref_value, ref_grads = value_and_grads(CFG)
-    value, grads = value_and_grads(dataclasses.replace(CFG, remat="full", scan_layers=False))
+    ref_value, ref_grads, _ = value_and_grads(CFG)
+    value, grads, _ = value_and_grads(dataclasses.replace(CFG, remat="full", scan_layers=False))
     np.testing.assert_allclose(value, ref_value, rtol=LOSS_RTOL)
-    assert_grads_close(nnx.to_pure_dict(grads), nnx.to_pure_dict(ref_grads))
+    assert_grads_close(grads, ref_grads)
 
 
 def test_param_count_and_axes():
@@ -202,7 +207,7 @@ def test_bad_settings_name_the_key(override, key):
 # --- the step: objective, gradients, meshes ---------------------------------------------------
 
 
-def step_cfg(**mesh):
+def step_cfg(*overrides, **mesh):
     cfg = tiny_config(
         None,
         "model.d_model=32",
@@ -215,6 +220,7 @@ def step_cfg(**mesh):
         "train.global_batch_size=4",
         "model.mtp.depth=2",
         "model.mtp.loss_weight=0.3",
+        *overrides,
     )
     return replace(cfg, mesh=dict(dict(data=1, fsdp=1, tensor=1), **mesh))
 
@@ -258,16 +264,37 @@ def test_step_objective_matches_the_reference(one_device):
         main, ahead = ref_losses(p, batch, cfg, segmented=False)
         return main + cfg.mtp.loss_weight * jnp.mean(jnp.stack(ahead)), main
 
-    (_, main), ref_grads = jax.value_and_grad(objective, has_aux=True)(params)
+    (_, main), ref_grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
     np.testing.assert_allclose(loss, float(main), rtol=LOSS_RTOL)
     assert_grads_close(grads, ref_grads)
     assert np.abs(grads["mtp"]["eh_proj"]).max() > 0
 
 
-def test_sharded_step_matches_one_device(one_device):
-    """fsdp 2 x tensor 2 (simulated devices) against one device: same loss and gradients."""
-    loss, _, grads = step_loss_and_grads(step_cfg(fsdp=2, tensor=2))
-    ref_loss, _, ref_grads = one_device
+MOE = (
+    "model.moe.num_experts=4",
+    "model.moe.top_k=2",
+    "model.moe.expert_mlp_dim=32",
+    "model.moe.score_bias=true",
+)
+SHARDED = {
+    "fsdp2,tensor2": ((), dict(fsdp=2, tensor=2)),
+    # the chunked loss's vocab-parallel form (trainer/loss.py) on the modules' hidden states
+    "vocab-parallel-chunked": (("mesh.head_sharding=vocab", "train.loss_chunk=4"), dict(fsdp=4)),
+    # MoE prediction blocks under expert parallelism (a second model to compile: 2 x 20 s)
+    "moe-expert2,fsdp2,tensor2": pytest.param(
+        (*MOE, "mesh.expert=2"), dict(fsdp=2, tensor=2), marks=pytest.mark.slow
+    ),
+}
+
+
+@pytest.mark.parametrize("overrides,mesh", SHARDED.values(), ids=SHARDED.keys())
+def test_sharded_step_matches_one_device(one_device, overrides, mesh):
+    """Simulated devices against one device: same loss and gradients (f32, summation order)."""
+    if any(o.startswith("model.moe") for o in overrides):
+        ref_loss, _, ref_grads = step_loss_and_grads(step_cfg(*MOE))
+    else:
+        ref_loss, _, ref_grads = one_device
+    loss, _, grads = step_loss_and_grads(step_cfg(*overrides, **mesh))
     np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
     assert_grads_close(grads, ref_grads)
 
