@@ -18,6 +18,7 @@ from flax import nnx
 from jaxtrain import models
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.models import mtp
+from jaxtrain.planning.flops import flops_per_token
 from jaxtrain.trainer import train
 from jaxtrain.trainer.batches import batch_to_device
 from jaxtrain.trainer.mtp import mtp_loss
@@ -187,6 +188,15 @@ def test_param_count_and_axes():
     axes = models.logical_axes(nnx.state(models.Transformer(CFG, rngs=nnx.Rngs(0)), nnx.Param))
     assert axes["mtp"]["eh_proj"] == ("mtp_depth", "mtp_concat", "embed")
     assert axes["mtp"]["block"]["attn"]["wq"] == ("mtp_depth", "embed", "heads", "head_dim")
+
+
+def test_flops_count_the_modules():
+    """Per module: its parameters, the shared head once more, one more layer of attention."""
+    plain = dataclasses.replace(CFG, mtp=None)
+    d, v, s, depth = CFG.d_model, CFG.vocab_size, 16, CFG.mtp.depth
+    attn_layer = 12 * s * CFG.n_heads * CFG.resolved_head_dim / 2
+    extra = 6 * (CFG.mtp_param_count() + depth * d * v) + depth * attn_layer
+    assert flops_per_token(CFG, s) == flops_per_token(plain, s) + extra
 
 
 @pytest.mark.parametrize(
