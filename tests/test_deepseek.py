@@ -7,7 +7,10 @@ Oracles: plain-numpy transcriptions of transformers 5.24's DeepseekV3TopkRouter 
 DeepseekV3ForCausalLM checkpoints (tests/assets/make_hf_assets.py) are checked in
 tests/test_hf.py with the other families."""
 
+import dataclasses
+import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,12 +21,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain import sharding
 from jaxtrain.models import MLAConfig, ModelConfig, MoEConfig, Transformer
+from jaxtrain.models.hf import HFConversionError, config_from_hf, hf_config
 from jaxtrain.models.layers import rope_attention_factor, rope_frequencies
 from jaxtrain.models.moe import route
 from jaxtrain.trainer.optimizer import decays
 from tests.conftest import replace, tiny_config
 from tests.test_model_families import GRAD_ATOL, GRAD_RTOL, LOSS_RTOL, loss_and_grads
 
+ASSETS = Path(__file__).parent / "assets" / "hf"
 ROUTE_ATOL = 1e-6  # f32 sigmoid weights against float64 numpy
 
 
@@ -195,3 +200,39 @@ def test_sharded_step_equals_one_device():
     close = lambda a, b: np.testing.assert_allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL)
     jax.tree.map(close, grads, ref_grads)
     assert specs["moe_blocks"]["attn"]["wkv_b"][2] == "tensor"
+
+
+def test_hf_config_mapping_by_hand():
+    """DeepseekV3ForCausalLM's config.json keys land where they belong (logits and exports are
+    checked against transformers in tests/test_hf.py): routing, shared experts, the dense first
+    layer's intermediate_size, the latents, YaRN's keys, rope_interleave; hf_config writes them back."""
+    hf = json.loads((ASSETS / "deepseek_v3_yarn" / "config.json").read_text())
+    cfg = config_from_hf(hf)
+    m, mla = cfg.moe, cfg.mla
+    assert (m.num_experts, m.top_k, m.expert_mlp_dim, m.num_shared_experts) == (8, 2, 16, 1)
+    assert (m.num_groups, m.top_k_groups, m.routed_scaling_factor, m.first_dense_layers) == (4, 2, 2.5, 1)
+    assert m.scoring == "sigmoid" and m.score_bias and m.normalize_top_k and cfg.mlp_dim == 96
+    assert (mla.q_lora_rank, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim) == (24, 16, 8, 4)
+    assert mla.v_head_dim == 12 and cfg.rope_interleave
+    assert (cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_original_max_position) == ("yarn", 4.0, 8)
+    assert (cfg.rope_mscale, cfg.rope_mscale_all_dim, cfg.rope_truncate) == (1.0, 0.5, True)
+    out = hf_config(cfg)
+    for key in ("n_group", "topk_group", "routed_scaling_factor", "q_lora_rank", "first_k_dense_replace"):
+        assert out[key] == hf[key], key
+    assert {k: out["rope_parameters"][k] for k in hf["rope_parameters"]} == hf["rope_parameters"]
+    plain = config_from_hf(json.loads((ASSETS / "deepseek_v3_plain_q" / "config.json").read_text()))
+    assert plain.mla.q_lora_rank is None and not plain.rope_interleave and plain.rope_scaling is None
+    assert not plain.moe.normalize_top_k and plain.moe.first_dense_layers == 0
+
+
+def test_hf_boundary_names_what_it_refuses():
+    hf = json.loads((ASSETS / "deepseek_v3_yarn" / "config.json").read_text())
+    with pytest.raises(HFConversionError, match="num_key_value_heads=2"):
+        config_from_hf({**hf, "num_key_value_heads": 2})
+    with pytest.raises(HFConversionError, match="topk_method='greedy'"):
+        config_from_hf({**hf, "topk_method": "greedy"})
+    cfg = config_from_hf(hf)
+    with pytest.raises(HFConversionError, match="model.moe.scoring"):
+        hf_config(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, scoring="softmax")))
+    with pytest.raises(HFConversionError, match="rope_interleave"):
+        hf_config(dataclasses.replace(cfg, mla=None, moe=None, rope_mscale_all_dim=None))
