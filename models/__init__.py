@@ -11,6 +11,7 @@ import importlib
 _PUBLIC = {
     "ModelConfig": "config",
     "MoEConfig": "config",
+    "MLAConfig": "config",
     "MTPConfig": "config",
     "Transformer": "transformer",
     "attend": "attention",

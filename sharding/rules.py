@@ -59,7 +59,14 @@ DATA_PARALLEL: AxisRules = _ACTIVATIONS + _REPLICATED
 #: FSDP / ZeRO-3: parameters and optimizer state sharded over `fsdp` on their
 #: embed dimension (all-gathered in the forward pass, gradients
 #: reduce-scattered), batch over data x fsdp.
-FSDP: AxisRules = DATA_PARALLEL + (("embed", ("fsdp",)), ("head_embed", ("fsdp",)))
+#: The latents of latent attention (`q_lora`, `kv_lora`) shard over fsdp where `embed` does not
+#: already take it (their up-projections), never over tensor: every head reads the whole latent.
+FSDP: AxisRules = DATA_PARALLEL + (
+    ("embed", ("fsdp",)),
+    ("head_embed", ("fsdp",)),
+    ("q_lora", ("fsdp",)),
+    ("kv_lora", ("fsdp",)),
+)
 
 #: FSDP + Megatron tensor parallelism: heads / mlp / vocab dims over `tensor`.
 FSDP_TENSOR: AxisRules = FSDP + (
