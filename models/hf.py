@@ -35,6 +35,7 @@ uses, so no head-dim permutation is needed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.models.config import MLAConfig, ModelConfig, MoEConfig
+from jaxtrain.models.config import MLAConfig, ModelConfig, MoEConfig, MTPConfig
 from jaxtrain.models.params import abstract_model, merge
 from jaxtrain.models.transformer import Transformer
 
@@ -232,7 +233,8 @@ def _deepseek_settings(hf: dict) -> dict:
     weights renormalised (norm_topk_prob) and scaled (routed_scaling_factor), shared experts of
     n_shared_experts x moe_intermediate_size, and first_k_dense_replace dense layers of
     intermediate_size. Balanced by the selection bias alone (no auxiliary loss), as DeepSeek-V3
-    trains. MTP weights (layers at index num_hidden_layers) are not read."""
+    trains. The multi-token prediction modules (layers at index num_hidden_layers) are the
+    directory's business: `config_from_hf_dir` sets model.mtp when it holds them."""
     if hf.get("num_key_value_heads", hf["num_attention_heads"]) != hf["num_attention_heads"]:
         raise HFConversionError(
             f"config.json num_key_value_heads={hf['num_key_value_heads']}: DeepSeek-V3's latent attention "
@@ -515,7 +517,7 @@ def _deepseek_hf_config(cfg: ModelConfig, arch: str) -> dict:
         "first_k_dense_replace": m.first_dense_layers,
         "topk_method": "noaux_tc",
         "scoring_func": "sigmoid",
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": 0 if cfg.mtp is None else cfg.mtp.depth,
         "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
@@ -577,6 +579,8 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ..
         yield ("lm_head",), (), "lm_head.weight"
     if cfg.mla is not None:
         yield from _deepseek_names(cfg)
+        if cfg.mtp is not None:
+            yield from _deepseek_mtp_names(cfg)
         return
     common = {
         ("attn", "wq"): "self_attn.q_proj.weight",
@@ -666,6 +670,57 @@ def _deepseek_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[i
                     yield (stack, *ours), (*index, e), f"{prefix}mlp.experts.{e}.{theirs}"
 
 
+def _deepseek_mtp_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ...], str]]:
+    """DeepSeek-V3's multi-token prediction modules (model.mtp; models/mtp.py): module i is layer
+    num_hidden_layers + i, an MoE decoder layer named as the others (`_deepseek_names`) beside
+    its `enorm`, `hnorm`, `eh_proj` and `shared_head.norm`. (Its `embed_tokens` and
+    `shared_head.head`, copies of the main model's, are written by `params_to_hf_tensors`.)"""
+    n = cfg.n_layers
+    longer = dataclasses.replace(cfg, n_layers=n + cfg.mtp.depth, mtp=None)
+    for ours, index, theirs in _deepseek_names(longer):
+        layer = int(theirs.split(".")[2])
+        if layer >= n:  # an MoE layer: ("moe_blocks", ...), index (layer - first dense, [expert])
+            yield ("mtp", "block", *ours[1:]), (layer - n, *index[1:]), theirs
+    for i in range(cfg.mtp.depth):
+        prefix = f"model.layers.{n + i}."
+        for ours, theirs in _MTP_NAMES.items():
+            yield ("mtp", *ours), (i,), prefix + theirs
+
+
+# models/mtp.py MTPLayer's own tensors, as DeepSeek-V3's checkpoints name them
+_MTP_NAMES = {
+    ("enorm", "scale"): "enorm.weight",
+    ("hnorm", "scale"): "hnorm.weight",
+    ("eh_proj",): "eh_proj.weight",
+    ("head_norm", "scale"): "shared_head.norm.weight",
+}
+# copies of the main model's embedding and head that DeepSeek-V3's checkpoints keep in every
+# prediction layer: written, never read
+_MTP_SHARED = {"embed_tokens.weight": ("embedding",), "shared_head.head.weight": ("lm_head",)}
+
+
+def mtp_depth_in_dir(path: str | Path, hf: dict) -> int:
+    """How many of DeepSeek-V3's prediction modules the directory holds: config.json's
+    num_nextn_predict_layers when every one of their layers (index num_hidden_layers + i) has
+    its `eh_proj`, else 0 (transformers drops them when it saves a model, config unchanged)."""
+    n = hf.get("num_nextn_predict_layers") or 0
+    archs = hf.get("architectures") or [None]
+    if not n or archs[0] != _DEEPSEEK:
+        return 0
+    names = _SafetensorsDir(Path(path)).weight_map
+    layers = hf["num_hidden_layers"]
+    return n if all(f"model.layers.{layers + i}.eh_proj.weight" in names for i in range(n)) else 0
+
+
+def config_from_hf_dir(path: str | Path, **overrides) -> ModelConfig:
+    """`config_from_hf` of the directory's config.json, with model.mtp set to the prediction
+    modules whose weights it holds (`mtp_depth_in_dir`; none: null)."""
+    hf = read_hf_config(path)
+    depth = mtp_depth_in_dir(path, hf)
+    mtp = MTPConfig(depth=depth) if depth else None
+    return config_from_hf(hf, **{"mtp": mtp, **overrides})
+
+
 def _mla_shape(path: tuple[str, ...], cfg: ModelConfig) -> tuple[int, ...] | None:
     """Our shape of a latent-attention tensor (None for any other)."""
     m, d, h = cfg.mla, cfg.d_model, cfg.n_heads
@@ -694,7 +749,7 @@ def _to_ours(path: tuple[str, ...], w: np.ndarray, cfg: ModelConfig) -> np.ndarr
         return w.T.reshape(d, cfg.n_kv_heads, hd)
     if name == "wo":
         return w.T.reshape(cfg.n_heads, hd, d)
-    if name in ("w_gate", "w_up", "w_down", "lm_head", "w_router", *_SHARED_EXPERT):
+    if name in ("w_gate", "w_up", "w_down", "lm_head", "w_router", "eh_proj", *_SHARED_EXPERT):
         return w.T
     if name in ("bq", "bk", "bv"):
         return w.reshape(cfg.n_heads if name == "bq" else cfg.n_kv_heads, hd)
@@ -709,7 +764,8 @@ def _to_hf(path: tuple[str, ...], w: np.ndarray) -> np.ndarray:
         return w.reshape(w.shape[0], -1).T
     if name == "wo":
         return w.reshape(-1, w.shape[-1]).T
-    if name in ("w_gate", "w_up", "w_down", "lm_head", "w_router", "wq_a", "wkv_a", *_SHARED_EXPERT):
+    transposed = ("w_gate", "w_up", "w_down", "lm_head", "w_router", "wq_a", "wkv_a", "eh_proj")
+    if name in (*transposed, *_SHARED_EXPERT):
         return w.T
     if name in ("bq", "bk", "bv") or (name == "scale" and path[-2] in ("q_norm", "k_norm")):
         return w.reshape(-1)  # [heads, hd] -> [heads * hd]; a per-head norm's [hd] stays
@@ -749,8 +805,10 @@ def _shape_of(path: tuple[str, ...], cfg: ModelConfig) -> tuple[int, ...]:
     if mla_shape is not None:
         return mla_shape
     d, hd = cfg.d_model, cfg.resolved_head_dim
-    # dense layers of an MoE model (moe.first_dense_layers, in `blocks`) have model.mlp_dim
-    f = cfg.moe.mlp_dim(cfg) if cfg.moe is not None and path[0] == "moe_blocks" else cfg.mlp_dim
+    # dense layers of an MoE model (moe.first_dense_layers, in `blocks`) have model.mlp_dim; the
+    # prediction modules' blocks (`mtp`) are MoE layers on MoE models
+    moe_layer = cfg.moe is not None and path[0] in ("moe_blocks", "mtp")
+    f = cfg.moe.mlp_dim(cfg) if moe_layer else cfg.mlp_dim
     fs = 0 if cfg.moe is None else f * cfg.moe.num_shared_experts
     if path[-1] == "scale" and path[-2] in ("q_norm", "k_norm"):
         heads = cfg.n_heads if path[-2] == "q_norm" else cfg.n_kv_heads
@@ -762,6 +820,7 @@ def _shape_of(path: tuple[str, ...], cfg: ModelConfig) -> tuple[int, ...]:
         "shared_up": (d, fs),
         "shared_down": (fs, d),
         "embedding": (cfg.vocab_size, d),
+        "eh_proj": (2 * d, d),
         "lm_head": (d, cfg.vocab_size),
         "scale": (d,),
         "wq": (d, cfg.n_heads, hd),
@@ -786,6 +845,8 @@ def load_hf_params(path: str | Path, cfg: ModelConfig, dtype=np.float32) -> dict
     layers = {"blocks": n_dense // cfg.layers_per_group}
     if cfg.moe is not None:
         layers["moe_blocks"] = cfg.moe.num_moe_layers(cfg)
+    if cfg.mtp is not None:
+        layers["mtp"] = cfg.mtp.depth
     experts = (cfg.moe.num_experts,) if cfg.moe is not None else ()
     for ours, index, theirs in _hf_names(cfg):
         w = _to_ours(ours, np.asarray(reader.get(theirs), dtype=np.float32), cfg)
@@ -818,9 +879,10 @@ def from_hf(path: str | Path, **config_overrides):
     """A ready `Transformer` from a local HF checkpoint directory; `model.cfg` is its config.
 
     `config_overrides` set non-architectural ModelConfig fields (e.g.
-    compute_dtype="bfloat16", attention_impl="xla").
+    compute_dtype="bfloat16", attention_impl="xla"). A DeepSeek-V3 directory's multi-token
+    prediction modules are read when it holds them (`config_from_hf_dir`).
     """
-    cfg = config_from_hf(read_hf_config(path), **config_overrides)
+    cfg = config_from_hf_dir(path, **config_overrides)
     params = load_hf_params(path, cfg)
     graphdef, abstract = abstract_model(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     params = jax.tree.map(lambda x: jnp.asarray(x, cfg.param_dtype), params)
@@ -835,6 +897,13 @@ def params_to_hf_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, 
             node = node[key]
         w = np.asarray(node[index] if index else node, dtype=np.float32)
         yield theirs, np.ascontiguousarray(_to_hf(ours, w))
+    if cfg.mla is not None and cfg.mtp is not None:  # DeepSeek-V3's copies in each prediction layer
+        # a tied head is the table itself in HF's [vocab, d_model] layout
+        shared = {k: ("embedding",) if cfg.tie_embeddings else v for k, v in _MTP_SHARED.items()}
+        for i in range(cfg.mtp.depth):
+            for theirs, ours in shared.items():
+                w = np.asarray(params[ours[0]], dtype=np.float32)
+                yield f"model.layers.{cfg.n_layers + i}.{theirs}", np.ascontiguousarray(_to_hf(ours, w))
 
 
 def write_hf_dir(

@@ -8,6 +8,8 @@ import functools
 import json
 import math
 import os
+import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ from flax import nnx
 from jaxtrain import models
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.models import mtp
+from jaxtrain.models.hf import config_from_hf, from_hf, to_hf
 from jaxtrain.planning.flops import flops_per_token
 from jaxtrain.trainer import train
 from jaxtrain.trainer.batches import batch_to_device
@@ -349,3 +352,58 @@ def test_generation_ignores_the_prediction_modules():
     np.testing.assert_array_equal(model(prompt), plain(prompt))
     out = models.generate(model, prompt, max_new_tokens=5)
     np.testing.assert_array_equal(out, models.generate(plain, prompt, max_new_tokens=5))
+
+
+# --- DeepSeek-V3 directories -----------------------------------------------------------------
+
+DEEPSEEK = Path(__file__).parent / "assets" / "hf" / "deepseek_v3_yarn"  # a dense first layer, q_lora
+
+
+def test_deepseek_modules_are_written_and_read_at_layer_num_hidden_layers(tmp_path):
+    """A DeepSeek-V3 model with 2 modules: `to_hf` writes them as layers n_layers and n_layers
+    + 1 under DeepSeek's names (eh_proj as torch's Linear(2 d, d), the embedding's half first,
+    and copies of the embedding and head), config.json says num_nextn_predict_layers 2, and
+    `from_hf` reads every tensor back exactly."""
+    from safetensors import safe_open
+
+    cfg = dataclasses.replace(
+        config_from_hf(json.loads((DEEPSEEK / "config.json").read_text())), mtp=models.MTPConfig(depth=2)
+    )
+    model = models.Transformer(cfg, rngs=nnx.Rngs(0))
+    out = to_hf(model, tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 2
+    tensors = {}
+    for f in out.glob("*.safetensors"):
+        with safe_open(str(f), framework="numpy") as h:
+            tensors.update({k: h.get_tensor(k) for k in h.keys()})
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    d, n = cfg.d_model, cfg.n_layers
+    for i in range(2):
+        layer = f"model.layers.{n + i}."
+        np.testing.assert_array_equal(tensors[layer + "eh_proj.weight"], params["mtp"]["eh_proj"][i].T)
+        assert tensors[layer + "eh_proj.weight"].shape == (d, 2 * d)
+        np.testing.assert_array_equal(tensors[layer + "enorm.weight"], params["mtp"]["enorm"]["scale"][i])
+        np.testing.assert_array_equal(
+            tensors[layer + "shared_head.norm.weight"], params["mtp"]["head_norm"]["scale"][i]
+        )
+        np.testing.assert_array_equal(tensors[layer + "embed_tokens.weight"], params["embedding"])
+        np.testing.assert_array_equal(tensors[layer + "shared_head.head.weight"], params["lm_head"].T)
+        np.testing.assert_array_equal(
+            tensors[layer + "mlp.gate.e_score_correction_bias"],
+            params["mtp"]["block"]["mlp"]["router_bias"][i],
+        )
+        for name in ("hnorm.weight", "self_attn.q_a_proj.weight", "mlp.experts.7.down_proj.weight"):
+            assert layer + name in tensors
+    assert f"model.layers.{n + 2}.eh_proj.weight" not in tensors
+    back = from_hf(out)
+    assert back.cfg.mtp == models.MTPConfig(depth=2)
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(back, nnx.Param)), params)
+
+
+def test_deepseek_directory_without_the_modules_reads_without_them(tmp_path):
+    """transformers saves a model without the prediction layers but keeps config.json's
+    num_nextn_predict_layers: such a directory loads as the main model alone."""
+    local = Path(shutil.copytree(DEEPSEEK, tmp_path / "hf"))
+    hf = json.loads((local / "config.json").read_text())
+    (local / "config.json").write_text(json.dumps({**hf, "num_nextn_predict_layers": 1}))
+    assert from_hf(local).cfg.mtp is None
