@@ -512,6 +512,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _validate_context(cfg)
     _validate_train(cfg)
     _validate_dpo(cfg)
+    _validate_mtp(cfg)
     if num_devices is not None:
         _validate_devices(cfg, num_devices)
     elif cfg.train.global_batch_size % cfg.train.microbatches:
@@ -655,6 +656,32 @@ def _validate_dpo(cfg: Config) -> None:
         raise ConfigError(
             f"eval.every={cfg.eval.every} with train.objective=dpo: held-out evaluation measures the LM "
             "loss; expected eval.every=0 (the dpo/* training metrics track the preference fit)"
+        )
+
+
+def _validate_mtp(cfg: Config) -> None:
+    """Where multi-token prediction (model.mtp) trains: the LM objective, outside pipelines
+    and context parallelism."""
+    mtp = cfg.model.mtp
+    if mtp is None:
+        return
+    if cfg.train.objective != "lm":
+        raise ConfigError(
+            f"model.mtp with train.objective={cfg.train.objective}: the prediction modules train with "
+            "the LM objective only; expected train.objective=lm or model.mtp null"
+        )
+    if cfg.mesh.stage > 1:
+        raise ConfigError(
+            f"model.mtp with mesh.stage={cfg.mesh.stage}: the prediction modules do not run in a "
+            "pipeline yet; expected mesh.stage=1 or model.mtp null"
+        )
+    if cfg.mesh.context != 1:
+        # context parallelism stores each row in zig-zag order (sharding/context.py), where
+        # token t + k is not k places after token t
+        raise ConfigError(
+            f"model.mtp with mesh.context={cfg.mesh.context}: the prediction modules read tokens "
+            "ahead in sequence order, which context parallelism permutes; expected mesh.context=1 "
+            "or model.mtp null"
         )
 
 

@@ -11,6 +11,8 @@ import importlib
 _PUBLIC = {
     "ModelConfig": "config",
     "MoEConfig": "config",
+    "MLAConfig": "config",
+    "MTPConfig": "config",
     "Transformer": "transformer",
     "attend": "attention",
     "abstract_model": "params",

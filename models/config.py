@@ -59,7 +59,7 @@ GPU_FLASH_KERNELS = ("auto", "triton", "mosaic")  # model.gpu_flash_kernel
 CONTEXT_IMPLS = ("ring", "ulysses")
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element of each of DTYPES
-ROPE_SCALINGS = (None, "linear", "llama3")
+ROPE_SCALINGS = (None, "linear", "llama3", "yarn")
 QK_NORMS = ("none", "head", "projection")
 NORM_PLACEMENTS = ("pre", "post", "both")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -117,6 +117,26 @@ class LoRAConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MTPConfig:
+    """Multi-token prediction (models/mtp.py; DeepSeek-V3 report section 2.2): `depth` modules
+    in sequence after the main model, module k predicting token t + k + 1 from module k - 1's
+    hidden state (the main model's last residual, before its final norm, for k = 1) and the
+    embedding of token t + k; their cross-entropy joins the training objective. Generation
+    uses the main model alone. `model.mtp: null`: none."""
+
+    depth: int = 1  # prediction modules (DeepSeek-V3: 1, predicting the token after next)
+    # the mean of the modules' cross-entropies, times this, is added to the main loss
+    # (DeepSeek-V3: 0.3 for the first 10T tokens, then 0.1)
+    loss_weight: float = 0.3
+
+    def validate(self) -> None:
+        if self.depth < 1:
+            raise ValueError(f"model.mtp.depth={self.depth}: expected a positive integer")
+        if not self.loss_weight >= 0:
+            raise ValueError(f"model.mtp.loss_weight={self.loss_weight}: expected a number >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class MoEConfig:
     """Mixture-of-experts feed-forward (models/moe.py); `model.moe: null` is a dense model.
 
@@ -130,6 +150,14 @@ class MoEConfig:
     num_shared_experts: int = 0  # always-on experts (DeepSeek-MoE), one fused SwiGLU of width n * F
     scoring: str = "softmax"  # softmax (Mixtral, GShard, Switch) | sigmoid (DeepSeek-V3)
     normalize_top_k: bool = True  # renormalise the k selected weights to sum to 1
+    # Group-limited routing (DeepSeek-V3's n_group / topk_group): the experts form num_groups
+    # equal groups, a group scores the sum of its two best (biased) scores, and a token picks
+    # its top_k experts among the top_k_groups best groups only. 1: no groups.
+    num_groups: int = 1
+    top_k_groups: int = 1  # groups a token's experts may come from (<= num_groups)
+    # the routed experts' weights (after any renormalisation) are multiplied by this
+    # (DeepSeek-V3: 2.5); the shared experts' output is not
+    routed_scaling_factor: float = 1.0
     score_bias: bool = False  # aux-loss-free balancing: non-gradient bias on selection only
     score_bias_rate: float = 1e-3  # per step: bias += rate * sign(mean load - expert load)
     dispatch: str = "dropless"  # capacity (GShard, drops over-capacity tokens) | dropless (ragged_dot)
@@ -164,6 +192,7 @@ class MoEConfig:
             raise ValueError(
                 f"model.moe.top_k={self.top_k}: expected <= model.moe.num_experts={self.num_experts}"
             )
+        self._validate_groups()
         if self.expert_mlp_dim is not None and self.expert_mlp_dim < 1:
             raise ValueError(
                 f"model.moe.expert_mlp_dim={self.expert_mlp_dim}: expected a positive integer or null"
@@ -204,11 +233,93 @@ class MoEConfig:
                 f"model.moe.first_dense_layers = {cfg.n_layers - self.first_dense_layers}"
             )
 
+    def _validate_groups(self) -> None:
+        """Group-limited routing's keys (num_groups, top_k_groups, routed_scaling_factor)."""
+        if self.num_groups < 1 or self.num_experts % self.num_groups:
+            raise ValueError(
+                f"model.moe.num_groups={self.num_groups}: expected a positive divisor of "
+                f"model.moe.num_experts={self.num_experts}"
+            )
+        if not 1 <= self.top_k_groups <= self.num_groups:
+            raise ValueError(
+                f"model.moe.top_k_groups={self.top_k_groups}: expected 1 <= value <= "
+                f"model.moe.num_groups={self.num_groups}"
+            )
+        per_group = self.num_experts // self.num_groups
+        if self.num_groups > 1 and per_group < 2:
+            raise ValueError(
+                f"model.moe.num_groups={self.num_groups}: a group scores its two best experts; expected "
+                f"at least 2 experts per group (model.moe.num_experts={self.num_experts})"
+            )
+        if self.num_groups > 1 and self.top_k > self.top_k_groups * per_group:
+            raise ValueError(
+                f"model.moe.top_k={self.top_k}: expected <= model.moe.top_k_groups x experts per group "
+                f"= {self.top_k_groups * per_group}"
+            )
+        if not self.routed_scaling_factor > 0:
+            raise ValueError(f"model.moe.routed_scaling_factor={self.routed_scaling_factor}: expected > 0")
+
     def mlp_dim(self, cfg: ModelConfig) -> int:
         return self.expert_mlp_dim if self.expert_mlp_dim is not None else cfg.mlp_dim
 
     def num_moe_layers(self, cfg: ModelConfig) -> int:
         return (cfg.n_layers - self.first_dense_layers) // self.every
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLAConfig:
+    """Multi-head latent attention (models/mla.py; DeepSeek-V2/V3, Kimi K2, Moonlight), named as
+    Hugging Face's DeepseekV3Config: queries from d_model (or through a latent of q_lora_rank
+    with its RMSNorm), keys and values from one latent of kv_lora_rank (with its RMSNorm)
+    up-projected per head into a no-RoPE key part and the value; one RoPE key part of
+    qk_rope_head_dim, straight from the down-projection, is shared by all heads. A head's query
+    and key have qk_nope_head_dim + qk_rope_head_dim values, its value v_head_dim.
+    `model.n_heads` counts the heads (n_kv_heads must equal it; head_dim is unused)."""
+
+    q_lora_rank: int | None = None  # the query's latent width; null: a plain query projection
+    kv_lora_rank: int = 512  # the key/value latent's width
+    qk_nope_head_dim: int = 128  # per head: the query/key values without RoPE
+    qk_rope_head_dim: int = 64  # the RoPE part: per query head, one key part shared by all heads
+    v_head_dim: int = 128  # per head: the value's width
+
+    def validate(self, cfg: ModelConfig) -> None:
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.mla.{key}={getattr(self, key)}: expected a positive integer")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"model.mla.q_lora_rank={self.q_lora_rank}: expected a positive integer or null")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"model.mla.qk_rope_head_dim={self.qk_rope_head_dim}: RoPE needs an even width")
+        if cfg.n_kv_heads != cfg.n_heads:
+            raise ValueError(
+                f"model.n_kv_heads={cfg.n_kv_heads} with model.mla: latent attention expands keys and "
+                f"values for every head; expected model.n_kv_heads = model.n_heads = {cfg.n_heads}"
+            )
+        unsupported = {
+            "qkv_bias": cfg.qkv_bias,
+            "qk_norm": cfg.qk_norm != "none",
+            "attention_pattern": bool(cfg.attention_pattern),
+            "fp8": cfg.fp8,
+            "lora": cfg.lora is not None,
+        }
+        for key, on in unsupported.items():
+            if on:
+                raise ValueError(
+                    f"model.{key}={getattr(cfg, key)!r} with model.mla: not supported with latent attention"
+                )
+
+    @property
+    def qk_head_dim(self) -> int:
+        """A query's (and key's) width per head: the no-RoPE and the RoPE parts."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def param_count(self, cfg: ModelConfig) -> int:
+        """One layer's latent-attention parameters (projections and latent norm scales)."""
+        d, h = cfg.d_model, cfg.n_heads
+        ql, kvl = self.q_lora_rank, self.kv_lora_rank
+        q = d * h * self.qk_head_dim if ql is None else d * ql + ql + ql * h * self.qk_head_dim
+        kv = d * (kvl + self.qk_rope_head_dim) + kvl + kvl * h * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + h * self.v_head_dim * d
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -224,11 +335,28 @@ class ModelConfig:
     head_dim: int | None = None  # None: d_model // n_heads
     mlp_dim: int = 512  # SwiGLU hidden width (dense layers; MoE experts: moe.expert_mlp_dim)
     rope_theta: float = 10000.0  # RoPE base
-    rope_scaling: str | None = None  # None | linear | llama3 (Llama 3.1+ long-context frequencies)
-    rope_scaling_factor: float = 1.0  # linear / llama3: how much longer the context gets
+    # None | linear | llama3 (Llama 3.1+ long-context frequencies) | yarn (YaRN, Peng et al.
+    # 2023, as transformers computes it: DeepSeek-V3, GPT-OSS)
+    rope_scaling: str | None = None
+    rope_scaling_factor: float = 1.0  # linear / llama3 / yarn: how much longer the context gets
     rope_low_freq_factor: float = 1.0  # llama3 only
     rope_high_freq_factor: float = 4.0  # llama3 only
-    rope_original_max_position: int = 8192  # llama3 only
+    rope_original_max_position: int = 8192  # llama3 and yarn: the context the model was trained on
+    rope_beta_fast: float = 32.0  # yarn: rotations above which a frequency is kept (extrapolated)
+    rope_beta_slow: float = 1.0  # yarn: rotations below which a frequency is divided by the factor
+    # yarn: round the ramp's ends to whole dimensions (transformers' `truncate`; GPT-OSS: false)
+    rope_truncate: bool = True
+    # yarn: cos and sin are multiplied by this (`attention_factor`); null: from the mscales,
+    # get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) when both are set, else
+    # 0.1 ln(factor) + 1 (get_mscale(s, m) = 0.1 m ln(s) + 1, 1 for s <= 1)
+    rope_attention_factor: float | None = None
+    rope_mscale: float | None = None  # yarn (DeepSeek's `mscale`); null: unset
+    # yarn (DeepSeek's `mscale_all_dim`), with model.mla: the softmax scale is also multiplied
+    # by get_mscale(factor, mscale_all_dim) ** 2; null: unset
+    rope_mscale_all_dim: float | None = None
+    # RoPE's rotated pairs are adjacent values (x0, x1), (x2, x3), ... (DeepSeek's
+    # checkpoints: `rope_interleave`) rather than the two halves ("rotate half", Llama)
+    rope_interleave: bool = False
     sliding_window: int | None = None  # Mistral-style: a query sees at most the last N keys
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2 / Qwen2.5)
     # RMSNorm on q and k before RoPE: none | head (over each head's head_dim, one scale of
@@ -293,8 +421,13 @@ class ModelConfig:
     cpu_tuning: bool | str = "auto"
     context_impl: str = "ring"  # ring | ulysses: attention when the mesh has context > 1
     moe: MoEConfig | None = None  # mixture of experts (models/moe.py); None: dense
+    # multi-head latent attention (models/mla.py; DeepSeek-V3) in every layer; None: GQA
+    mla: MLAConfig | None = None
     # low-rank adapters on a frozen base (models/lora.py); None: every weight trains
     lora: LoRAConfig | None = None
+    # multi-token prediction modules, trained with the model, unused by generation
+    # (models/mtp.py); None: none
+    mtp: MTPConfig | None = None
 
     def __post_init__(self):
         # A mapping (Python callers, YAML) or pairs in any order -> sorted (name, mode) pairs.
@@ -342,7 +475,7 @@ class ModelConfig:
                 raise ValueError(f"model.{key}={value}: expected a positive integer")
         if self.head_dim is not None and self.head_dim < 1:
             raise ValueError(f"model.head_dim={self.head_dim}: expected a positive integer or null")
-        if self.head_dim is None and self.d_model % self.n_heads:
+        if self.head_dim is None and self.d_model % self.n_heads and self.mla is None:
             raise ValueError(
                 f"model.d_model={self.d_model}: expected a multiple of model.n_heads="
                 f"{self.n_heads} (or set model.head_dim)"
@@ -351,7 +484,7 @@ class ModelConfig:
             raise ValueError(
                 f"model.n_kv_heads={self.n_kv_heads}: expected a divisor of model.n_heads={self.n_heads}"
             )
-        if self.resolved_head_dim % 2:
+        if self.resolved_head_dim % 2 and self.mla is None:  # MLA: its RoPE part (MLAConfig)
             raise ValueError(f"model.head_dim={self.resolved_head_dim}: RoPE needs an even head_dim")
         for key in ("param_dtype", "compute_dtype"):
             if getattr(self, key) not in DTYPES:
@@ -396,6 +529,7 @@ class ModelConfig:
             raise ValueError(f"model.rope_scaling={self.rope_scaling!r}: expected one of {ROPE_SCALINGS}")
         if self.rope_scaling_factor <= 0:
             raise ValueError(f"model.rope_scaling_factor={self.rope_scaling_factor}: expected > 0")
+        self._validate_yarn()
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"model.sliding_window={self.sliding_window}: expected >= 1 or null")
         if self.qk_norm not in QK_NORMS:
@@ -418,6 +552,15 @@ class ModelConfig:
             )
         if self.moe is not None:
             self.moe.validate(self)
+        if self.mla is not None:
+            self.mla.validate(self)
+        if self.mtp is not None:
+            self.mtp.validate()
+            if self.fp8:
+                raise ValueError(
+                    "model.mtp with model.fp8=true: the prediction modules have no fp8 state yet; "
+                    "expected model.mtp null or model.fp8 false"
+                )
         if self.lora is not None:
             self.lora.validate()
             experts = [t for t in self.lora.targets if t in ("w_gate", "w_up", "w_down")]
@@ -427,6 +570,32 @@ class ModelConfig:
                     "model: expert adapters are folded into the expert weights, which has no input "
                     "dropout; expected dropout 0, or attention targets only"
                 )
+
+    def _validate_yarn(self) -> None:
+        """YaRN's settings (model.rope_beta_*, rope_attention_factor, rope_mscale*)."""
+        if self.rope_original_max_position < 1:
+            raise ValueError(
+                f"model.rope_original_max_position={self.rope_original_max_position}: "
+                "expected a positive integer"
+            )
+        if self.rope_beta_fast <= 0 or self.rope_beta_slow <= 0:
+            raise ValueError(
+                f"model.rope_beta_fast={self.rope_beta_fast}, model.rope_beta_slow={self.rope_beta_slow}: "
+                "expected positive numbers"
+            )
+        for key in ("rope_attention_factor", "rope_mscale", "rope_mscale_all_dim"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ValueError(f"model.{key}={value}: expected a positive number or null")
+            if value is not None and self.rope_scaling != "yarn":
+                raise ValueError(
+                    f"model.{key}={value} with model.rope_scaling={self.rope_scaling!r}: applies to yarn only"
+                )
+        if self.rope_mscale_all_dim is not None and self.mla is None:
+            raise ValueError(
+                f"model.rope_mscale_all_dim={self.rope_mscale_all_dim}: scales the softmax of latent "
+                "attention (DeepSeek); expected model.mla, or null"
+            )
 
     def _validate_gemma_features(self) -> None:
         """The features Gemma 2 and 3 need (norm offset, softcaps, layer pattern, GeGLU)."""
@@ -516,6 +685,8 @@ class ModelConfig:
         if self.qkv_bias:
             attn += hd * (self.n_heads + 2 * self.n_kv_heads)
         attn += {"none": 0, "head": 2 * hd, "projection": hd * (self.n_heads + self.n_kv_heads)}[self.qk_norm]
+        if self.mla is not None:  # no biases or QK-norm with it (MLAConfig.validate)
+            attn = self.mla.param_count(self)
         mlp = 3 * d * self.mlp_dim
         per_layer = attn + mlp + (4 if self.norm_placement == "both" else 2) * d
         embed = self.vocab_size * d
@@ -530,7 +701,19 @@ class ModelConfig:
                 + 3 * d * f * m.num_shared_experts
             )
             total += m.num_moe_layers(self) * (moe_mlp - mlp)
-        return total
+        return total + self.mtp_param_count()
+
+    def mtp_param_count(self) -> int:
+        """Parameters of the multi-token prediction modules (model.mtp; 0 without): per depth
+        three norms, eh_proj [2 d_model, d_model] and one block of the model's own kind (an MoE
+        block on MoE models), adapters included: a one-layer model's layer."""
+        if self.mtp is None:
+            return 0
+        one_moe = None if self.moe is None else dataclasses.replace(self.moe, first_dense_layers=0, every=1)
+        one = dataclasses.replace(self, n_layers=1, moe=one_moe, mtp=None)
+        block = one.param_count(include_embedding=False) - self.d_model  # less the final norm
+        block -= 0 if self.tie_embeddings else self.vocab_size * self.d_model  # and the head
+        return self.mtp.depth * (3 * self.d_model + 2 * self.d_model * self.d_model + block)
 
     def adapter_param_count(self) -> int:
         """Parameters of the LoRA adapters (model.lora; 0 without): r x (fan_in + fan_out) per
@@ -553,4 +736,5 @@ class ModelConfig:
             return total
         m = self.moe
         idle = 3 * self.d_model * m.mlp_dim(self) * (m.num_experts - m.top_k)
-        return total - m.num_moe_layers(self) * idle
+        mtp_moe_layers = 0 if self.mtp is None else self.mtp.depth  # their blocks are MoE too
+        return total - (m.num_moe_layers(self) + mtp_moe_layers) * idle

@@ -4,8 +4,10 @@ Reads a local directory (`config.json` + `*.safetensors`, with or without a
 `model.safetensors.index.json`) for LlamaForCausalLM, MistralForCausalLM,
 MixtralForCausalLM (every layer MoE, softmax top-k renormalised, dropless),
 Qwen2ForCausalLM (q/k/v biases), Qwen3ForCausalLM (QK-norm per head, free head_dim),
-Qwen3MoeForCausalLM (QK-norm, every layer MoE) and Olmo2ForCausalLM (post-norms, QK-norm
-over whole projections) and returns a ready NNX `Transformer`; writes one that
+Qwen3MoeForCausalLM (QK-norm, every layer MoE), Olmo2ForCausalLM (post-norms, QK-norm
+over whole projections), Gemma 2 and 3, and DeepseekV3ForCausalLM (also Kimi K2 and Moonlight:
+latent attention, YaRN, group-limited sigmoid routing, shared experts, dense first layers)
+and returns a ready NNX `Transformer`; writes one that
 `transformers` loads with the same logits. What each family adds is a ModelConfig
 feature (`qkv_bias`, `qk_norm`, `norm_placement`), never a branch on the family. No
 network, no torch: tensors are read one at a time with `safetensors.safe_open` (numpy),
@@ -19,12 +21,21 @@ Layout mapping (HF Linear weights are `[out, in]`):
   Qwen3-MoE: mlp.gate [E, D] -> w_router; mlp.experts.e.gate_proj/up_proj/down_proj as above
   q/k/v_proj.bias [H*hd] -> bq/bk/bv [H, hd]
   q_norm/k_norm [hd] (per head) -> scale [hd]; [H*hd] (whole projection) -> scale [H, hd]
+  DeepSeek-V3 (models/mla.py): q_proj [H*(nope+rope), D] -> wq [D, H, nope+rope], or q_a_proj
+  [q_lora, D] -> wq_a, q_a_layernorm -> q_norm, q_b_proj [H*(nope+rope), q_lora] -> wq_b
+  [q_lora, H, nope+rope]; kv_a_proj_with_mqa [kv_lora+rope, D] -> wkv_a [D, kv_lora+rope];
+  kv_a_layernorm -> kv_norm; kv_b_proj [H*(nope+v), kv_lora] -> wkv_b [kv_lora, H, nope+v];
+  o_proj [D, H*v] -> wo [H, v, D]; mlp.gate.weight -> w_router, mlp.gate.e_score_correction_bias
+  -> router_bias; mlp.experts.e.* one by one; mlp.shared_experts.* -> shared_gate/up/down;
+  layers below first_k_dense_replace are dense (`blocks`, intermediate_size), the rest MoE
+  (`moe_blocks`, indexed from the first MoE layer)
 HF's q/k weights are already permuted for the "rotate half" RoPE our model
 uses, so no head-dim permutation is needed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.models.config import ModelConfig, MoEConfig
+from jaxtrain.models.config import MLAConfig, ModelConfig, MoEConfig, MTPConfig
 from jaxtrain.models.params import abstract_model, merge
 from jaxtrain.models.transformer import Transformer
 
@@ -50,7 +61,11 @@ _FAMILIES = {
     "Olmo2ForCausalLM": ((False, "projection", "post"), "olmo2", None),
     "Gemma2ForCausalLM": ((False, "none", "both"), "gemma2", None),
     "Gemma3ForCausalLM": ((False, "head", "both"), "gemma3_text", None),
+    "DeepseekV3ForCausalLM": ((False, "none", "pre"), "deepseek_v3", "deepseek"),
 }
+# Latent attention (model.mla), group-limited sigmoid routing with shared experts and dense first
+# layers: DeepSeek-V3, Kimi K2, Moonlight (`_deepseek_settings`, `_deepseek_names`).
+_DEEPSEEK = "DeepseekV3ForCausalLM"
 # The classes whose norms scale by (1 + w), whose embeddings are scaled by sqrt(hidden_size),
 # whose attention scale is query_pre_attn_scalar ** -0.5, with softcaps and `layer_types`
 # (model.norm_scale_offset, embedding_scale, attention_scale, *_softcap, attention_pattern).
@@ -90,9 +105,34 @@ def _rope_settings(hf: dict) -> dict:
             "rope_high_freq_factor": float(merged["high_freq_factor"]),
             "rope_original_max_position": int(merged["original_max_position_embeddings"]),
         }
+    if kind == "yarn":
+        return {**out, **_yarn_settings(hf, merged)}
     raise HFConversionError(
-        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)"
+        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn)"
     )
+
+
+def _yarn_settings(hf: dict, params: dict) -> dict:
+    """YaRN's keys as transformers reads them (`_compute_yarn_parameters`): a missing factor is
+    max_position_embeddings / original_max_position_embeddings; beta_fast / beta_slow default
+    to 32 / 1 (also when 0); mscale and mscale_all_dim count only when non-zero."""
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor")
+    if factor is None:
+        factor = hf["max_position_embeddings"] / original
+    unset_if_zero = lambda key: float(params[key]) if params.get(key) else None
+    attention = params.get("attention_factor")
+    return {
+        "rope_scaling": "yarn",
+        "rope_scaling_factor": float(factor),
+        "rope_original_max_position": original,
+        "rope_beta_fast": float(params.get("beta_fast") or 32),
+        "rope_beta_slow": float(params.get("beta_slow") or 1),
+        "rope_truncate": bool(params.get("truncate", True)),
+        "rope_attention_factor": None if attention is None else float(attention),
+        "rope_mscale": unset_if_zero("mscale"),
+        "rope_mscale_all_dim": unset_if_zero("mscale_all_dim"),
+    }
 
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
@@ -140,7 +180,9 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
         fields.update(_gemma_settings(hf))
     if arch in ("MistralForCausalLM", "MixtralForCausalLM") and hf.get("sliding_window"):
         fields["sliding_window"] = int(hf["sliding_window"])
-    if moe_layout is not None:
+    if arch == _DEEPSEEK:
+        fields.update(_deepseek_settings(hf))
+    elif moe_layout is not None:
         fields["moe"] = _moe_from_hf(hf, moe_layout)
     fields.update(overrides)
     cfg = ModelConfig(**fields)
@@ -184,6 +226,51 @@ def _gemma_settings(hf: dict) -> dict:
     )
 
 
+def _deepseek_settings(hf: dict) -> dict:
+    """DeepSeek-V3's model features from its config.json: latent attention, interleaved RoPE
+    pairs (`rope_interleave`, true unless it says false), and its MoE: sigmoid scores with the
+    selection-only `e_score_correction_bias` (model.moe.score_bias), group-limited top-k, the
+    weights renormalised (norm_topk_prob) and scaled (routed_scaling_factor), shared experts of
+    n_shared_experts x moe_intermediate_size, and first_k_dense_replace dense layers of
+    intermediate_size. Balanced by the selection bias alone (no auxiliary loss), as DeepSeek-V3
+    trains. The multi-token prediction modules (layers at index num_hidden_layers) are the
+    directory's business: `config_from_hf_dir` sets model.mtp when it holds them."""
+    if hf.get("num_key_value_heads", hf["num_attention_heads"]) != hf["num_attention_heads"]:
+        raise HFConversionError(
+            f"config.json num_key_value_heads={hf['num_key_value_heads']}: DeepSeek-V3's latent attention "
+            f"expands keys and values per head; expected num_attention_heads={hf['num_attention_heads']}"
+        )
+    if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get("scoring_func", "sigmoid") != "sigmoid":
+        raise HFConversionError(
+            f"config.json topk_method={hf.get('topk_method')!r} scoring_func={hf.get('scoring_func')!r}: "
+            "expected DeepSeek-V3's noaux_tc with sigmoid scores"
+        )
+    moe = MoEConfig(
+        num_experts=hf["n_routed_experts"],
+        top_k=hf["num_experts_per_tok"],
+        expert_mlp_dim=hf["moe_intermediate_size"],
+        num_shared_experts=hf.get("n_shared_experts") or 0,
+        scoring="sigmoid",
+        normalize_top_k=bool(hf.get("norm_topk_prob", True)),
+        score_bias=True,
+        num_groups=hf.get("n_group") or 1,
+        top_k_groups=hf.get("topk_group") or 1,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        first_dense_layers=hf.get("first_k_dense_replace") or 0,
+        dispatch="dropless",
+        aux_loss_weight=0.0,
+    )
+    mla = MLAConfig(
+        q_lora_rank=hf.get("q_lora_rank"),
+        kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"],
+        qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"],
+    )
+    rope_interleave = hf.get("rope_interleave", True)
+    return dict(head_dim=None, mla=mla, moe=moe, rope_interleave=bool(rope_interleave))
+
+
 def _moe_from_hf(hf: dict, layout: str) -> MoEConfig:
     """Mixtral's or Qwen3-MoE's router and experts: softmax top-k (renormalised: Mixtral
     always, Qwen3-MoE with norm_topk_prob), no shared experts, every layer MoE, dropless."""
@@ -212,8 +299,12 @@ def _moe_from_hf(hf: dict, layout: str) -> MoEConfig:
 
 def _architecture_for(cfg: ModelConfig) -> str:
     """The HF class whose features `cfg` has (Mistral for a dense model with a window)."""
+    if cfg.mla is not None:
+        return _DEEPSEEK
     features = (cfg.qkv_bias, cfg.qk_norm, cfg.norm_placement)
     for arch, (needs, _, moe_layout) in _FAMILIES.items():
+        if arch == _DEEPSEEK:
+            continue
         if needs == features and (moe_layout is None) == (cfg.moe is None):
             if arch == "LlamaForCausalLM" and cfg.sliding_window:
                 continue
@@ -232,6 +323,8 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
         raise HFConversionError(
             f"architecture {arch!r} is not supported; expected one of {SUPPORTED_ARCHITECTURES}"
         )
+    if arch == _DEEPSEEK or cfg.mla is not None:
+        return _deepseek_hf_config(cfg, arch)
     (needs, model_type, moe_layout) = _FAMILIES[arch]
     if (moe_layout is not None) != (cfg.moe is not None):
         raise HFConversionError(f"architecture {arch!r} does not match model.moe={cfg.moe!r}")
@@ -280,18 +373,9 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
                     "only Mixtral- or Qwen3-MoE-style MoE converts to HF: every layer MoE, no shared "
                     "experts, softmax scoring renormalised over the top-k, no score bias"
                 )
-    rope: dict = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling == "linear":
-        rope = {"rope_type": "linear", "factor": cfg.rope_scaling_factor, "rope_theta": cfg.rope_theta}
-    elif cfg.rope_scaling == "llama3":
-        rope = {
-            "rope_type": "llama3",
-            "factor": cfg.rope_scaling_factor,
-            "low_freq_factor": cfg.rope_low_freq_factor,
-            "high_freq_factor": cfg.rope_high_freq_factor,
-            "original_max_position_embeddings": cfg.rope_original_max_position,
-            "rope_theta": cfg.rope_theta,
-        }
+    if cfg.rope_interleave:
+        raise HFConversionError(f"architecture {arch!r}: model.rope_interleave does not convert")
+    rope = _hf_rope(cfg)
     out = {
         "architectures": [arch],
         "model_type": model_type,
@@ -343,6 +427,111 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
     return out
 
 
+def _hf_rope(cfg: ModelConfig) -> dict:
+    """`rope_parameters` for `cfg` (default, linear, llama3 or yarn)."""
+    if cfg.rope_scaling == "linear":
+        return {"rope_type": "linear", "factor": cfg.rope_scaling_factor, "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "llama3":
+        return {
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_position,
+            "rope_theta": cfg.rope_theta,
+        }
+    if cfg.rope_scaling == "yarn":
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": cfg.rope_theta,
+            "factor": cfg.rope_scaling_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_position,
+            "beta_fast": cfg.rope_beta_fast,
+            "beta_slow": cfg.rope_beta_slow,
+            "truncate": cfg.rope_truncate,
+        }
+        optional = {
+            "attention_factor": cfg.rope_attention_factor,
+            "mscale": cfg.rope_mscale,
+            "mscale_all_dim": cfg.rope_mscale_all_dim,
+        }
+        return {**rope, **{k: v for k, v in optional.items() if v is not None}}
+    return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+
+
+def _deepseek_hf_config(cfg: ModelConfig, arch: str) -> dict:
+    """DeepseekV3ForCausalLM's config.json for `cfg`, which must have its features: latent
+    attention, pre-norms, and its MoE (sigmoid scores with a selection bias, every layer after
+    the dense ones MoE); `_deepseek_settings` reads it back."""
+    m, mla = cfg.moe, cfg.mla
+    if arch != _DEEPSEEK or mla is None or m is None:
+        raise HFConversionError(
+            f"architecture {arch!r} with model.mla={'set' if mla else 'null'}, model.moe="
+            f"{'set' if m else 'null'}: latent attention converts as {_DEEPSEEK}, which needs both"
+        )
+    wrong = [
+        f"{key} (expected {want!r})"
+        for key, value, want in (
+            ("model.norm_placement", cfg.norm_placement, "pre"),
+            ("model.mlp_activation", cfg.mlp_activation, "silu"),
+            ("model.sliding_window", cfg.sliding_window, None),
+            ("model.attention_scale", cfg.attention_scale, None),
+            ("model.attention_softcap", cfg.attention_softcap, None),
+            ("model.final_softcap", cfg.final_softcap, None),
+            ("model.norm_scale_offset", cfg.norm_scale_offset, 0.0),
+            ("model.embedding_scale", cfg.embedding_scale, 1.0),
+            ("model.moe.scoring", m.scoring, "sigmoid"),
+            ("model.moe.score_bias", m.score_bias, True),
+            ("model.moe.every", m.every, 1),
+        )
+        if value != want
+    ]
+    if cfg.rope_scaling not in (None, "yarn"):
+        wrong.append(f"model.rope_scaling={cfg.rope_scaling!r} (expected null or yarn)")
+    if wrong:
+        raise HFConversionError(f"architecture {arch!r}: " + "; ".join(wrong))
+    rope = _hf_rope(cfg)
+    return {
+        "architectures": [arch],
+        "model_type": "deepseek_v3",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.mlp_dim,
+        "moe_intermediate_size": m.mlp_dim(cfg),
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_heads,
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "head_dim": mla.qk_rope_head_dim,  # transformers' RoPE width (it sets this itself)
+        "n_routed_experts": m.num_experts,
+        "num_experts_per_tok": m.top_k,
+        "n_shared_experts": m.num_shared_experts,
+        "n_group": m.num_groups,
+        "topk_group": m.top_k_groups,
+        "norm_topk_prob": m.normalize_top_k,
+        "routed_scaling_factor": m.routed_scaling_factor,
+        "first_k_dense_replace": m.first_dense_layers,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "num_nextn_predict_layers": 0 if cfg.mtp is None else cfg.mtp.depth,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "max_position_embeddings": max(cfg.rope_original_max_position, 4096),
+        "attention_bias": False,
+        "torch_dtype": "float32",
+        "rope_interleave": cfg.rope_interleave,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": rope,
+        "rope_scaling": None if rope["rope_type"] == "default" else rope,
+    }
+
+
 def _int_if_whole(x: float) -> int | float:
     return int(round(x)) if abs(x - round(x)) < 1e-6 * max(1.0, abs(x)) else x
 
@@ -378,6 +567,7 @@ def _gemma_hf_fields(cfg: ModelConfig, rope: dict) -> dict:
 
 
 _EXPERT_PARAMS = (("mlp", "w_gate"), ("mlp", "w_up"), ("mlp", "w_down"))
+_SHARED_EXPERT = ("shared_gate", "shared_up", "shared_down")  # the fused shared experts' weights
 
 
 def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ...], str]]:
@@ -387,6 +577,11 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ..
     yield ("final_norm", "scale"), (), "model.norm.weight"
     if not cfg.tie_embeddings:
         yield ("lm_head",), (), "lm_head.weight"
+    if cfg.mla is not None:
+        yield from _deepseek_names(cfg)
+        if cfg.mtp is not None:
+            yield from _deepseek_mtp_names(cfg)
+        return
     common = {
         ("attn", "wq"): "self_attn.q_proj.weight",
         ("attn", "wk"): "self_attn.k_proj.weight",
@@ -437,7 +632,115 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ..
                 yield (stack, *ours), (layer, e), f"{prefix}{moe}.{e}.{theirs}"
 
 
+def _deepseek_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ...], str]]:
+    """DeepSeek-V3's layer tensors as `_hf_names` gives them: dense layers (`blocks`) then MoE
+    layers (`moe_blocks`, indexed from the first of them), experts one by one."""
+    attn = {
+        ("attn", "wkv_a"): "self_attn.kv_a_proj_with_mqa.weight",
+        ("attn", "kv_norm", "scale"): "self_attn.kv_a_layernorm.weight",
+        ("attn", "wkv_b"): "self_attn.kv_b_proj.weight",
+        ("attn", "wo"): "self_attn.o_proj.weight",
+        ("attn_norm", "scale"): "input_layernorm.weight",
+        ("mlp_norm", "scale"): "post_attention_layernorm.weight",
+    }
+    if cfg.mla.q_lora_rank is None:
+        attn[("attn", "wq")] = "self_attn.q_proj.weight"
+    else:
+        attn[("attn", "wq_a")] = "self_attn.q_a_proj.weight"
+        attn[("attn", "q_norm", "scale")] = "self_attn.q_a_layernorm.weight"
+        attn[("attn", "wq_b")] = "self_attn.q_b_proj.weight"
+    projections = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+    dense = dict(zip(_EXPERT_PARAMS, (f"mlp.{p}" for p in projections)))
+    moe = {
+        ("mlp", "w_router"): "mlp.gate.weight",
+        ("mlp", "router_bias"): "mlp.gate.e_score_correction_bias",
+    }
+    if cfg.moe.num_shared_experts:
+        shared = (("mlp", "shared_gate"), ("mlp", "shared_up"), ("mlp", "shared_down"))
+        moe.update(zip(shared, (f"mlp.shared_experts.{p}" for p in projections)))
+    n_dense = cfg.moe.first_dense_layers
+    for layer in range(cfg.n_layers):
+        prefix = f"model.layers.{layer}."
+        stack, index = ("blocks", (layer,)) if layer < n_dense else ("moe_blocks", (layer - n_dense,))
+        for ours, theirs in {**attn, **(dense if layer < n_dense else moe)}.items():
+            yield (stack, *ours), index, prefix + theirs
+        if layer >= n_dense:
+            for e in range(cfg.moe.num_experts):
+                for ours, theirs in zip(_EXPERT_PARAMS, projections):
+                    yield (stack, *ours), (*index, e), f"{prefix}mlp.experts.{e}.{theirs}"
+
+
+def _deepseek_mtp_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ...], str]]:
+    """DeepSeek-V3's multi-token prediction modules (model.mtp; models/mtp.py): module i is layer
+    num_hidden_layers + i, an MoE decoder layer named as the others (`_deepseek_names`) beside
+    its `enorm`, `hnorm`, `eh_proj` and `shared_head.norm`. (Its `embed_tokens` and
+    `shared_head.head`, copies of the main model's, are written by `params_to_hf_tensors`.)"""
+    n = cfg.n_layers
+    longer = dataclasses.replace(cfg, n_layers=n + cfg.mtp.depth, mtp=None)
+    for ours, index, theirs in _deepseek_names(longer):
+        layer = int(theirs.split(".")[2])
+        if layer >= n:  # an MoE layer: ("moe_blocks", ...), index (layer - first dense, [expert])
+            yield ("mtp", "block", *ours[1:]), (layer - n, *index[1:]), theirs
+    for i in range(cfg.mtp.depth):
+        prefix = f"model.layers.{n + i}."
+        for ours, theirs in _MTP_NAMES.items():
+            yield ("mtp", *ours), (i,), prefix + theirs
+
+
+# models/mtp.py MTPLayer's own tensors, as DeepSeek-V3's checkpoints name them
+_MTP_NAMES = {
+    ("enorm", "scale"): "enorm.weight",
+    ("hnorm", "scale"): "hnorm.weight",
+    ("eh_proj",): "eh_proj.weight",
+    ("head_norm", "scale"): "shared_head.norm.weight",
+}
+# copies of the main model's embedding and head that DeepSeek-V3's checkpoints keep in every
+# prediction layer: written, never read
+_MTP_SHARED = {"embed_tokens.weight": ("embedding",), "shared_head.head.weight": ("lm_head",)}
+
+
+def mtp_depth_in_dir(path: str | Path, hf: dict) -> int:
+    """How many of DeepSeek-V3's prediction modules the directory holds: config.json's
+    num_nextn_predict_layers when every one of their layers (index num_hidden_layers + i) has
+    its `eh_proj`, else 0 (transformers drops them when it saves a model, config unchanged)."""
+    n = hf.get("num_nextn_predict_layers") or 0
+    archs = hf.get("architectures") or [None]
+    if not n or archs[0] != _DEEPSEEK:
+        return 0
+    names = _SafetensorsDir(Path(path)).weight_map
+    layers = hf["num_hidden_layers"]
+    return n if all(f"model.layers.{layers + i}.eh_proj.weight" in names for i in range(n)) else 0
+
+
+def config_from_hf_dir(path: str | Path, **overrides) -> ModelConfig:
+    """`config_from_hf` of the directory's config.json, with model.mtp set to the prediction
+    modules whose weights it holds (`mtp_depth_in_dir`; none: null)."""
+    hf = read_hf_config(path)
+    depth = mtp_depth_in_dir(path, hf)
+    mtp = MTPConfig(depth=depth) if depth else None
+    return config_from_hf(hf, **{"mtp": mtp, **overrides})
+
+
+def _mla_shape(path: tuple[str, ...], cfg: ModelConfig) -> tuple[int, ...] | None:
+    """Our shape of a latent-attention tensor (None for any other)."""
+    m, d, h = cfg.mla, cfg.d_model, cfg.n_heads
+    if m is None or "attn" not in path:
+        return None
+    return {
+        "wq": (d, h, m.qk_head_dim),
+        "wq_a": (d, m.q_lora_rank),
+        "wq_b": (m.q_lora_rank, h, m.qk_head_dim),
+        "wkv_a": (d, m.kv_lora_rank + m.qk_rope_head_dim),
+        "wkv_b": (m.kv_lora_rank, h, m.qk_nope_head_dim + m.v_head_dim),
+        "wo": (h, m.v_head_dim, d),
+        "scale": (m.q_lora_rank if path[-2] == "q_norm" else m.kv_lora_rank,),
+    }[path[-1]]
+
+
 def _to_ours(path: tuple[str, ...], w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    mla_shape = _mla_shape(path, cfg)
+    if mla_shape is not None:  # HF [out, in] -> ours [in, (heads, width)]
+        return w if path[-1] == "scale" else w.T.reshape(mla_shape)
     d, hd = cfg.d_model, cfg.resolved_head_dim
     name = path[-1]
     if name == "wq":
@@ -446,7 +749,7 @@ def _to_ours(path: tuple[str, ...], w: np.ndarray, cfg: ModelConfig) -> np.ndarr
         return w.T.reshape(d, cfg.n_kv_heads, hd)
     if name == "wo":
         return w.T.reshape(cfg.n_heads, hd, d)
-    if name in ("w_gate", "w_up", "w_down", "lm_head", "w_router"):
+    if name in ("w_gate", "w_up", "w_down", "lm_head", "w_router", "eh_proj", *_SHARED_EXPERT):
         return w.T
     if name in ("bq", "bk", "bv"):
         return w.reshape(cfg.n_heads if name == "bq" else cfg.n_kv_heads, hd)
@@ -457,11 +760,12 @@ def _to_ours(path: tuple[str, ...], w: np.ndarray, cfg: ModelConfig) -> np.ndarr
 
 def _to_hf(path: tuple[str, ...], w: np.ndarray) -> np.ndarray:
     name = path[-1]
-    if name in ("wq", "wk", "wv"):
+    if name in ("wq", "wk", "wv", "wq_b", "wkv_b"):
         return w.reshape(w.shape[0], -1).T
     if name == "wo":
         return w.reshape(-1, w.shape[-1]).T
-    if name in ("w_gate", "w_up", "w_down", "lm_head", "w_router"):
+    transposed = ("w_gate", "w_up", "w_down", "lm_head", "w_router", "wq_a", "wkv_a", "eh_proj")
+    if name in (*transposed, *_SHARED_EXPERT):
         return w.T
     if name in ("bq", "bk", "bv") or (name == "scale" and path[-2] in ("q_norm", "k_norm")):
         return w.reshape(-1)  # [heads, hd] -> [heads * hd]; a per-head norm's [hd] stays
@@ -497,14 +801,26 @@ class _SafetensorsDir:
 
 
 def _shape_of(path: tuple[str, ...], cfg: ModelConfig) -> tuple[int, ...]:
+    mla_shape = _mla_shape(path, cfg)
+    if mla_shape is not None:
+        return mla_shape
     d, hd = cfg.d_model, cfg.resolved_head_dim
-    f = cfg.moe.mlp_dim(cfg) if cfg.moe is not None else cfg.mlp_dim
+    # dense layers of an MoE model (moe.first_dense_layers, in `blocks`) have model.mlp_dim; the
+    # prediction modules' blocks (`mtp`) are MoE layers on MoE models
+    moe_layer = cfg.moe is not None and path[0] in ("moe_blocks", "mtp")
+    f = cfg.moe.mlp_dim(cfg) if moe_layer else cfg.mlp_dim
+    fs = 0 if cfg.moe is None else f * cfg.moe.num_shared_experts
     if path[-1] == "scale" and path[-2] in ("q_norm", "k_norm"):
         heads = cfg.n_heads if path[-2] == "q_norm" else cfg.n_kv_heads
         return (heads, hd) if cfg.qk_norm == "projection" else (hd,)
     return {
         "w_router": (d, cfg.moe.num_experts if cfg.moe is not None else 0),
+        "router_bias": (cfg.moe.num_experts if cfg.moe is not None else 0,),
+        "shared_gate": (d, fs),
+        "shared_up": (d, fs),
+        "shared_down": (fs, d),
         "embedding": (cfg.vocab_size, d),
+        "eh_proj": (2 * d, d),
         "lm_head": (d, cfg.vocab_size),
         "scale": (d,),
         "wq": (d, cfg.n_heads, hd),
@@ -524,8 +840,14 @@ def load_hf_params(path: str | Path, cfg: ModelConfig, dtype=np.float32) -> dict
     """Our nested param dict (numpy, layers stacked) from an HF directory."""
     reader = _SafetensorsDir(Path(path))
     params: dict = {}
-    groups = cfg.n_layers // cfg.layers_per_group  # the stacked layers (or pattern groups)
-    stacked = {1: (groups,), 2: (cfg.n_layers, cfg.moe.num_experts if cfg.moe else 0)}
+    # the stacked layers (or pattern groups) of each stack, and the experts of MoE layers
+    n_dense = cfg.n_layers if cfg.moe is None else cfg.moe.first_dense_layers
+    layers = {"blocks": n_dense // cfg.layers_per_group}
+    if cfg.moe is not None:
+        layers["moe_blocks"] = cfg.moe.num_moe_layers(cfg)
+    if cfg.mtp is not None:
+        layers["mtp"] = cfg.mtp.depth
+    experts = (cfg.moe.num_experts,) if cfg.moe is not None else ()
     for ours, index, theirs in _hf_names(cfg):
         w = _to_ours(ours, np.asarray(reader.get(theirs), dtype=np.float32), cfg)
         expected = _shape_of(ours, cfg)
@@ -540,7 +862,8 @@ def load_hf_params(path: str | Path, cfg: ModelConfig, dtype=np.float32) -> dict
             node[ours[-1]] = w.astype(dtype)
         else:
             if ours[-1] not in node:
-                node[ours[-1]] = np.empty((*stacked[len(index)], *expected), dtype)
+                stacked = (layers[ours[0]], *(experts if len(index) == 2 else ()))
+                node[ours[-1]] = np.empty((*stacked, *expected), dtype)
             node[ours[-1]][index] = w
     return params
 
@@ -556,9 +879,10 @@ def from_hf(path: str | Path, **config_overrides):
     """A ready `Transformer` from a local HF checkpoint directory; `model.cfg` is its config.
 
     `config_overrides` set non-architectural ModelConfig fields (e.g.
-    compute_dtype="bfloat16", attention_impl="xla").
+    compute_dtype="bfloat16", attention_impl="xla"). A DeepSeek-V3 directory's multi-token
+    prediction modules are read when it holds them (`config_from_hf_dir`).
     """
-    cfg = config_from_hf(read_hf_config(path), **config_overrides)
+    cfg = config_from_hf_dir(path, **config_overrides)
     params = load_hf_params(path, cfg)
     graphdef, abstract = abstract_model(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     params = jax.tree.map(lambda x: jnp.asarray(x, cfg.param_dtype), params)
@@ -573,6 +897,13 @@ def params_to_hf_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, 
             node = node[key]
         w = np.asarray(node[index] if index else node, dtype=np.float32)
         yield theirs, np.ascontiguousarray(_to_hf(ours, w))
+    if cfg.mla is not None and cfg.mtp is not None:  # DeepSeek-V3's copies in each prediction layer
+        # a tied head is the table itself in HF's [vocab, d_model] layout
+        shared = {k: ("embedding",) if cfg.tie_embeddings else v for k, v in _MTP_SHARED.items()}
+        for i in range(cfg.mtp.depth):
+            for theirs, ours in shared.items():
+                w = np.asarray(params[ours[0]], dtype=np.float32)
+                yield f"model.layers.{cfg.n_layers + i}.{theirs}", np.ascontiguousarray(_to_hf(ours, w))
 
 
 def write_hf_dir(

@@ -7,6 +7,9 @@ scales) and "bias" (biases) are never sharded and never weight-decayed
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -91,15 +94,17 @@ def weight_matmul(eqn: str, x: jax.Array, w: jax.Array, cfg: ModelConfig, fp8_si
     return cpu_tuning.einsum(eqn, x, w) if cfg.cpu_tuning is True else jnp.einsum(eqn, x, w)
 
 
-def rope_frequencies(cfg: ModelConfig, kind: str | None = None) -> jax.Array:
-    """Inverse frequencies [head_dim / 2], with the configured long-context scaling.
+def rope_frequencies(cfg: ModelConfig, kind: str | None = None, dim: int | None = None) -> jax.Array:
+    """Inverse frequencies [dim / 2] (dim: the rotated width, head_dim by default; latent
+    attention: its RoPE part), with the configured long-context scaling.
 
     `llama3`: Llama 3.1's rule (wavelengths longer than original_max_position /
     low_freq_factor are slowed by `factor`, shorter than .../high_freq_factor kept,
-    smooth in between); `linear`: all divided by `factor`. A local layer of an attention
-    pattern (`kind`) has its own base, `local_rope_theta`, and no scaling (Gemma 3).
+    smooth in between); `linear`: all divided by `factor`; `yarn`: `yarn_frequencies`.
+    A local layer of an attention pattern (`kind`) has its own base, `local_rope_theta`,
+    and no scaling (Gemma 3).
     """
-    d = cfg.resolved_head_dim
+    d = cfg.resolved_head_dim if dim is None else dim
     theta = (cfg.local_rope_theta or cfg.rope_theta) if kind == "local" else cfg.rope_theta
     inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     if kind == "local":
@@ -107,6 +112,8 @@ def rope_frequencies(cfg: ModelConfig, kind: str | None = None) -> jax.Array:
     factor = cfg.rope_scaling_factor
     if cfg.rope_scaling == "linear":
         return inv_freq / factor
+    if cfg.rope_scaling == "yarn":
+        return yarn_frequencies(cfg, inv_freq, d)
     if cfg.rope_scaling == "llama3":
         old = cfg.rope_original_max_position
         low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
@@ -119,11 +126,57 @@ def rope_frequencies(cfg: ModelConfig, kind: str | None = None) -> jax.Array:
     return inv_freq
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding, Llama "rotate half" convention. x: [b, s, h, d], positions [b, s]."""
+def yarn_frequencies(cfg: ModelConfig, inv_freq: jax.Array, dim: int) -> jax.Array:
+    """YaRN's frequencies (transformers' `_compute_yarn_parameters`): those that turn fewer than
+    `rope_beta_slow` times over the original context are divided by the factor, those that turn
+    more than `rope_beta_fast` times are kept, a linear ramp over the dimensions in between
+    (its ends rounded outwards with `rope_truncate`)."""
+
+    def correction_dim(rotations: float) -> float:  # the dimension turning `rotations` times
+        turns = cfg.rope_original_max_position / (rotations * 2 * math.pi)
+        return dim * math.log(turns) / (2 * math.log(cfg.rope_theta))
+
+    low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    return inv_freq / cfg.rope_scaling_factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1 mscale ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(cfg: ModelConfig, kind: str | None = None) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (model.rope_attention_factor,
+    else from the mscales: see the config), 1 otherwise and on local layers."""
+    if cfg.rope_scaling != "yarn" or kind == "local":
+        return 1.0
+    if cfg.rope_attention_factor is not None:
+        return cfg.rope_attention_factor
+    factor = cfg.rope_scaling_factor
+    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        return yarn_mscale(factor, cfg.rope_mscale) / yarn_mscale(factor, cfg.rope_mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def rope(
+    x: jax.Array, positions: jax.Array, inv_freq: jax.Array, *, factor: float = 1.0, interleave: bool = False
+) -> jax.Array:
+    """Rotary embedding, Llama "rotate half" convention. x: [b, s, h, d], positions [b, s].
+    `factor`: cos and sin scaled by it (YaRN); `interleave`: the rotated pairs are adjacent
+    values (DeepSeek), and come out as the halves (as transformers computes it; q and k alike,
+    so their products are the same)."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [b, s, d/2]
     cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    x32 = x.astype(jnp.float32)
+    x1, x2 = (x32[..., 0::2], x32[..., 1::2]) if interleave else jnp.split(x32, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
 
@@ -206,8 +259,11 @@ class Attention(nnx.Module):
         if cfg.qk_norm != "none":  # before RoPE, as Qwen3 and OLMo 2 do
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_frequencies(self.cfg, self.kind)
-        q = constrain(rope(q, positions, inv_freq), ("batch", "seq", "act_heads", None))
-        k = constrain(rope(k, positions, inv_freq), ("batch", "seq", "act_kv_heads", None))
+        rotate = functools.partial(
+            rope, factor=rope_attention_factor(cfg, self.kind), interleave=cfg.rope_interleave
+        )
+        q = constrain(rotate(q, positions, inv_freq), ("batch", "seq", "act_heads", None))
+        k = constrain(rotate(k, positions, inv_freq), ("batch", "seq", "act_kv_heads", None))
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))
         # Activation checkpoint names (model.remat policies); no effect outside jax.checkpoint.
         return tuple(checkpoint_name(t, "qkv_proj") for t in (q, k, v))
@@ -218,6 +274,15 @@ class Attention(nnx.Module):
         wo = matmul_weight(self.wo[...], ("heads", "head_dim", "embed"), self.cfg)
         y = weight_matmul("bshk,hkd->bsd", out, wo, self.cfg, None if fp8 is None else fp8["wo"])
         return checkpoint_name(lora.add(self, "wo", out, y), "out_proj")
+
+
+def attention_layer(cfg: ModelConfig, *, rngs: nnx.Rngs, kind: str | None = None):
+    """A block's attention: layers.Attention (GQA), or with `model.mla` latent attention."""
+    if cfg.mla is not None:
+        from jaxtrain.models.mla import LatentAttention  # built on this module's norms and RoPE
+
+        return LatentAttention(cfg, rngs=rngs, kind=kind)
+    return Attention(cfg, rngs=rngs, kind=kind)
 
 
 class MLP(nnx.Module):
@@ -268,7 +333,7 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, kind: str | None = None):
         self.attn_norm = RMSNorm(cfg, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs, kind=kind)
+        self.attn = attention_layer(cfg, rngs=rngs, kind=kind)
         self.mlp_norm = RMSNorm(cfg, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
         if cfg.norm_placement == "both":

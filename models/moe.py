@@ -13,8 +13,10 @@ E experts, D = d_model, F = expert_mlp_dim), the layout HF conversion relies on:
                 (S always-on experts fused into one SwiGLU of width S*F; output added to the routed one)
 
 Routing (per token, router in f32): scores = softmax(logits) or sigmoid(logits);
-the top_k experts are chosen by scores (+ router_bias, selection only); their
-weights are the chosen scores, renormalised to sum to 1 if normalize_top_k.
+the top_k experts are chosen by scores (+ router_bias, selection only), with
+num_groups > 1 among the top_k_groups groups whose two best such scores sum highest
+(DeepSeek-V3); their weights are the chosen (unbiased) scores, renormalised to sum
+to 1 if normalize_top_k, times routed_scaling_factor.
 
 Losses (global over the batch, whatever the mesh):
   load-balancing (Switch): E * sum_e f_e * P_e, f_e = share of the T*k assignments
@@ -74,8 +76,8 @@ from jaxtrain.models.config import ModelConfig, MoEConfig
 from jaxtrain.models.layers import (
     REGION_INPUT_AXES,
     RESIDUAL_AXES,
-    Attention,
     RMSNorm,
+    attention_layer,
     norm_after,
     norm_before,
     param,
@@ -145,7 +147,7 @@ class MoEBlock(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = attention_layer(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg, rngs=rngs)
         self.mlp = MoE(cfg, rngs=rngs)
 
@@ -172,6 +174,8 @@ def route(x, w_router, bias, m: MoEConfig):
     logits = jnp.einsum("...d,de->...e", x.astype(F32), w_router.astype(F32))
     scores = jax.nn.softmax(logits, axis=-1) if m.scoring == "softmax" else jax.nn.sigmoid(logits)
     select = scores if bias is None else scores + jax.lax.stop_gradient(bias.astype(F32))
+    if m.num_groups > 1:
+        select = _group_limited(select, m)
     _, idx = jax.lax.top_k(select, m.top_k)
     # the routing decisions ("routing": these ids, dropless's sort orders) are kept by every
     # remat policy but full, a few bytes per token: redone, the backward would repeat the top-k
@@ -180,7 +184,19 @@ def route(x, w_router, bias, m: MoEConfig):
     weights = jnp.take_along_axis(scores, idx, axis=-1)
     if m.normalize_top_k:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if m.routed_scaling_factor != 1.0:
+        weights = weights * m.routed_scaling_factor
     return logits, scores, idx, weights
+
+
+def _group_limited(select, m: MoEConfig):
+    """Selection scores [..., E] with the experts outside each token's top_k_groups groups at
+    -inf; a group's score is the sum of its two best selection scores (DeepSeek-V3)."""
+    groups = select.reshape(*select.shape[:-1], m.num_groups, m.num_experts // m.num_groups)
+    group_scores = jnp.sum(jax.lax.top_k(groups, 2)[0], axis=-1)  # [..., G]
+    _, best = jax.lax.top_k(group_scores, m.top_k_groups)
+    chosen = jnp.any(best[..., None] == jnp.arange(m.num_groups), axis=-2)  # [..., G]
+    return jnp.where(chosen[..., None], groups, -jnp.inf).reshape(select.shape)
 
 
 def _fp8_site(fp8, name):

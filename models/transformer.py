@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain.models import cpu_tuning, layer_scan, lora
+from jaxtrain.models import cpu_tuning, layer_scan, lora, mtp
 from jaxtrain.models.config import MATMUL_NAMES, REMAT_KEPT_NAMES, ModelConfig
 from jaxtrain.models.layers import REGION_INPUT_AXES, RESIDUAL_AXES, Block, PatternGroup, RMSNorm, param
 from jaxtrain.models.masks import softcapped
@@ -80,6 +80,8 @@ class Transformer(nnx.Module):
                 std=cfg.init_std,
                 dtype=cfg.param_dtype,
             )
+        if cfg.mtp is not None:  # multi-token prediction (models/mtp.py): training only
+            self.mtp = _stack(mtp.MTPLayer, cfg.mtp.depth, cfg, rngs, axis="mtp_depth")
 
     def __call__(
         self,
@@ -127,10 +129,12 @@ class Transformer(nnx.Module):
         fp8: dict | None = None,
         pipeline: PipelineSchedule | None = None,
         lora_key: jax.Array | None = None,
+        normed: bool = True,
     ) -> tuple[jax.Array, dict]:
         """(final-normed activations [batch, seq, d_model] (compute dtype), aux): the model
         up to the output projection, for losses that apply the head themselves
-        (jaxtrain/trainer/loss.py); arguments and aux as `__call__`."""
+        (jaxtrain/trainer/loss.py); arguments and aux as `__call__`. `normed=False`: the last
+        residual stream before the final norm (multi-token prediction's input)."""
         cfg = self.cfg
         if pipeline is not None and fp8 is not None:
             raise ValueError("pipeline: fp8 state is not supported inside a pipeline")
@@ -199,7 +203,31 @@ class Transformer(nnx.Module):
                 if k != "expert_load"
             }
             aux["moe_expert_load"] = jnp.mean(stats["expert_load"], axis=1)
-        return self.final_norm(x), aux
+        return (self.final_norm(x) if normed else x), aux
+
+    def predict_ahead(
+        self,
+        residual: jax.Array,
+        inputs: jax.Array,
+        targets: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict | None]:
+        """Multi-token prediction (model.mtp; models/mtp.py): (head-normed hidden states
+        [depth, batch, seq, d_model] whose logits predict tokens t + 2 .. t + depth + 1, the
+        prediction blocks' MoE stats stacked on depth, None for dense models). `residual`:
+        `hidden(..., normed=False)` of the same rows; `inputs`, `targets` [batch, seq] as
+        the batch's; `positions`, `segment_ids` as `hidden` takes them."""
+        if self.cfg.mtp is None:
+            raise ValueError("predict_ahead: the model has no multi-token prediction (model.mtp is null)")
+        b, s = inputs.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        emb = jnp.stack([self.embed(t) for t in mtp.lookahead_tokens(inputs, targets, self.cfg.mtp.depth)])
+        return mtp.run(
+            self.mtp, residual, emb, positions, segment_ids, cfg=self.cfg, policy=remat_policy(self.cfg)
+        )
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens int [batch, seq] -> activations [batch, seq, d_model] (compute dtype)."""
@@ -252,11 +280,12 @@ def _rows_spec(x: jax.Array, microbatches: int):
     return logical_to_spec(("batch", "seq", "act_embed"), rules, mesh, shape)
 
 
-def _stack(cls, n: int, cfg: ModelConfig, rngs: nnx.Rngs):
-    """`n` layers of `cls` stacked on a leading `layers` axis (scanned in __call__)."""
+def _stack(cls, n: int, cfg: ModelConfig, rngs: nnx.Rngs, axis: str = "layers"):
+    """`n` layers of `cls` stacked on a leading axis of logical name `axis` (scanned in
+    __call__)."""
 
     @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def make(rngs: nnx.Rngs):
         return cls(cfg, rngs=rngs)
 

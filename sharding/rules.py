@@ -49,14 +49,26 @@ _ACTIVATIONS: AxisRules = (
     ("head_batch", ("data", "fsdp", "expert")),
 )
 
+# Parameter dimensions that no table shards, listed so that the tables say so: the stacked
+# multi-token prediction modules' depth (models/mtp.py: a few modules, outside any pipeline)
+# and their eh_proj's concatenated input (its output dim is `embed`, sharded as any weight's).
+_REPLICATED: AxisRules = (("mtp_depth", None), ("mtp_concat", None))
+
 #: Pure data parallelism: parameters and optimizer state replicated, batch
 #: split over every data-like axis (data, fsdp).
-DATA_PARALLEL: AxisRules = _ACTIVATIONS
+DATA_PARALLEL: AxisRules = _ACTIVATIONS + _REPLICATED
 
 #: FSDP / ZeRO-3: parameters and optimizer state sharded over `fsdp` on their
 #: embed dimension (all-gathered in the forward pass, gradients
 #: reduce-scattered), batch over data x fsdp.
-FSDP: AxisRules = _ACTIVATIONS + (("embed", ("fsdp",)), ("head_embed", ("fsdp",)))
+#: The latents of latent attention (`q_lora`, `kv_lora`) shard over fsdp where `embed` does not
+#: already take it (their up-projections), never over tensor: every head reads the whole latent.
+FSDP: AxisRules = DATA_PARALLEL + (
+    ("embed", ("fsdp",)),
+    ("head_embed", ("fsdp",)),
+    ("q_lora", ("fsdp",)),
+    ("kv_lora", ("fsdp",)),
+)
 
 #: FSDP + Megatron tensor parallelism: heads / mlp / vocab dims over `tensor`.
 FSDP_TENSOR: AxisRules = FSDP + (

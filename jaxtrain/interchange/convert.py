@@ -35,10 +35,9 @@ from jaxtrain.models import lora
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.hf import (
     HFConversionError,
-    config_from_hf,
+    config_from_hf_dir,
     load_hf_params,
     params_to_hf_tensors,
-    read_hf_config,
     write_hf_dir,
 )
 from jaxtrain.recovery.checkpoint import Checkpointer
@@ -136,7 +135,7 @@ def hf_to_ckpt(hf_dir: str | Path, out_dir: str | Path, *, force: bool = False) 
     unless `force`."""
     check_destination(out_dir, force=force)
     with _local_dir(hf_dir) as local_hf:
-        cfg = config_from_hf(read_hf_config(local_hf))
+        cfg = config_from_hf_dir(local_hf)  # with the MTP modules it holds (DeepSeek-V3)
         params = load_hf_params(local_hf, cfg)
         out = _path(out_dir)
         out.mkdir(parents=True, exist_ok=True)

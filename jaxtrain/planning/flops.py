@@ -8,7 +8,9 @@ token uses: for MoE, the top-k routed and shared experts only; embedding lookup
 excluded; a tied embedding still counts once as the output projection) + attention:
 12 * layers * seq * d_attn, halved when causal, where
 d_attn = n_heads * head_dim (= d_model for the usual shapes). This is the
-PaLM-paper convention MaxText also uses, so MFU figures compare.
+PaLM-paper convention MaxText also uses, so MFU figures compare. Multi-token
+prediction (model.mtp) adds its modules' parameters to N, the shared output head
+once more per module, and a layer of attention per module.
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ __all__ = [
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
     n = cfg.active_param_count(include_embedding=cfg.tie_embeddings)
-    attn = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.resolved_head_dim
+    layers = cfg.n_layers
+    if cfg.mtp is not None:  # each prediction module's block attends, its logits use the head again
+        layers += cfg.mtp.depth
+        n += cfg.mtp.depth * cfg.d_model * cfg.vocab_size
+    attn = 12 * layers * seq_len * cfg.n_heads * cfg.resolved_head_dim
     return 6 * n + (attn / 2 if causal else attn)
 
 

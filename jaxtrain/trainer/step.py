@@ -28,6 +28,7 @@ from jaxtrain.recovery.faults import FAULT_NONE, FAULT_NONFINITE, FAULT_SPIKE
 from jaxtrain.trainer import dpo
 from jaxtrain.trainer.batches import rows_axes
 from jaxtrain.trainer.loss import chunked_cross_entropy, cross_entropy
+from jaxtrain.trainer.mtp import mtp_loss, with_prediction_stats
 from jaxtrain.trainer.precision import overflowed, update_loss_scale
 
 
@@ -120,8 +121,9 @@ class Gradients(NamedTuple):
     loss: jax.Array  # mean cross-entropy over the counted tokens (dpo: mean loss over the pairs)
     tokens: jax.Array  # counted tokens (f32; dpo: counted pairs)
     grads: dict  # of the mean objective, in the parameters' dtype
-    # router losses and load, mean over microbatches ({} for dense models); dpo: also the
-    # dpo/* metrics, means over the counted pairs
+    # router losses and load, mean over microbatches ({} for dense models); model.mtp: also
+    # mtp_loss, its mean over microbatches; dpo: also the dpo/* metrics, means over the
+    # counted pairs
     moe_stats: dict
     fp8: dict | None  # the next fp8 state (None without model.fp8)
 
@@ -130,25 +132,36 @@ class Gradients(NamedTuple):
 
 
 def model_loss(
-    model, micro: dict, fp8: dict | None, spec: StepSpec, dropout_key=None
+    model, micro: dict, fp8: dict | None, spec: StepSpec, dropout_key=None, *, predict_ahead: bool = False
 ) -> tuple[jax.Array, jax.Array, dict]:
     """(CE sum, counted tokens, aux) of `model` on one (micro)batch. With `train.loss_chunk`
     > 0 the loss runs over that many positions at a time and the full logits are never
     formed (trainer/loss.py); 0, the plain loss over them. `spec.pipeline`: the layer
     stacks' pipeline schedule (mesh.stage > 1), else None. `dropout_key`: model.lora's
-    adapter dropout on (`lora_dropout_key`), None: off."""
+    adapter dropout on (`lora_dropout_key`), None: off. `predict_ahead` (model.mtp set):
+    also the multi-token prediction loss, `aux["mtp_loss"]` (trainer/mtp.py)."""
     chunk, pipeline = spec.cfg.train.loss_chunk, spec.pipeline
+    segment_ids = micro["segment_ids"] if spec.packs_documents else None
+    predict_ahead = predict_ahead and model.cfg.mtp is not None
     # The named scopes label the ops in a profile (profile.steps): the backward pass shows
     # as transpose(jvp(forward)) and transpose(jvp(loss)).
     with jax.named_scope("forward"):
         x, aux = model.hidden(
             micro["inputs"],
             positions=micro["positions"],
-            segment_ids=micro["segment_ids"] if spec.packs_documents else None,
+            segment_ids=segment_ids,
             fp8=fp8,
             pipeline=pipeline,
             lora_key=dropout_key,
+            normed=not predict_ahead,
         )
+    if predict_ahead:  # the prediction modules start from the residual before the final norm
+        residual, x = x, model.final_norm(x)
+        with jax.named_scope("mtp"):
+            mean_loss, stats = mtp_loss(model, residual, micro, segment_ids=segment_ids, chunk=chunk)
+        moe = model.cfg.moe
+        aux = with_prediction_stats(aux, stats, 0 if moe is None else moe.num_moe_layers(model.cfg))
+        aux["mtp_loss"] = mean_loss
     with jax.named_scope("loss"):
         if chunk:
             total, count = chunked_cross_entropy(
@@ -180,22 +193,25 @@ def objective(
     """(what the backward pass differentiates, (loss sum, count, stats)). The objective is
     the CE sum over the counted tokens (train.objective=dpo: the DPO loss sum over the counted
     pairs, against the reference log-probabilities `ref_logps`; trainer/dpo.py), plus for MoE
-    models count x (weighted router losses), so that after the division by the batch's count
-    the router losses enter as their count-weighted mean over microbatches; times `scale`
-    under loss scaling. `dropout_key`: model.lora's adapter dropout, or None."""
+    models count x (weighted router losses) and with model.mtp count x (weighted multi-token
+    prediction loss), so that after the division by the batch's count these enter as their
+    count-weighted means over microbatches; times `scale` under loss scaling. `dropout_key`:
+    model.lora's adapter dropout, or None."""
     model = models.merge(spec.graphdef, spec.abstract_params, params)
     if ref_logps is not None:
         total, count, stats = dpo.pair_loss(spec, model, micro, fp8, ref_logps, dropout_key)
     else:
-        total, count, stats = model_loss(model, micro, fp8, spec, dropout_key)
+        total, count, stats = model_loss(model, micro, fp8, spec, dropout_key, predict_ahead=True)
     value = total
-    moe = spec.cfg.model.moe
+    moe, mtp = spec.cfg.model.moe, spec.cfg.model.mtp
     if moe is not None:
         value = total + count * (
             moe.aux_loss_weight * stats["moe_aux_loss"] + moe.z_loss_weight * stats["moe_z_loss"]
         )
     else:
-        stats = {k: v for k, v in stats.items() if k in dpo.METRICS}
+        stats = {k: v for k, v in stats.items() if k in dpo.METRICS or k == "mtp_loss"}
+    if "mtp_loss" in stats:
+        value = value + count * mtp.loss_weight * stats["mtp_loss"]
     return (value if scale is None else value * scale), (total, count, stats)
 
 
@@ -329,12 +345,17 @@ def batch_gradients(
 
 def optimizer_update(spec: StepSpec, params: dict, opt_state, g: Gradients) -> tuple[dict, Any]:
     """Optax's update of the parameters (and, with moe.score_bias, the routers' selection
-    bias, which no gradient trains)."""
+    bias, which no gradient trains: the main layers' by their load, the multi-token prediction
+    blocks' (model.mtp) by theirs)."""
     updates, opt_state = spec.optimizer.update(g.grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     moe = spec.cfg.model.moe
     if moe is not None and moe.score_bias:
-        params = update_router_bias(params, g.moe_stats["moe_expert_load"], moe.score_bias_rate)
+        main = {k: v for k, v in params.items() if k != "mtp"}
+        params = {**params, **update_router_bias(main, g.moe_stats["moe_expert_load"], moe.score_bias_rate)}
+        if "mtp" in params:
+            load = g.moe_stats["moe_mtp_expert_load"]
+            params["mtp"] = update_router_bias(params["mtp"], load, moe.score_bias_rate)
     return params, opt_state
 
 
@@ -408,7 +429,7 @@ def step_metrics(spec: StepSpec, state: TrainState, g: Gradients, grad_norm, ver
         "skipped": verdict.skipped,
         "fault": verdict.fault,
     }
-    metrics.update({k: v for k, v in g.moe_stats.items() if k != "moe_expert_load"})
+    metrics.update({k: v for k, v in g.moe_stats.items() if not k.endswith("expert_load")})
     if spec.loss_scaling:
         metrics["loss_scale"] = state.loss_scale["scale"]  # the scale this step's backward ran at
         metrics["loss_scale_skipped"] = verdict.scale_skipped.astype(jnp.int32)

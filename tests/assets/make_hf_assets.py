@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import transformers
 from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -187,6 +189,61 @@ MODELS = {
     ),
 }
 
+# DeepSeek-V3: latent attention (q through a latent of q_lora_rank, or not), YaRN with mscale !=
+# mscale_all_dim (cos/sin and the softmax scale both change), interleaved RoPE pairs, sigmoid
+# routing over 8 experts in 4 groups (best 2), a selection bias, weights x 2.5, a shared
+# expert, and a dense first layer of intermediate_size
+DEEPSEEK = dict(
+    **{**COMMON, "intermediate_size": 96},
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=12,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    moe_intermediate_size=16,
+    routed_scaling_factor=2.5,
+    num_mtp_layers=0,
+    tie_word_embeddings=False,
+)
+MODELS["deepseek_v3_yarn"] = lambda: DeepseekV3ForCausalLM(
+    DeepseekV3Config(
+        **DEEPSEEK,
+        q_lora_rank=24,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        first_k_dense_replace=1,
+        rope_interleave=True,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 8,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },
+    )
+)
+# Moonlight-like: a plain query projection, every layer MoE, no groups, rotate-half RoPE pairs
+MODELS["deepseek_v3_plain_q"] = lambda: DeepseekV3ForCausalLM(
+    DeepseekV3Config(
+        **DEEPSEEK,
+        q_lora_rank=None,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        first_k_dense_replace=0,
+        rope_interleave=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+    )
+)
+
 
 def main(names=None):
     print("transformers", transformers.__version__, "torch", torch.__version__)
@@ -203,6 +260,9 @@ def main(names=None):
                     p.copy_(0.5 * torch.randn_like(p))
                 if n.endswith("mlp.gate.weight"):  # Mixtral router: make top-2 choices decisive
                     p.mul_(20.0)
+            for n, b in model.named_buffers():  # DeepSeek-V3's selection bias (zeros at init)
+                if n.endswith("e_score_correction_bias"):
+                    b.copy_(0.3 * torch.randn_like(b))
             logits = model(torch.tensor(TOKENS)).logits.float().numpy()
         d = OUT / name
         model.save_pretrained(d, safe_serialization=True)
