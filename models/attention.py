@@ -38,10 +38,22 @@ from jaxtrain.pallas_kernels.sharded import shard_attention
 
 
 def xla_attention(
-    q, k, v, *, segment_ids=None, causal=True, sliding_window=None, softmax_scale=None, softcap=None
+    q,
+    k,
+    v,
+    *,
+    segment_ids=None,
+    causal=True,
+    sliding_window=None,
+    softmax_scale=None,
+    softcap=None,
+    sinks=None,
 ):
-    """Reference-quality attention in XLA ops: f32 softmax, GQA without repeating K/V;
-    `softcap`: the scores capped by softcap * tanh(scores / softcap) before the mask."""
+    """Reference-quality attention in XLA ops: f32 softmax, GQA without repeating K/V.
+    q, k `[b, s, heads or kv_heads, d_qk]`, v `[b, s, kv_heads, d_v]` -> `[b, s, heads, d_v]`
+    (MLA's value head is narrower than its query/key head); `softcap`: the scores capped by
+    softcap * tanh(scores / softcap) before the mask; `sinks`: `[heads]` logits, one per
+    query head, that join every softmax's denominator and carry no value (GPT-OSS)."""
     b, s, h, d = q.shape
     kv_heads = k.shape[2]
     groups = h // kv_heads
@@ -51,9 +63,22 @@ def xla_attention(
         segment_ids = jnp.ones((b, s), jnp.int32)
     mask = attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
     scores = masked_scores(qg, k, mask, scale, softcap)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = sink_softmax(scores, sinks, kv_heads).astype(v.dtype)
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
-    return out.reshape(b, s, h, d)
+    return out.reshape(b, s, h, v.shape[-1])
+
+
+def sink_softmax(scores, sinks, kv_heads):
+    """f32 softmax over the last axis of grouped scores `[b, kv_heads, groups, s, t]`; with
+    `sinks` (`[heads]`, head `k * groups + g` at `[k, g]`) each head's sink logit joins the
+    denominator as one more column that is then dropped (no value): a sink of 0 still adds
+    exp(0 - max)."""
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    groups = scores.shape[2]
+    sink = jnp.asarray(sinks, jnp.float32).reshape(1, kv_heads, groups, 1, 1)
+    sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
+    return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
 
 
 def attend(
@@ -70,9 +95,11 @@ def attend(
     softmax_scale=None,
     softcap=None,
     gpu_kernel="triton",
+    sinks=None,
 ):
     """Dispatch to one attention implementation (see module docstring). `softmax_scale`:
-    the query scale (None: head_dim ** -0.5); `softcap`: the logit cap (every path but cuDNN);
+    the query scale (None: q/k head_dim ** -0.5); `softcap`: the logit cap (every path but cuDNN);
+    `sinks`: `[heads]` sink logits (`xla_attention`); v's head dim may differ from q/k's;
     `gpu_kernel`: which Pallas flash kernel runs on a GPU, "triton" or "mosaic" (Hopper), for
     `pallas`, cuDNN's fallback and the context-parallel blocks (`pallas_mosaic`: always mosaic).
 
@@ -84,7 +111,9 @@ def attend(
     gpu_kernel = "mosaic" if impl == "pallas_mosaic" else gpu_kernel
     if softcap is not None and impl == "cudnn":
         raise ValueError(f"attention softcap {softcap}: cuDNN's attention takes none; use pallas or xla")
-    if _context_size() > 1:
+    context = _context_size() > 1
+    _check_supported(impl, context, context_impl, q, v, sinks)
+    if context:
         return _named(
             _context_attention(
                 q,
@@ -101,7 +130,8 @@ def attend(
             )
         )
     if impl == "xla":
-        if cpu_tuned and softmax_scale is None and softcap is None:
+        plain = softmax_scale is None and softcap is None and sinks is None and _same_head_dims(q, v)
+        if cpu_tuned and plain:  # the CPU-tuned VJP implements none of these
             return _named(
                 cpu_tuning.attention(
                     q, k, v, segment_ids=segment_ids, causal=causal, sliding_window=sliding_window
@@ -117,6 +147,7 @@ def attend(
                 sliding_window=sliding_window,
                 softmax_scale=softmax_scale,
                 softcap=softcap,
+                sinks=sinks,
             )
         )
     if impl in FLASH_ATTENTION_IMPLS:
@@ -143,6 +174,23 @@ def attend(
             gpu_kernel=gpu_kernel,
         )
     raise ValueError(f"attention impl={impl!r}: expected one of auto, xla, pallas, pallas_mosaic, cudnn")
+
+
+def _same_head_dims(q, v) -> bool:
+    return q.shape[-1] == v.shape[-1]
+
+
+def _check_supported(impl, context, context_impl, q, v, sinks):
+    """One-line errors for settings a path does not implement (never silently ignored)."""
+    where = f"context_impl={context_impl!r}" if context else f"impl={impl!r}"
+    if context or impl != "xla":
+        if sinks is not None:
+            raise ValueError(f"attention sinks: not supported by attention {where}; use impl=xla")
+        if not _same_head_dims(q, v):
+            raise ValueError(
+                f"attention value head dim {v.shape[-1]} != query/key head dim {q.shape[-1]}: "
+                f"not supported by attention {where}; use impl=xla"
+            )
 
 
 def _named(out):

@@ -9,13 +9,13 @@ never matters. Output row i is its prompt, then its `max_new_tokens` new tokens,
 ever after, and the loop stops once every row has; fill is `eos_id`, or 0 when
 `eos_id` is None. Each row is what it would be generated alone.
 
-The cache (`KVCache`): k and v `[layers, batch, kv_heads, cache_len, head_dim]` in the
-compute dtype, named `CACHE_AXES` for the sharding rules (batch over data/fsdp, kv
-heads over tensor), and the position each slot holds, `[batch, cache_len]` (-1:
-empty). Position p lives in slot p % cache_len. cache_len is prompt + max_new_tokens,
-or the sliding window W when that is shorter: a ring buffer of exactly the keys a
-query may see (q - k < W, Mistral's rule, as in the training path); the stored
-positions mask the rest.
+The cache (`KVCache`): k and v `[layers, batch, kv_heads, cache_len, head_dim]` (v's head
+dim may differ from k's) in the compute dtype, named `CACHE_AXES` for the sharding rules
+(batch over data/fsdp, kv heads over tensor), and the position each slot holds,
+`[batch, cache_len]` (-1: empty). Position p lives in slot p % cache_len. cache_len is
+prompt + max_new_tokens, or the sliding window W when that is shorter: a ring buffer of
+exactly the keys a query may see (q - k < W, Mistral's rule, as in the training path); the
+stored positions mask the rest.
 
 Prefill runs the model's own attention (`attend`: the Pallas kernel on GPU/TPU) over
 the padded prompts and keeps each row's last cache_len real positions; a decode step
@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.models.attention import attend
+from jaxtrain.models.attention import attend, sink_softmax
 from jaxtrain.models.layers import PatternGroup, norm_after, norm_before, post_norm
 from jaxtrain.models.masks import softcapped
 from jaxtrain.models.transformer import MoEGroup, Transformer
@@ -83,11 +83,12 @@ class _Step(NamedTuple):
     write: jax.Array | None  # decode: [b, cache_len] the slot each row's new token goes to
 
 
-def _cached_attention(q, k, v, q_positions, kv_positions, window, scale=None, softcap=None):
-    """q [b, 1, h, d] over the cache k/v [b, kv_heads, cache_len, d] (GQA without repeating
-    K/V, f32 softmax, as `xla_attention`). A slot is visible when it holds a position p
-    with 0 <= p <= q's position (and q - p < window). `scale` (None: d ** -0.5) and
-    `softcap` as the model's attention has them."""
+def _cached_attention(q, k, v, q_positions, kv_positions, window, scale=None, softcap=None, sinks=None):
+    """q [b, 1, h, d_qk] over the cache k [b, kv_heads, cache_len, d_qk] and v
+    [b, kv_heads, cache_len, d_v] -> [b, 1, h, d_v] (GQA without repeating K/V, f32 softmax,
+    as `xla_attention`). A slot is visible when it holds a position p with 0 <= p <= q's
+    position (and q - p < window). `scale` (None: d_qk ** -0.5), `softcap` and the `[h]`
+    `sinks` logits as the model's attention has them."""
     b, s, h, d = q.shape
     kv_heads = k.shape[1]
     qg = q.reshape(b, s, kv_heads, h // kv_heads, d)
@@ -100,8 +101,14 @@ def _cached_attention(q, k, v, q_positions, kv_positions, window, scale=None, so
     if window is not None:
         visible &= q_pos - kv_positions < window
     scores = jnp.where(visible[:, None, None, None, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgst,bktd->bskgd", probs, v).reshape(b, s, h, d)
+    probs = sink_softmax(scores, sinks, kv_heads).astype(v.dtype)
+    return jnp.einsum("bkgst,bktd->bskgd", probs, v).reshape(b, s, h, v.shape[-1])
+
+
+def _sinks(attn):
+    """The layer's `[heads]` sink logits (a `sinks` parameter, GPT-OSS), or None."""
+    sinks = getattr(attn, "sinks", None)
+    return None if sinks is None else sinks[...]
 
 
 def _attention(attn, x, cache, step: _Step, layer=None):
@@ -122,6 +129,7 @@ def _attention(attn, x, cache, step: _Step, layer=None):
             context_impl=cfg.context_impl,
             softmax_scale=cfg.attention_scale,
             softcap=cfg.attention_softcap,
+            sinks=_sinks(attn),
         )
         held = (step.slot_positions >= 0)[:, :, None, None]
         keep = lambda t: jnp.where(held, jnp.take_along_axis(t, step.source[:, :, None, None], axis=1), 0)
@@ -146,6 +154,7 @@ def _attention(attn, x, cache, step: _Step, layer=None):
         attn.window,
         cfg.attention_scale,
         cfg.attention_softcap,
+        _sinks(attn),
     )
     cache = tuple(
         jax.lax.dynamic_update_index_in_dim(c, t, layer, 0) for c, t in zip(cache, (k_cache, v_cache))
