@@ -188,6 +188,8 @@ def axis_rules(cfg: Config) -> sharding.AxisRules:
 
 def _attention_impl(cfg: Config, p: Placement) -> tuple[str, str]:
     m = cfg.model
+    if m.attention_sinks:
+        return "xla", "attention sinks: XLA's attention takes them, the flash kernels and cuDNN not yet"
     if p.platform == "gpu":
         return choose_gpu_attention(
             chip=p.chip,

@@ -20,6 +20,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -185,6 +187,25 @@ MODELS = {
             },
         )
     ),
+    # GPT-OSS: a sink per head, biases on q/k/v/o, sliding (window 4) and full layers
+    # alternating, 4 experts top-2 with a trained router bias, expert biases and the clamped
+    # SwiGLU, its limit low enough that some gates and ups reach it (without the clamp the
+    # logits move by 0.2); default RoPE (no YaRN)
+    "gpt_oss": lambda: GptOssForCausalLM(
+        GptOssConfig(
+            **{**COMMON, "intermediate_size": 32},
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=4,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            swiglu_limit=2.0,
+            initializer_range=0.1,  # token-dependent parts that the biases do not drown
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    ),
 }
 
 
@@ -199,9 +220,10 @@ def main(names=None):
             for n, p in model.named_parameters():
                 if "norm" in n:
                     p.copy_(1 + 0.1 * torch.randn_like(p))
-                if n.endswith(".bias"):  # initialised to zero: a dropped bias would not show
+                # initialised to zero (GPT-OSS's sinks: small): a dropped one would not show
+                if n.endswith((".bias", "_bias", ".sinks")):
                     p.copy_(0.5 * torch.randn_like(p))
-                if n.endswith("mlp.gate.weight"):  # Mixtral router: make top-2 choices decisive
+                if n.endswith(("mlp.gate.weight", "mlp.router.weight")):  # decisive top-2 choices
                     p.mul_(20.0)
             logits = model(torch.tensor(TOKENS)).logits.float().numpy()
         d = OUT / name
