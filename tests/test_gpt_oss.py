@@ -260,3 +260,20 @@ def test_hf_boundary_maps_gpt_oss_and_refuses_what_it_lacks():
     )
     with pytest.raises(HFConversionError, match="'MixtralForCausalLM': model.attention_sinks"):
         hf_config(mixtral_like, "MixtralForCausalLM")
+
+
+def test_convert_round_trip_writes_what_transformers_wrote(tmp_path):
+    """`convert hf-to-ckpt` then `ckpt-to-hf`: the experts fused and interleaved again, every
+    tensor equal to the one transformers saved, the config the same architecture's."""
+    from jaxtrain.interchange.convert import architecture_of, ckpt_to_hf, hf_to_ckpt
+
+    src = ASSETS / "gpt_oss"
+    hf_to_ckpt(src, tmp_path / "ckpt")
+    out = ckpt_to_hf(tmp_path / "ckpt", tmp_path / "hf")
+    theirs = load_file(str(src / "model.safetensors"))
+    ours = {k: v for f in out.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert set(ours) == set(theirs)
+    for name, value in theirs.items():
+        np.testing.assert_array_equal(ours[name], value, err_msg=name)
+    exported, original = (config_from_hf(json.loads((d / "config.json").read_text())) for d in (out, src))
+    assert architecture_of(exported) == architecture_of(original)
