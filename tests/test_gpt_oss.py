@@ -92,6 +92,25 @@ def test_gpt_oss_experts_equal_a_per_token_loop(dispatch):
     assert np.max(np.abs(unclamped - expected)) > 0.1
 
 
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_gpt_oss_experts_split_over_expert_and_tensor_equal_the_loop(dispatch):
+    """expert=2 x tensor=2: each shard's experts with their biases (gate/up split over tensor
+    with the mlp, the down bias added once after the tensor sum), through the all-to-all."""
+    m = dataclasses.replace(GPT_OSS_MOE, dispatch=dispatch)
+    x, w_router, b_router, experts = layer_inputs(m, seed=1)
+    mesh = sharding.make_mesh({"expert": 2, "tensor": 2}, jax.devices()[:4])
+    w_gate, w_up, w_down, *biases = (jnp.asarray(t) for t in experts)
+    layer = lambda x, r, rb, g, u, dn, biases: moe_layer(
+        x, r, None, g, u, dn, m, logit_bias=rb, expert_biases=biases
+    )[0]
+    with jax.set_mesh(mesh), sharding.axis_rules(sharding.PRESETS["fsdp_tensor"]):
+        y = jax.jit(layer)(
+            jnp.asarray(x), jnp.asarray(w_router), jnp.asarray(b_router), w_gate, w_up, w_down, tuple(biases)
+        )
+    expected = reference_gpt_oss_moe(x, w_router, b_router, experts, m)
+    np.testing.assert_allclose(np.asarray(y), expected, rtol=LAYER_RTOL, atol=LAYER_ATOL)
+
+
 def test_clamped_swiglu_by_hand():
     """(up + 1) * gate * sigmoid(alpha * gate): the gate clamped above only, up both sides."""
     m = MoEConfig(expert_activation="clamped_swiglu")  # alpha 1.702, limit 7 (HF's defaults)
