@@ -821,6 +821,11 @@ def _validate_pipeline(cfg: Config) -> None:
             )
     if model.fp8:
         raise ConfigError(f"model.fp8=true with mesh.stage={stages}: fp8 is not supported with pipelines yet")
+    if moe is not None and model.attention_pattern:
+        raise ConfigError(
+            f"model.attention_pattern with model.moe and mesh.stage={stages}: MoE layers in pattern "
+            "groups are not supported with pipelines yet"
+        )
 
 
 def _validate_data_tokens(d: DataConfig) -> None:

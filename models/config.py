@@ -68,6 +68,10 @@ MOE_SCORINGS = ("softmax", "sigmoid")
 MOE_DISPATCHES = ("capacity", "dropless")
 MOE_EXCHANGES = ("auto", "padded", "ragged")
 MOE_GROUPED_MATMULS = ("auto", "ragged_dot", "megablox", "triton", "mosaic")
+# `model.moe.expert_activation`: silu (SwiGLU: silu(gate) * up) | clamped_swiglu (GPT-OSS:
+# (up + 1) * gate * sigmoid(swiglu_alpha * gate), gate clamped above at swiglu_limit, up to
+# [-swiglu_limit, swiglu_limit])
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
 # `model.lora.targets`: the matmul weights an adapter may sit on (models/lora.py); on an MoE
 # layer w_gate / w_up / w_down are its experts' (one adapter per expert)
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -183,6 +187,15 @@ class MoEConfig:
     z_loss_weight: float = 1e-3  # router z-loss: mean logsumexp(router logits)^2
     first_dense_layers: int = 0  # leading layers with a dense MLP (DeepSeek-MoE: 1)
     every: int = 1  # one MoE layer in every `every` layers after those (1: all; 2: every other)
+    # A trained bias on the router logits (GPT-OSS): it chooses the experts and weights them,
+    # and gradients move it; unlike score_bias, which only chooses and is moved by the load
+    router_logit_bias: bool = False
+    # Biases on each expert's gate, up and down projections (GPT-OSS); the routing weight
+    # multiplies the down projection's bias with the rest of the expert's output
+    expert_bias: bool = False
+    expert_activation: str = "silu"  # EXPERT_ACTIVATIONS: silu | clamped_swiglu (GPT-OSS)
+    swiglu_alpha: float = 1.702  # clamped_swiglu: the sigmoid's gain
+    swiglu_limit: float = 7.0  # clamped_swiglu: gate <= limit, -limit <= up <= limit
 
     def validate(self, cfg: ModelConfig) -> None:
         for key in ("num_experts", "top_k", "every"):
@@ -200,6 +213,7 @@ class MoEConfig:
         if self.num_shared_experts < 0:
             raise ValueError(f"model.moe.num_shared_experts={self.num_shared_experts}: expected >= 0")
         for key, allowed in (
+            ("expert_activation", EXPERT_ACTIVATIONS),
             ("scoring", MOE_SCORINGS),
             ("dispatch", MOE_DISPATCHES),
             ("exchange", MOE_EXCHANGES),
@@ -222,6 +236,9 @@ class MoEConfig:
         for key in ("aux_loss_weight", "z_loss_weight", "score_bias_rate"):
             if getattr(self, key) < 0:
                 raise ValueError(f"model.moe.{key}={getattr(self, key)}: expected >= 0")
+        for key in ("swiglu_alpha", "swiglu_limit"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"model.moe.{key}={getattr(self, key)}: expected a positive number")
         if not 0 <= self.first_dense_layers < cfg.n_layers:
             raise ValueError(
                 f"model.moe.first_dense_layers={self.first_dense_layers}: expected 0 <= "
@@ -231,6 +248,29 @@ class MoEConfig:
             raise ValueError(
                 f"model.moe.every={self.every}: expected a divisor of model.n_layers - "
                 f"model.moe.first_dense_layers = {cfg.n_layers - self.first_dense_layers}"
+            )
+        if cfg.attention_pattern:
+            self._validate_with_pattern(cfg)
+
+    def _validate_with_pattern(self, cfg: ModelConfig) -> None:
+        """MoE layers with model.attention_pattern (GPT-OSS: sliding and full alternating):
+        the MoE stack scans in groups of one pattern (models/transformer.py MoEPatternGroup),
+        so every layer after the dense prefix is MoE and the prefix is whole patterns."""
+        n = len(cfg.attention_pattern)
+        if self.every != 1:
+            raise ValueError(
+                f"model.moe.every={self.every} with model.attention_pattern={list(cfg.attention_pattern)}: "
+                "expected 1 (every layer after the dense ones MoE)"
+            )
+        if self.first_dense_layers % n:
+            raise ValueError(
+                f"model.moe.first_dense_layers={self.first_dense_layers} with model.attention_pattern="
+                f"{list(cfg.attention_pattern)}: expected a multiple of the pattern's length {n}"
+            )
+        if self.score_bias:
+            raise ValueError(
+                "model.moe.score_bias=true with model.attention_pattern: not supported yet (the "
+                "balancing update reads one load row per stacked layer); expected false"
             )
 
     def _validate_groups(self) -> None:
@@ -359,6 +399,10 @@ class ModelConfig:
     rope_interleave: bool = False
     sliding_window: int | None = None  # Mistral-style: a query sees at most the last N keys
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2 / Qwen2.5)
+    attention_out_bias: bool = False  # a bias on the attention's output projection (GPT-OSS)
+    # a learned logit per query head that joins every softmax's denominator and carries no
+    # value (GPT-OSS's attention sinks): a query may attend to "nothing"
+    attention_sinks: bool = False
     # RMSNorm on q and k before RoPE: none | head (over each head's head_dim, one scale of
     # head_dim shared by the heads: Qwen3) | projection (over all of q's and all of k's heads
     # at once, a scale per element: OLMo 2)
@@ -624,13 +668,14 @@ class ModelConfig:
                 raise ValueError(
                     f"model.attention_pattern={list(pattern)} has local layers: expected model.sliding_window"
                 )
-            if self.moe is not None:
-                raise ValueError(
-                    "model.attention_pattern with model.moe: not supported yet (dense models only)"
-                )
         if self.norm_placement == "both" and self.moe is not None:
             raise ValueError(
                 "model.norm_placement=both with model.moe: not supported yet (dense models only)"
+            )
+        if self.attention_sinks and self.attention_impl == "cudnn":
+            raise ValueError(
+                "model.attention_sinks=true with model.attention_impl=cudnn: cuDNN's attention takes no "
+                "sinks; expected attention_impl auto, pallas, pallas_mosaic or xla"
             )
         if self.attention_softcap is not None and self.attention_impl == "cudnn":
             raise ValueError(
@@ -684,6 +729,7 @@ class ModelConfig:
         attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
         if self.qkv_bias:
             attn += hd * (self.n_heads + 2 * self.n_kv_heads)
+        attn += (d if self.attention_out_bias else 0) + (self.n_heads if self.attention_sinks else 0)
         attn += {"none": 0, "head": 2 * hd, "projection": hd * (self.n_heads + self.n_kv_heads)}[self.qk_norm]
         if self.mla is not None:  # no biases or QK-norm with it (MLAConfig.validate)
             attn = self.mla.param_count(self)
@@ -698,6 +744,8 @@ class ModelConfig:
             moe_mlp = (
                 d * m.num_experts * (1 + 3 * f)
                 + (m.num_experts if m.score_bias else 0)
+                + (m.num_experts if m.router_logit_bias else 0)
+                + (m.num_experts * (2 * f + d) if m.expert_bias else 0)
                 + 3 * d * f * m.num_shared_experts
             )
             total += m.num_moe_layers(self) * (moe_mlp - mlp)
@@ -734,7 +782,8 @@ class ModelConfig:
         total = self.param_count(include_embedding=include_embedding)
         if self.moe is None:
             return total
-        m = self.moe
-        idle = 3 * self.d_model * m.mlp_dim(self) * (m.num_experts - m.top_k)
+        m, f = self.moe, self.moe.mlp_dim(self)
+        per_expert = 3 * self.d_model * f + ((2 * f + self.d_model) if m.expert_bias else 0)
+        idle = per_expert * (m.num_experts - m.top_k)
         mtp_moe_layers = 0 if self.mtp is None else self.mtp.depth  # their blocks are MoE too
         return total - (m.num_moe_layers(self) + mtp_moe_layers) * idle

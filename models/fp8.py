@@ -79,7 +79,11 @@ def model_meta(cfg) -> dict:
         meta["blocks"] = stack({f"layer_{i}": block_meta(cfg, moe=False) for i in range(p)}, n_dense // p)
     elif n_dense:
         meta["blocks"] = stack(block_meta(cfg, moe=False), n_dense)
-    if cfg.moe is not None:
+    if cfg.moe is not None and cfg.attention_pattern:  # MoEPatternGroup: an MoE block per kind
+        p = cfg.layers_per_group
+        group = {f"layer_{i}": block_meta(cfg, moe=True) for i in range(p)}
+        meta["moe_blocks"] = stack(group, cfg.moe.num_moe_layers(cfg) // p)
+    elif cfg.moe is not None:
         group = block_meta(cfg, moe=True)
         if cfg.moe.every > 1:
             group = {f"dense_{i}": block_meta(cfg, moe=False) for i in range(cfg.moe.every - 1)}

@@ -175,10 +175,11 @@ def _block(block, x, cache, step: _Step, layer=None):
 
 def _stacks(model: Transformer):
     """(stacked layers, decoder blocks per scanned element), in layer order."""
-    per = model.cfg.layers_per_group if model.cfg.moe is None else 1
+    cfg = model.cfg
+    per = cfg.layers_per_group if cfg.moe is None or cfg.attention_pattern else 1
     out = [(model.blocks, per)] if hasattr(model, "blocks") else []
-    if model.cfg.moe is not None:
-        out.append((model.moe_blocks, model.cfg.moe.every))
+    if cfg.moe is not None:  # MoEPatternGroup (a PatternGroup) or groups of moe.every blocks
+        out.append((model.moe_blocks, cfg.layers_per_group if cfg.attention_pattern else cfg.moe.every))
     return out
 
 

@@ -5,8 +5,10 @@ Reads a local directory (`config.json` + `*.safetensors`, with or without a
 MixtralForCausalLM (every layer MoE, softmax top-k renormalised, dropless),
 Qwen2ForCausalLM (q/k/v biases), Qwen3ForCausalLM (QK-norm per head, free head_dim),
 Qwen3MoeForCausalLM (QK-norm, every layer MoE), Olmo2ForCausalLM (post-norms, QK-norm
-over whole projections), Gemma 2 and 3, and DeepseekV3ForCausalLM (also Kimi K2 and Moonlight:
+over whole projections), Gemma 2 and 3, DeepseekV3ForCausalLM (also Kimi K2 and Moonlight:
 latent attention, YaRN, group-limited sigmoid routing, shared experts, dense first layers)
+and GptOssForCausalLM (sinks, q/k/v/o biases, sliding and full layers, experts with biases
+and the clamped SwiGLU, MXFP4 experts dequantized)
 and returns a ready NNX `Transformer`; writes one that
 `transformers` loads with the same logits. What each family adds is a ModelConfig
 feature (`qkv_bias`, `qk_norm`, `norm_placement`), never a branch on the family. No
@@ -19,7 +21,10 @@ Layout mapping (HF Linear weights are `[out, in]`):
   Mixtral: gate [E, D] -> w_router [D, E]; experts.e.w1/w3 [F, D] -> w_gate/w_up[e] [D, F];
   experts.e.w2 [D, F] -> w_down[e] [F, D]  (stacked [layers, experts, ...] under moe_blocks)
   Qwen3-MoE: mlp.gate [E, D] -> w_router; mlp.experts.e.gate_proj/up_proj/down_proj as above
-  q/k/v_proj.bias [H*hd] -> bq/bk/bv [H, hd]
+  q/k/v_proj.bias [H*hd] -> bq/bk/bv [H, hd]      o_proj.bias [D] -> bo    sinks [H] -> sinks
+  GPT-OSS: mlp.router.weight/bias -> w_router/b_router; mlp.experts.gate_up_proj [E, D, 2F]
+  (gate even columns, up odd) -> w_gate/w_up [E, D, F], down_proj [E, F, D] -> w_down, and
+  their biases (`_gpt_oss_experts`)
   q_norm/k_norm [hd] (per head) -> scale [hd]; [H*hd] (whole projection) -> scale [H, hd]
   DeepSeek-V3 (models/mla.py): q_proj [H*(nope+rope), D] -> wq [D, H, nope+rope], or q_a_proj
   [q_lora, D] -> wq_a, q_a_layernorm -> q_norm, q_b_proj [H*(nope+rope), q_lora] -> wq_b
@@ -62,6 +67,7 @@ _FAMILIES = {
     "Gemma2ForCausalLM": ((False, "none", "both"), "gemma2", None),
     "Gemma3ForCausalLM": ((False, "head", "both"), "gemma3_text", None),
     "DeepseekV3ForCausalLM": ((False, "none", "pre"), "deepseek_v3", "deepseek"),
+    "GptOssForCausalLM": ((True, "none", "pre"), "gpt_oss", "gpt_oss"),
 }
 # Latent attention (model.mla), group-limited sigmoid routing with shared experts and dense first
 # layers: DeepSeek-V3, Kimi K2, Moonlight (`_deepseek_settings`, `_deepseek_names`).
@@ -71,6 +77,10 @@ _DEEPSEEK = "DeepseekV3ForCausalLM"
 # (model.norm_scale_offset, embedding_scale, attention_scale, *_softcap, attention_pattern).
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF name -> mlp_activation
+# The class with attention sinks, an output bias, a trained router bias, expert biases and the
+# clamped SwiGLU (model.attention_sinks, attention_out_bias, moe.router_logit_bias, expert_bias,
+# expert_activation clamped_swiglu), its experts fused per layer (`_gpt_oss_experts`).
+_GPT_OSS = "GptOssForCausalLM"
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 
 
@@ -144,7 +154,8 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
             f"architecture {arch!r} is not supported; expected one of {SUPPORTED_ARCHITECTURES}"
         )
     for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):  # (Qwen2's q/k/v biases are not a flag: the class always has them)
+        # (Qwen2's q/k/v biases are not a flag: the class always has them; GPT-OSS's all four)
+        if hf.get(flag) and not (flag == "attention_bias" and arch == _GPT_OSS):
             raise HFConversionError(f"config.json {flag}=true is not supported")
     # Gemma names its activation hidden_activation; a loader reading hidden_act alone (or
     # defaulting to silu) would be silently wrong
@@ -182,6 +193,8 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
         fields["sliding_window"] = int(hf["sliding_window"])
     if arch == _DEEPSEEK:
         fields.update(_deepseek_settings(hf))
+    if arch == _GPT_OSS:
+        fields.update(_gpt_oss_settings(hf))
     elif moe_layout is not None:
         fields["moe"] = _moe_from_hf(hf, moe_layout)
     fields.update(overrides)
@@ -271,6 +284,41 @@ def _deepseek_settings(hf: dict) -> dict:
     return dict(head_dim=None, mla=mla, moe=moe, rope_interleave=bool(rope_interleave))
 
 
+def _gpt_oss_settings(hf: dict) -> dict:
+    """GPT-OSS's model features from its config.json: biases on q, k, v and o, a sink per head,
+    sliding and full layers (`layer_types`), and every layer MoE with a trained router bias
+    (softmax over the top-k logits: the softmax renormalised over the chosen experts), expert
+    biases and the clamped SwiGLU."""
+    if not hf.get("attention_bias", True):
+        raise HFConversionError("config.json attention_bias=false: GPT-OSS converts with its biases only")
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)
+    ]  # transformers' default: sliding first, alternating
+    pattern = _layer_pattern(list(types))
+    k = hf["num_experts_per_tok"]
+    return dict(
+        attention_out_bias=True,
+        attention_sinks=True,
+        attention_pattern=pattern if "local" in pattern else (),
+        sliding_window=int(hf["sliding_window"]) if "local" in pattern else None,
+        moe=MoEConfig(
+            num_experts=hf["num_local_experts"],
+            top_k=k,
+            expert_mlp_dim=hf["intermediate_size"],
+            scoring="softmax",
+            normalize_top_k=True,
+            dispatch="dropless",
+            router_logit_bias=True,
+            expert_bias=True,
+            expert_activation="clamped_swiglu",
+            swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+            aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)) * k,
+        ),
+    )
+
+
 def _moe_from_hf(hf: dict, layout: str) -> MoEConfig:
     """Mixtral's or Qwen3-MoE's router and experts: softmax top-k (renormalised: Mixtral
     always, Qwen3-MoE with norm_topk_prob), no shared experts, every layer MoE, dropless."""
@@ -350,11 +398,17 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
         ]
         if wrong:
             raise HFConversionError(f"architecture {arch!r}: " + "; ".join(wrong))
-    elif cfg.attention_pattern or cfg.attention_softcap or cfg.final_softcap or cfg.norm_scale_offset:
+    elif (
+        (cfg.attention_pattern and arch != _GPT_OSS)
+        or cfg.attention_softcap
+        or cfg.final_softcap
+        or (cfg.norm_scale_offset)
+    ):
         raise HFConversionError(
             f"architecture {arch!r}: model.attention_pattern, softcaps and norm_scale_offset do not convert"
         )
-    if cfg.sliding_window and arch not in ("MistralForCausalLM", "MixtralForCausalLM", *_GEMMA):
+    _check_gpt_oss_features(cfg, arch)
+    if cfg.sliding_window and arch not in ("MistralForCausalLM", "MixtralForCausalLM", _GPT_OSS, *_GEMMA):
         raise HFConversionError(
             f"architecture {arch!r}: model.sliding_window={cfg.sliding_window} does not convert"
         )
@@ -414,6 +468,21 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
             intermediate_size=cfg.moe.mlp_dim(cfg),
             router_aux_loss_coef=cfg.moe.aux_loss_weight / cfg.moe.top_k,
         )
+    if arch == _GPT_OSS:
+        kinds = {"local": "sliding_attention", "global": "full_attention"}
+        kinds[None] = "sliding_attention" if cfg.sliding_window else "full_attention"
+        out.update(
+            attention_bias=True,
+            sliding_window=cfg.sliding_window,
+            layer_types=[kinds[k] for k in cfg.layer_kinds],
+            num_local_experts=cfg.moe.num_experts,
+            num_experts_per_tok=cfg.moe.top_k,
+            intermediate_size=cfg.moe.mlp_dim(cfg),
+            swiglu_alpha=cfg.moe.swiglu_alpha,
+            swiglu_limit=cfg.moe.swiglu_limit,
+            router_aux_loss_coef=cfg.moe.aux_loss_weight / cfg.moe.top_k,
+        )
+        del out["mlp_bias"]
     if arch == "Qwen3MoeForCausalLM":
         out.update(
             num_experts=cfg.moe.num_experts,
@@ -532,6 +601,27 @@ def _deepseek_hf_config(cfg: ModelConfig, arch: str) -> dict:
     }
 
 
+def _check_gpt_oss_features(cfg: ModelConfig, arch: str) -> None:
+    """GPT-OSS's features (sinks, output bias, trained router bias, expert biases, clamped
+    SwiGLU) all present for its class, and none of them for any other: refused by name."""
+    m = cfg.moe
+    features = {
+        "model.attention_sinks": cfg.attention_sinks,
+        "model.attention_out_bias": cfg.attention_out_bias,
+        "model.moe.router_logit_bias": m is not None and m.router_logit_bias,
+        "model.moe.expert_bias": m is not None and m.expert_bias,
+        "model.moe.expert_activation=clamped_swiglu": m is not None
+        and m.expert_activation == "clamped_swiglu",
+    }
+    if arch == _GPT_OSS:
+        missing = [name for name, on in features.items() if not on]
+        if missing:
+            raise HFConversionError(f"architecture {arch!r} needs {', '.join(missing)}; the model has not")
+    elif any(features.values()):
+        present = [name for name, on in features.items() if on]
+        raise HFConversionError(f"architecture {arch!r}: {', '.join(present)} do not convert (GPT-OSS only)")
+
+
 def _int_if_whole(x: float) -> int | float:
     return int(round(x)) if abs(x - round(x)) < 1e-6 * max(1.0, abs(x)) else x
 
@@ -603,12 +693,19 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ..
         common.update({("attn", f"b{t}"): f"self_attn.{t}_proj.bias" for t in "qkv"})
     if cfg.qk_norm != "none":
         common.update({("attn", f"{t}_norm", "scale"): f"self_attn.{t}_norm.weight" for t in "qk"})
+    if cfg.attention_out_bias:
+        common[("attn", "bo")] = "self_attn.o_proj.bias"
+    if cfg.attention_sinks:
+        common[("attn", "sinks")] = "self_attn.sinks"
     dense = {
         ("mlp", "w_gate"): "mlp.gate_proj.weight",
         ("mlp", "w_up"): "mlp.up_proj.weight",
         ("mlp", "w_down"): "mlp.down_proj.weight",
     }
-    if cfg.moe is not None and cfg.qk_norm == "head":  # Qwen3-MoE's names
+    gpt_oss = _has_gpt_oss_experts(cfg)
+    if gpt_oss:  # the experts are fused per layer: _gpt_oss_experts
+        router, moe, experts = "mlp.router.weight", None, {}
+    elif cfg.moe is not None and cfg.qk_norm == "head":  # Qwen3-MoE's names
         router, moe = "mlp.gate.weight", "mlp.experts"
         experts = dict(zip(_EXPERT_PARAMS, ("gate_proj.weight", "up_proj.weight", "down_proj.weight")))
     else:  # Mixtral's
@@ -626,10 +723,120 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ..
             for ours, theirs in dense.items():
                 yield (*where, *ours), index, prefix + theirs
             continue
-        yield (stack, "mlp", "w_router"), (layer,), prefix + router
-        for e in range(cfg.moe.num_experts):
+        yield (*where, "mlp", "w_router"), index, prefix + router
+        if gpt_oss:
+            yield (*where, "mlp", "b_router"), index, prefix + "mlp.router.bias"
+        for e in range(cfg.moe.num_experts if experts else 0):
             for ours, theirs in experts.items():
-                yield (stack, *ours), (layer, e), f"{prefix}{moe}.{e}.{theirs}"
+                yield (*where, *ours), (*index, e), f"{prefix}{moe}.{e}.{theirs}"
+
+
+def _has_gpt_oss_experts(cfg: ModelConfig) -> bool:
+    """The experts are GPT-OSS's: fused gate_up_proj / down_proj tensors per layer, with biases."""
+    return cfg.moe is not None and cfg.moe.expert_bias
+
+
+def _gpt_oss_experts(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ...], str]]:
+    """(where in our params, index, the layer's HF prefix) of every GPT-OSS MoE layer's experts:
+    HF's `mlp.experts.gate_up_proj` [E, D, 2F] (gate and up interleaved on the last axis, even
+    columns gate) with `gate_up_proj_bias` [E, 2F], `down_proj` [E, F, D] with `down_proj_bias`
+    [E, D]: stored [in, out] as our w_gate/w_up/w_down are; or, in the published checkpoints,
+    the two weights in MXFP4 (`*_blocks`, `*_scales`: `dequantize_mxfp4`)."""
+    period = cfg.layers_per_group
+    for layer in range(cfg.n_layers):
+        where = ("moe_blocks", f"layer_{layer % period}") if cfg.attention_pattern else ("moe_blocks",)
+        yield (*where, "mlp"), (layer // period,), f"model.layers.{layer}.mlp.experts."
+
+
+# FP4 (e2m1) values by their 4-bit code: sign bit 3, exponent bits 2-1, mantissa bit 0
+_FP4_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32
+)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """OCP MXFP4 as GPT-OSS's checkpoints store it -> float32 [E, K, N] (our [in, out] layout).
+
+    `blocks` uint8 [E, N, K / 32, 16]: for output row n, blocks of 32 inputs, two FP4 (e2m1)
+    codes a byte, the low nibble first (even input), the high nibble second; `scales` uint8
+    [E, N, K / 32]: each block's shared e8m0 exponent, value = code's value x 2^(scale - 127).
+    (transformers' integrations/mxfp4.py `convert_moe_packed_tensors`.)"""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
+        raise HFConversionError(
+            f"MXFP4 blocks {blocks.dtype}{list(blocks.shape)} and scales {scales.dtype}{list(scales.shape)}: "
+            "expected uint8 [..., groups, 16] and uint8 [..., groups]"
+        )
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [..., G, 16, 2]: low nibble first
+    values = _FP4_VALUES[codes].reshape(*scales.shape, -1)  # [E, N, G, 32]
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return np.swapaxes(values.reshape(*scales.shape[:-1], -1), -1, -2)  # [E, K, N]
+
+
+def _read_experts_weight(reader, name: str) -> np.ndarray:
+    """An expert weight [E, in, out] float32: stored plainly, or as MXFP4 blocks and scales."""
+    if name in reader.weight_map:
+        return np.asarray(reader.get(name), np.float32)
+    if f"{name}_blocks" in reader.weight_map:
+        return dequantize_mxfp4(
+            np.asarray(reader.get(f"{name}_blocks")), np.asarray(reader.get(f"{name}_scales"))
+        )
+    raise HFConversionError(f"{reader.path}: tensor {name!r} is missing (nor {name}_blocks / _scales)")
+
+
+def _load_gpt_oss_experts(reader, cfg: ModelConfig, params: dict, dtype) -> None:
+    """Fill params' GPT-OSS expert weights and biases (stacked per layer) from `reader`."""
+    e, d, f = cfg.moe.num_experts, cfg.d_model, cfg.moe.mlp_dim(cfg)
+    groups = cfg.n_layers // cfg.layers_per_group
+    expected = {
+        "gate_up_proj": (e, d, 2 * f),
+        "gate_up_proj_bias": (e, 2 * f),
+        "down_proj": (e, f, d),
+        "down_proj_bias": (e, d),
+    }
+    for where, index, prefix in _gpt_oss_experts(cfg):
+        hf = {
+            name: _read_experts_weight(reader, prefix + name)
+            if not name.endswith("bias")
+            else np.asarray(reader.get(prefix + name), np.float32)
+            for name in expected
+        }
+        for name, shape in expected.items():
+            if hf[name].shape != shape:
+                raise HFConversionError(
+                    f"tensor {prefix + name!r}: shape {hf[name].shape}, expected {shape} from config.json"
+                )
+        ours = {
+            "w_gate": hf["gate_up_proj"][..., 0::2],
+            "w_up": hf["gate_up_proj"][..., 1::2],
+            "w_down": hf["down_proj"],
+            "b_gate": hf["gate_up_proj_bias"][..., 0::2],
+            "b_up": hf["gate_up_proj_bias"][..., 1::2],
+            "b_down": hf["down_proj_bias"],
+        }
+        node = params
+        for key in where:
+            node = node.setdefault(key, {})
+        for name, w in ours.items():
+            if name not in node:
+                node[name] = np.empty((groups, *w.shape), dtype)
+            node[name][index] = w
+
+
+def _gpt_oss_expert_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, float32 tensor) of every GPT-OSS MoE layer's experts, fused as HF stores them."""
+    for where, index, prefix in _gpt_oss_experts(cfg):
+        node = params
+        for key in where:
+            node = node[key]
+        w = {name: np.asarray(node[name][index], np.float32) for name in _GPT_OSS_EXPERT_PARAMS}
+        interleave = lambda gate, up: np.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], -1)
+        yield prefix + "gate_up_proj", interleave(w["w_gate"], w["w_up"])
+        yield prefix + "gate_up_proj_bias", interleave(w["b_gate"], w["b_up"])
+        yield prefix + "down_proj", np.ascontiguousarray(w["w_down"])
+        yield prefix + "down_proj_bias", np.ascontiguousarray(w["b_down"])
+
+
+_GPT_OSS_EXPERT_PARAMS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
 
 
 def _deepseek_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ...], str]]:
@@ -819,6 +1026,9 @@ def _shape_of(path: tuple[str, ...], cfg: ModelConfig) -> tuple[int, ...]:
         "shared_gate": (d, fs),
         "shared_up": (d, fs),
         "shared_down": (fs, d),
+        "b_router": (cfg.moe.num_experts if cfg.moe is not None else 0,),
+        "bo": (d,),
+        "sinks": (cfg.n_heads,),
         "embedding": (cfg.vocab_size, d),
         "eh_proj": (2 * d, d),
         "lm_head": (d, cfg.vocab_size),
@@ -844,7 +1054,7 @@ def load_hf_params(path: str | Path, cfg: ModelConfig, dtype=np.float32) -> dict
     n_dense = cfg.n_layers if cfg.moe is None else cfg.moe.first_dense_layers
     layers = {"blocks": n_dense // cfg.layers_per_group}
     if cfg.moe is not None:
-        layers["moe_blocks"] = cfg.moe.num_moe_layers(cfg)
+        layers["moe_blocks"] = cfg.moe.num_moe_layers(cfg) // cfg.layers_per_group
     if cfg.mtp is not None:
         layers["mtp"] = cfg.mtp.depth
     experts = (cfg.moe.num_experts,) if cfg.moe is not None else ()
@@ -865,6 +1075,8 @@ def load_hf_params(path: str | Path, cfg: ModelConfig, dtype=np.float32) -> dict
                 stacked = (layers[ours[0]], *(experts if len(index) == 2 else ()))
                 node[ours[-1]] = np.empty((*stacked, *expected), dtype)
             node[ours[-1]][index] = w
+    if _has_gpt_oss_experts(cfg):
+        _load_gpt_oss_experts(reader, cfg, params, dtype)
     return params
 
 
@@ -904,6 +1116,8 @@ def params_to_hf_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, 
             for theirs, ours in shared.items():
                 w = np.asarray(params[ours[0]], dtype=np.float32)
                 yield f"model.layers.{cfg.n_layers + i}.{theirs}", np.ascontiguousarray(_to_hf(ours, w))
+    if _has_gpt_oss_experts(cfg):
+        yield from _gpt_oss_expert_tensors(params, cfg)
 
 
 def write_hf_dir(

@@ -205,6 +205,10 @@ class Attention(nnx.Module):
             self.bq = p((cfg.n_heads, hd), ("heads", "bias"), 0)
             self.bk = p((cfg.n_kv_heads, hd), ("kv_heads", "bias"), 0)
             self.bv = p((cfg.n_kv_heads, hd), ("kv_heads", "bias"), 0)
+        if cfg.attention_out_bias:  # d_model whole, as the residual stream it adds to
+            self.bo = p((d,), ("bias",), 0)
+        if cfg.attention_sinks:  # one logit per query head, split with the heads
+            self.sinks = p((cfg.n_heads,), ("sink_heads",), 0)
         if cfg.qk_norm == "head":
             self.q_norm = RMSNorm(cfg, rngs=rngs, shape=(hd,))
             self.k_norm = RMSNorm(cfg, rngs=rngs, shape=(hd,))
@@ -216,6 +220,8 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, segment_ids, fp8=None):
         cfg = self.cfg
         q, k, v = self.project(x, positions, fp8)
+        # only when set, so that the attention paths without sinks see the call they know
+        sinks = {"sinks": self.sinks[...]} if cfg.attention_sinks else {}
         out = attend(
             q,
             k,
@@ -229,6 +235,7 @@ class Attention(nnx.Module):
             cpu_tuned=cfg.cpu_tuning is True,
             softmax_scale=cfg.attention_scale,
             softcap=cfg.attention_softcap,
+            **sinks,
         )
         return self.output(out, fp8)
 
@@ -273,7 +280,10 @@ class Attention(nnx.Module):
         out = constrain(out, ("batch", "seq", "act_heads", None))  # named `context` by attend()
         wo = matmul_weight(self.wo[...], ("heads", "head_dim", "embed"), self.cfg)
         y = weight_matmul("bshk,hkd->bsd", out, wo, self.cfg, None if fp8 is None else fp8["wo"])
-        return checkpoint_name(lora.add(self, "wo", out, y), "out_proj")
+        y = lora.add(self, "wo", out, y)
+        if self.cfg.attention_out_bias:
+            y = y + self.bo[...].astype(y.dtype)
+        return checkpoint_name(y, "out_proj")
 
 
 def attention_layer(cfg: ModelConfig, *, rngs: nnx.Rngs, kind: str | None = None):
@@ -358,12 +368,15 @@ def post_norm(block, sublayer: str) -> RMSNorm | None:
 
 class PatternGroup(nnx.Module):
     """One repeat of `model.attention_pattern`: a Block per kind (`layer_0`, ...), so that the
-    layer scan runs over groups and each layer keeps its static window and RoPE base."""
+    layer scan runs over groups and each layer keeps its static window and RoPE base.
+    `block`: the class of its blocks (models/transformer.py MoEPatternGroup: MoE blocks)."""
+
+    block = Block
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.n_layers = cfg.layers_per_group
         for i, kind in enumerate(cfg.attention_pattern):
-            setattr(self, f"layer_{i}", Block(cfg, rngs=rngs, kind=kind))
+            setattr(self, f"layer_{i}", self.block(cfg, rngs=rngs, kind=kind))
 
     def blocks(self) -> list[Block]:
         return [getattr(self, f"layer_{i}") for i in range(self.n_layers)]

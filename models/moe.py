@@ -5,6 +5,9 @@ E experts, D = d_model, F = expert_mlp_dim), the layout HF conversion relies on:
 
     w_router    [D, E]     ("embed", None)            router logits = x @ w_router
     router_bias [E]        ("bias",)                   only with moe.score_bias (not trained by gradients)
+    b_router    [E]        ("bias",)                   only with moe.router_logit_bias (trained): logits + it
+    b_gate, b_up [E, F]    ("expert", "bias")          only with moe.expert_bias: added after x @ w_gate[e],
+    b_down      [E, D]     ("expert", "bias")            x @ w_up[e] and h @ w_down[e] (GPT-OSS)
     w_gate      [E, D, F]  ("expert", "embed", "mlp")  expert e: silu(x @ w_gate[e]) * (x @ w_up[e])
                                                         @ w_down[e]
     w_up        [E, D, F]  ("expert", "embed", "mlp")
@@ -12,11 +15,16 @@ E experts, D = d_model, F = expert_mlp_dim), the layout HF conversion relies on:
     shared_gate [D, S*F], shared_up [D, S*F], shared_down [S*F, D]   only with S = num_shared_experts > 0
                 (S always-on experts fused into one SwiGLU of width S*F; output added to the routed one)
 
-Routing (per token, router in f32): scores = softmax(logits) or sigmoid(logits);
-the top_k experts are chosen by scores (+ router_bias, selection only), with
-num_groups > 1 among the top_k_groups groups whose two best such scores sum highest
-(DeepSeek-V3); their weights are the chosen (unbiased) scores, renormalised to sum
-to 1 if normalize_top_k, times routed_scaling_factor.
+Routing (per token, router in f32): scores = softmax(logits) or sigmoid(logits)
+(logits + b_router with moe.router_logit_bias); the top_k experts are chosen by
+scores (+ router_bias, selection only), with num_groups > 1 among the top_k_groups
+groups whose two best such scores sum highest (DeepSeek-V3); their weights are the
+chosen (unbiased) scores, renormalised to sum to 1 if normalize_top_k (softmax: the
+softmax of the chosen logits, GPT-OSS's router), times routed_scaling_factor.
+
+Experts: silu(gate) * up (SwiGLU), or with moe.expert_activation clamped_swiglu
+GPT-OSS's (up + 1) * gate * sigmoid(alpha * gate), gate <= limit, |up| <= limit.
+A token's output is sum_k weight_k * expert_k(x), the down bias inside expert_k.
 
 Losses (global over the batch, whatever the mesh):
   load-balancing (Switch): E * sum_e f_e * P_e, f_e = share of the T*k assignments
@@ -101,6 +109,12 @@ class MoE(nnx.Module):
             self.router_bias = nnx.Param(
                 jnp.zeros((e,), cfg.param_dtype), out_sharding=("bias",), eager_sharding=False
             )
+        if m.router_logit_bias:
+            self.b_router = p((e,), ("bias",), 0)
+        if m.expert_bias:
+            self.b_gate = p((e, f), ("expert", "bias"), 0)
+            self.b_up = p((e, f), ("expert", "bias"), 0)
+            self.b_down = p((e, d), ("expert", "bias"), 0)
         self.w_gate = p((e, d, f), ("expert", "embed", "mlp"), cfg.init_std)
         self.w_up = p((e, d, f), ("expert", "embed", "mlp"), cfg.init_std)
         self.w_down = p((e, f, d), ("expert", "mlp", "embed"), out_std)
@@ -124,6 +138,11 @@ class MoE(nnx.Module):
         layer's fp8 state ({"experts": ..., "shared": ...}; models/fp8.py) or None."""
         dt = self.dtype
         bias = self.router_bias[...] if self.moe.score_bias else None
+        extras = {}
+        if self.moe.router_logit_bias:
+            extras["logit_bias"] = self.b_router[...]
+        if self.moe.expert_bias:
+            extras["expert_biases"] = tuple(b[...].astype(dt) for b in (self.b_gate, self.b_up, self.b_down))
         y, stats = moe_layer(
             x,
             self.w_router[...],
@@ -133,6 +152,7 @@ class MoE(nnx.Module):
             lora.effective_weight(self, "w_down", self.w_down[...]).astype(dt),
             self.moe,
             fp8=None if fp8 is None else fp8["experts"],
+            **extras,
         )
         if self.moe.num_shared_experts:
             shared = None if fp8 is None else fp8["shared"]
@@ -143,11 +163,12 @@ class MoE(nnx.Module):
 
 
 class MoEBlock(nnx.Module):
-    """A decoder block (as layers.Block) whose feed-forward is MoE; returns (x, stats)."""
+    """A decoder block (as layers.Block) whose feed-forward is MoE; returns (x, stats).
+    `kind`: the layer's kind in `model.attention_pattern` (None without one)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, kind: str | None = None):
         self.attn_norm = RMSNorm(cfg, rngs=rngs)
-        self.attn = attention_layer(cfg, rngs=rngs)
+        self.attn = attention_layer(cfg, rngs=rngs, kind=kind)
         self.mlp_norm = RMSNorm(cfg, rngs=rngs)
         self.mlp = MoE(cfg, rngs=rngs)
 
@@ -169,9 +190,13 @@ def capacity(seq_len: int, m: MoEConfig) -> int:
     return max(1, math.ceil(m.top_k * seq_len * m.capacity_factor / m.num_experts))
 
 
-def route(x, w_router, bias, m: MoEConfig):
-    """-> (logits f32 [..., E], scores [..., E], top-k expert ids [..., k], their weights f32 [..., k])."""
+def route(x, w_router, bias, m: MoEConfig, logit_bias=None):
+    """-> (logits f32 [..., E], scores [..., E], top-k expert ids [..., k], their weights f32 [..., k]).
+    `bias`: the selection-only score bias (moe.score_bias); `logit_bias`: the trained bias on
+    the logits (moe.router_logit_bias), or None."""
     logits = jnp.einsum("...d,de->...e", x.astype(F32), w_router.astype(F32))
+    if logit_bias is not None:
+        logits = logits + logit_bias.astype(F32)
     scores = jax.nn.softmax(logits, axis=-1) if m.scoring == "softmax" else jax.nn.sigmoid(logits)
     select = scores if bias is None else scores + jax.lax.stop_gradient(bias.astype(F32))
     if m.num_groups > 1:
@@ -204,13 +229,33 @@ def _fp8_site(fp8, name):
     return (None, ()) if fp8 is None else (fp8[0][name], fp8[1])
 
 
-def _swiglu(x, w_gate, w_up, w_down, eq_in: str, eq_out: str, fp8=None):
+def expert_activation(gate, up, m: MoEConfig):
+    """The experts' gated activation (moe.expert_activation): silu(gate) * up, or GPT-OSS's
+    clamped SwiGLU (up + 1) * gate * sigmoid(alpha * gate), the gate clamped above at
+    `swiglu_limit` and up to [-limit, limit] (HF's GptOssExperts._apply_gate)."""
+    if m.expert_activation == "clamped_swiglu":
+        limit = m.swiglu_limit
+        gate = jnp.minimum(gate, jnp.asarray(limit, gate.dtype))
+        up = jnp.clip(up, -limit, limit)
+        return (up + 1) * gate * jax.nn.sigmoid(gate * jnp.asarray(m.swiglu_alpha, gate.dtype))
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu(x, w_gate, w_up, w_down, eq_in: str, eq_out: str, fp8=None, m=None, in_biases=None):
+    """Capacity dispatch's experts on slots [E, ..., D] -> [E, ..., D] (the down projection
+    without its bias, which the caller adds once the tensor shards are summed). `in_biases`:
+    (b_gate, b_up) [E, F] or None."""
     mm = lambda eq, a, w, name: fp8_ops.expert_matmul(
         lambda a, w: jnp.einsum(eq, a, w), a, w, *_fp8_site(fp8, name)
     )
-    gate = checkpoint_name(mm(eq_in, x, w_gate, "w_gate"), "mlp_in")
-    up = checkpoint_name(mm(eq_in, x, w_up, "w_up"), "mlp_in")
-    return mm(eq_out, jax.nn.silu(gate) * up, w_down, "w_down")
+    gate = mm(eq_in, x, w_gate, "w_gate")
+    up = mm(eq_in, x, w_up, "w_up")
+    if in_biases is not None:  # broadcast each expert's bias over its slots
+        lead = (slice(None),) + (None,) * (gate.ndim - 2)
+        gate, up = gate + in_biases[0][lead], up + in_biases[1][lead]
+    gate, up = checkpoint_name(gate, "mlp_in"), checkpoint_name(up, "mlp_in")
+    act = jax.nn.silu(gate) * up if m is None else expert_activation(gate, up, m)
+    return mm(eq_out, act, w_down, "w_down")
 
 
 def grouped_matmul(a, w, group_sizes, impl: str, *, full: bool = False):
@@ -239,9 +284,13 @@ def grouped_matmul_impl(m: MoEConfig, fp8=None) -> str:
     return m.grouped_matmul if fp8 is None and m.grouped_matmul in _GROUPED_KERNELS else "ragged_dot"
 
 
-def _ragged_swiglu(x, w_gate, w_up, w_down, group_sizes, fp8=None, impl="ragged_dot", full=False):
+def _ragged_swiglu(
+    x, w_gate, w_up, w_down, group_sizes, fp8=None, impl="ragged_dot", full=False, m=None, in_biases=None
+):
     """fp8: (this layer's expert sites, the shard_map's mesh axes) or None; impl and full:
-    grouped_matmul's."""
+    grouped_matmul's; m: the MoE config (its expert activation; None: silu); in_biases: the
+    gate and up biases of each row's expert, (b_gate, b_up) [rows, F], or None. The down
+    projection's bias is the caller's (after any sum over tensor shards)."""
     rd = lambda a, w, name: fp8_ops.expert_matmul(
         lambda a, w: grouped_matmul(a, w, group_sizes, impl, full=full), a, w, *_fp8_site(fp8, name)
     )
@@ -254,8 +303,21 @@ def _ragged_swiglu(x, w_gate, w_up, w_down, group_sizes, fp8=None, impl="ragged_
         gate, up = gate_up[:, :f], gate_up[:, f:]
     else:  # each weight has its own fp8 scale
         gate, up = rd(x, w_gate, "w_gate"), rd(x, w_up, "w_up")
+    if in_biases is not None:
+        gate, up = gate + in_biases[0], up + in_biases[1]
     gate, up = checkpoint_name(gate, "mlp_in"), checkpoint_name(up, "mlp_in")
-    return rd(jax.nn.silu(gate) * up, w_down, "w_down")
+    act = jax.nn.silu(gate) * up if m is None else expert_activation(gate, up, m)
+    return rd(act, w_down, "w_down")
+
+
+def _row_biases(expert_biases, row_expert):
+    """Each row's expert's (gate, up) and down biases from expert_biases (b_gate, b_up
+    [E, F], b_down [E, D]) and row_expert int [rows] (ids past E: padding rows, clamped; their
+    outputs are never read): ((gate, up) [rows, F], down [rows, D]), or (None, None)."""
+    if expert_biases is None:
+        return None, None
+    b_gate, b_up, b_down = (_take_rows(b, row_expert, unique=False) for b in expert_biases)
+    return (b_gate, b_up), b_down
 
 
 def _capacity_positions(idx, m: MoEConfig, cap: int):
@@ -343,15 +405,19 @@ def _local_moe(
     exchange: str,
     grouped: str,
     fp8=None,
+    logit_bias=None,
+    expert_biases=None,
 ):
     """The layer on this device's tokens x [b, s, d] (all of them without a mesh).
     exchange, grouped: exchange_impl's and grouped_matmul_impl's answers.
-    fp8: (the expert sites' fp8 state, the mesh axes of the shard_map) or None."""
+    fp8: (the expert sites' fp8 state, the mesh axes of the shard_map) or None.
+    logit_bias [E], expert_biases (b_gate, b_up [E local, F local], b_down [E local, D]): as
+    moe_layer's."""
     b, s, d = x.shape
     E, k = m.num_experts, m.top_k
     ep = 1 if not expert_axes else jax.lax.axis_size(expert_axes)
     psum = lambda v, axes: jax.lax.psum(v, axes) if axes else v
-    logits, scores, idx, weights = route(x, w_router, bias, m)
+    logits, scores, idx, weights = route(x, w_router, bias, m, logit_bias)
 
     # Global statistics: sums over this shard, then over the batch axes.
     counts = jnp.sum(jax.nn.one_hot(idx, E, dtype=F32), axis=(0, 1, 2))  # [E] assignments
@@ -373,8 +439,11 @@ def _local_moe(
         xin = jnp.einsum("bsec,bsd->ebcd", dispatch.astype(x.dtype), x)  # [E, b, cap, d]
         if ep > 1:  # send expert e's slots to the device holding e; receive all sources' slots
             xin = jax.lax.all_to_all(xin, expert_axes, 0, 1, tiled=True)  # [E/ep, ep*b, cap, d]
-        out = _swiglu(xin, w_gate, w_up, w_down, "ebcd,edf->ebcf", "ebcf,efd->ebcd", fp8)
+        in_biases = None if expert_biases is None else expert_biases[:2]
+        out = _swiglu(xin, w_gate, w_up, w_down, "ebcd,edf->ebcf", "ebcf,efd->ebcd", fp8, m, in_biases)
         out = psum(out, tensor_axes)
+        if expert_biases is not None:  # empty slots get it too; their combine weight is 0
+            out = out + expert_biases[2][:, None, None, :]
         if ep > 1:
             out = jax.lax.all_to_all(out, expert_axes, 1, 0, tiled=True)  # [E, b, cap, d]
         out = checkpoint_name(out, "mlp_out")  # the combine weights' gradient needs it
@@ -388,8 +457,13 @@ def _local_moe(
         xs = sort_rows(x.reshape(b * s, d), order, inverse, k)
         group_sizes = counts.astype(jnp.int32)
         if ep == 1:
-            out = _ragged_swiglu(xs, w_gate, w_up, w_down, group_sizes, fp8, grouped, full=True)
+            in_biases, down_bias = _row_biases(expert_biases, flat_e[order])
+            out = _ragged_swiglu(
+                xs, w_gate, w_up, w_down, group_sizes, fp8, grouped, full=True, m=m, in_biases=in_biases
+            )
             out = psum(out, tensor_axes)
+            if down_bias is not None:
+                out = out + down_bias
             dropped = jnp.zeros((), jnp.int32)
         else:
             out, dropped = _dropless_exchange(
@@ -406,6 +480,8 @@ def _local_moe(
                 rows=receive_rows(a, ep, m),
                 fp8=fp8,
                 impl=grouped,
+                m=m,
+                expert_biases=expert_biases,
             )
         # The expert outputs, in token order: the router weights' gradient needs them, so a
         # policy that keeps "mlp_out" spares the backward the w_down matmul (and this gather).
@@ -449,6 +525,8 @@ def _dropless_exchange(
     rows,
     fp8=None,
     impl="ragged_dot",
+    m=None,
+    expert_biases=None,
 ):
     """Expert-parallel dropless: xs [A, d] sorted by expert -> (expert outputs [A, d] in the
     same order, zero for rows the receiver had no room for; how many such rows, int32).
@@ -497,9 +575,14 @@ def _dropless_exchange(
     order = checkpoint_name(jnp.argsort(local_e, stable=True), "routing")
     inverse = checkpoint_name(jnp.argsort(order), "routing")
     sizes = jnp.sum(kept, axis=0).astype(jnp.int32)
-    out = _ragged_swiglu(sort_rows(buf, order, inverse, 1), w_gate, w_up, w_down, sizes, fp8, impl)
+    in_biases, down_bias = _row_biases(expert_biases, local_e[order])
+    out = _ragged_swiglu(
+        sort_rows(buf, order, inverse, 1), w_gate, w_up, w_down, sizes, fp8, impl, m=m, in_biases=in_biases
+    )
     if tensor_axes:
         out = jax.lax.psum(out, tensor_axes)
+    if down_bias is not None:
+        out = out + down_bias
     out = unsort_rows(out, order, inverse)  # [rows, d] buffer order
     dropped = jnp.sum(per_dest - sent)
     if exchange == "ragged":
@@ -525,13 +608,17 @@ def exchange_impl(m: MoEConfig) -> str:
     return "ragged" if m.exchange == "ragged" else "padded"
 
 
-def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig, fp8=None):
+def moe_layer(
+    x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig, fp8=None, *, logit_bias=None, expert_biases=None
+):
     """Routed experts on x [b, s, d] -> (y [b, s, d], stats dict of f32 scalars + expert_load [E]).
 
     Without a mesh (or rules) in context: plain single-device code. With one: a
     shard_map over the whole mesh, experts sharded as the rules say (see module doc).
     `fp8`: the expert matmuls' fp8 state (models/fp8.py; replicated into the shard_map,
-    amax reduced over the whole mesh) or None.
+    amax reduced over the whole mesh) or None. `logit_bias` [E]: the router's trained bias
+    (moe.router_logit_bias); `expert_biases`: (b_gate, b_up [E, F], b_down [E, D]) in the
+    compute dtype (moe.expert_bias); None without them.
     """
     if x.ndim != 3:
         raise ValueError(f"moe_layer: x must be [batch, seq, d_model], got shape {x.shape}")
@@ -552,6 +639,8 @@ def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig, fp8=None):
             exchange=exchange,
             grouped=grouped,
             fp8=None if fp8 is None else (fp8, ()),
+            logit_bias=logit_bias,
+            expert_biases=expert_biases,
         )
     x_spec = sharding.logical_to_spec(("batch", None, None), rules, mesh, x.shape)
     in_spec = sharding.logical_to_spec(("expert", "embed", "mlp"), rules, mesh, w_gate.shape)
@@ -576,7 +665,7 @@ def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig, fp8=None):
         raise ValueError(f"moe_layer: mlp mesh axes {tensor_axes} also shard the batch")
     mesh_axes = tuple(mesh.axis_names)
 
-    def fn(x, w_router, bias, w_gate, w_up, w_down, meta):
+    def fn(x, w_router, bias, w_gate, w_up, w_down, meta, logit_bias, expert_biases):
         if embed_axes:
             gather = lambda w, axis: jax.lax.all_gather(w, embed_axes, axis=axis, tiled=True)
             w_gate, w_up, w_down = gather(w_gate, 1), gather(w_up, 1), gather(w_down, 2)
@@ -589,21 +678,24 @@ def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig, fp8=None):
             exchange=exchange,
             grouped=grouped,
             fp8=None if meta is None else (meta, mesh_axes),
+            logit_bias=logit_bias,
+            expert_biases=expert_biases,
         )
 
-    bias_spec = () if bias is None else (P(),)
-    meta_spec = () if fp8 is None else (P(),)
-    args = (
-        (x, w_router)
-        + (() if bias is None else (bias,))
-        + (w_gate, w_up, w_down)
-        + (() if fp8 is None else (fp8,))
+    # The inputs a layer may not have, by name (absent ones are not passed): the selection and
+    # logit biases and fp8 state replicated, the expert biases split with their experts (and
+    # the gate/up ones over the mlp's tensor axes, as w_gate and w_up)
+    optional = dict(bias=bias, meta=fp8, logit_bias=logit_bias, expert_biases=expert_biases)
+    optional = {key: v for key, v in optional.items() if v is not None}
+    gate_bias_spec = P(in_spec[0], in_spec[2])
+    optional_spec = dict(
+        bias=P(), meta=P(), logit_bias=P(), expert_biases=(gate_bias_spec, gate_bias_spec, P(in_spec[0]))
     )
+    optional_spec = {key: optional_spec[key] for key in optional}
 
-    def body(x, r, *rest):
-        bias, rest = (rest[0], rest[1:]) if bias_spec else (None, rest)
-        g, u, dn, *meta = rest
-        return fn(x, r, bias, g, u, dn, meta[0] if meta else None)
+    def body(x, r, g, u, dn, optional):
+        extra = [optional.get(key) for key in ("meta", "logit_bias", "expert_biases")]
+        return fn(x, r, optional.get("bias"), g, u, dn, *extra)
 
     stats_spec = {k: P() for k in ("aux_loss", "z_loss", "dropped_fraction", "max_load", "expert_load")}
     # Pallas calls (megablox, triton, mosaic) do not declare how their outputs vary over the
@@ -612,10 +704,10 @@ def moe_layer(x, w_router, bias, w_gate, w_up, w_down, m: MoEConfig, fp8=None):
     pallas = m.dispatch == "dropless" and grouped in _GROUPED_KERNELS
     return jax.shard_map(
         body,
-        in_specs=(x_spec, P(), *bias_spec, in_spec, in_spec, out_spec, *meta_spec),
+        in_specs=(x_spec, P(), in_spec, in_spec, out_spec, optional_spec),
         out_specs=(x_spec, stats_spec),
         check_vma=not pallas,
-    )(*args)
+    )(x, w_router, w_gate, w_up, w_down, optional)
 
 
 # --- helpers for the trainer --------------------------------------------------------

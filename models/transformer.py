@@ -68,7 +68,10 @@ class Transformer(nnx.Module):
             self.blocks = _stack(PatternGroup, n_dense // cfg.layers_per_group, cfg, rngs)
         elif n_dense:
             self.blocks = _stack(Block, n_dense, cfg, rngs)
-        if cfg.moe is not None:
+        if cfg.moe is not None and cfg.attention_pattern:  # every layer MoE, pattern by pattern
+            n_moe = cfg.moe.num_moe_layers(cfg)
+            self.moe_blocks = _stack(MoEPatternGroup, n_moe // cfg.layers_per_group, cfg, rngs)
+        elif cfg.moe is not None:
             group = MoEBlock if cfg.moe.every == 1 else MoEGroup
             self.moe_blocks = _stack(group, cfg.moe.num_moe_layers(cfg), cfg, rngs)
         self.final_norm = RMSNorm(cfg, rngs=rngs)
@@ -193,6 +196,8 @@ class Transformer(nnx.Module):
             x, _ = run(self.blocks, x, meta.get("blocks"), stack_keys[0])
         if cfg.moe is not None:
             x, stats = run(self.moe_blocks, x, meta.get("moe_blocks"), stack_keys[1])
+            if cfg.attention_pattern:  # [groups, layers per group, ...] -> [layers, ...]
+                stats = jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), stats)
             if pipeline is None:
                 stats = jax.tree.map(lambda v: v[:, None], stats)  # [layers, 1 microbatch, ...]
             # Per microbatch: mean over layers (max for max_load); then mean over microbatches,
@@ -307,3 +312,18 @@ class MoEGroup(nnx.Module):
                 x, positions, segment_ids, None if fp8 is None else fp8[f"dense_{i}"]
             )
         return self.moe(x, positions, segment_ids, None if fp8 is None else fp8["moe"])
+
+
+class MoEPatternGroup(PatternGroup):
+    """One repeat of `model.attention_pattern` on MoE layers (GPT-OSS: sliding and full
+    alternating): an MoEBlock per kind (`layer_0`, ...); returns (x, each layer's router
+    statistics stacked [pattern length, ...])."""
+
+    block = MoEBlock
+
+    def __call__(self, x, positions, segment_ids, fp8=None):
+        stats = []
+        for i, block in enumerate(self.blocks()):
+            x, layer_stats = block(x, positions, segment_ids, None if fp8 is None else fp8[f"layer_{i}"])
+            stats.append(layer_stats)
+        return x, jax.tree.map(lambda *v: jnp.stack(v), *stats)

@@ -76,6 +76,7 @@ FSDP_TENSOR: AxisRules = FSDP + (
     ("head_vocab", ("tensor",)),  # an untied output head's vocab (see vocab_parallel_head)
     ("heads", ("tensor",)),
     ("kv_heads", ("tensor",)),
+    ("sink_heads", ("tensor",)),  # attention sinks [heads]: split with their heads
     ("mlp", ("tensor",)),
     ("layers", ("stage",)),
     ("expert", ("expert",)),

@@ -43,6 +43,14 @@ FAMILIES = {
         qk_norm="head", attention_pattern=("local", "global"), sliding_window=5, local_rope_theta=100.0,
         rope_scaling="linear", rope_scaling_factor=8.0, n_kv_heads=2, tie_embeddings=True,
     ),
+    "gpt-oss-moe": dict(
+        qkv_bias=True, attention_out_bias=True, attention_sinks=True, attention_pattern=("local", "global"),
+        sliding_window=5, n_kv_heads=2,
+        moe=dict(
+            num_experts=4, top_k=2, expert_mlp_dim=64, dispatch="dropless", router_logit_bias=True,
+            expert_bias=True, expert_activation="clamped_swiglu", swiglu_limit=0.1,
+        ),
+    ),
 }  # fmt: skip
 
 
@@ -54,6 +62,9 @@ SHARDED = {
     ),
     "head-norm+moe": FAMILIES["qwen3-moe"],
     "gemma2-all": FAMILIES["gemma2"],
+    # sinks, the output bias, MoE layers in pattern groups, the trained router and expert
+    # biases (split with their experts over expert, the gate/up ones over tensor), clamped SwiGLU
+    "gpt-oss-moe": FAMILIES["gpt-oss-moe"],
 }
 
 

@@ -216,34 +216,48 @@ def axis_rules(cfg: Config) -> sharding.AxisRules:
 
 def _attention_impl(cfg: Config, p: Placement) -> tuple[str, str]:
     m = cfg.model
+    head_dim, v_head_dim = _attention_head_dims(m)
     if p.platform == "gpu":
         return choose_gpu_attention(
             chip=p.chip,
-            head_dim=m.resolved_head_dim,
+            head_dim=head_dim,
             window=m.sliding_window is not None,
             compute_dtype=m.compute_dtype,
             softcap=m.attention_softcap is not None,
+            sinks=m.attention_sinks,
+            v_head_dim=v_head_dim,
         )
     if p.platform == "tpu":
         return "pallas", "the Pallas flash kernel (Mosaic TPU)"
     return "xla", "on CPU the Pallas kernels only run interpreted"
 
 
+def _attention_head_dims(m) -> tuple[int, int | None]:
+    """(the query/key head dim, the value head dim where it differs: latent attention's)."""
+    if m.mla is None:
+        return m.resolved_head_dim, None
+    qk, v = m.mla.qk_head_dim, m.mla.v_head_dim
+    return qk, (v if v != qk else None)
+
+
 def _gpu_flash_kernel(cfg: Config, p: Placement) -> tuple[str, str | None]:
     m = cfg.model
     if p.platform != "gpu":
         return "triton", None  # TPUs and CPUs run their own flash kernel whatever this says
+    head_dim, v_head_dim = _attention_head_dims(m)
     kernel, why = choose_gpu_flash_kernel(
         chip=p.chip,
-        head_dim=m.resolved_head_dim,
+        head_dim=head_dim,
         compute_dtype=m.compute_dtype,
         softcap=m.attention_softcap is not None,
+        sinks=m.attention_sinks,
+        v_head_dim=v_head_dim,
     )
     context = p.mesh_shape.get("context", 1)
     if kernel == "mosaic" and context > 1 and m.context_impl == "ring":
         from jaxtrain.pallas_kernels.flash_mgpu import ring_chunk_misfit
 
-        misfit = ring_chunk_misfit(cfg.train.seq_len, context, m.resolved_head_dim)
+        misfit = ring_chunk_misfit(cfg.train.seq_len, context, head_dim)
         if misfit:
             chunk, tile = misfit
             return "triton", (

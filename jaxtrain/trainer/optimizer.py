@@ -15,8 +15,9 @@ from jaxtrain.config import OptimizerConfig
 WEIGHT_AXES = frozenset(
     {"embed", "head_embed", "vocab", "head_vocab", "heads", "kv_heads", "head_dim", "mlp", "expert"}
 )
-#: Logical axes that only norm scales ("norm") and biases ("bias") carry.
-NO_DECAY_AXES = frozenset({"norm", "bias"})
+#: Logical axes that only norm scales ("norm") and biases ("bias", and the attention sinks'
+#: per-head logits, "sink_heads") carry.
+NO_DECAY_AXES = frozenset({"norm", "bias", "sink_heads"})
 
 
 def decays(logical_axes: Sequence[str | None]) -> bool:

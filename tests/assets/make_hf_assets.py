@@ -22,6 +22,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -187,6 +189,25 @@ MODELS = {
             },
         )
     ),
+    # GPT-OSS: a sink per head, biases on q/k/v/o, sliding (window 4) and full layers
+    # alternating, 4 experts top-2 with a trained router bias, expert biases and the clamped
+    # SwiGLU, its limit low enough that some gates and ups reach it (without the clamp the
+    # logits move by 0.2); default RoPE (no YaRN)
+    "gpt_oss": lambda: GptOssForCausalLM(
+        GptOssConfig(
+            **{**COMMON, "intermediate_size": 32},
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=4,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            swiglu_limit=2.0,
+            initializer_range=0.1,  # token-dependent parts that the biases do not drown
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    ),
 }
 
 # DeepSeek-V3: latent attention (q through a latent of q_lora_rank, or not), YaRN with mscale !=
@@ -256,9 +277,10 @@ def main(names=None):
             for n, p in model.named_parameters():
                 if "norm" in n:
                     p.copy_(1 + 0.1 * torch.randn_like(p))
-                if n.endswith(".bias"):  # initialised to zero: a dropped bias would not show
+                # initialised to zero (GPT-OSS's sinks: small): a dropped one would not show
+                if n.endswith((".bias", "_bias", ".sinks")):
                     p.copy_(0.5 * torch.randn_like(p))
-                if n.endswith("mlp.gate.weight"):  # Mixtral router: make top-2 choices decisive
+                if n.endswith(("mlp.gate.weight", "mlp.router.weight")):  # decisive top-2 choices
                     p.mul_(20.0)
             for n, b in model.named_buffers():  # DeepSeek-V3's selection bias (zeros at init)
                 if n.endswith("e_score_correction_bias"):

@@ -36,6 +36,7 @@ NAMES = (
     "olmo2_post_norm",
     "gemma2_softcap",
     "gemma3_pattern",
+    "gpt_oss",
 )
 PROMPT_LEN = 6
 NEW_TOKENS = 20  # 26 positions in all: more than 5x Mistral's window of 5
