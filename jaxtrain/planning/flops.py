@@ -33,7 +33,7 @@ __all__ = [
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
     n = cfg.active_param_count(include_embedding=cfg.tie_embeddings)
-    attn = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.resolved_head_dim
+    attn = 6 * cfg.n_layers * seq_len * cfg.n_heads * sum(cfg.attention_widths)
     return 6 * n + (attn / 2 if causal else attn)
 
 
