@@ -511,6 +511,14 @@ class ModelConfig:
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
 
+    @property
+    def attention_widths(self) -> tuple[int, int]:
+        """A head's (query/key, value) widths: the scores' and the weighted sum's contractions
+        (latent attention: qk_nope_head_dim + qk_rope_head_dim and v_head_dim)."""
+        if self.mla is not None:
+            return self.mla.qk_head_dim, self.mla.v_head_dim
+        return self.resolved_head_dim, self.resolved_head_dim
+
     def validate(self) -> None:
         """Raise ValueError naming the key, the value and what was expected."""
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_dim"):

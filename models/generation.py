@@ -10,7 +10,9 @@ ever after, and the loop stops once every row has; fill is `eos_id`, or 0 when
 `eos_id` is None. Each row is what it would be generated alone.
 
 The cache (`KVCache`): k and v `[layers, batch, kv_heads, cache_len, head_dim]` (v's head
-dim may differ from k's) in the compute dtype, named `CACHE_AXES` for the sharding rules
+dim may differ from k's; latent attention, `model.mla`, caches in k one row of
+kv_lora_rank + qk_rope_head_dim values per token, its latent and shared RoPE key, and
+nothing in v) in the compute dtype, named `CACHE_AXES` for the sharding rules
 (batch over data/fsdp, kv heads over tensor), and the position each slot holds,
 `[batch, cache_len]` (-1: empty). Position p lives in slot p % cache_len. cache_len is
 prompt + max_new_tokens, or the sliding window W when that is shorter: a ring buffer of
@@ -66,6 +68,17 @@ class KVCache(NamedTuple):
     positions: jax.Array  # int32 [batch, cache_len]: the position each slot holds; -1 empty
 
 
+def cache_shapes(cfg, batch: int, cache_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of `KVCache.k` and `.v` that generation keeps for a model of `cfg`: per layer,
+    row and slot, every kv head's key and value; with `model.mla` one row of the latent and
+    the shared RoPE key (kv_lora_rank + qk_rope_head_dim values) in k, nothing in v."""
+    if cfg.mla is not None:
+        row = (cfg.n_layers, batch, 1, cache_len)
+        return (*row, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim), (*row, 0)
+    shape = (cfg.n_layers, batch, cfg.n_kv_heads, cache_len, cfg.resolved_head_dim)
+    return shape, shape
+
+
 def cache_length(cfg, total_len: int) -> int:
     """Slots per row for sequences of `total_len` positions: all of them, or the window when
     every layer slides (an attention pattern's global layers need all of them)."""
@@ -111,11 +124,64 @@ def _sinks(attn):
     return None if sinks is None else sinks[...]
 
 
+def _kept_slots(step: _Step, *new):
+    """Prefill: of each t [b, s, heads, d], what the cache slots hold -> [b, heads, cache_len, d]."""
+    held = (step.slot_positions >= 0)[:, :, None, None]
+    keep = lambda t: jnp.where(held, jnp.take_along_axis(t, step.source[:, :, None, None], axis=1), 0)
+    return tuple(constrain(keep(t).transpose(0, 2, 1, 3), CACHE_AXES[1:]) for t in new)
+
+
+def _written_slots(step: _Step, cache, layer, *new):
+    """Decode: layer `layer` of each cache [layers, b, heads, cache_len, d] with the new token's
+    t [b, 1, heads, d] written into its slot -> [b, heads, cache_len, d]."""
+    write = step.write[:, None, :, None]
+    return tuple(
+        constrain(
+            jnp.where(write, t.transpose(0, 2, 1, 3), jax.lax.dynamic_index_in_dim(c, layer, 0, False)),
+            CACHE_AXES[1:],
+        )
+        for t, c in zip(new, cache)
+    )
+
+
+def _latent_attention(attn, x, cache, step: _Step, layer=None):
+    """`_attention` for latent attention (models/mla.py): the cache's k holds each token's
+    normed latent and rotated shared RoPE key, [b, 1, cache_len, kv_lora + rope] per layer,
+    and its v nothing (width 0). Prefill attends with the expanded keys and values, as the
+    model does; decode attends with the up-projections absorbed, as one key/value head whose
+    keys are the cached rows and whose values their latent part."""
+    from jaxtrain.models.mla import softmax_scale
+
+    latent, k_rope = attn.latent(x, step.positions)
+    row = jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)[:, :, None, :]
+    new = (row, row[..., :0])
+    if step.write is None:
+        q_nope, q_rope = attn.query(x, step.positions)
+        k, v = attn.expand(latent, k_rope)
+        out = attn.attention(jnp.concatenate([q_nope, q_rope], axis=-1), k, v, None)
+        return attn.output(out), _kept_slots(step, *new)
+    rows, empty = _written_slots(step, cache, layer, *new)
+    out = _cached_attention(
+        attn.absorbed_query(x, step.positions),
+        rows,
+        rows[..., : attn.cfg.mla.kv_lora_rank],
+        step.positions[:, 0],
+        step.slot_positions,
+        attn.window,
+        softmax_scale(attn.cfg),
+        attn.cfg.attention_softcap,
+    )
+    cache = tuple(jax.lax.dynamic_update_index_in_dim(c, t, layer, 0) for c, t in zip(cache, (rows, empty)))
+    return attn.absorbed_output(out), cache
+
+
 def _attention(attn, x, cache, step: _Step, layer=None):
     """Attention of one layer through the cache. Prefill (cache None) -> (output [b, s, d],
     this layer's (k, v) [b, kv_heads, cache_len, head_dim]); decode: `cache` is the whole
     (k, v) [layers, ...] -> (output, the cache with layer `layer`'s slots written)."""
     cfg = attn.cfg
+    if cfg.mla is not None:
+        return _latent_attention(attn, x, cache, step, layer)
     q, k, v = attn.project(x, step.positions)
     if step.write is None:  # prefill: the prompt attends to itself; keep what the slots hold
         out = attend(
@@ -131,20 +197,10 @@ def _attention(attn, x, cache, step: _Step, layer=None):
             softcap=cfg.attention_softcap,
             sinks=_sinks(attn),
         )
-        held = (step.slot_positions >= 0)[:, :, None, None]
-        keep = lambda t: jnp.where(held, jnp.take_along_axis(t, step.source[:, :, None, None], axis=1), 0)
-        k_cache, v_cache = (constrain(keep(t).transpose(0, 2, 1, 3), CACHE_AXES[1:]) for t in (k, v))
-        return attn.output(out), (k_cache, v_cache)
+        return attn.output(out), _kept_slots(step, k, v)
     # decode: write the new token's k/v into its slot of this layer, attend over the layer's
     # cache, and put the layer back (a dynamic update of the carried cache: in place).
-    write = step.write[:, None, :, None]
-    k_cache, v_cache = (
-        constrain(
-            jnp.where(write, new.transpose(0, 2, 1, 3), jax.lax.dynamic_index_in_dim(c, layer, 0, False)),
-            CACHE_AXES[1:],
-        )
-        for new, c in zip((k, v), cache)
-    )
+    k_cache, v_cache = _written_slots(step, cache, layer, k, v)
     out = _cached_attention(
         q,
         k_cache,

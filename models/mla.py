@@ -88,9 +88,13 @@ class LatentAttention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, positions, segment_ids, fp8=None):
-        cfg = self.cfg
         q, k, v = self.project(x, positions)
-        out = attend(
+        return self.output(self.attention(q, k, v, segment_ids))
+
+    def attention(self, q, k, v, segment_ids):
+        """Causal attention of expanded q, k, v [b, s, H, *] with this layer's scale -> [b, s, H, v]."""
+        cfg = self.cfg
+        return attend(
             q,
             k,
             v,
@@ -104,7 +108,6 @@ class LatentAttention(nnx.Module):
             softmax_scale=softmax_scale(cfg),
             softcap=cfg.attention_softcap,
         )
-        return self.output(out)
 
     @property
     def window(self) -> int | None:
@@ -167,3 +170,25 @@ class LatentAttention(nnx.Module):
         out = constrain(out, ("batch", "seq", "act_heads", None))  # named `context` by attend()
         y = self._matmul("bshk,hkd->bsd", out, "wo", ("heads", "head_dim", "embed"))
         return checkpoint_name(y, "out_proj")
+
+    # --- the latent KV cache (models/generation.py): attention with the up-projections absorbed
+
+    def _up_projection(self, part: str) -> jax.Array:
+        """wkv_b's key ("key": [kv_lora, H, nope]) or value ("value": [kv_lora, H, v]) half."""
+        w = matmul_weight(self.wkv_b[...], ("kv_lora", "heads", "head_dim"), self.cfg)
+        nope = self.cfg.mla.qk_nope_head_dim
+        return w[..., :nope] if part == "key" else w[..., nope:]
+
+    def absorbed_query(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """x [b, s, d] -> the query against cached [latent, RoPE key] rows [b, s, H, kv_lora + rope]:
+        each head's no-RoPE query through its key up-projection (q_nope . (W_uk c) = (W_uk^T
+        q_nope) . c), then its rotated RoPE part."""
+        q_nope, q_rope = self.query(x, positions)
+        q_latent = jnp.einsum("bshn,rhn->bshr", q_nope, self._up_projection("key"))
+        return jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
+
+    def absorbed_output(self, context: jax.Array) -> jax.Array:
+        """Attention-weighted latents [b, s, H, kv_lora] -> [b, s, d]: each head's value
+        up-projection, then the output projection."""
+        values = jnp.einsum("bshr,rhv->bshv", context, self._up_projection("value"))
+        return self.output(values)

@@ -556,7 +556,8 @@ def recompute_flops(cfg: Config) -> float:
     if m.remat != "full":
         return 0.0  # save_matmuls keeps the matmul outputs: only cheap elementwise work is redone
     layer_params = _layer_params(cfg)
-    attn_fwd = 2 * m.n_layers * cfg.train.seq_len * m.n_heads * m.resolved_head_dim  # causal half of 4*L*S*d
+    # the causal half of 2 x L x S x heads x (qk + v width): 4*L*S*d with equal widths
+    attn_fwd = m.n_layers * cfg.train.seq_len * m.n_heads * sum(m.attention_widths)
     return 2 * layer_params + attn_fwd
 
 

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jaxtrain import models, sharding
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.models.config import DTYPE_BYTES, FLASH_ATTENTION_IMPLS
-from jaxtrain.models.generation import CACHE_AXES, CACHE_POSITION_AXES, KVCache, cache_length
+from jaxtrain.models.generation import CACHE_AXES, CACHE_POSITION_AXES, KVCache, cache_length, cache_shapes
 from jaxtrain.models.generation import decode_step as decode_fn
 from jaxtrain.models.generation import prefill as prefill_fn
 from jaxtrain.planning.compile import (
@@ -43,11 +43,16 @@ from jaxtrain.sharding.targets import compiled_memory
 
 def kv_cache_bytes(model_cfg, batch: int, cache_len: int) -> int:
     """Bytes of the whole KV cache (models.generation.KVCache k and v, every layer) in the
-    compute dtype: 2 x layers x batch x kv_heads x cache_len x head_dim x itemsize."""
-    m = model_cfg
-    return (
-        2 * m.n_layers * batch * m.n_kv_heads * cache_len * m.resolved_head_dim * DTYPE_BYTES[m.compute_dtype]
-    )
+    compute dtype: batch x cache_len x `kv_cache_bytes_per_token`."""
+    return batch * cache_len * kv_cache_bytes_per_token(model_cfg)
+
+
+def kv_cache_bytes_per_token(model_cfg) -> int:
+    """Bytes one token of one sequence holds in the cache, over every layer: 2 x layers x
+    kv_heads x head_dim x itemsize, or with latent attention (model.mla) layers x
+    (kv_lora_rank + qk_rope_head_dim) x itemsize (models.generation.cache_shapes)."""
+    itemsize = DTYPE_BYTES[model_cfg.compute_dtype]
+    return sum(math.prod(s) * itemsize for s in cache_shapes(model_cfg, 1, 1))
 
 
 def _per_device_bytes(shape, dtype, sharding) -> int:
@@ -143,10 +148,10 @@ def _compile_programs(report: dict, cfg: Config, mesh, target: Target, batch: in
     )
     named = lambda axes, shape: NamedSharding(mesh, sharding.logical_to_spec(axes, rules, mesh, shape))
     arg = lambda shape, dtype, axes: jax.ShapeDtypeStruct(shape, dtype, sharding=named(axes, shape))
-    kv_shape = (m.n_layers, batch, m.n_kv_heads, cache_len, m.resolved_head_dim)
+    k_shape, v_shape = cache_shapes(m, batch, cache_len)
     cache = KVCache(
-        arg(kv_shape, m.compute_dtype, CACHE_AXES),
-        arg(kv_shape, m.compute_dtype, CACHE_AXES),
+        arg(k_shape, m.compute_dtype, CACHE_AXES),
+        arg(v_shape, m.compute_dtype, CACHE_AXES),
         arg((batch, cache_len), "int32", CACHE_POSITION_AXES),
     )
     out_shardings = (
@@ -171,6 +176,7 @@ def _compile_programs(report: dict, cfg: Config, mesh, target: Target, batch: in
     }
     shards = math.prod(mesh.shape[a] for entry in cache.k.sharding.spec for a in sharding.axes_tuple(entry))
     report["kv_cache_bytes"] = kv_cache_bytes(m, batch, cache_len)
+    report["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(m)
     report["kv_cache_spec"] = str(cache.k.sharding.spec)
     report["kv_cache_shards"] = shards
     report["kv_cache_bytes_per_device"] = report["kv_cache_bytes"] // shards
@@ -181,8 +187,8 @@ def _compile_programs(report: dict, cfg: Config, mesh, target: Target, batch: in
         report[name] = _compile_one(name, jitted, args, mesh, rules, cfg, target)
         if name == "decode" and "compiled_k_sharding" in report[name]:
             k_sharding = report[name].pop("compiled_k_sharding")
-            report["kv_cache_bytes_per_device_compiled"] = 2 * _per_device_bytes(
-                kv_shape, m.compute_dtype, k_sharding
+            report["kv_cache_bytes_per_device_compiled"] = sum(
+                _per_device_bytes(shape, m.compute_dtype, k_sharding) for shape in (k_shape, v_shape)
             )
     report["fits"] = all(report[n]["fits"] for n in programs)
     totals = [(report[n]["memory"] or {}).get("total") for n in programs]

@@ -39,7 +39,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> f
     if cfg.mtp is not None:  # each prediction module's block attends, its logits use the head again
         layers += cfg.mtp.depth
         n += cfg.mtp.depth * cfg.d_model * cfg.vocab_size
-    attn = 12 * layers * seq_len * cfg.n_heads * cfg.resolved_head_dim
+    attn = 6 * layers * seq_len * cfg.n_heads * sum(cfg.attention_widths)
     return 6 * n + (attn / 2 if causal else attn)
 
 

@@ -231,7 +231,8 @@ def format_decode_report(r: dict) -> str:
         f"attention={r['attention_impl']}",
         f"decode      batch {r['batch']}, cache {r['cache_len']} positions (--max-len {r['max_len']}); "
         f"prefill of {r['prompt_len']}-token prompts, then one token per row per step",
-        f"kv cache    {_gib(r['kv_cache_bytes'])} in all, {_gib(r['kv_cache_bytes_per_device'])}/device "
+        f"kv cache    {_gib(r['kv_cache_bytes'])} in all, {_gib(r['kv_cache_bytes_per_device'])}/device, "
+        f"{r['kv_cache_bytes_per_token']:,} B/token "
         f"({r['kv_cache_shards']} shards, spec {r['kv_cache_spec']}; compiled args: "
         f"{_gib(r.get('kv_cache_bytes_per_device_compiled'))})",
         f"params/dev  {_gib(r['param_bytes_per_device'])}",
