@@ -193,7 +193,7 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
         fields["sliding_window"] = int(hf["sliding_window"])
     if arch == _DEEPSEEK:
         fields.update(_deepseek_settings(hf))
-    if arch == _GPT_OSS:
+    elif arch == _GPT_OSS:
         fields.update(_gpt_oss_settings(hf))
     elif moe_layout is not None:
         fields["moe"] = _moe_from_hf(hf, moe_layout)
