@@ -3,13 +3,25 @@ hand-computed cases; the prompts loader and the rewards; an end-to-end CLI run."
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import types
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from jaxtrain.trainer import grpo
+from tests.conftest import REPO
+
+ASSETS = Path(__file__).parent / "assets"
+CHATML = ASSETS / "chat" / "chatml"
 
 # --- advantages -----------------------------------------------------------------------------
 
@@ -100,3 +112,232 @@ def test_token_logps_are_of_the_tempered_softmax():
     got = float(grpo.token_logps(logits, jnp.asarray([[1]]), 0.7)[0, 0])
     z = np.array([1.0, 2.0, 0.5]) / 0.7
     assert got == pytest.approx(z[1] - np.log(np.exp(z).sum()), rel=1e-6)
+
+
+# --- prompts and rewards --------------------------------------------------------------------
+
+
+def test_prompts_render_truncate_and_follow_the_seed(tmp_path):
+    from jaxtrain.data.chat import ChatEncoder
+    from jaxtrain.data.prompts import PromptIterator
+
+    path = tmp_path / "p.jsonl"
+    rows = [
+        {"prompt": "hello there", "answer": 1},
+        {"messages": [{"role": "user", "content": "hi"}], "answer": 2},
+    ]
+    rows += [{"prompt": f"row {i}", "answer": i} for i in range(3, 8)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = types.SimpleNamespace(paths=(str(path),), tokenizer=str(CHATML), shuffle=True)
+    it = PromptIterator(data, max_prompt_len=4, global_batch_size=3, seed=5)
+    enc = ChatEncoder(str(CHATML), mask_by_role=True)
+    chat_text = enc.render(rows[1]["messages"], add_generation_prompt=True)[0]
+    assert chat_text.endswith("<|im_start|>assistant\n")  # the generation prompt
+    assert it.rows[1].text == chat_text and it.rows[1].fields == {"answer": 2}
+    full = enc.tokenizer.encode_batch([chat_text])[0]
+    assert it.rows[1].ids.tolist() == full[-4:].tolist()  # cut from the left
+    assert it.truncated == sum(len(i) > 4 for i in enc.tokenizer.encode_batch([r.text for r in it.rows]))
+    # batch k: a pure function of (seed, k); two epochs of 7 rows each hold every row once
+    first = [r.index for k in range(5) for r in it.batch_at(k)][:14]
+    assert sorted(first[:7]) == list(range(7)) and sorted(first[7:]) == list(range(7))
+    it2 = PromptIterator(data, max_prompt_len=4, global_batch_size=3, seed=5)
+    it2.set_state({"source": "prompts", "batch": 3})
+    assert [r.index for r in next(it2)] == [r.index for r in it.batch_at(3)]
+
+
+def test_rewards_weighted_sum_none_left_out_and_one_line_errors(tmp_path, monkeypatch):
+    from jaxtrain.trainer.rewards import RewardError, load_rewards, score
+
+    (tmp_path / "rw.py").write_text(
+        "def a(prompts, completions, completion_ids, answer, **kw):\n"
+        "    return [float(len(c)) for c in completions]\n"
+        "def b(prompts, completions, completion_ids, **kw):\n"
+        "    return [None, 2.0]\n"
+        "def short(prompts, completions, **kw):\n"
+        "    return [1.0]\n"
+        "def boom(prompts, completions, **kw):\n"
+        "    raise KeyError('x')\n"
+        "def text(prompts, completions, **kw):\n"
+        "    return ['1', '2']\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    fns = load_rewards(["rw:a", "rw:b"])
+    table, total = score(fns, (0.5, 2.0), ["p", "q"], ["ab", "c"], [[1], [2]], {"answer": [1, 2]})
+    np.testing.assert_array_equal(total, [1.0, 0.5 + 4.0])  # None left out of the first sum
+    assert np.isnan(table[0, 1])
+    for name, fragment in [
+        ("short", "returned 1 values for 2"),
+        ("boom", "raised KeyError"),
+        ("text", "'1'"),
+    ]:
+        with pytest.raises(RewardError, match=f"reward rw:{name} .*{fragment}"):
+            score(load_rewards([f"rw:{name}"]), (), ["p", "q"], ["a", "b"], [[1], [2]], {})
+    with pytest.raises(RewardError, match="grpo.rewards 'rw:nope'"):
+        load_rewards(["rw:nope"])
+
+
+# --- end to end: `jaxtrain train` with train.objective=grpo -----------------------------------
+
+REWARD_MODULE = '''
+def count_a(prompts, completions, completion_ids, target, **kw):
+    return [float(c.count(t)) for c, t in zip(completions, target)]
+
+def short(prompts, completions, completion_ids, **kw):
+    return [None if i % 2 else -0.05 * len(c) for i, c in enumerate(completion_ids)]
+'''
+PROMPTS = [
+    {"prompt": "hello", "target": "a"},
+    {"messages": [{"role": "user", "content": "say a"}], "target": "a"},
+    {"prompt": "abc abc abc abc abc abc abc", "target": "b"},
+    {"prompt": "xyz", "target": "c"},
+]
+E2E_STEPS, E2E_EVERY = 6, 3  # rollouts at steps 1, 3, 5 (updates_per_rollout=2): 3 is mid-rollout
+
+
+@pytest.fixture(scope="module")
+def grpo_setup(tmp_path_factory):
+    """A converted tiny Llama whose vocab holds chatml's 303 ids, the prompts, the reward module."""
+    from tests.test_post_training_kill import setup as post_training_setup
+
+    tmp = post_training_setup.__wrapped__(tmp_path_factory)
+    (tmp / "grpo_rewards.py").write_text(REWARD_MODULE)
+    (tmp / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    return tmp
+
+
+def _grpo_command(setup, out_dir, *extra):
+    return [
+        sys.executable,
+        "-m",
+        "jaxtrain",
+        "train",
+        str(setup / "config.yaml"),
+        f"output_dir={out_dir}",
+        f"train.init_from={setup / 'base'}",
+        "train.objective=grpo",
+        "data.source=prompts",
+        f"data.paths=[{setup / 'prompts.jsonl'}]",
+        f"data.tokenizer={CHATML}",
+        "grpo.rewards=[grpo_rewards:count_a,grpo_rewards:short]",
+        "grpo.reward_weights=[1.0,2.0]",
+        "grpo.group_size=4",
+        "grpo.max_new_tokens=8",
+        "grpo.max_prompt_len=12",
+        "grpo.temperature=0.9",
+        "grpo.top_k=50",
+        "grpo.beta=0.05",
+        "grpo.updates_per_rollout=2",
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "train.global_batch_size=8",
+        "train.seq_len=24",
+        f"train.steps={E2E_STEPS}",
+        f"checkpoint.every={E2E_EVERY}",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        *extra,
+    ]
+
+
+def _start(setup, out_dir):
+    from tests.test_checkpoint_kill import env
+
+    e = env()
+    e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(setup), str(REPO), e.get("PYTHONPATH", "")]))
+    return subprocess.Popen(
+        _grpo_command(setup, out_dir),
+        cwd=setup,
+        env=e,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def grpo_run(grpo_setup):
+    from tests.test_checkpoint_kill import finish
+
+    out = grpo_setup / "uninterrupted"
+    code, stdout, err = finish(_start(grpo_setup, out))
+    assert code == 0, err[-3000:]
+    return out, stdout + err
+
+
+def _rollouts(out_dir):
+    return [json.loads(line) for line in (out_dir / "rollouts.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_grpo_cli_run_records_rollouts_and_metrics(grpo_run):
+    out, stdout = grpo_run
+    assert "generation refuses mesh.stage > 1" in stdout and "longer than grpo.max_prompt_len" in stdout
+    rows = _rollouts(out)
+    assert [r["step"] for r in rows] == [1] * 8 + [3] * 8 + [5] * 8  # reused for two steps each
+    for r in rows:
+        assert set(r) == {
+            "step", "prompt_index", "prompt_ids", "completion_ids", "completion", "rewards", "reward",
+            "advantage", "old_logprobs", "truncated",
+        }  # fmt: skip
+        assert len(r["old_logprobs"]) == len(r["completion_ids"]) and len(r["prompt_ids"]) <= 12
+        ends_at_eos = r["completion_ids"][-1] == 300  # chatml's <|endoftext|>
+        assert r["truncated"] == (not ends_at_eos) and (ends_at_eos or len(r["completion_ids"]) == 8)
+        parts = r["rewards"]
+        want = parts["grpo_rewards:count_a"] + 2.0 * (parts["grpo_rewards:short"] or 0.0)
+        assert r["reward"] == pytest.approx(want, rel=1e-6)
+    for first in range(0, 24, 4):  # group advantages: (r - mean) / (std(n-1) + 1e-4)
+        group = rows[first : first + 4]
+        assert len({r["prompt_index"] for r in group}) == 1
+        want = grpo.advantages([r["reward"] for r in group], 4, "group")
+        np.testing.assert_allclose([r["advantage"] for r in group], want, rtol=1e-5, atol=1e-6)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = [m for m in metrics if "loss" in m]
+    assert [m["step"] for m in metrics] == list(range(1, E2E_STEPS + 1))
+    for m in metrics:
+        for key in ("grpo/reward", "grpo/reward_std", "grpo/kl", "grpo/clip_ratio", "grpo/completion_length"):
+            assert np.isfinite(m[key]), key
+        assert m["grpo/sample_tokens_per_second"] > 0
+    step1 = [r for r in rows if r["step"] == 1]
+    assert metrics[0]["grpo/reward"] == pytest.approx(np.mean([r["reward"] for r in step1]), rel=1e-5)
+    assert metrics[0]["grpo/kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference
+    goodput = json.loads((out / "goodput.json").read_text())
+    assert goodput["seconds"]["sample"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Sharding info not provided when restoring")
+def test_grpo_kill_9_inside_a_reused_rollout_then_rerun_is_bit_identical(tmp_path, grpo_setup, grpo_run):
+    """Killed after the checkpoint at step 3 (the middle of the rollout sampled for step 3):
+    the rerun takes that rollout back and its sampler keys follow from the step, so every
+    logged step and the final weights equal the uninterrupted run's bit for bit."""
+    from tests.test_checkpoint_kill import finalized_steps, finish, records, wait_for
+    from tests.test_post_training_kill import flatten
+
+    ref_dir, _ = grpo_run
+    run_dir = tmp_path / "killed"
+    compared = ("loss", "grad_norm", "lr", "grpo/reward", "grpo/kl", "grpo/clip_ratio")
+    reference = {r["step"]: tuple(r[k] for k in compared) for r in records(ref_dir)}
+    proc = _start(grpo_setup, run_dir)
+    wait_for(lambda: finalized_steps(run_dir / "checkpoints"), proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    code, out, err = finish(_start(grpo_setup, run_dir))
+    assert code == 0, err[-3000:]
+    assert "resumed from" in out + err and "rollout 1 (in use at the checkpoint) read back" in err
+    rows = records(run_dir)
+    assert {r["step"] for r in rows} == set(range(1, E2E_STEPS + 1))
+    for r in rows:
+        assert tuple(r[k] for k in compared) == reference[r["step"]], (r, reference[r["step"]])
+    assert _rollouts(run_dir) == _rollouts(ref_dir)  # each rollout once, sampled alike
+
+    def final(out_dir):
+        state = ocp.PyTreeCheckpointer().restore(
+            os.path.join(out_dir, "checkpoints", str(E2E_STEPS), "state")
+        )
+        return flatten({k: state[k] for k in ("params", "opt_state")})
+
+    want, got = final(ref_dir), final(run_dir)
+    assert want.keys() == got.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
