@@ -516,3 +516,37 @@ def test_grpo_steps_and_weights_equal_torch_on_a_data_fsdp_mesh(tmp_path, microb
         want_final = jax.device_get(load_params(str(tmp_path / "final_ckpt"), cfg.model, target))
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(final), jax.tree.leaves(want_final)):
         np.testing.assert_allclose(a, b, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def test_grpo_config_refusals_name_the_key(tmp_path):
+    from jaxtrain.config import ConfigError
+    from tests.conftest import tiny_config
+
+    ok = [
+        "train.objective=grpo",
+        "data.source=prompts",
+        "data.paths=[p.jsonl]",
+        "grpo.rewards=[m:f]",
+        "grpo.group_size=4",
+        "grpo.max_new_tokens=16",
+    ]
+    cfg = tiny_config(tmp_path, *ok)
+    assert cfg.grpo.prompt_len(cfg.train.seq_len) == 128 - 16  # the default: seq_len - max_new_tokens
+    for extra, message in [
+        (["mesh.stage=2"], "mesh.stage=2 with train.objective=grpo: the sampler does not run pipeline"),
+        (
+            ["train.global_batch_size=6"],
+            "train.global_batch_size=6: expected a multiple of grpo.group_size=4",
+        ),
+        (["grpo.reward_weights=[1.0,2.0]"], r"grpo.reward_weights=\[1.0, 2.0\]: expected one weight per"),
+        (["grpo.rewards=[nofunction]"], "grpo.rewards entry 'nofunction': expected module:function"),
+        (["data.source=tokens"], "train.objective=grpo with data.source='tokens'"),
+        (["grpo.max_prompt_len=120"], r"grpo.max_prompt_len=120 \+ grpo.max_new_tokens=16"),
+        (["grpo.loss_type=ppo"], "grpo.loss_type='ppo': expected grpo, bnpo, dr_grpo or dapo"),
+        (["grpo.scale_rewards=std"], "grpo.scale_rewards='std'"),
+        (["grpo.top_p=0"], r"grpo.top_p=0.0: expected a number in \(0, 1\]"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            tiny_config(tmp_path, *ok, *extra)
+    with pytest.raises(ConfigError, match="data.source=prompts with train.objective='lm'"):
+        tiny_config(tmp_path, "data.source=prompts", "data.paths=[p.jsonl]")
