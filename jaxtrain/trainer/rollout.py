@@ -16,7 +16,8 @@ steps it samples a new rollout, which steps s .. s + mu - 1 reuse whole:
    loss weights (trainer/grpo.py), and ``old_logps``: the sampling weights' log-probs of the
    completion tokens at `grpo.temperature`, one forward pass over the batch;
 4. one row per completion in ``output_dir/rollouts.jsonl`` (process 0), and the rollout's
-   arrays in ``output_dir/rollouts/<k>.npz``, from which a run resumed in the middle of a
+   arrays in ``output_dir/rollouts/<k>.npz`` (grpo.updates_per_rollout > 1; the last
+   checkpoint.every / mu + 2 of them kept), from which a run resumed in the middle of a
    reused rollout takes it back (the weights that sampled it are gone by then).
 
 Time spent here is the goodput bucket ``sample`` (the sampling and the old log-probs).
@@ -259,7 +260,10 @@ class RolloutFeeder:
             np.savez(buf, metrics=json.dumps(metrics), **rows)
             storage.make_dirs(self.cfg.under_output("rollouts"))
             storage.write_atomic(self._npz(k), buf.getvalue())
-            stale = self._npz(k - 2)
+            # A checkpoint is at most checkpoint.every steps old when the next one is written:
+            # the rollouts it may still need are the last every / mu + 1; older ones go.
+            mu = self.cfg.grpo.updates_per_rollout
+            stale = self._npz(k - 2 - self.cfg.checkpoint.every // mu)
             if storage.exists(stale):
                 storage.remove(stale)
         names = [name for name, _ in self.rewards]
