@@ -550,3 +550,75 @@ def test_grpo_config_refusals_name_the_key(tmp_path):
             tiny_config(tmp_path, *ok, *extra)
     with pytest.raises(ConfigError, match="data.source=prompts with train.objective='lm'"):
         tiny_config(tmp_path, "data.source=prompts", "data.paths=[p.jsonl]")
+
+
+def test_grpo_with_lora_takes_the_base_as_its_reference(tmp_path):
+    """GRPO on adapters (the PEFT asset's, B non-zero: the policy starts away from the base)
+    with beta=0.1: the state keeps no reference copy, and step 1's KL and loss equal those
+    of two plain models run without adapter code: the adapters merged into the weights (the
+    policy) and the base alone (the reference); rtol 1e-5."""
+    import gzip
+
+    from flax import nnx
+
+    from jaxtrain import models, sharding
+    from jaxtrain.interchange.convert import hf_to_ckpt
+    from jaxtrain.models import lora
+    from jaxtrain.recovery.checkpoint import abstract_state
+    from jaxtrain.trainer.loop import initial_state
+    from jaxtrain.trainer.program import build_program
+    from tests.test_lora import BASE, lora_config, on_mesh
+
+    with gzip.open(ASSETS / "grpo" / "expected.json.gz", "rt") as f:
+        rollout = json.load(f)["rollouts"][0]
+    hf_to_ckpt(BASE, tmp_path / "base")
+    cfg = lora_config(
+        tmp_path,
+        tmp_path / "base",
+        "train.objective=grpo",
+        "data.source=prompts",
+        "data.paths=[unused]",
+        f"data.tokenizer={CHATML}",
+        "grpo.rewards=[unused:reward]",
+        "grpo.group_size=4",
+        "grpo.max_new_tokens=8",
+        "grpo.temperature=0.8",
+        "grpo.beta=0.1",
+        "train.steps=1",
+    )
+    cfg, mesh, rules = on_mesh(cfg)
+    rows = {
+        k: np.asarray(v, np.float32 if k == "loss_mask" else np.int32)
+        for k, v in rollout.items()
+        if k != "rewards"
+    }
+    adv = grpo.advantages(np.asarray(rollout["rewards"], np.float32), 4, "group")
+    weight, share = grpo.loss_weights(rows["loss_mask"], "dapo", 8)
+    rows.update(advantages=np.repeat(adv[:, None], 16, axis=1), loss_weight=weight, token_share=share)
+    plain = models.ModelConfig(**{**cfg.model.__dict__, "lora": None})
+    g, abstract = models.abstract_model(lambda: models.Transformer(plain, rngs=nnx.Rngs(0)))
+
+    def logps(params):
+        logits = models.merge(g, abstract, params)(
+            jnp.asarray(rows["inputs"]), positions=jnp.asarray(rows["positions"])
+        )
+        return grpo.token_logps(logits, jnp.asarray(rows["targets"]), 0.8)
+
+    with jax.set_mesh(mesh), sharding.axis_rules(rules):
+        program = build_program(cfg, mesh, rules)
+        state = initial_state(cfg, program, abstract_state(program), lambda _: None)
+        assert state.reference is None and state.frozen is not None
+        whole = jax.device_get(lora.join(state.frozen, state.params))
+        policy, reference = logps(lora.merged(whole, cfg.model)), logps(lora.split(whole)[0])
+        rows["old_logps"] = np.asarray(policy) * rows["loss_mask"]
+        _, metrics = program.step(
+            state, {k: jax.device_put(v, program.batch_sharding) for k, v in rows.items()}
+        )
+        metrics = jax.device_get(metrics)
+    loss, kl, _ = grpo.per_token_terms(
+        policy, rows["old_logps"], reference, rows["advantages"], epsilon=0.2, epsilon_high=0.2, beta=0.1
+    )
+    want_kl = float(jnp.sum(share * kl))
+    assert want_kl > 1e-4  # the adapters already matter
+    np.testing.assert_allclose(float(metrics["grpo/kl"]), want_kl, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["loss"]), float(jnp.sum(weight * loss)), rtol=1e-5, atol=1e-7)
