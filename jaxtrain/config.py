@@ -65,12 +65,13 @@ class TrainConfig:
     # [tokens, vocab] logits are never formed at once; 0: the plain loss over all of them;
     # auto: 4 chunks when the logits reach 16 MiB per device (jaxtrain/planning/resolve.py)
     loss_chunk: int | str = "auto"
-    # what the step minimises: lm (next-token cross-entropy over the loss mask) or dpo (direct
-    # preference optimisation on `jaxtrain tokenize --preference` pairs; the `dpo` section)
+    # what the step minimises: lm (next-token cross-entropy over the loss mask), dpo (direct
+    # preference optimisation on `jaxtrain tokenize --preference` pairs; the `dpo` section) or
+    # grpo (reinforcement learning from rewards on sampled completions; the `grpo` section)
     objective: str = "lm"
 
 
-OBJECTIVES = ("lm", "dpo")
+OBJECTIVES = ("lm", "dpo", "grpo")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,6 +84,33 @@ class DPOConfig:
 
     beta: float = 0.1  # how far the policy may move from the reference (KL strength)
     label_smoothing: float = 0.0  # the chance a preference label is flipped (cDPO); 0: plain DPO
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GRPOConfig:
+    """Group relative policy optimisation (train.objective=grpo; jaxtrain/trainer/grpo.py and
+    rollout.py), TRL's GRPOTrainer: `group_size` completions per prompt of data.source=prompts
+    are sampled with the training weights, scored by `rewards`, and trained on with the clipped
+    ratio against the sampling policy (and a k3 KL penalty against the initial weights)."""
+
+    max_prompt_len: int | None = None  # prompt tokens kept (from the right); null: seq_len - max_new_tokens
+    rewards: tuple[str, ...] = ()  # module:function callables, TRL's reward signature
+    reward_weights: tuple[float, ...] = ()  # one per reward; empty: 1 each
+    group_size: int = 8  # completions per prompt (train.global_batch_size counts completions)
+    max_new_tokens: int = 256  # completion length limit (a completion ends at EOS or here)
+    temperature: float = 1.0  # sampling temperature; the log-probs trained are of logits / it
+    top_p: float = 1.0  # nucleus sampling (1: off), after top_k
+    top_k: int = 0  # keep the k largest logits (0: off), after the temperature
+    scale_rewards: str = "group"  # advantages divided by the std of: group | batch | none
+    updates_per_rollout: int = 1  # steps that reuse one rollout (TRL's num_iterations)
+    epsilon: float = 0.2  # ratio clip below (1 - epsilon) and, without epsilon_high, above
+    epsilon_high: float | None = None  # ratio clip above (1 + epsilon_high); null: epsilon
+    beta: float = 0.0  # k3 KL penalty weight against the frozen initial weights (0: none)
+    loss_type: str = "dapo"  # aggregation: grpo | bnpo | dr_grpo | dapo
+
+    def prompt_len(self, seq_len: int) -> int:
+        """max_prompt_len as it applies (its default: what seq_len leaves for the completion)."""
+        return self.max_prompt_len if self.max_prompt_len is not None else seq_len - self.max_new_tokens
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -144,9 +172,12 @@ PACKINGS = ("by_directory", "windows", "documents")  # data.packing
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    source: str = "synthetic"  # synthetic | text | tokens
-    paths: tuple[str, ...] = ()  # text: files or globs; tokens: `jaxtrain tokenize` output dirs
-    tokenizer: str = "byte"  # text: byte | path to a Hugging Face tokenizers JSON (tokens: in the dirs)
+    source: str = "synthetic"  # synthetic | text | tokens | prompts (train.objective=grpo)
+    # text: files or globs; tokens: `jaxtrain tokenize` output dirs; prompts: JSONL files
+    paths: tuple[str, ...] = ()
+    # text: byte | path to a Hugging Face tokenizers JSON (tokens: in the dirs); prompts: a
+    # Hugging Face tokenizer directory (tokenizer.json and its chat template)
+    tokenizer: str = "byte"
     shuffle: bool = True  # text and tokens: a seeded permutation of the windows (resumable)
     # tokens: mixture weight per path (any positive scale); empty: each dir's token count
     weights: tuple[float, ...] = ()
@@ -285,6 +316,7 @@ class Config:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)  # train.objective=dpo
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)  # train.objective=grpo
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -513,6 +545,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _validate_train(cfg)
     _validate_dpo(cfg)
     _validate_mtp(cfg)
+    _validate_grpo(cfg)
     if num_devices is not None:
         _validate_devices(cfg, num_devices)
     elif cfg.train.global_batch_size % cfg.train.microbatches:
@@ -520,8 +553,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             f"train.global_batch_size={cfg.train.global_batch_size}: expected a multiple of "
             f"train.microbatches={cfg.train.microbatches}"
         )
-    if cfg.data.source not in ("synthetic", "text", "tokens"):
-        raise ConfigError(f"data.source={cfg.data.source!r}: expected synthetic, text or tokens")
+    if cfg.data.source not in ("synthetic", "text", "tokens", "prompts"):
+        raise ConfigError(f"data.source={cfg.data.source!r}: expected synthetic, text, tokens or prompts")
     _validate_data_tokens(cfg.data)
     if cfg.data.source == "text" and not cfg.data.paths:
         raise ConfigError("data.paths=[]: data.source=text needs at least one file or glob")
@@ -682,6 +715,89 @@ def _validate_mtp(cfg: Config) -> None:
             f"model.mtp with mesh.context={cfg.mesh.context}: the prediction modules read tokens "
             "ahead in sequence order, which context parallelism permutes; expected mesh.context=1 "
             "or model.mtp null"
+        )
+
+
+def _validate_grpo(cfg: Config) -> None:
+    t, g = cfg.train, cfg.grpo
+    if g.group_size < 2:
+        raise ConfigError(
+            f"grpo.group_size={g.group_size}: expected an integer >= 2 (advantages compare a group)"
+        )
+    if g.max_new_tokens < 1:
+        raise ConfigError(f"grpo.max_new_tokens={g.max_new_tokens}: expected a positive integer")
+    if not (math.isfinite(g.temperature) and g.temperature > 0):
+        raise ConfigError(f"grpo.temperature={g.temperature}: expected a positive number")
+    if not 0 < g.top_p <= 1:
+        raise ConfigError(f"grpo.top_p={g.top_p}: expected a number in (0, 1] (1: off)")
+    if not 0 <= g.top_k <= cfg.model.vocab_size:
+        raise ConfigError(
+            f"grpo.top_k={g.top_k}: expected an integer in [0, model.vocab_size={cfg.model.vocab_size}]"
+        )
+    if g.scale_rewards not in ("group", "batch", "none"):
+        raise ConfigError(f"grpo.scale_rewards={g.scale_rewards!r}: expected group, batch or none")
+    if g.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        raise ConfigError(f"grpo.loss_type={g.loss_type!r}: expected grpo, bnpo, dr_grpo or dapo")
+    if g.updates_per_rollout < 1:
+        raise ConfigError(f"grpo.updates_per_rollout={g.updates_per_rollout}: expected a positive integer")
+    if not (math.isfinite(g.epsilon) and 0 <= g.epsilon < 1):
+        raise ConfigError(f"grpo.epsilon={g.epsilon}: expected a number in [0, 1)")
+    if g.epsilon_high is not None and not (math.isfinite(g.epsilon_high) and g.epsilon_high >= 0):
+        raise ConfigError(f"grpo.epsilon_high={g.epsilon_high}: expected null or a number >= 0")
+    if not (math.isfinite(g.beta) and g.beta >= 0):
+        raise ConfigError(f"grpo.beta={g.beta}: expected a number >= 0")
+    if g.reward_weights and len(g.reward_weights) != len(g.rewards):
+        raise ConfigError(
+            f"grpo.reward_weights={list(g.reward_weights)}: expected one weight per grpo.rewards "
+            f"entry ({len(g.rewards)}), or none (1 each)"
+        )
+    for name in g.rewards:
+        module, _, function = str(name).partition(":")
+        if not module or not function:
+            raise ConfigError(f"grpo.rewards entry {name!r}: expected module:function")
+    if t.objective != "grpo":
+        if cfg.data.source == "prompts":
+            raise ConfigError(
+                f"data.source=prompts with train.objective={t.objective!r}: prompts are for "
+                "train.objective=grpo"
+            )
+        return
+    if cfg.data.source != "prompts":
+        raise ConfigError(
+            f"train.objective=grpo with data.source={cfg.data.source!r}: GRPO samples completions of "
+            "prompts; expected data.source=prompts (JSONL rows with `prompt` or `messages`)"
+        )
+    if not cfg.data.paths:
+        raise ConfigError("data.paths=[]: data.source=prompts needs at least one JSONL file")
+    if not g.rewards:
+        raise ConfigError(
+            "grpo.rewards=[]: train.objective=grpo needs at least one reward function (module:function)"
+        )
+    if t.global_batch_size % g.group_size:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size}: expected a multiple of "
+            f"grpo.group_size={g.group_size} (it counts completions)"
+        )
+    prompt_len = g.prompt_len(t.seq_len)
+    if prompt_len < 1 or prompt_len + g.max_new_tokens > t.seq_len:
+        raise ConfigError(
+            f"grpo.max_prompt_len={prompt_len} + grpo.max_new_tokens={g.max_new_tokens}: expected at least "
+            f"one prompt token and a sum <= train.seq_len={t.seq_len}"
+        )
+    if cfg.mesh.stage > 1:
+        raise ConfigError(
+            f"mesh.stage={cfg.mesh.stage} with train.objective=grpo: the sampler does not run pipeline "
+            "stages; expected mesh.stage=1"
+        )
+    if isinstance(t.loss_chunk, int) and t.loss_chunk > 0:
+        raise ConfigError(
+            f"train.loss_chunk={t.loss_chunk} with train.objective=grpo: GRPO needs every completion "
+            "token's log-probability, which the chunked loss does not give; expected 0 or auto"
+        )
+    if cfg.eval.every:
+        raise ConfigError(
+            f"eval.every={cfg.eval.every} with train.objective=grpo: held-out evaluation measures the LM "
+            "loss; expected eval.every=0 (the grpo/* metrics track the rewards)"
         )
 
 

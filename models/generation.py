@@ -621,3 +621,34 @@ def _is_int(x) -> bool:
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def generate_traced(
+    model: Transformer,
+    tokens,
+    prompt_lengths,
+    key,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+) -> jax.Array:
+    """`generate` inside a caller's trace (no checks, no jit of its own): right-padded
+    prompts int32 [b, P] and their lengths [b] -> int32 [b, P + max_new_tokens], step t
+    drawing with `fold_in(key, t)`. For a program that samples with the weights it trains
+    (train.objective=grpo: jaxtrain/trainer/rollout.py)."""
+    return _generate_traced(
+        model,
+        tokens,
+        prompt_lengths,
+        key,
+        jnp.asarray(temperature, jnp.float32),
+        jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
+        jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32),
+        max_new_tokens=max_new_tokens,
+        cache_len=cache_length(model.cfg, tokens.shape[1] + max_new_tokens),
+        top_k=top_k,
+        nucleus=top_p is not None,
+    )

@@ -58,7 +58,7 @@ def test_goodput_buckets_cover_the_wall_time_and_a_restart_charges_what_it_redoe
     first = a.record()
     assert first["seconds"] == {
         "startup": 1.0, "restore": 0.0, "compile": 2.0, "steps": 7.0, "data_wait": 0.5,
-        "checkpoint_save": 0.0, "eval": 0.25, "lost": 0.0,
+        "sample": 0.0, "checkpoint_save": 0.0, "eval": 0.25, "lost": 0.0,
     }  # fmt: skip
     assert first["wall_s"] == pytest.approx(10.75)
     earlier = json.loads(json.dumps([first]))  # as goodput.json holds it

@@ -278,14 +278,21 @@ def _messages(messages: Any) -> list[dict]:
     return out
 
 
-def render(template, messages: list[dict], variables: dict[str, str]) -> tuple[str, list[tuple[int, int]]]:
+def render(
+    template, messages: list[dict], variables: dict[str, str], *, add_generation_prompt: bool = False
+) -> tuple[str, list[tuple[int, int]]]:
     """(rendered text, character spans of the ``{% generation %}`` blocks), as transformers'
-    _render_with_assistant_indices: a block's start is the length of what was yielded before it."""
+    _render_with_assistant_indices: a block's start is the length of what was yielded before it.
+    `add_generation_prompt`: end with the assistant's header (a prompt to sample a reply to)."""
     blocks: list[str] = []
     spans: list[tuple[int, int]] = []
     with template.environment.track_generation(blocks, spans):
         for block in template.generate(
-            **variables, messages=messages, tools=None, documents=None, add_generation_prompt=False
+            **variables,
+            messages=messages,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
         ):
             blocks.append(block)
         return "".join(blocks), spans
@@ -349,11 +356,16 @@ class ChatEncoder:
             raise DataError(f"{self.where}: not a valid Jinja template ({type(e).__name__}: {e})") from e
         self.tokenizer = HFTokenizer(storage.join(self.directory, TOKENIZER))
 
-    def render(self, messages: Any) -> tuple[str, list[tuple[int, int]]]:
-        """(text, the character spans whose tokens the mask marks)."""
+    def render(
+        self, messages: Any, *, add_generation_prompt: bool = False
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """(text, the character spans whose tokens the mask marks); `add_generation_prompt`:
+        the text ends with the assistant's header (GRPO prompts: trainer/rollout.py)."""
         messages = _messages(messages)
         try:
-            text, spans = render(self.template, messages, self.variables)
+            text, spans = render(
+                self.template, messages, self.variables, add_generation_prompt=add_generation_prompt
+            )
         except Exception as e:  # raise_exception's TemplateError, or the template's own errors
             raise DataError(f"{self.where}: rendering failed ({type(e).__name__}: {e})") from e
         return text, (role_spans(text, messages) if self.mask_by_role else spans)

@@ -359,6 +359,8 @@ def _loss_chunk(cfg: Config, p: Placement) -> tuple[int, str]:
     model's logits are not worth the scan."""
     if cfg.train.objective == "dpo":
         return 0, "the plain loss: train.objective=dpo needs each sequence's log-probability"
+    if cfg.train.objective == "grpo":
+        return 0, "the plain loss: train.objective=grpo needs each completion token's log-probability"
     if cfg.model.final_softcap is not None:
         return 0, f"the plain loss: model.final_softcap={cfg.model.final_softcap} (the chunked loss has none)"
     seq, mib = cfg.train.seq_len, logits_mib_per_device(cfg, p.mesh_shape)

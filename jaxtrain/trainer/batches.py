@@ -15,6 +15,8 @@ from jaxtrain.config import Config
 from jaxtrain.sharding.context import permute_batch
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+# train.objective=grpo: the rollout's float fields besides (trainer/grpo.py GRPO_KEYS)
+GRPO_KEYS = ("advantages", "old_logps", "loss_weight", "token_share")
 BATCH_AXES = ("batch", "seq")
 PAIR_AXES = ("batch", None, "seq")  # train.objective=dpo: [pairs, 2, seq]
 
@@ -31,17 +33,17 @@ def rows_axes(x) -> tuple:
 
 def batch_to_device(batch: dict, batch_sharding: NamedSharding) -> dict:
     """This process's numpy rows -> global jax.Arrays sharded on the batch axes."""
-    return {k: jax.make_array_from_process_local_data(batch_sharding, batch[k]) for k in BATCH_KEYS}
+    keys = [k for k in (*BATCH_KEYS, *GRPO_KEYS) if k in batch]
+    return {k: jax.make_array_from_process_local_data(batch_sharding, batch[k]) for k in keys}
 
 
 def abstract_batch(cfg: Config, batch_sharding: NamedSharding) -> dict:
     """ShapeDtypeStructs of one global batch (for AOT compiles)."""
     t = cfg.train
     shape = (t.global_batch_size, 2, t.seq_len) if t.objective == "dpo" else (t.global_batch_size, t.seq_len)
-    dtypes = {"loss_mask": jnp.float32}
-    return {
-        k: jax.ShapeDtypeStruct(shape, dtypes.get(k, jnp.int32), sharding=batch_sharding) for k in BATCH_KEYS
-    }
+    dtypes = {"loss_mask": jnp.float32, **dict.fromkeys(GRPO_KEYS, jnp.float32)}
+    keys = (*BATCH_KEYS, *GRPO_KEYS) if t.objective == "grpo" else BATCH_KEYS
+    return {k: jax.ShapeDtypeStruct(shape, dtypes.get(k, jnp.int32), sharding=batch_sharding) for k in keys}
 
 
 class BatchFeeder:

@@ -56,10 +56,16 @@ def is_dpo(cfg: Config) -> bool:
     return cfg.train.objective == "dpo"
 
 
+def uses_reference(cfg: Config) -> bool:
+    """Whether the step needs the frozen reference model: DPO, and GRPO with a KL penalty
+    (grpo.beta > 0; trainer/grpo.py)."""
+    return is_dpo(cfg) or (cfg.train.objective == "grpo" and cfg.grpo.beta > 0)
+
+
 def holds_reference_copy(cfg: Config) -> bool:
     """Whether the train state keeps a frozen copy of the initial parameters (module
-    docstring): DPO without adapters."""
-    return is_dpo(cfg) and cfg.model.lora is None
+    docstring): a reference without adapters."""
+    return uses_reference(cfg) and cfg.model.lora is None
 
 
 def reference_params(state, params: dict) -> dict:

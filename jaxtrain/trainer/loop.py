@@ -47,6 +47,7 @@ from jax.experimental import multihost_utils
 from jaxtrain import host, sharding
 from jaxtrain.config import Config, to_dict
 from jaxtrain.data import make_data_iterator, make_eval_iterator, storage
+from jaxtrain.data.prompts import PromptIterator
 from jaxtrain.interchange.convert import load_params
 from jaxtrain.interchange.peft import read_adapter
 from jaxtrain.metrics import MetricsWriter
@@ -71,6 +72,7 @@ from jaxtrain.recovery.local import LocalCheckpointer
 from jaxtrain.trainer.batches import BatchFeeder
 from jaxtrain.trainer.evaluate import Evaluator
 from jaxtrain.trainer.program import TrainProgram, build_program, pipeline_schedule
+from jaxtrain.trainer.rollout import RolloutFeeder
 from jaxtrain.trainer.step import TrainState
 
 # Config sections whose change does not affect the numbers of a resumed run.
@@ -240,8 +242,10 @@ def train(cfg: Config, *, devices=None) -> TrainResult:
                     f"nothing to do: the checkpoint is at step {step} >= train.steps={cfg.train.steps}"
                 )
                 return result
+            if isinstance(run.feeder, RolloutFeeder):
+                run.feeder.start(step)
             with clock.phase("data_wait"):
-                batch = run.feeder.next()
+                batch = _next_batch(run, state)
             t0 = time.perf_counter()
             with clock.phase("compile"):
                 step_fn = run.program.step.lower(state, batch[0]).compile()
@@ -266,6 +270,12 @@ def train(cfg: Config, *, devices=None) -> TrainResult:
             run.goodput_file.write(clock, durable=True)
 
 
+def _next_batch(run: _Run, state) -> tuple[dict, int]:
+    """(the next step's device batch, its batch index); train.objective=grpo samples it with
+    `state`'s weights (trainer/rollout.py)."""
+    return run.feeder.next(state) if isinstance(run.feeder, RolloutFeeder) else run.feeder.next()
+
+
 def _loop(run: _Run, result: TrainResult, step_fn, state, step: int, first_batch, preemption: _Preemption):
     """Train steps until `train.steps`, a stop request or a fault stop; returns (state, step).
 
@@ -288,7 +298,7 @@ def _loop(run: _Run, result: TrainResult, step_fn, state, step: int, first_batch
         if step < total:
             t0 = time.perf_counter()
             with clock.phase("data_wait"):
-                batch, batch_index = run.feeder.next()  # overlaps the step
+                batch, batch_index = _next_batch(run, state)  # overlaps the step (grpo: waits for it)
             stragglers.window.data_wait += time.perf_counter() - t0
         stop = preemption.requested(step)  # sync ids = step numbers, as Orbax uses
         save_due = run.save_due(step, stop)
@@ -373,7 +383,7 @@ class _Run:
     cfg: Config
     mesh: jax.sharding.Mesh
     program: TrainProgram
-    feeder: BatchFeeder
+    feeder: BatchFeeder | RolloutFeeder
     writer: MetricsWriter | _ProcessLog
     checkpointer: Checkpointer | None
     monitor: FaultMonitor
@@ -490,7 +500,10 @@ def _setup(cfg: Config, devices, clock: goodput.GoodputClock, notes: tuple[str, 
                 async_save=cfg.checkpoint.async_save,
                 log=writer.log,
             )
-        feeder = BatchFeeder(cfg, data, mesh, program.batch_sharding)
+        if cfg.train.objective == "grpo":
+            feeder = RolloutFeeder(cfg, data, mesh, program, rules, writer.log, clock)
+        else:
+            feeder = BatchFeeder(cfg, data, mesh, program.batch_sharding)
         evaluator = None
         if eval_data is not None:
             evaluator = Evaluator(cfg, eval_data, feeder, program, writer.log)
@@ -539,6 +552,15 @@ def _open_data(cfg: Config):
         process_index=jax.process_index(),
         process_count=jax.process_count(),
     )
+    if cfg.train.objective == "grpo":
+        g = cfg.grpo
+        prompts = PromptIterator(
+            cfg.data,
+            max_prompt_len=g.prompt_len(cfg.train.seq_len),
+            global_batch_size=cfg.train.global_batch_size // g.group_size,
+            seed=cfg.seed,
+        )
+        return prompts, None
     data = make_data_iterator(
         cfg.data,
         global_batch_size=cfg.train.global_batch_size,
@@ -665,8 +687,10 @@ def _metrics_record(
     if pp is not None:
         record["pipeline_bubble"] = pp.bubble
     # Extra scalar metrics of the step (MoE router losses and load; DPO's rewards and accuracy;
-    # the multi-token prediction loss).
-    record.update({k: float(v) for k, v in m.items() if k.startswith(("moe_", "dpo/", "mtp_"))})
+    # GRPO's; the multi-token prediction loss).
+    record.update({k: float(v) for k, v in m.items() if k.startswith(("moe_", "dpo/", "grpo/", "mtp_"))})
+    if isinstance(run.feeder, RolloutFeeder):  # the rollout's rewards, lengths and sampling speed
+        record.update(run.feeder.metrics_for(step))
     if "loss_scale" in m:  # float16: the scale the step ran at; overflow skips, apart from `skipped`
         record["loss_scale"] = float(m["loss_scale"])
         record["loss_scale_skipped"] = int(m["loss_scale_skipped"])
@@ -810,4 +834,4 @@ def _rollback(run: _Run, step: int):
     )
     monitor.after_rollback(restored.meta.get("faults"))
     run.feeder.seek(dict(restored.data_state, batch=resume_batch))
-    return restored.state, restored.step, run.feeder.next()
+    return restored.state, restored.step, _next_batch(run, restored.state)

@@ -25,7 +25,7 @@ from jaxtrain.models import lora
 from jaxtrain.models.fp8 import combine as fp8_combine
 from jaxtrain.models.moe import update_router_bias
 from jaxtrain.recovery.faults import FAULT_NONE, FAULT_NONFINITE, FAULT_SPIKE
-from jaxtrain.trainer import dpo
+from jaxtrain.trainer import dpo, grpo
 from jaxtrain.trainer.batches import rows_axes
 from jaxtrain.trainer.loss import chunked_cross_entropy, cross_entropy
 from jaxtrain.trainer.mtp import mtp_loss, with_prediction_stats
@@ -100,7 +100,7 @@ class StepSpec:
     def reference(self, state: TrainState, params: dict) -> dict | None:
         """The DPO reference parameters on the device (trainer/dpo.py `reference_params`), or
         None for the LM objective."""
-        if not dpo.is_dpo(self.cfg):
+        if not dpo.uses_reference(self.cfg):
             return None
         if self.offload.params and state.reference is not None:  # kept where the params are
             moved = self.offload.to_device(state.reference, self.offload.param_shardings)
@@ -113,6 +113,11 @@ class StepSpec:
         (their segment_ids are all 1), so the model gets no segment_ids: the attention
         kernels then skip the segment mask, and cuDNN's needs no run-time check."""
         return self.cfg.data.source != "synthetic"
+
+
+#: Metrics summed over microbatches (the others are means over them): DPO's sums over pairs
+#: (divided by the counted pairs at the end), GRPO's token means already weighted.
+SUMMED_METRICS = (*dpo.METRICS, *grpo.METRICS)
 
 
 class Gradients(NamedTuple):
@@ -198,7 +203,9 @@ def objective(
     count-weighted means over microbatches; times `scale` under loss scaling. `dropout_key`:
     model.lora's adapter dropout, or None."""
     model = models.merge(spec.graphdef, spec.abstract_params, params)
-    if ref_logps is not None:
+    if grpo.is_grpo(spec.cfg):
+        total, count, stats = grpo.completion_loss(spec, model, micro, fp8, ref_logps, dropout_key)
+    elif ref_logps is not None:
         total, count, stats = dpo.pair_loss(spec, model, micro, fp8, ref_logps, dropout_key)
     else:
         total, count, stats = model_loss(model, micro, fp8, spec, dropout_key, predict_ahead=True)
@@ -209,7 +216,7 @@ def objective(
             moe.aux_loss_weight * stats["moe_aux_loss"] + moe.z_loss_weight * stats["moe_z_loss"]
         )
     else:
-        stats = {k: v for k, v in stats.items() if k in dpo.METRICS or k == "mtp_loss"}
+        stats = {k: v for k, v in stats.items() if k in SUMMED_METRICS or k == "mtp_loss"}
     if "mtp_loss" in stats:
         value = value + count * mtp.loss_weight * stats["mtp_loss"]
     return (value if scale is None else value * scale), (total, count, stats)
@@ -235,7 +242,10 @@ def micro_gradients(
     gradient of a base weight is formed. `dropout_key`: the adapters' dropout, or None.
     `reference` (train.objective=dpo): the reference parameters, whose log-probabilities are
     computed first, outside the differentiated function."""
-    ref_logps = None if reference is None else dpo.reference_logps(spec, reference, micro, fp8)
+    ref_logps = None
+    if reference is not None:
+        ref_of = grpo.reference_logps if grpo.is_grpo(spec.cfg) else dpo.reference_logps
+        ref_logps = ref_of(spec, reference, micro, fp8)
     loss = lambda p, meta: objective(
         spec, whole_params(p, frozen), micro, meta, scale, dropout_key, ref_logps
     )
@@ -285,7 +295,7 @@ def _accumulated(
             acc_total + total,
             acc_count + count,
             jax.tree.map(jnp.add, acc_grads, grads),
-            {k: acc_stats[k] + (s if k in dpo.METRICS else s / n) for k, s in stats.items()},
+            {k: acc_stats[k] + (s if k in SUMMED_METRICS else s / n) for k, s in stats.items()},
             None if fp8 is None else fp8_combine(acc_fp8, new_fp8),
         ), None
 
@@ -321,7 +331,10 @@ def batch_gradients(
     model.lora's base and adapter dropout (`micro_gradients`); `reference`: the DPO
     reference parameters (train.objective=dpo), else None."""
     per_unit = None
-    if scale is not None:  # the objective is a sum over tokens (pairs): scale / their number
+    normalised = grpo.is_grpo(spec.cfg)  # grpo: the objective is already the batch's mean loss
+    if scale is not None and normalised:
+        per_unit = scale
+    elif scale is not None:  # the objective is a sum over tokens (pairs): scale / their number
         counted = (
             jnp.sum(batch["loss_mask"].astype(jnp.float32))
             if reference is None
@@ -334,10 +347,11 @@ def batch_gradients(
     else:
         total, count, grads, stats, new_fp8 = _accumulated(*args)
     denom = jnp.maximum(count, 1.0)
-    grad_denom = denom if scale is None else scale
+    loss_denom = 1.0 if normalised else denom
+    grad_denom = loss_denom if scale is None else scale
     grads = jax.tree.map(lambda g, p: (g / grad_denom).astype(p.dtype), grads, params)
     stats = {k: v / denom if k in dpo.METRICS else v for k, v in stats.items()}
-    return Gradients(total / denom, count, grads, stats, new_fp8)
+    return Gradients(total / loss_denom, count, grads, stats, new_fp8)
 
 
 # --- the update and its guard -----------------------------------------------------------------
@@ -484,7 +498,7 @@ def loss_and_grads(spec: StepSpec, params: dict, batch: dict):
     without fp8, which has no state here; train.objective=dpo: at the reference point, the
     reference being `params` themselves). `params`: the whole tree; with model.lora the
     gradients are the adapters' alone."""
-    reference = params if dpo.is_dpo(spec.cfg) else None
+    reference = params if dpo.uses_reference(spec.cfg) else None
     if spec.cfg.model.lora is None:
         return batch_gradients(spec, params, batch, reference=reference)[:3]
     base, adapters = lora.split(params)
