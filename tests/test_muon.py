@@ -31,7 +31,7 @@ from jaxtrain.trainer.batches import batch_to_device
 from jaxtrain.trainer.loop import initial_state
 from jaxtrain.trainer.optimizer import muon_labels
 from jaxtrain.trainer.program import build_program
-from tests.conftest import replace, tiny_config
+from tests.conftest import program_on_mesh, replace, tiny_config
 
 ASSETS = Path(__file__).parent / "assets" / "muon"
 EXPECTED = json.loads((ASSETS / "expected.json").read_text())
@@ -270,3 +270,62 @@ def test_defaults_are_the_issues():
         "weight_decay": None,
         "ns_dtype": "float32",
     }
+
+
+# --- every mesh the step runs on: the single-device run is the oracle ---------------------------
+
+MESH_STEPS = 3
+
+
+def moe_config(*overrides):
+    """A small MoE model (4 experts of 32, top-2: each expert's gate, up and down its own Muon
+    matrix) with Muon. No router losses: a pipeline computes them per microbatch, which is
+    another objective than the whole batch's."""
+    return tiny_config(
+        None,
+        "model.d_model=32",
+        "model.mlp_dim=64",
+        "model.vocab_size=64",
+        "model.moe={num_experts: 4, top_k: 2, expert_mlp_dim: 32, aux_loss_weight: 0, z_loss_weight: 0}",
+        "train.seq_len=16",
+        "train.global_batch_size=8",
+        "train.loss_chunk=0",
+        "optimizer.name=muon",
+        "optimizer.warmup_steps=0",
+        *overrides,
+    )
+
+
+def mesh_run(cfg):
+    """Losses and final params of MESH_STEPS steps on cfg's mesh (synthetic data)."""
+    with program_on_mesh(cfg) as (program, state, data):
+        losses = []
+        for _ in range(MESH_STEPS):
+            state, metrics = program.step(state, batch_to_device(next(data), program.batch_sharding))
+            losses.append(float(metrics["loss"]))
+        return losses, jax.device_get(state.params)
+
+
+@pytest.fixture(scope="module")
+def one_device_run():
+    return mesh_run(moe_config())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # experts and heads split over devices, the state also over data (ZeRO-1)
+        ("mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "optimizer.shard_state=true"),
+        # the layers over pipeline stages, FSDP inside, master weights and state on the host
+        ("mesh.stage=2", "mesh.fsdp=2", "optimizer.offload=true", "optimizer.offload_params=true"),
+    ],
+    ids=["data-expert-tensor-zero1", "stage-fsdp-offload"],
+)
+def test_muon_on_expert_pipeline_zero1_and_offload_meshes_equals_one_device(one_device_run, overrides):
+    # f32, 3 steps: sharded reductions change summation orders only
+    want_losses, want = one_device_run
+    losses, got = mesh_run(moe_config(*overrides))
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
