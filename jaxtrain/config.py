@@ -562,6 +562,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if cfg.data.source == "text" and not cfg.data.paths:
         raise ConfigError("data.paths=[]: data.source=text needs at least one file or glob")
     _validate_optimizer(cfg.optimizer)
+    _validate_qk_clip(cfg)
     if cfg.logging.every < 1:
         raise ConfigError(f"logging.every={cfg.logging.every}: expected a positive integer")
     _validate_fault_tolerance(cfg)
@@ -752,6 +753,27 @@ def _validate_optimizer(o: OptimizerConfig) -> None:
     if o.qk_clip.tau is not None and not (math.isfinite(o.qk_clip.tau) and o.qk_clip.tau > 0):
         raise ConfigError(f"optimizer.qk_clip.tau={o.qk_clip.tau}: expected a positive number or null")
     _validate_muon(o.muon)
+
+
+def _validate_qk_clip(cfg: Config) -> None:
+    tau, m = cfg.optimizer.qk_clip.tau, cfg.model
+    if tau is None:
+        return
+    if m.lora is not None:
+        raise ConfigError(
+            f"optimizer.qk_clip.tau={tau} with model.lora: the query and key weights are frozen; "
+            "expected optimizer.qk_clip.tau=null"
+        )
+    if m.qk_norm != "none":
+        raise ConfigError(
+            f"optimizer.qk_clip.tau={tau} with model.qk_norm={m.qk_norm!r}: the norm undoes a scaled "
+            "query or key weight; expected optimizer.qk_clip.tau=null or model.qk_norm=none"
+        )
+    if cfg.train.objective != "lm":
+        raise ConfigError(
+            f"optimizer.qk_clip.tau={tau} with train.objective={cfg.train.objective!r}: QK-clip "
+            "records the logits of the LM objective's forward pass; expected train.objective=lm"
+        )
 
 
 def _validate_muon(m: MuonConfig) -> None:
