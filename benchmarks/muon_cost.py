@@ -19,6 +19,7 @@ figures) and prints the figures.
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import math
@@ -89,7 +90,11 @@ def compiled_memory(config: str, name: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    config = next((a for a in argv if not a.startswith("--")), "configs/gpu-peer.yaml")
+    parser = argparse.ArgumentParser(description="Newton-Schulz FLOPs and bytes per step, deviceless")
+    parser.add_argument("config", nargs="?", default="configs/gpu-peer.yaml")
+    parser.add_argument("--compile", action="store_true", help="also compile the step for one H100")
+    args = parser.parse_args(argv)
+    config = args.config
     cfg = load_config(REPO / config, ["optimizer.name=muon"])
     m_cfg = cfg.optimizer.muon
     mats = hidden_matrices(cfg)
@@ -113,7 +118,7 @@ def main(argv: list[str]) -> int:
         "state_bytes_adamw_f32": 2 * 4 * cfg.model.param_count(),
         "state_bytes_muon_f32": 4 * (2 * cfg.model.param_count() - muon_params),
     }
-    if "--compile" in argv:
+    if args.compile:
         figures["h100_compiled_memory"] = {name: compiled_memory(config, name) for name in ("adamw", "muon")}
     print(json.dumps(figures, indent=2))
     write_result(figures, argv)
