@@ -133,6 +133,36 @@ def test_a_step_clips_the_heads_the_forward_pass_found_over_tau(overrides):
         np.testing.assert_array_equal(a, b)
 
 
+def test_the_cli_logs_the_largest_logit(tmp_path):
+    """`jaxtrain train ... optimizer.qk_clip.tau=...` writes attention/max_logit every step."""
+    import json
+    import os
+
+    from jaxtrain.cli import main
+    from tests.conftest import REPO
+
+    code = main(
+        [
+            "train",
+            os.path.join(REPO, "configs", "tiny.yaml"),
+            f"output_dir={tmp_path}",
+            "train.steps=2",
+            "mesh.data=8",  # the test process's 8 devices
+            "model.d_model=32",
+            "model.mlp_dim=64",
+            "train.seq_len=16",
+            "optimizer.name=muon",
+            "optimizer.qk_clip.tau=0.5",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+        ]
+    )
+    assert code in (0, None)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logits = [r["attention/max_logit"] for r in records if "loss" in r]
+    assert len(logits) == 2 and all(x > 0 for x in logits), records
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

@@ -618,8 +618,9 @@ def _metrics_record(run: _Run, step: int, m: dict, step_time: float, blocked: fl
     pp = pipeline_schedule(run.cfg)
     if pp is not None:
         record["pipeline_bubble"] = pp.bubble
-    # Extra scalar metrics of the step (MoE router losses and load; DPO's rewards and accuracy).
-    record.update({k: float(v) for k, v in m.items() if k.startswith(("moe_", "dpo/"))})
+    # Extra scalar metrics of the step (MoE router losses and load; DPO's rewards and accuracy;
+    # QK-clip's attention/max_logit).
+    record.update({k: float(v) for k, v in m.items() if k.startswith(("moe_", "dpo/", "attention/"))})
     if "loss_scale" in m:  # float16: the scale the step ran at; overflow skips, apart from `skipped`
         record["loss_scale"] = float(m["loss_scale"])
         record["loss_scale_skipped"] = int(m["loss_scale_skipped"])
