@@ -145,8 +145,48 @@ class LossScaleConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MuonConfig:
+    """Muon (optimizer.name=muon; jaxtrain/trainer/muon.py), as torch.optim.Muon computes it,
+    for the hidden weight matrices, each taken in Hugging Face's [out, in] shape: the
+    momentum buffer an average (buf = momentum x buf + (1 - momentum) x g), the update
+    orthogonalised by `ns_steps` Newton-Schulz iterations in `ns_dtype`, weight decay
+    1 - lr x weight_decay, the step scaled by the adjusted lr."""
+
+    momentum: float = 0.95  # the momentum buffer's decay
+    nesterov: bool = True  # the update (1 - momentum) x g + momentum x buf; false: buf
+    ns_steps: int = 5  # Newton-Schulz iterations
+    ns_coefficients: tuple[float, ...] = (3.4445, -4.775, 2.0315)  # (a, b, c) of the quintic
+    eps: float = 1e-7  # floor of the Frobenius norm the update is divided by first
+    # the lr of a [out, in] matrix: match_rms_adamw 0.2 x sqrt(max(out, in)) x lr (Moonshot's,
+    # so AdamW's lr and weight decay carry over); original sqrt(max(1, out / in)) x lr (Keller's)
+    adjust_lr: str = "match_rms_adamw"
+    lr: float | None = None  # peak lr (on optimizer.lr's schedule); null: optimizer.lr
+    weight_decay: float | None = None  # null: optimizer.weight_decay
+    ns_dtype: str = "float32"  # float32 | bfloat16 (torch's own)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QKClipConfig:
+    """QK-clip (Kimi K2's MuonClip; jaxtrain/trainer/qk_clip.py): after each update, every
+    attention head whose largest pre-softmax logit in the step exceeded `tau` has its query
+    and key weights scaled down by g = tau / max_logit (sqrt(g) on each; with grouped KV
+    heads, g on the query head alone)."""
+
+    tau: float | None = None  # null: off
+
+
+OPTIMIZERS = ("adamw", "muon")  # optimizer.name
+MUON_ADJUST_LR = ("match_rms_adamw", "original")  # optimizer.muon.adjust_lr
+STATE_DTYPES = ("float32", "bfloat16")  # optimizer.state_dtype, optimizer.muon.ns_dtype
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`."""
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`; with name muon,
+    Muon for the hidden weight matrices and this AdamW for the rest (embeddings, LM head,
+    norm scales, biases, routers), on the same schedule."""
+
+    name: str = "adamw"  # adamw | muon
 
     lr: float = 3e-3  # peak learning rate
     warmup_steps: int = 5  # linear warmup from 0 to lr
@@ -165,6 +205,11 @@ class OptimizerConfig:
     # largest dimension data divides); parameters and gradients stay as the rules place them.
     shard_state: bool = False
     loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)  # float16 only
+    # the dtype of Adam's moments and Muon's momentum (the update is computed in float32 either
+    # way); null: the master weights' (model.param_dtype)
+    state_dtype: str | None = None
+    muon: MuonConfig = dataclasses.field(default_factory=MuonConfig)  # name muon
+    qk_clip: QKClipConfig = dataclasses.field(default_factory=QKClipConfig)
 
 
 PACKINGS = ("by_directory", "windows", "documents")  # data.packing
@@ -559,6 +604,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if cfg.data.source == "text" and not cfg.data.paths:
         raise ConfigError("data.paths=[]: data.source=text needs at least one file or glob")
     _validate_optimizer(cfg.optimizer)
+    _validate_qk_clip(cfg)
     if cfg.logging.every < 1:
         raise ConfigError(f"logging.every={cfg.logging.every}: expected a positive integer")
     _validate_fault_tolerance(cfg)
@@ -849,6 +895,68 @@ def _validate_optimizer(o: OptimizerConfig) -> None:
         raise ConfigError(f"optimizer.clip_norm={o.clip_norm}: expected a positive number or null")
     if not 0 <= o.min_lr_ratio <= 1:
         raise ConfigError(f"optimizer.min_lr_ratio={o.min_lr_ratio}: expected a value in [0, 1]")
+    if o.name not in OPTIMIZERS:
+        raise ConfigError(f"optimizer.name={o.name!r}: expected one of {', '.join(OPTIMIZERS)}")
+    if o.state_dtype is not None and o.state_dtype not in STATE_DTYPES:
+        raise ConfigError(
+            f"optimizer.state_dtype={o.state_dtype!r}: expected null or one of {', '.join(STATE_DTYPES)}"
+        )
+    if o.qk_clip.tau is not None and not (math.isfinite(o.qk_clip.tau) and o.qk_clip.tau > 0):
+        raise ConfigError(f"optimizer.qk_clip.tau={o.qk_clip.tau}: expected a positive number or null")
+    _validate_muon(o.muon)
+
+
+def _validate_qk_clip(cfg: Config) -> None:
+    tau, m = cfg.optimizer.qk_clip.tau, cfg.model
+    if tau is None:
+        return
+    if m.lora is not None:
+        raise ConfigError(
+            f"optimizer.qk_clip.tau={tau} with model.lora: the query and key weights are frozen; "
+            "expected optimizer.qk_clip.tau=null"
+        )
+    if m.qk_norm != "none":
+        raise ConfigError(
+            f"optimizer.qk_clip.tau={tau} with model.qk_norm={m.qk_norm!r}: the norm undoes a scaled "
+            "query or key weight; expected optimizer.qk_clip.tau=null or model.qk_norm=none"
+        )
+    for key, on in (("model.mla", m.mla is not None), ("model.mtp", m.mtp is not None)):
+        if on:  # latent attention's clip (Kimi K2's split of the heads' parts) is not written yet
+            raise ConfigError(
+                f"optimizer.qk_clip.tau={tau} with {key}: QK-clip clips multi-head and GQA attention "
+                f"layers only, not yet latent attention or prediction modules; expected "
+                f"optimizer.qk_clip.tau=null or {key}=null"
+            )
+    if cfg.train.objective != "lm":
+        raise ConfigError(
+            f"optimizer.qk_clip.tau={tau} with train.objective={cfg.train.objective!r}: QK-clip "
+            "records the logits of the LM objective's forward pass; expected train.objective=lm"
+        )
+
+
+def _validate_muon(m: MuonConfig) -> None:
+    if not 0 <= m.momentum < 1:
+        raise ConfigError(f"optimizer.muon.momentum={m.momentum}: expected a value in [0, 1)")
+    if not 1 <= m.ns_steps < 100:
+        raise ConfigError(f"optimizer.muon.ns_steps={m.ns_steps}: expected an integer in [1, 100)")
+    if len(m.ns_coefficients) != 3:
+        raise ConfigError(
+            f"optimizer.muon.ns_coefficients={list(m.ns_coefficients)}: expected three numbers (a, b, c)"
+        )
+    if not m.eps > 0:
+        raise ConfigError(f"optimizer.muon.eps={m.eps}: expected a positive number")
+    if m.adjust_lr not in MUON_ADJUST_LR:
+        raise ConfigError(
+            f"optimizer.muon.adjust_lr={m.adjust_lr!r}: expected one of {', '.join(MUON_ADJUST_LR)}"
+        )
+    if m.lr is not None and not m.lr > 0:
+        raise ConfigError(f"optimizer.muon.lr={m.lr}: expected a positive number or null")
+    if m.weight_decay is not None and m.weight_decay < 0:
+        raise ConfigError(f"optimizer.muon.weight_decay={m.weight_decay}: expected >= 0 or null")
+    if m.ns_dtype not in STATE_DTYPES:
+        raise ConfigError(
+            f"optimizer.muon.ns_dtype={m.ns_dtype!r}: expected one of {', '.join(STATE_DTYPES)}"
+        )
 
 
 def _validate_eval(cfg: Config) -> None:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.models import cpu_tuning, lora
+from jaxtrain.models import cpu_tuning, logit_stats, lora
 from jaxtrain.models import fp8 as fp8_ops
 from jaxtrain.models.attention import attend
 from jaxtrain.models.config import ModelConfig
@@ -220,6 +220,10 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, segment_ids, fp8=None):
         cfg = self.cfg
         q, k, v = self.project(x, positions, fp8)
+        if logit_stats.enabled():  # QK-clip (optimizer.qk_clip): each head's largest logit
+            scale = cfg.attention_scale if cfg.attention_scale is not None else cfg.resolved_head_dim**-0.5
+            stats = logit_stats.max_logits(q, k, scale=scale, segment_ids=segment_ids, window=self.window)
+            logit_stats.record(self, stats)
         # only when set, so that the attention paths without sinks see the call they know
         sinks = {"sinks": self.sinks[...]} if cfg.attention_sinks else {}
         out = attend(

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain.models import cpu_tuning, layer_scan, lora, mtp
+from jaxtrain.models import cpu_tuning, layer_scan, logit_stats, lora, mtp
 from jaxtrain.models.config import MATMUL_NAMES, REMAT_KEPT_NAMES, ModelConfig
 from jaxtrain.models.layers import REGION_INPUT_AXES, RESIDUAL_AXES, Block, PatternGroup, RMSNorm, param
 from jaxtrain.models.masks import softcapped
@@ -104,7 +104,9 @@ class Transformer(nnx.Module):
         `return_aux=True` returns (logits, aux): for MoE models the router losses and
         load statistics averaged over MoE layers (`moe_aux_loss`, `moe_z_loss`,
         `moe_dropped_fraction`, `moe_max_load`; max over layers for the latter) and
-        `moe_expert_load` [moe layers, experts]; {} for dense models.
+        `moe_expert_load` [moe layers, experts]; {} for dense models. Inside
+        `logit_stats.recording()` also `attention_max_logit`: {stack: {attention module's path
+        in a layer: [layers, heads]}}, each head's largest pre-softmax logit (models/logit_stats.py).
         `fp8` (model.fp8): the fp8 state (models/fp8.py `model_meta`; in training, the
         train state's); None: every matmul in the compute dtype.
         `pipeline` (mesh.stage > 1): run each layer stack as that pipeline schedule
@@ -156,9 +158,11 @@ class Transformer(nnx.Module):
             keys = None if key is None else jax.random.split(key, n)  # one per scanned layer
 
             def layer(state, meta, x, positions, segment_ids, key=None):
-                with lora.dropout_keys(key):
-                    out = nnx.merge(graphdef, state)(x, positions, segment_ids, meta)
-                return out if isinstance(out, tuple) else (out, None)
+                module = nnx.merge(graphdef, state)
+                with lora.dropout_keys(key), logit_stats.collecting() as seen:
+                    out = module(x, positions, segment_ids, meta)
+                out, stats = out if isinstance(out, tuple) else (out, None)
+                return out, logit_stats.layer_output(stats, seen, module)
 
             if remat_policy(cfg) is not None:
                 # Inside a scan XLA cannot CSE the recompute away, and prevent_cse=True would
@@ -191,11 +195,24 @@ class Transformer(nnx.Module):
             raise ValueError("pipeline: LoRA dropout is not supported inside a pipeline")
         meta = fp8 or {}
         aux = {}
+        max_logits = {}  # logit_stats.recording(): per stack, {attention path: [layers, heads]}
+
+        def take_max_logits(stack: str, stats):
+            if stats is None or logit_stats.KEY not in stats:
+                return stats
+            stats = dict(stats)
+            found = stats.pop(logit_stats.KEY)
+            # pipelines give [layers, microbatches, heads]: the largest over the microbatches
+            max_logits[stack] = jax.tree.map(lambda v: v if pipeline is None else jnp.max(v, axis=1), found)
+            return stats
+
         stack_keys = (None, None) if lora_key is None else tuple(jax.random.split(lora_key))
         if hasattr(self, "blocks"):
-            x, _ = run(self.blocks, x, meta.get("blocks"), stack_keys[0])
+            x, stats = run(self.blocks, x, meta.get("blocks"), stack_keys[0])
+            take_max_logits("blocks", stats)
         if cfg.moe is not None:
             x, stats = run(self.moe_blocks, x, meta.get("moe_blocks"), stack_keys[1])
+            stats = take_max_logits("moe_blocks", stats)
             if cfg.attention_pattern:  # [groups, layers per group, ...] -> [layers, ...]
                 stats = jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), stats)
             if pipeline is None:
@@ -208,6 +225,8 @@ class Transformer(nnx.Module):
                 if k != "expert_load"
             }
             aux["moe_expert_load"] = jnp.mean(stats["expert_load"], axis=1)
+        if max_logits:
+            aux[logit_stats.KEY] = max_logits
         return (self.final_norm(x) if normed else x), aux
 
     def predict_ahead(

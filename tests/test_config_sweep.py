@@ -60,10 +60,24 @@ COMBOS = {
         "train.microbatches=2",
         "eval.batch_size=8",
     ),
+    "muon+qk_clip+bf16_state+pipeline": (
+        "optimizer.name=muon",
+        "optimizer.qk_clip.tau=0.5",
+        "optimizer.state_dtype=bfloat16",
+        "mesh.stage=2",
+        "mesh.fsdp=2",
+        "eval.batch_size=8",
+    ),
 }
 MOE_COMBOS = {
     "moe-expert+eval": ("mesh.expert=2", "mesh.fsdp=2", "eval.batch_size=4"),
     "moe-expert+pipeline": ("mesh.expert=2", "mesh.stage=2", "model.n_layers=4"),
+    "moe-muon+qk_clip+microbatches": (
+        "mesh.expert=2",
+        "optimizer.name=muon",
+        "optimizer.qk_clip.tau=0.5",
+        "train.microbatches=2",
+    ),
 }
 
 

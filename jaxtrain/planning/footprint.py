@@ -7,9 +7,10 @@ compiling, starting the progress bar and dying allocating tens of GiB (or leavin
 empty run folder behind).
 
 It is deliberately a LOWER bound, so it never refuses a config that fits. Per device:
-- state: parameters, gradients and the two AdamW moments (with model.lora, the adapters'
+- state: parameters, gradients and the optimizer's state (`moment_bytes`: AdamW's two moments,
+  Muon's one momentum for its matrices, in optimizer.state_dtype; with model.lora, the adapters'
   alone: the frozen base holds only its weights; not with optimizer.offload, which
-  keeps them in host memory), in the parameter dtype, sharded over the axes that shard
+  keeps them in host memory), the first two in the parameter dtype, sharded over the axes that shard
   parameters (fsdp x tensor x expert), the moments also over data with
   optimizer.shard_state (ZeRO-1), the layers' parameters also over pipeline stages
   (mesh.stage); optimizer.offload_params still counts the parameters, which the step brings
@@ -70,6 +71,32 @@ def _moment_shards(cfg: Config, size) -> int:
     return size("data") if cfg.optimizer.shard_state else 1
 
 
+def muon_param_count(m) -> int:
+    """Parameters optimizer.name=muon gives to Muon (trainer/muon.py: the attention and MLP
+    matrices of every layer, each expert's included); none with model.lora, whose adapters
+    AdamW trains."""
+    if m.lora is not None:
+        return 0
+    d = m.d_model
+    n_moe, per_moe_layer = 0, 0
+    if m.moe is not None:
+        n_moe = m.moe.num_moe_layers(m)
+        per_moe_layer = 3 * d * m.moe.mlp_dim(m) * (m.moe.num_experts + m.moe.num_shared_experts)
+    attention = d * m.resolved_head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
+    return m.n_layers * attention + (m.n_layers - n_moe) * 3 * d * m.mlp_dim + n_moe * per_moe_layer
+
+
+def moment_bytes(cfg: Config) -> float:
+    """Optimizer-state bytes per trained parameter, on average over them: AdamW's two moments,
+    or with optimizer.name=muon one momentum for Muon's matrices and two moments for the rest,
+    in optimizer.state_dtype (null: the parameter dtype)."""
+    m, o = cfg.model, cfg.optimizer
+    s = DTYPE_BYTES.get(o.state_dtype or m.param_dtype, 4)
+    if o.name != "muon":
+        return 2 * s
+    return s * (2 - muon_param_count(m) / m.param_count())
+
+
 def sequences_per_row(cfg: Config) -> int:
     """Sequences the model runs per batch row: 2 for DPO's pairs (chosen, rejected), else 1."""
     return 2 if cfg.train.objective == "dpo" else 1
@@ -113,7 +140,8 @@ def lower_bound(cfg: Config, mesh_sizes: dict[str, int]) -> Footprint:
     # parameters and gradients (clipping needs all of them before the update), then the two
     # moments unless offload keeps them on the host (ZeRO-1, optimizer.shard_state: split over
     # data too); pipeline stages split the layers' parameters (not the embedding and head)
-    per_param = (2 + reference_copies(cfg)) * p + (0 if o.offload else 2 * p / _moment_shards(cfg, size))
+    moments = 0 if o.offload else moment_bytes(cfg) / _moment_shards(cfg, size)
+    per_param = (2 + reference_copies(cfg)) * p + moments
     stack = layer_stack_params(m)
     params = stack // size("stage") + m.param_count() - stack
     state = int(per_param * params * lora_share(m, per_param, p)) // size("fsdp", "tensor", "expert")
@@ -188,7 +216,9 @@ def _gib(n: int) -> str:
 #
 # Per device, T = tokens of one microbatch on one device = rows x seq_len / context,
 # a = compute-dtype bytes, p = param-dtype bytes, P = parameters, shards = fsdp x tensor x expert:
-#   state        = P x (2p + 2p / data_zero1) / shards   params + gradients + Adam m, v
+#   state        = P x (2p + s / data_zero1) / shards   params + gradients + optimizer state
+#                  (s = moment_bytes: Adam's m, v, or Muon's momentum for its matrices, in
+#                  optimizer.state_dtype)
 #                  (MoE: the routed experts' parameters over shards, the rest over fsdp x tensor)
 #                  (data_zero1: mesh data with optimizer.shard_state (ZeRO-1), else 1)
 #                  (+ P x 4 / shards for the gradient accumulator when microbatches > 1)
@@ -416,7 +446,7 @@ def estimate(cfg: Config, mesh_sizes: dict[str, int], platform: str | None = Non
     size = mesh_product(mesh_sizes)
     stages = size("stage")
     p = DTYPE_BYTES.get(m.param_dtype, 4)
-    per_param = (2 + reference_copies(cfg)) * p + 2 * p / _moment_shards(cfg, size)
+    per_param = (2 + reference_copies(cfg)) * p + moment_bytes(cfg) / _moment_shards(cfg, size)
     per_param += 4 if t.microbatches > 1 else 0
     stack, experts = layer_stack_params(m), expert_params(m)
     # the routed experts shard over expert too; every other parameter only over fsdp x tensor

@@ -9,6 +9,7 @@ import re
 
 from jaxtrain.config import Config
 from jaxtrain.models.config import DTYPE_BYTES
+from jaxtrain.planning.footprint import moment_bytes
 from jaxtrain.sharding.collectives import match_op
 
 GiB = 1024**3
@@ -71,9 +72,9 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
 
 
 def state_bytes_per_device(cfg: Config, num_devices: int) -> float:
-    """Parameters + AdamW moments per device when fully sharded (the floor no mesh beats)."""
+    """Parameters + optimizer state per device when fully sharded (the floor no mesh beats)."""
     param_bytes = DTYPE_BYTES[cfg.model.param_dtype]
-    return cfg.model.param_count() * (param_bytes + 2 * param_bytes) / num_devices
+    return cfg.model.param_count() * (param_bytes + moment_bytes(cfg)) / num_devices
 
 
 def suggestions(cfg: Config, report: dict) -> list[str]:

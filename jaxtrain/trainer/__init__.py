@@ -4,7 +4,10 @@
     program.py    build_program(cfg, mesh): where the state lives, the jitted functions
     step.py       train_step: forward and loss, gradients over microbatches, update, guard
     loss.py       cross-entropy, plain and chunked
-    optimizer.py  AdamW, the schedule, the weight-decay mask
+    optimizer.py  the optimizer from config: clipping, AdamW (or Muon and AdamW), the
+                  schedule, the weight-decay mask, the state dtype
+    muon.py       Muon (torch.optim.Muon's update) on the hidden matrices, as HF's matrices
+    qk_clip.py    QK-clip: heads over optimizer.qk_clip.tau scaled after the update
     precision.py  dynamic loss scaling (float16)
     batches.py    host rows -> global device batches
     evaluate.py   held-out eval

@@ -687,8 +687,10 @@ def _metrics_record(
     if pp is not None:
         record["pipeline_bubble"] = pp.bubble
     # Extra scalar metrics of the step (MoE router losses and load; DPO's rewards and accuracy;
-    # GRPO's; the multi-token prediction loss).
-    record.update({k: float(v) for k, v in m.items() if k.startswith(("moe_", "dpo/", "grpo/", "mtp_"))})
+    # GRPO's; the multi-token prediction loss; QK-clip's attention/max_logit).
+    record.update(
+        {k: float(v) for k, v in m.items() if k.startswith(("moe_", "dpo/", "grpo/", "mtp_", "attention/"))}
+    )
     if isinstance(run.feeder, RolloutFeeder):  # the rollout's rewards, lengths and sampling speed
         record.update(run.feeder.metrics_for(step))
     if "loss_scale" in m:  # float16: the scale the step ran at; overflow skips, apart from `skipped`

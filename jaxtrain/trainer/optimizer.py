@@ -1,15 +1,20 @@
-"""AdamW (Optax) with warmup + cosine decay, global-norm clipping, and weight
-decay by parameter role (`decays`): matmul weights and embeddings decay; norm
-scales and biases never do, whether stacked on a `layers` axis or not."""
+"""The optimizer from config: global-norm clipping over every gradient, then AdamW (Optax)
+with warmup + cosine decay and weight decay by parameter role (`decays`): matmul weights
+and embeddings decay; norm scales and biases never do, whether stacked on a `layers` axis
+or not. With `optimizer.name: muon`, the hidden weight matrices (trainer/muon.py
+`matrix_view`) go to Muon instead, on the same schedule; the rest stays AdamW's.
+`optimizer.state_dtype` sets the dtype Adam's moments and Muon's momentum are stored in."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxtrain.config import OptimizerConfig
+from jaxtrain.trainer import muon
 
 #: Logical axes of matmul weights and embeddings (models/layers.py, models/moe.py).
 WEIGHT_AXES = frozenset(
@@ -66,20 +71,92 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
     )
 
 
+def muon_labels(param_axes: dict) -> dict:
+    """Nested dict of "muon" / "adamw" (the structure of `param_axes`): which optimizer
+    updates each parameter with optimizer.name muon."""
+    return jax.tree.map(
+        lambda axes: "muon" if muon.is_muon_param(axes) else "adamw",
+        param_axes,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def scale_by_adam_stored(b1: float, b2: float, eps: float, state_dtype) -> optax.GradientTransformation:
+    """optax.scale_by_adam with its moments stored in `state_dtype`: each update reads them in
+    float32, computes as optax does, and stores them back rounded (optimizer.state_dtype)."""
+
+    def init(params):
+        zeros = lambda p: jnp.zeros(p.shape, state_dtype)
+        return optax.ScaleByAdamState(
+            count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params), nu=jax.tree.map(zeros, params)
+        )
+
+    def update(updates, state, params=None):
+        del params
+        count = optax.safe_increment(state.count)
+        f32 = lambda x: x.astype(jnp.float32)
+        mu = jax.tree.map(lambda g, m: (1 - b1) * f32(g) + b1 * f32(m), updates, state.mu)
+        nu = jax.tree.map(lambda g, v: (1 - b2) * jnp.square(f32(g)) + b2 * f32(v), updates, state.nu)
+        c1 = 1 - b1 ** count.astype(jnp.float32)
+        c2 = 1 - b2 ** count.astype(jnp.float32)
+        new = jax.tree.map(
+            lambda g, m, v: ((m / c1) / (jnp.sqrt(v / c2) + eps)).astype(g.dtype), updates, mu, nu
+        )
+        store = lambda t: jax.tree.map(lambda x: x.astype(state_dtype), t)
+        return new, optax.ScaleByAdamState(count=count, mu=store(mu), nu=store(nu))
+
+    return optax.GradientTransformation(init, update)
+
+
+def adamw(cfg: OptimizerConfig, schedule: optax.Schedule, mask) -> optax.GradientTransformation:
+    """AdamW with decoupled weight decay where `mask`; moments in optimizer.state_dtype (null:
+    optax.adamw itself, the moments in the parameters' dtype)."""
+    if cfg.state_dtype is None:
+        return optax.adamw(
+            schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask
+        )
+    return optax.chain(
+        scale_by_adam_stored(cfg.b1, cfg.b2, cfg.eps, jnp.dtype(cfg.state_dtype)),
+        optax.add_decayed_weights(cfg.weight_decay, mask),
+        optax.scale_by_learning_rate(schedule),
+    )
+
+
 def make_optimizer(
     cfg: OptimizerConfig, total_steps: int, *, param_axes: dict
 ) -> optax.GradientTransformation:
     """The optimizer for params whose logical axes are `param_axes` (`models.logical_axes`)."""
     schedule = learning_rate_schedule(cfg, total_steps)
     chain = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm is not None else []
+    if cfg.name == "adamw":
+        chain.append(adamw(cfg, schedule, decay_mask(param_axes)))
+        return optax.chain(*chain)
+    labels = muon_labels(param_axes)
+    is_axes = lambda x: isinstance(x, tuple)
+    # Muon's leaves as their matrix views, AdamW's masked out (optax.partition hands each
+    # transformation its own leaves, the others as MaskedNode)
+    views = jax.tree.map(
+        lambda axes, label: muon.matrix_view(axes) if label == "muon" else optax.MaskedNode(),
+        param_axes,
+        labels,
+        is_leaf=is_axes,
+    )
+    m = cfg.muon
+    peak = cfg.lr if m.lr is None else m.lr
+    muon_schedule = lambda count: schedule(count) * (peak / cfg.lr)
     chain.append(
-        optax.adamw(
-            schedule,
-            b1=cfg.b1,
-            b2=cfg.b2,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            mask=decay_mask(param_axes),
+        optax.partition(
+            {
+                "adamw": adamw(cfg, schedule, decay_mask(param_axes)),
+                "muon": muon.muon(
+                    m,
+                    muon_schedule,
+                    cfg.weight_decay if m.weight_decay is None else m.weight_decay,
+                    views,
+                    None if cfg.state_dtype is None else jnp.dtype(cfg.state_dtype),
+                ),
+            },
+            labels,
         )
     )
     return optax.chain(*chain)

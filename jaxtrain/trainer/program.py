@@ -236,16 +236,19 @@ def state_layout(
 
 
 def opt_state_shardings(mesh: Mesh, tx, param_shapes: dict, moments: dict, memory_kind: str | None = None):
-    """The optimizer state's shardings: param-shaped leaves (Adam's moments) as `moments`, in
-    `memory_kind`; everything else (counts) replicated."""
+    """The optimizer state's shardings: param-shaped leaves (Adam's moments, Muon's momentum)
+    as `moments`, in `memory_kind`; everything else (counts) replicated. Under
+    optax.partition (optimizer.name muon) each part holds the others' leaves as MaskedNode,
+    which stay so."""
     replicated = NamedSharding(mesh, PartitionSpec())
+    masked = lambda x: isinstance(x, optax.MaskedNode)
     return optax.tree_map_params(
         tx,
-        lambda _, s: s if memory_kind is None else s.with_memory_kind(memory_kind),
+        lambda x, s: x if masked(x) else s if memory_kind is None else s.with_memory_kind(memory_kind),
         jax.eval_shape(tx.init, param_shapes),
         moments,
         transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
+        is_leaf=lambda x: isinstance(x, NamedSharding) or masked(x),
     )
 
 

@@ -10,6 +10,7 @@ dicts of arrays.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -21,11 +22,11 @@ from flax import nnx
 
 from jaxtrain import models, sharding
 from jaxtrain.config import Config
-from jaxtrain.models import lora
+from jaxtrain.models import logit_stats, lora
 from jaxtrain.models.fp8 import combine as fp8_combine
 from jaxtrain.models.moe import update_router_bias
 from jaxtrain.recovery.faults import FAULT_NONE, FAULT_NONFINITE, FAULT_SPIKE
-from jaxtrain.trainer import dpo, grpo
+from jaxtrain.trainer import dpo, grpo, qk_clip
 from jaxtrain.trainer.batches import rows_axes
 from jaxtrain.trainer.loss import chunked_cross_entropy, cross_entropy
 from jaxtrain.trainer.mtp import mtp_loss, with_prediction_stats
@@ -94,6 +95,11 @@ class StepSpec:
         return f.skip_nonfinite or f.spike_factor is not None or self.loss_scaling
 
     @property
+    def qk_clip(self) -> bool:
+        """Whether the forward records attention logits for QK-clip (optimizer.qk_clip.tau)."""
+        return self.cfg.optimizer.qk_clip.tau is not None
+
+    @property
     def loss_scaling(self) -> bool:
         return self.cfg.model.compute_dtype == "float16"
 
@@ -150,7 +156,8 @@ def model_loss(
     predict_ahead = predict_ahead and model.cfg.mtp is not None
     # The named scopes label the ops in a profile (profile.steps): the backward pass shows
     # as transpose(jvp(forward)) and transpose(jvp(loss)).
-    with jax.named_scope("forward"):
+    recording = logit_stats.recording() if spec.qk_clip else contextlib.nullcontext()
+    with jax.named_scope("forward"), recording:
         x, aux = model.hidden(
             micro["inputs"],
             positions=micro["positions"],
@@ -216,7 +223,7 @@ def objective(
             moe.aux_loss_weight * stats["moe_aux_loss"] + moe.z_loss_weight * stats["moe_z_loss"]
         )
     else:
-        stats = {k: v for k, v in stats.items() if k in SUMMED_METRICS or k == "mtp_loss"}
+        stats = {k: v for k, v in stats.items() if k in SUMMED_METRICS or k in ("mtp_loss", logit_stats.KEY)}
     if "mtp_loss" in stats:
         value = value + count * mtp.loss_weight * stats["mtp_loss"]
     return (value if scale is None else value * scale), (total, count, stats)
@@ -295,7 +302,7 @@ def _accumulated(
             acc_total + total,
             acc_count + count,
             jax.tree.map(jnp.add, acc_grads, grads),
-            {k: acc_stats[k] + (s if k in SUMMED_METRICS else s / n) for k, s in stats.items()},
+            {k: _accumulate_stat(k, acc_stats[k], s, n) for k, s in stats.items()},
             None if fp8 is None else fp8_combine(acc_fp8, new_fp8),
         ), None
 
@@ -304,14 +311,26 @@ def _accumulated(
         lambda: micro_gradients(spec, params, one_micro, frozen=frozen, reference=reference)[3]
     )
     zero = jnp.zeros((), jnp.float32)
+    stats_init = {
+        k: jax.tree.map(lambda s, k=k: jnp.full(s.shape, -jnp.inf if k == logit_stats.KEY else 0, s.dtype), v)
+        for k, v in stats_shape.items()
+    }
     init = (
         zero,
         zero,
         jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
-        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape),
+        stats_init,
         None if fp8 is None else jax.tree.map(lambda x: jnp.full_like(x, -jnp.inf), fp8),
     )
     return jax.lax.scan(add, init, (split_microbatches(batch, n), jnp.arange(n)))[0]
+
+
+def _accumulate_stat(key: str, acc, value, n: int):
+    """One statistic over microbatches: dpo/* and grpo/* sums summed, the attention logits' maxima
+    (logit_stats, QK-clip) the largest, the rest (router losses and load) averaged."""
+    if key == logit_stats.KEY:
+        return jax.tree.map(jnp.maximum, acc, value)
+    return acc + (value if key in SUMMED_METRICS else value / n)
 
 
 def batch_gradients(
@@ -363,6 +382,10 @@ def optimizer_update(spec: StepSpec, params: dict, opt_state, g: Gradients) -> t
     blocks' (model.mtp) by theirs)."""
     updates, opt_state = spec.optimizer.update(g.grads, opt_state, params)
     params = optax.apply_updates(params, updates)
+    if spec.qk_clip:  # after the update, by the logits of this step's forward pass
+        params = qk_clip.clip(
+            params, g.moe_stats[logit_stats.KEY], spec.cfg.optimizer.qk_clip.tau, spec.cfg.model
+        )
     moe = spec.cfg.model.moe
     if moe is not None and moe.score_bias:
         main = {k: v for k, v in params.items() if k != "mtp"}
@@ -443,7 +466,13 @@ def step_metrics(spec: StepSpec, state: TrainState, g: Gradients, grad_norm, ver
         "skipped": verdict.skipped,
         "fault": verdict.fault,
     }
-    metrics.update({k: v for k, v in g.moe_stats.items() if not k.endswith("expert_load")})
+    metrics.update(
+        {k: v for k, v in g.moe_stats.items() if not k.endswith("expert_load") and k != logit_stats.KEY}
+    )
+    if logit_stats.KEY in g.moe_stats:  # QK-clip: the largest logit over layers and heads
+        metrics["attention/max_logit"] = jnp.max(
+            jnp.stack([jnp.max(v) for v in jax.tree.leaves(g.moe_stats[logit_stats.KEY])])
+        )
     if spec.loss_scaling:
         metrics["loss_scale"] = state.loss_scale["scale"]  # the scale this step's backward ran at
         metrics["loss_scale_skipped"] = verdict.scale_skipped.astype(jnp.int32)

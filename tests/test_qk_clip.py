@@ -1,0 +1,176 @@
+"""QK-clip (optimizer.qk_clip.tau; models/logit_stats.py, jaxtrain/trainer/qk_clip.py) against
+hand-computed cases: the recorded per-head maxima against loops over the logits, the clip of
+given weights by given maxima written out, and one training step against the same step
+without clipping, scaled by the maxima a naive jnp forward pass (tests/reference_llama.py's
+pieces) finds."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtrain.config import ConfigError
+from jaxtrain.models import logit_stats
+from jaxtrain.trainer import qk_clip
+from jaxtrain.trainer.batches import batch_to_device
+from tests.conftest import program_on_mesh, tiny_config
+from tests.reference_llama import apply_rope, rms_norm
+
+
+def test_max_logits_equal_loops_over_the_allowed_pairs():
+    rng = np.random.default_rng(0)
+    b, s, h, kv, d, window, scale = 2, 7, 4, 2, 3, 3, 0.7
+    q, k = rng.normal(size=(b, s, h, d)), rng.normal(size=(b, s, kv, d))
+    segments = np.array([[1, 1, 1, 2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 0]])
+    got = logit_stats.max_logits(
+        jnp.asarray(q, jnp.float32),
+        jnp.asarray(k, jnp.float32),
+        scale=scale,
+        segment_ids=segments,
+        window=window,
+    )
+    want = np.full(h, -np.inf)
+    for r, head, i, j in itertools.product(range(b), range(h), range(s), range(s)):
+        if j <= i and i - j < window and segments[r, i] == segments[r, j]:
+            want[head] = max(want[head], scale * q[r, i, head] @ k[r, j, head // (h // kv)])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_clip_scales_the_heads_over_tau_by_hand(grouped):
+    wq = np.arange(1, 1 + 2 * 3 * 2 * 2, dtype=np.float32).reshape(2, 3, 2, 2)  # [layers, d, heads, hd]
+    wk = wq + 100
+    bq = np.ones((2, 2, 2), np.float32)
+    logits = np.array([[4.0, 1.0], [2.0, 8.0]])  # layer 0 head 0 and layer 1 head 1 over tau
+    out = qk_clip.clip_attention({"wq": wq, "wk": wk, "bq": bq, "wv": wq}, jnp.asarray(logits), 2.0, grouped)
+    g = np.array([[0.5, 1.0], [1.0, 0.25]])  # tau / max_logit where over tau (2.0 is not over)
+    q_factor = g if grouped else np.sqrt(g)
+    k_factor = np.ones_like(g) if grouped else np.sqrt(g)
+    np.testing.assert_allclose(out["wq"], wq * q_factor[:, None, :, None], rtol=1e-7)
+    np.testing.assert_allclose(out["bq"], bq * q_factor[:, :, None], rtol=1e-7)
+    np.testing.assert_allclose(out["wk"], wk * k_factor[:, None, :, None], rtol=1e-7)
+    assert out["wv"] is wq  # values untouched
+
+
+def reference_max_logits(params, tokens, cfg):
+    """[layers, heads] largest causal logit of each head: the naive forward (reference_llama's
+    pieces), with the scores' maxima read per layer."""
+    b, s = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+    groups = cfg.n_heads // cfg.n_kv_heads
+    causal = np.tril(np.ones((s, s), bool))
+    x = params["embedding"][tokens]
+    out = []
+    for layer in range(cfg.n_layers):
+        p = jax.tree.map(lambda a: a[layer], params["blocks"])
+        hn = rms_norm(x, p["attn_norm"]["scale"], cfg.norm_eps)
+        q, k, v = (jnp.einsum("bsd,dhk->bshk", hn, p["attn"][w]) for w in ("wq", "wk", "wv"))
+        q, k = apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta)
+        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+        scores = jnp.einsum("bqhk,bthk->bhqt", q, k) / np.sqrt(cfg.resolved_head_dim)
+        out.append(jnp.max(jnp.where(causal, scores, -jnp.inf), axis=(0, 2, 3)))
+        attn = jnp.einsum("bhqt,bthk->bqhk", jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1), v)
+        x = x + jnp.einsum("bqhk,hkd->bqd", attn, p["attn"]["wo"])
+        hn = rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps)
+        gate = hn @ p["mlp"]["w_gate"]
+        x = x + (gate * jax.nn.sigmoid(gate) * (hn @ p["mlp"]["w_up"])) @ p["mlp"]["w_down"]
+    return np.asarray(jnp.stack(out))
+
+
+def one_step(*overrides):
+    """(initial params, the first batch, params after one step, metrics)."""
+    cfg = tiny_config(
+        None,
+        "model.d_model=32",
+        "model.mlp_dim=64",
+        "model.vocab_size=64",
+        "model.init_std=0.3",  # logits of a few units, so that some heads are over tau
+        "train.seq_len=16",
+        "train.loss_chunk=0",
+        "optimizer.warmup_steps=0",
+        *overrides,
+    )
+    with program_on_mesh(cfg) as (program, state, data):
+        initial = jax.device_get(state.params)
+        batch = next(data)
+        state, metrics = program.step(state, batch_to_device(batch, program.batch_sharding))
+        return cfg, initial, batch, jax.device_get(state.params), jax.device_get(metrics)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [("model.n_kv_heads=4",), ("model.n_kv_heads=2", "train.microbatches=2", "mesh.fsdp=2")],
+    ids=["mha", "gqa-microbatches-fsdp"],
+)
+def test_a_step_clips_the_heads_the_forward_pass_found_over_tau(overrides):
+    cfg, initial, batch, plain, _ = one_step(*overrides)
+    logits = reference_max_logits(initial, batch["inputs"], cfg.model)
+    tau = float(np.median(logits))  # about half the heads over it
+    assert (logits > tau).any() and (logits < tau).any()
+    _, _, _, clipped, metrics = one_step(*overrides, f"optimizer.qk_clip.tau={tau}")
+    # the logged maximum is the forward pass's (f32; the reference's op order differs)
+    np.testing.assert_allclose(metrics["attention/max_logit"], logits.max(), rtol=1e-5)
+    g = np.where(logits > tau, tau / logits, 1.0)
+    grouped = cfg.model.n_kv_heads != cfg.model.n_heads
+    q_factor = g if grouped else np.sqrt(g)
+    attn_plain, attn_clipped = plain["blocks"]["attn"], clipped["blocks"]["attn"]
+    np.testing.assert_allclose(attn_clipped["wq"], attn_plain["wq"] * q_factor[:, None, :, None], rtol=2e-5)
+    if grouped:  # a key head serves several query heads: left as the update made it
+        np.testing.assert_array_equal(attn_clipped["wk"], attn_plain["wk"])
+    else:
+        np.testing.assert_allclose(
+            attn_clipped["wk"], attn_plain["wk"] * np.sqrt(g)[:, None, :, None], rtol=2e-5
+        )
+    # everything else is the unclipped step's (the clip comes after the update)
+    rest = lambda p: [
+        v
+        for path, v in jax.tree_util.tree_flatten_with_path(p)[0]
+        if "'wq'" not in str(path) and "'wk'" not in str(path)
+    ]
+    for a, b in zip(rest(clipped), rest(plain), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_cli_logs_the_largest_logit(tmp_path):
+    """`jaxtrain train ... optimizer.qk_clip.tau=...` writes attention/max_logit every step."""
+    import json
+    import os
+
+    from jaxtrain.cli import main
+    from tests.conftest import REPO
+
+    code = main(
+        [
+            "train",
+            os.path.join(REPO, "configs", "tiny.yaml"),
+            f"output_dir={tmp_path}",
+            "train.steps=2",
+            "mesh.data=8",  # the test process's 8 devices
+            "model.d_model=32",
+            "model.mlp_dim=64",
+            "train.seq_len=16",
+            "optimizer.name=muon",
+            "optimizer.qk_clip.tau=0.5",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+        ]
+    )
+    assert code in (0, None)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logits = [r["attention/max_logit"] for r in records if "loss" in r]
+    assert len(logits) == 2 and all(x > 0 for x in logits), records
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("model.qk_norm=head",), "model.qk_norm='head'"),
+        (("model.lora={rank: 2, targets: [wq]}",), "model.lora"),
+    ],
+)
+def test_qk_clip_refuses_what_it_cannot_clip(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        tiny_config(None, "optimizer.qk_clip.tau=50", *overrides)
+    assert message in str(e.value) and "optimizer.qk_clip.tau=50" in str(e.value)
