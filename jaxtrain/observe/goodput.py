@@ -35,7 +35,8 @@ import time
 from jaxtrain.data import storage
 
 BUCKETS = ("startup", "restore", "compile", "steps", "data_wait", "sample", "checkpoint_save", "eval", "lost")
-# sample: train.objective=grpo's rollouts (the sampler and the old log-probs; trainer/rollout.py)
+# sample: train.objective=grpo's rollouts (the sampler and the old log-probs; trainer/rollout.py;
+# its wait for the update it samples from is the steps')
 LOOP_BUCKETS = ("steps", "data_wait", "sample", "checkpoint_save", "eval")  # what redone steps spent
 FILE = "goodput.json"
 KEEP_SAVES = 16  # checkpoint snapshots kept per attempt

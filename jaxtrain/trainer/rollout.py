@@ -164,8 +164,8 @@ class RolloutFeeder:
 
     # --- one rollout ---------------------------------------------------------------------------
 
-    def _phase(self):
-        return self.clock.phase("sample") if self.clock is not None else contextlib.nullcontext()
+    def _phase(self, bucket: str = "sample"):
+        return self.clock.phase(bucket) if self.clock is not None else contextlib.nullcontext()
 
     def _sample(self, state, k: int, first_step: int) -> tuple[dict, dict]:
         cfg, g = self.cfg, self.cfg.grpo
@@ -175,6 +175,11 @@ class RolloutFeeder:
         lengths = np.array([len(p.ids) for p in prompts], np.int32)
         for i, p in enumerate(prompts):
             tokens[i, : len(p.ids)] = p.ids
+        # The update that made these weights was dispatched just before (the loop does not wait
+        # for it): wait for it here, as the step's time, so that neither the `sample` bucket nor
+        # grpo/sample_tokens_per_second holds the update's device time.
+        with self._phase("steps"):
+            jax.block_until_ready(state.params)
         with self._phase():
             t0 = time.perf_counter()
             out = self.sample_fn(
