@@ -33,6 +33,11 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+try:  # imported as benchmarks.checkpoint (the tests)
+    from benchmarks import result_file
+except ImportError:  # run as a script: its folder is on the path
+    import result_file
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -158,9 +163,67 @@ def main() -> None:
         f"host load average (1/5/15 min) at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
         f"on {os.cpu_count()} cores"
     )
+    runs_table = [(base_name, base_m, None), (ck_name, ck_m, "checkpoint_blocked_s")]
+    if local_run is not None:
+        local_name = f"local tier every {args.local_every}"
+        runs_table.append((local_name, local_run[0], "local_checkpoint_blocked_s"))
+    rows = step_rows(runs_table)
+    print()
+    print(markdown(STEP_HEADER, rows))
+    result_file.add_figures(
+        config=os.path.relpath(args.config, REPO),
+        steps=args.steps,
+        every=args.every,
+        local_every=args.local_every,
+        checkpoint_bytes=ckpt_bytes,
+        step_times_s={name: [r["step_time_s"] for r in m] for name, m, _ in runs_table},
+        blocked_s={name: [r[key] for r in m if key in r] for name, m, key in runs_table if key},
+        isolated_saves_s=[{"blocked": b, "written": w} for b, w in isolated],
+        load_average=os.getloadavg(),
+    )
+    result_file.add_table("steps", STEP_HEADER, rows)
+
+
+STEP_HEADER = [
+    "run",
+    "mean step s (2..N)",
+    "median step s",
+    "median vs no checkpoints",
+    "saves",
+    "loop blocked per save, median ms",
+    "blocked / median step",
+]
+
+
+def step_rows(runs: list[tuple[str, list[dict], str | None]]) -> list[list[str]]:
+    """The `steps` table: per run (name, its metrics records, the record key of its blocked
+    time per save or None), its step time over steps 2..N and what a save blocked the loop.
+    The first run is the baseline without checkpoints."""
+    base_median = statistics.median(r["step_time_s"] for r in runs[0][1][1:])
+    rows = []
+    for name, m, key in runs:
+        times = [r["step_time_s"] for r in m[1:]]
+        median = statistics.median(times)
+        blocked = [r[key] for r in m if key and key in r]
+        blocked_median = statistics.median(blocked) if blocked else None
+        rows.append(
+            [
+                name,
+                f"{statistics.mean(times):.3f}",
+                f"{median:.3f}",
+                "-" if key is None else f"{100 * (median / base_median - 1):+.1f}%",
+                str(len(blocked)),
+                "-" if blocked_median is None else f"{1e3 * blocked_median:.1f}",
+                "-" if blocked_median is None else f"{100 * blocked_median / median:.1f}%",
+            ]
+        )
+    return rows
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join([*lines, *("| " + " | ".join(r) + " |" for r in rows)])
 
 
 if __name__ == "__main__":
-    import result_file  # benchmarks/: on the path when run as a script
-
     sys.exit(result_file.run("checkpoint", main))

@@ -1,0 +1,68 @@
+"""The tables benchmarks/grpo.py and benchmarks/checkpoint.py record, built from hand-made
+metrics records and a goodput document (figures worked out by hand below). Pure Python: no
+jax program runs here."""
+
+from __future__ import annotations
+
+from benchmarks import checkpoint, grpo
+
+
+def _grpo_record(step, seconds, rate, length):
+    return {
+        "step": step,
+        "step_time_s": seconds,
+        "grpo/sample_tokens_per_second": rate,
+        "grpo/completion_length": length,
+    }
+
+
+def test_grpo_speed_row_leaves_the_first_rollout_and_step_out():
+    metrics = [
+        _grpo_record(1, 9.0, 10.0, 8.0),  # the compiles: in no median
+        _grpo_record(2, 0.5, 400.0, 8.0),  # 16 rows x 8 tokens / 400 = 0.32 s
+        _grpo_record(3, 0.7, 800.0, 4.0),  # 16 x 4 / 800 = 0.08 s
+        _grpo_record(4, 0.6, 1000.0, 5.0),  # 16 x 5 / 1000 = 0.08 s
+    ]
+    row = grpo.speed_row(metrics, rows_per_rollout=16, max_new_tokens=8)
+    assert len(row) == len(grpo.SPEED_HEADER)
+    # median of 400, 800, 1000 = 800; first 10; median of 0.32, 0.08, 0.08 s; of 0.5, 0.7, 0.6 s
+    assert row == ["4", "16", "8", "800", "10", "0.0800", "0.600"]
+
+
+def test_grpo_split_rows_per_step_shares_and_the_reference_note():
+    doc = {
+        "wall_s": 40.0,
+        "seconds": {"sample": 10.0, "steps": 6.0, "compile": 8.0, "startup": 16.0, "data_wait": 0.0},
+    }
+    rows = {r[0]: r for r in grpo.split_rows(doc, steps=4)}
+    assert rows["sample"][1:4] == ["10.00", "2.500", "25.0%"]
+    assert rows["steps"][1:4] == ["6.00", "1.500", "15.0%"]
+    assert rows["checkpoint_save"][1:4] == ["0.00", "0.000", "0.0%"]  # absent: zero
+    assert rows["reference"] == ["reference", "-", "-", "-", grpo.REFERENCE_NOTE]
+    assert rows["wall"][1:4] == ["40.00", "10.000", "100.0%"]
+    assert all(len(r) == len(grpo.SPLIT_HEADER) for r in rows.values())
+
+
+def test_checkpoint_step_rows_against_the_run_without_checkpoints():
+    def run(times, blocked_key=None, blocked=()):
+        records = [{"step": i + 1, "step_time_s": t} for i, t in enumerate(times)]
+        for step, b in blocked:
+            records[step - 1][blocked_key] = b
+        return records
+
+    base = run([5.0, 1.0, 1.0, 1.0])
+    saved = run([5.0, 1.1, 1.2, 1.1], "checkpoint_blocked_s", [(2, 0.05), (4, 0.15)])
+    local = run([5.0, 1.0, 1.05, 1.0], "local_checkpoint_blocked_s", [(2, 0.002), (3, 0.004), (4, 0.003)])
+    rows = checkpoint.step_rows(
+        [
+            ("no checkpoints", base, None),
+            ("save every 2", saved, "checkpoint_blocked_s"),
+            ("local tier every 1", local, "local_checkpoint_blocked_s"),
+        ]
+    )
+    assert rows[0] == ["no checkpoints", "1.000", "1.000", "-", "0", "-", "-"]
+    # steps 2..4: mean 3.4 / 3, median 1.1 (+10%); blocked median 0.1 s = 100 ms, 9.1% of 1.1 s
+    assert rows[1] == ["save every 2", "1.133", "1.100", "+10.0%", "2", "100.0", "9.1%"]
+    # mean 3.05 / 3, median 1.0 (+0%); blocked median 3 ms = 0.3% of 1.0 s
+    assert rows[2] == ["local tier every 1", "1.017", "1.000", "+0.0%", "3", "3.0", "0.3%"]
+    assert all(len(r) == len(checkpoint.STEP_HEADER) for r in rows)
