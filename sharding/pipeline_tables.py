@@ -25,6 +25,7 @@ Imports only numpy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -86,6 +87,7 @@ class TickTable:
         return f"{OP_NAMES[op]}{self.micro[t, s]}{chunk}"
 
 
+@functools.lru_cache(maxsize=64)
 def table(name: str, stages: int, microbatches: int, repeats: int = 1) -> TickTable:
     """The tick table of schedule `name` (TABLE_SCHEDULES)."""
     S, M, R = stages, microbatches, repeats
