@@ -188,11 +188,13 @@ def pipeline_loss_and_grads(
     k = slots(table)
     program = {key: jnp.asarray(v) for key, v in _tick_program(table, k).items()}
 
-    def on_stage(a, rows_dim: int | None = None):
-        """Dim 0 on `stage`; the rows at `rows_dim` held to x_spec; the rest unconstrained."""
-        if spmd is None and (x_spec is None or rows_dim is None):
+    def on_stage(a, rows_dim: int | None = None, stage_dim: bool = True):
+        """Dim 0 on `stage` (replicated there if not `stage_dim`); the rows at `rows_dim`
+        held to x_spec; the rest unconstrained."""
+        axis0 = spmd if stage_dim else None
+        if axis0 is None and (x_spec is None or rows_dim is None):
             return a
-        spec = [spmd, *[P.UNCONSTRAINED] * (a.ndim - 1)]
+        spec = [axis0, *[P.UNCONSTRAINED] * (a.ndim - 1)]
         if x_spec is not None and rows_dim is not None:
             rows = [*x_spec, *[None] * (a.ndim - rows_dim - len(x_spec))]
             spec[rows_dim:] = rows
@@ -205,7 +207,7 @@ def pipeline_loss_and_grads(
         return g.swapaxes(0, 1).reshape(n_layers, *g.shape[3:])
 
     stage_params = jax.tree.map(to_stages, params)
-    xs = split_microbatches(x, M)  # [M, rows, ...]
+    xs = on_stage(split_microbatches(x, M), rows_dim=1, stage_dim=False)  # [M, rows, ...]
     ex = jax.tree.map(lambda e: split_microbatches(e, M), extras)
     tail_rows = jax.tree.map(lambda e: split_microbatches(e, M), tail_inputs)
 
@@ -259,7 +261,7 @@ def pipeline_loss_and_grads(
         last = put(inbox[S - 1], jnp.where(valid, now["slot"][S - 1], -1), dy.astype(inbox.dtype))
         inbox = inbox.at[S - 1].set(last)
         # stage 0's backward of the first chunk: the gradient of the pipeline's input
-        dxs = put(dxs, now["dx"], dh[0])
+        dxs = on_stage(put(dxs, now["dx"], dh[0]), rows_dim=1, stage_dim=False)
         # outputs one stage on, input gradients one stage back (collective permutes)
         stash = on_stage(put_stages(stash, now["recv_act"], jnp.roll(y, 1, axis=0)), rows_dim=2)
         inbox = on_stage(put_stages(inbox, now["recv_grad"], jnp.roll(dh, -1, axis=0)), rows_dim=2)
