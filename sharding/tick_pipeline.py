@@ -233,6 +233,11 @@ def pipeline_loss_and_grads(
     def get(buf, i):
         return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
 
+    stage_ids = jnp.arange(S)
+
+    def broadcast(v):  # one microbatch's rows -> [S, rows, ...], each stage's copy
+        return on_stage(jnp.broadcast_to(v, (S, *v.shape)), rows_dim=1)
+
     run_stages = jax.vmap(stage_tick, spmd_axis_name=spmd)
     put_stages = jax.vmap(put, spmd_axis_name=spmd)
     get_stages = jax.vmap(get, spmd_axis_name=spmd)
@@ -246,8 +251,10 @@ def pipeline_loss_and_grads(
         stash, inbox, dxs, acc, tail_acc, loss = carry
         # stage 0 takes a new microbatch into its stash at the start of its forward
         first = jnp.maximum(now["load"], 0)
-        stash0 = put(stash[0], jnp.where(now["load"] >= 0, now["slot"][0], -1), get(xs, first))
-        stash = on_stage(stash.at[0].set(stash0), rows_dim=2)
+        # (written through the per-stage put with one target stage, so that no stage-sharded
+        # buffer is updated at a fixed stage index, which XLA does with an all-reduce)
+        into = jnp.where((stage_ids == 0) & (now["load"] >= 0), now["slot"], -1)
+        stash = on_stage(put_stages(stash, into, broadcast(get(xs, first))), rows_dim=2)
         h = on_stage(get_stages(stash, now["slot"]), rows_dim=1)
         ct = on_stage(get_stages(inbox, now["slot"]), rows_dim=1)
         y, dh, acc = run_stages(stage_params, acc, now["op"], now["chunk"], now["micro"], h, ct)
@@ -258,8 +265,8 @@ def pipeline_loss_and_grads(
         loss_m, d_tail, dy = tail_vjp(tail_params, y[S - 1], m)
         loss = loss + jnp.where(valid, loss_m, 0).astype(loss.dtype)
         tail_acc = jax.tree.map(lambda a, g: a + jnp.where(valid, g, 0).astype(a.dtype), tail_acc, d_tail)
-        last = put(inbox[S - 1], jnp.where(valid, now["slot"][S - 1], -1), dy.astype(inbox.dtype))
-        inbox = inbox.at[S - 1].set(last)
+        into = jnp.where((stage_ids == S - 1) & valid, now["slot"], -1)
+        inbox = on_stage(put_stages(inbox, into, broadcast(dy.astype(inbox.dtype))), rows_dim=2)
         # stage 0's backward of the first chunk: the gradient of the pipeline's input
         dxs = on_stage(put(dxs, now["dx"], dh[0]), rows_dim=1, stage_dim=False)
         # outputs one stage on, input gradients one stage back (collective permutes)
