@@ -27,6 +27,11 @@ ring of stages R times and the bubble shrinks R-fold for the same M. A
 microbatch leaving the last stage waits in a buffer `[M, rows, ...]` until
 stage 0 takes it for the next repeat, which needs `M >= S` (checked).
 
+The schedules 1f1b, interleaved_1f1b and zero_bubble, whose backward passes interleave with
+the forwards, cannot be autodiff of a forward loop: `sharding/tick_pipeline.py` runs them
+(the loss inside, a custom VJP at the boundary; `Schedule.loss`), with this module's weight
+layout. Every schedule's tick table, and its bubble, is in `sharding/pipeline_tables.py`.
+
 Parameter layout. The caller stores layers in model order `[L, ...]`, sharded
 on `stage` by the rule `layers -> stage` (checkpoints and HF conversion do not
 know about pipelines). For GPipe, stage s's device already holds exactly its
