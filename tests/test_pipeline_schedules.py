@@ -235,3 +235,18 @@ def test_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         cfg = tiny_config(None, *SMALL, "model.n_layers=8", "mesh.stage=2", *overrides)
         validate(cfg, math.prod(cfg.mesh.sizes().values()))
+
+
+def test_tick_loop_program_is_flat_in_microbatches(toy):
+    """The table is the scan's input, not unrolled code: the compiled program has as many
+    instructions at M=16 as at M=2, within 2% (measured: 733 and 732; K <= S slots either
+    way). An unrolled schedule would grow 8-fold."""
+    (params, tail_params, x, ex, target), _ = toy
+    x16, ex16, t16 = (jnp.concatenate([a] * 2) for a in (x, ex, target))  # 16 rows, 16 microbatches
+
+    def instructions(M, x, ex, target):
+        f = pipeline_loss(toy_layer, toy_tail, table=table("1f1b", 2, M))
+        grad = jax.jit(jax.grad(lambda p: f(p, tail_params, x, ex, target)))
+        return sum(" = " in line for line in grad.lower(params).compile().as_text().splitlines())
+
+    assert instructions(16, x16, ex16, t16) == pytest.approx(instructions(2, x, ex, target), rel=0.02)
