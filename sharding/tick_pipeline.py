@@ -18,8 +18,8 @@ The tick loop (`lax.scan` over the table's ticks, on the pattern of `sharding/pi
   flight and an inbox `[R*K, rows, ...]` their output gradients, K slots per chunk
   (microbatch m in slot m mod K). K comes from the table (`slots`): the fewest slots in which
   no two microbatches in flight collide; for 1F1B it is at most S, whatever M is;
-* at each tick every stage (one `jax.vmap` over stages, `spmd_axis_name="stage"`) runs
-  `jax.vjp` of its stage (a `lax.scan` over its layers, each with the caller's remat) from
+* at each tick every stage (one `jax.vmap` over stages, `spmd_axis_name="stage"`, under
+  one `jax.vjp`) runs the vjp of its stage (a `lax.scan` over its layers, each with the caller's remat) from
   a stashed input, with the inbox's gradient as the cotangent on a backward op and zero on a
   forward op: the primal output is the forward's result, the cotangent's pullback the
   backward's. Which of them a stage keeps (sends its output on, sends its input gradient
@@ -215,15 +215,26 @@ def pipeline_loss_and_grads(
         p = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False), p_stage)
         return jax.lax.scan(lambda h, lp: (layer_fn(lp, h, ex_rows)[0], None), h, p)[0]
 
-    def stage_tick(p_stage, acc, op, chunk, micro, h, ct):
-        """One stage's tick: the output, input gradient and weight-gradient sum."""
+    def stage_forward(p_stage, chunk, micro, h):
         ex_rows = jax.tree.map(lambda e: jnp.take(e, micro, axis=0), ex)
+        return stage_fn(p_stage, chunk, h, ex_rows)
+
+    forward_stages = jax.vmap(stage_forward, spmd_axis_name=spmd)
+
+    def per_stage(mask, a):  # [S] -> broadcastable against a [S, ...]
+        return mask.reshape(S, *[1] * (a.ndim - 1))
+
+    def run_stages(acc, op, chunk, micro, h, ct):
+        """Every stage's tick: outputs, input gradients and the weight-gradient sums. The
+        vjp is taken of the vmapped forward (not vmapped itself), as autodiff of
+        `run_pipeline` does: kernels with a custom VJP (cuDNN attention) batch their forward
+        only then."""
         backward = (op == B) | (op == W) | (op == BW)
-        ct = jnp.where(backward, ct, jnp.zeros_like(ct))
-        y, pull = jax.vjp(lambda p, h: stage_fn(p, chunk, h, ex_rows), p_stage, h)
+        ct = jnp.where(per_stage(backward, ct), ct, jnp.zeros_like(ct))
+        y, pull = jax.vjp(lambda p, h: forward_stages(p, chunk, micro, h), stage_params, h)
         dp, dh = pull(ct)
         keep = (op == W) | (op == BW)
-        acc = jax.tree.map(lambda a, g: a + jnp.where(keep, g, jnp.zeros_like(g)).astype(a.dtype), acc, dp)
+        acc = jax.tree.map(lambda a, g: a + jnp.where(per_stage(keep, g), g, 0).astype(a.dtype), acc, dp)
         return y, dh, acc
 
     def put(buf, i, v):  # one stage: buf[i] = v unless i < 0
@@ -238,7 +249,6 @@ def pipeline_loss_and_grads(
     def broadcast(v):  # one microbatch's rows -> [S, rows, ...], each stage's copy
         return on_stage(jnp.broadcast_to(v, (S, *v.shape)), rows_dim=1)
 
-    run_stages = jax.vmap(stage_tick, spmd_axis_name=spmd)
     put_stages = jax.vmap(put, spmd_axis_name=spmd)
     get_stages = jax.vmap(get, spmd_axis_name=spmd)
 
@@ -257,7 +267,7 @@ def pipeline_loss_and_grads(
         stash = on_stage(put_stages(stash, into, broadcast(get(xs, first))), rows_dim=2)
         h = on_stage(get_stages(stash, now["slot"]), rows_dim=1)
         ct = on_stage(get_stages(inbox, now["slot"]), rows_dim=1)
-        y, dh, acc = run_stages(stage_params, acc, now["op"], now["chunk"], now["micro"], h, ct)
+        y, dh, acc = run_stages(acc, now["op"], now["chunk"], now["micro"], h, ct)
         y, dh = on_stage(y, rows_dim=1), on_stage(dh, rows_dim=1)
         # the last chunk's forward: its microbatch's loss and loss gradient
         m = jnp.maximum(now["tail"], 0)
