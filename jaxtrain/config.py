@@ -118,12 +118,17 @@ class PipelineConfig:
     """Pipeline parallelism, active when mesh.stage > 1 (sharding/pipeline.py): the layers
     run as mesh.stage stages over `microbatches` slices of each (train.microbatches) batch.
     gpipe: stage s holds one contiguous block of layers; circular: `repeats` blocks each,
-    the microbatches going round the stages `repeats` times. Idle share of each device
-    (the bubble): (stage - 1) / (microbatches * repeats + stage - 1)."""
+    the microbatches going round the stages `repeats` times. Both run every forward, then
+    every backward. 1f1b (one block per stage), interleaved_1f1b (`repeats` blocks, laid out
+    as circular's) and zero_bubble (1f1b with the weight gradients deferred) interleave
+    forwards and backwards, so a stage keeps at most ~stage microbatches' inputs
+    (sharding/tick_pipeline.py). Idle share of each device (the bubble): that of the
+    schedule's tick table (sharding/pipeline_tables.py); (stage - 1) / (microbatches *
+    repeats + stage - 1) for all but zero_bubble."""
 
     microbatches: int | None = None  # null: mesh.stage
-    schedule: str = "gpipe"  # gpipe | circular
-    repeats: int = 1  # circular: layer blocks per stage (>= 2); gpipe: 1
+    schedule: str = "gpipe"  # gpipe | circular | 1f1b | interleaved_1f1b | zero_bubble
+    repeats: int = 1  # circular, interleaved_1f1b: layer blocks per stage (>= 2); others: 1
 
     def resolved_microbatches(self, stages: int) -> int:
         return stages if self.microbatches is None else self.microbatches
@@ -1001,8 +1006,10 @@ def _validate_precision(cfg: Config) -> None:
 
 def _validate_pipeline(cfg: Config) -> None:
     p, stages = cfg.pipeline, cfg.mesh.stage
-    if p.schedule not in ("gpipe", "circular"):
-        raise ConfigError(f"pipeline.schedule={p.schedule!r}: expected gpipe or circular")
+    schedules = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
+    if p.schedule not in schedules:
+        raise ConfigError(f"pipeline.schedule={p.schedule!r}: expected one of {', '.join(schedules)}")
+    blocks = p.schedule in ("circular", "interleaved_1f1b")
     if stages > 1 and cfg.model.attention_pattern:
         raise ConfigError(
             f"mesh.stage={stages} with model.attention_pattern={list(cfg.model.attention_pattern)}: "
@@ -1010,15 +1017,16 @@ def _validate_pipeline(cfg: Config) -> None:
         )
     if p.microbatches is not None and p.microbatches < 1:
         raise ConfigError(f"pipeline.microbatches={p.microbatches}: expected a positive integer or null")
-    if p.schedule == "gpipe" and p.repeats != 1:
+    if not blocks and p.repeats != 1:
         raise ConfigError(
-            f"pipeline.repeats={p.repeats}: schedule gpipe has 1 block of layers per stage; "
-            "expected 1, or pipeline.schedule=circular"
+            f"pipeline.repeats={p.repeats}: schedule {p.schedule} has 1 block of layers per stage; "
+            "expected 1, or pipeline.schedule=circular or interleaved_1f1b"
         )
-    if p.schedule == "circular" and p.repeats < 2:
+    if blocks and p.repeats < 2:
+        one = "gpipe" if p.schedule == "circular" else "1f1b"
         raise ConfigError(
-            f"pipeline.repeats={p.repeats}: schedule circular expects >= 2 blocks per stage "
-            "(repeats=1 is gpipe)"
+            f"pipeline.repeats={p.repeats}: schedule {p.schedule} expects >= 2 blocks per stage "
+            f"(repeats=1 is {one})"
         )
     if stages == -1:
         raise ConfigError("mesh.stage=-1: expected an explicit number of pipeline stages")
@@ -1027,6 +1035,35 @@ def _validate_pipeline(cfg: Config) -> None:
     m = p.resolved_microbatches(stages)
     if p.schedule == "circular" and m < stages:
         raise ConfigError(f"pipeline.microbatches={m}: the circular schedule expects >= mesh.stage={stages}")
+    if p.schedule == "interleaved_1f1b" and m % stages:
+        raise ConfigError(
+            f"pipeline.microbatches={m}: the interleaved_1f1b schedule expects a multiple of "
+            f"mesh.stage={stages}"
+        )
+    if p.schedule in ("1f1b", "interleaved_1f1b", "zero_bubble"):
+        # the loss runs inside these pipelines (sharding/tick_pipeline.py): the plain LM loss
+        # of a dense layer stack only, so far
+        if cfg.model.moe is not None:
+            raise ConfigError(
+                f"pipeline.schedule={p.schedule} with model.moe: MoE layers run only in the gpipe "
+                "and circular schedules so far"
+            )
+        if cfg.train.objective != "lm":
+            raise ConfigError(
+                f"pipeline.schedule={p.schedule} with train.objective={cfg.train.objective}: "
+                "expected lm (or pipeline.schedule=gpipe or circular)"
+            )
+        if cfg.model.lora is not None:
+            raise ConfigError(
+                f"pipeline.schedule={p.schedule} with model.lora: expected pipeline.schedule=gpipe "
+                "or circular"
+            )
+        if cfg.optimizer.qk_clip.tau is not None:  # the logits are recorded outside these loops
+            raise ConfigError(
+                f"pipeline.schedule={p.schedule} with optimizer.qk_clip.tau={cfg.optimizer.qk_clip.tau}: "
+                "QK-clip records its logits in the gpipe and circular schedules only so far; expected "
+                "pipeline.schedule=gpipe or circular"
+            )
     model, moe = cfg.model, cfg.model.moe
     chunks = stages * p.repeats
     stacks = (

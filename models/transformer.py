@@ -153,23 +153,9 @@ class Transformer(nnx.Module):
         x = self.embed(tokens)
 
         def run(stack, x, meta, key):
-            graphdef, layer_state = nnx.split(stack)
+            layer, layer_state = self._layer_fn(stack, pipelined=pipeline is not None)
             n = jax.tree.leaves(layer_state)[0].shape[0]
             keys = None if key is None else jax.random.split(key, n)  # one per scanned layer
-
-            def layer(state, meta, x, positions, segment_ids, key=None):
-                module = nnx.merge(graphdef, state)
-                with lora.dropout_keys(key), logit_stats.collecting() as seen:
-                    out = module(x, positions, segment_ids, meta)
-                out, stats = out if isinstance(out, tuple) else (out, None)
-                return out, logit_stats.layer_output(stats, seen, module)
-
-            if remat_policy(cfg) is not None:
-                # Inside a scan XLA cannot CSE the recompute away, and prevent_cse=True would
-                # only add barriers; unrolled, it is what keeps the remat a remat.
-                layer = jax.checkpoint(
-                    layer, policy=remat_policy(cfg), prevent_cse=cfg.unrolled_layers and pipeline is None
-                )
             if pipeline is not None:
                 # Stages over the mesh axis `stage` (sharding/pipeline.py): each layer sees
                 # its microbatch's rows of positions and segment ids.
@@ -253,6 +239,71 @@ class Transformer(nnx.Module):
             self.mtp, residual, emb, positions, segment_ids, cfg=self.cfg, policy=remat_policy(self.cfg)
         )
 
+    def _layer_fn(self, stack, *, pipelined: bool):
+        """(layer(state, meta, x, positions, segment_ids, key=None) -> (x, aux), the stack's
+        stacked state): one layer of `stack`, with the `model.remat` checkpoint."""
+        cfg = self.cfg
+        graphdef, layer_state = nnx.split(stack)
+
+        def layer(state, meta, x, positions, segment_ids, key=None):
+            module = nnx.merge(graphdef, state)
+            with lora.dropout_keys(key), logit_stats.collecting() as seen:
+                out = module(x, positions, segment_ids, meta)
+            out, stats = out if isinstance(out, tuple) else (out, None)
+            return out, logit_stats.layer_output(stats, seen, module)
+
+        if remat_policy(cfg) is not None:
+            # Inside a scan XLA cannot CSE the recompute away, and prevent_cse=True would
+            # only add barriers; unrolled, it is what keeps the remat a remat.
+            layer = jax.checkpoint(
+                layer, policy=remat_policy(cfg), prevent_cse=cfg.unrolled_layers and not pipelined
+            )
+        return layer, layer_state
+
+    def pipelined_loss(
+        self,
+        tokens: jax.Array,
+        loss_fn,
+        loss_inputs,
+        *,
+        pipeline: PipelineSchedule,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """The loss summed over the batch, for a pipeline whose backward runs inside it
+        (`pipeline.backward_inside`: 1f1b, interleaved_1f1b, zero_bubble). The layers, the
+        final norm and `loss_fn(x, head, rows) -> scalar` (x: final-normed activations of one
+        microbatch; head: `self.head()`; rows: that microbatch's rows of the pytree
+        `loss_inputs`, e.g. targets and mask) run in the pipeline's tick loop, the loss at the
+        last stage; the result is differentiable in the parameters (a custom VJP that has
+        computed every gradient in its forward; sharding/tick_pipeline.py). Dense stacks
+        only (config validation rejects MoE with these schedules)."""
+        if not hasattr(self, "blocks") or self.cfg.moe is not None:
+            raise ValueError(f"pipeline: schedule {pipeline.schedule} runs dense layer stacks only")
+        b, s = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        if segment_ids is None:  # stages slice every row input
+            segment_ids = jnp.ones((b, s), jnp.int32)
+        x = self.embed(tokens)
+        layer, layer_state = self._layer_fn(self.blocks, pipelined=True)
+        norm_graphdef, norm_state = nnx.split(self.final_norm)
+
+        def tail(tail_params, y, rows):
+            norm, head = tail_params
+            return loss_fn(nnx.merge(norm_graphdef, norm)(y), head, rows)
+
+        return pipeline.loss(
+            lambda state, x, ex: layer(state, None, x, *ex),
+            tail,
+            layer_state,
+            (norm_state, self.head()),
+            x,
+            (positions, segment_ids),
+            loss_inputs,
+            x_spec=_rows_spec(x, pipeline.microbatches),
+        )
+
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens int [batch, seq] -> activations [batch, seq, d_model] (compute dtype)."""
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(jnp.dtype(self.cfg.compute_dtype))
@@ -267,11 +318,13 @@ class Transformer(nnx.Module):
         """Last layer's activations [batch, seq, d_model] -> logits [batch, seq, vocab]."""
         return self.project(self.final_norm(x))
 
-    def project(self, x: jax.Array) -> jax.Array:
-        """Final-normed activations [batch, seq, d_model] -> logits [batch, seq, vocab]."""
+    def project(self, x: jax.Array, head: jax.Array | None = None) -> jax.Array:
+        """Final-normed activations [batch, seq, d_model] -> logits [batch, seq, vocab].
+        `head`: the output projection to use (default `self.head()`)."""
         # an untied head is stored in this layout; a tied one (the table's transpose) is resharded
         # to it (a no-op unless the head is vocab-parallel)
-        head = constrain(self.head(), ("head_embed", "head_vocab")).astype(jnp.dtype(self.cfg.compute_dtype))
+        head = self.head() if head is None else head
+        head = constrain(head, ("head_embed", "head_vocab")).astype(jnp.dtype(self.cfg.compute_dtype))
         # head_batch: the batch's layout, or gathered over fsdp when the head is vocab-parallel
         # (sharding.vocab_parallel_head)
         x = constrain(x, ("head_batch", "seq", "act_embed"))

@@ -27,6 +27,11 @@ ring of stages R times and the bubble shrinks R-fold for the same M. A
 microbatch leaving the last stage waits in a buffer `[M, rows, ...]` until
 stage 0 takes it for the next repeat, which needs `M >= S` (checked).
 
+The schedules 1f1b, interleaved_1f1b and zero_bubble, whose backward passes interleave with
+the forwards, cannot be autodiff of a forward loop: `sharding/tick_pipeline.py` runs them
+(the loss inside, a custom VJP at the boundary; `Schedule.loss`), with this module's weight
+layout. Every schedule's tick table, and its bubble, is in `sharding/pipeline_tables.py`.
+
 Parameter layout. The caller stores layers in model order `[L, ...]`, sharded
 on `stage` by the rule `layers -> stage` (checkpoints and HF conversion do not
 know about pipelines). For GPipe, stage s's device already holds exactly its
@@ -59,7 +64,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-SCHEDULES = ("gpipe", "circular")
+from jaxtrain.sharding.pipeline_tables import TABLE_SCHEDULES, TickTable
+from jaxtrain.sharding.pipeline_tables import table as schedule_table
+
+SCHEDULES = TABLE_SCHEDULES  # gpipe, circular (this module); 1f1b, interleaved_1f1b, zero_bubble
+# (sharding/tick_pipeline.py: forwards and backwards interleaved, the loss inside the pipeline)
+TICK_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
 
 
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
@@ -70,19 +80,49 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """What a model needs to run its layer stacks as a pipeline (see `run_pipeline`)."""
+    """What a model needs to run its layer stacks as a pipeline.
+
+    `name`: one of SCHEDULES; None: gpipe for repeats=1, circular otherwise. A forward
+    (`__call__`) always runs `run_pipeline` (for a tick schedule that is the forward alone:
+    evaluation, where nothing is kept for a backward). A train step asks `backward_inside`:
+    if true it calls `loss` instead, whose forward and backward interleave by the table."""
 
     stages: int
     microbatches: int
     repeats: int = 1
     axis: str = "stage"
+    name: str | None = None
 
     def __post_init__(self):
         _check_counts(self.stages, self.microbatches, self.repeats)
+        self.table  # noqa: B018 - validates the schedule's name and counts
+
+    @property
+    def schedule(self) -> str:
+        return self.name or ("gpipe" if self.repeats == 1 else "circular")
+
+    @property
+    def table(self) -> TickTable:
+        """Which stage does what at each tick (sharding/pipeline_tables.py)."""
+        return schedule_table(self.schedule, self.stages, self.microbatches, self.repeats)
 
     @property
     def bubble(self) -> float:
-        return bubble_fraction(self.stages, self.microbatches, self.repeats)
+        """The idle share of the schedule's tick table."""
+        return self.table.bubble
+
+    @property
+    def backward_inside(self) -> bool:
+        """Whether the backward pass runs inside the pipeline (TICK_SCHEDULES)."""
+        return self.schedule in TICK_SCHEDULES
+
+    def loss(self, layer_fn, tail_fn, params, tail_params, x, extras, tail_inputs, x_spec=None):
+        """The summed loss of `tail_fn` over the microbatches, differentiable, with forward
+        and backward run by the tick table (sharding/tick_pipeline.py `pipeline_loss`)."""
+        from jaxtrain.sharding.tick_pipeline import pipeline_loss  # it imports this module
+
+        f = pipeline_loss(layer_fn, tail_fn, table=self.table, axis=self.axis, x_spec=x_spec)
+        return f(params, tail_params, x, extras, tail_inputs)
 
     def __call__(self, layer_fn, params, x, extras=None, x_spec=None):
         return run_pipeline(

@@ -208,7 +208,7 @@ def test_train_logs_the_bubble(tmp_path, capfd):
     expected = 3 / (4 * 2 + 3)
     assert [r["pipeline_bubble"] for r in records] == [pytest.approx(expected)] * 2
     assert all(np.isfinite(r["loss"]) for r in records)
-    assert f"bubble (S-1)/(M*R+S-1) = {expected:.3f}" in capfd.readouterr().err  # the console log
+    assert f"bubble (idle share of its tick table) = {expected:.3f}" in capfd.readouterr().err
 
 
 # --- config ----------------------------------------------------------------------------

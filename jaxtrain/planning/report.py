@@ -152,7 +152,8 @@ def format_report(r: dict) -> str:
         f"({r['per_device_batch']:g}/device, {r['microbatches']} microbatch(es))",
     ]
     if r.get("pipeline"):
-        lines.append(f"pipeline    {r['pipeline']}, bubble (S-1)/(M*R+S-1) = {r['pipeline_bubble']:.3f}")
+        bubble = r["pipeline_bubble"]
+        lines.append(f"pipeline    {r['pipeline']}, bubble (idle share of its tick table) = {bubble:.3f}")
     if r.get("compile_s") is not None:
         lines.append(f"compile     {r['compile_s']:.1f} s")
     if r.get("compile_error"):

@@ -587,7 +587,7 @@ def _log_start(cfg: Config, mesh, rates: _Rates, writer, notes) -> None:
     if pp is not None:
         writer.log(
             f"pipeline: {cfg.pipeline.schedule}, {pp.stages} stages x {pp.microbatches} microbatches"
-            f" x {pp.repeats} repeats; bubble (S-1)/(M*R+S-1) = {pp.bubble:.3f}"
+            f" x {pp.repeats} repeats; bubble (idle share of its tick table) = {pp.bubble:.3f}"
         )
     if jax.process_count() > 1:
         writer.log(describe_topology())

@@ -65,7 +65,7 @@ def pipeline_schedule(cfg: Config) -> sharding.PipelineSchedule | None:
     if stages <= 1:
         return None
     p = cfg.pipeline
-    return sharding.PipelineSchedule(stages, p.resolved_microbatches(stages), p.repeats)
+    return sharding.PipelineSchedule(stages, p.resolved_microbatches(stages), p.repeats, name=p.schedule)
 
 
 def build_program(cfg: Config, mesh: Mesh, rules: sharding.AxisRules | None = None) -> TrainProgram:

@@ -152,6 +152,8 @@ def model_loss(
     adapter dropout on (`lora_dropout_key`), None: off. `predict_ahead` (model.mtp set):
     also the multi-token prediction loss, `aux["mtp_loss"]` (trainer/mtp.py)."""
     chunk, pipeline = spec.cfg.train.loss_chunk, spec.pipeline
+    if pipeline is not None and pipeline.backward_inside:
+        return _pipelined_model_loss(model, micro, spec)
     segment_ids = micro["segment_ids"] if spec.packs_documents else None
     predict_ahead = predict_ahead and model.cfg.mtp is not None
     # The named scopes label the ops in a profile (profile.steps): the backward pass shows
@@ -182,6 +184,30 @@ def model_loss(
         else:
             total, count = cross_entropy(model.project(x), micro["targets"], micro["loss_mask"])
     return total, count, aux
+
+
+def _pipelined_model_loss(model, micro: dict, spec: StepSpec) -> tuple[jax.Array, jax.Array, dict]:
+    """model_loss for a pipeline schedule whose backward runs inside the pipeline (1f1b,
+    interleaved_1f1b, zero_bubble): the loss of each microbatch is formed at the last stage,
+    in the schedule's tick loop (models/transformer.py `pipelined_loss`)."""
+    chunk = spec.cfg.train.loss_chunk
+
+    def loss(x, head, rows):
+        targets, mask = rows
+        if chunk:
+            return chunked_cross_entropy(x, head, targets, mask, chunk=chunk)[0]
+        return cross_entropy(model.project(x, head), targets, mask)[0]
+
+    with jax.named_scope("pipeline"):
+        total = model.pipelined_loss(
+            micro["inputs"],
+            loss,
+            (micro["targets"], micro["loss_mask"]),
+            pipeline=spec.pipeline,
+            positions=micro["positions"],
+            segment_ids=micro["segment_ids"] if spec.packs_documents else None,
+        )
+    return total, jnp.sum(micro["loss_mask"].astype(jnp.float32)), {}
 
 
 def whole_params(params: dict, frozen: dict | None) -> dict:
