@@ -224,9 +224,10 @@ def test_a_step_clips_the_heads_the_forward_pass_found_over_tau(overrides):
 
 
 def test_a_step_clips_the_latent_attention_heads_over_tau():
-    """MLA: the step's recorded maxima against the naive MLA forward, then the clip of the
-    unclipped step's weights by them (no-RoPE query and key parts sqrt(g), RoPE query g)."""
-    overrides = ("model.n_kv_heads=4", MLA)
+    """MLA with Muon (MuonClip as Kimi K2 trains): the step's recorded maxima against the
+    naive MLA forward, then the clip of the unclipped step's weights by them (no-RoPE query
+    and key parts sqrt(g), RoPE query g)."""
+    overrides = ("model.n_kv_heads=4", MLA, "optimizer.name=muon")
     cfg, initial, batch, plain, _ = one_step(*overrides)
     logits = reference_mla_max_logits(initial, batch["inputs"], cfg.model)
     tau = float(np.median(logits))
