@@ -175,7 +175,8 @@ class QKClipConfig:
     """QK-clip (Kimi K2's MuonClip; jaxtrain/trainer/qk_clip.py): after each update, every
     attention head whose largest pre-softmax logit in the step exceeded `tau` has its query
     and key weights scaled down by g = tau / max_logit (sqrt(g) on each; with grouped KV
-    heads, g on the query head alone)."""
+    heads, g on the query head alone; with model.mla, sqrt(g) on the no-RoPE query and key
+    parts, g on the RoPE query part, the shared RoPE key untouched)."""
 
     tau: float | None = None  # null: off
 
@@ -925,13 +926,11 @@ def _validate_qk_clip(cfg: Config) -> None:
             f"optimizer.qk_clip.tau={tau} with model.qk_norm={m.qk_norm!r}: the norm undoes a scaled "
             "query or key weight; expected optimizer.qk_clip.tau=null or model.qk_norm=none"
         )
-    for key, on in (("model.mla", m.mla is not None), ("model.mtp", m.mtp is not None)):
-        if on:  # latent attention's clip (Kimi K2's split of the heads' parts) is not written yet
-            raise ConfigError(
-                f"optimizer.qk_clip.tau={tau} with {key}: QK-clip clips multi-head and GQA attention "
-                f"layers only, not yet latent attention or prediction modules; expected "
-                f"optimizer.qk_clip.tau=null or {key}=null"
-            )
+    if m.mtp is not None:  # the prediction modules' attention layers record nothing yet
+        raise ConfigError(
+            f"optimizer.qk_clip.tau={tau} with model.mtp: QK-clip clips the main layers' attention "
+            "only, not yet the prediction modules'; expected optimizer.qk_clip.tau=null or model.mtp=null"
+        )
     if cfg.train.objective != "lm":
         raise ConfigError(
             f"optimizer.qk_clip.tau={tau} with train.objective={cfg.train.objective!r}: QK-clip "

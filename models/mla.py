@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxtrain.models import logit_stats
 from jaxtrain.models.attention import attend
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.layers import (
@@ -89,6 +90,11 @@ class LatentAttention(nnx.Module):
 
     def __call__(self, x, positions, segment_ids, fp8=None):
         q, k, v = self.project(x, positions)
+        if logit_stats.enabled():  # QK-clip (optimizer.qk_clip): each head's largest logit
+            stats = logit_stats.max_logits(
+                q, k, scale=softmax_scale(self.cfg), segment_ids=segment_ids, window=self.window
+            )
+            logit_stats.record(self, stats)
         return self.output(self.attention(q, k, v, segment_ids))
 
     def attention(self, q, k, v, segment_ids):

@@ -238,6 +238,71 @@ def test_one_step_of_stacked_expert_matrices_equals_a_loop_over_matrices():
         params = new
 
 
+MLA = "model.mla={q_lora_rank: 12, kv_lora_rank: 10, qk_nope_head_dim: 6, qk_rope_head_dim: 4, v_head_dim: 5}"
+
+
+def hf_matrices_of_mla(attn: dict, h: int) -> dict:
+    """HF's [out, in] tensors of one layer's latent attention, written out (models/hf.py's
+    DeepSeek-V3 mapping, independently): q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj,
+    o_proj."""
+    flat = lambda w: w.reshape(w.shape[0], -1)  # [in, heads, width] -> [in, heads * width]
+    return {
+        "q_a_proj": attn["wq_a"].T,  # [q_lora, D]
+        "q_b_proj": flat(attn["wq_b"]).T,  # [H * (nope + rope), q_lora]
+        "kv_a_proj_with_mqa": attn["wkv_a"].T,  # [kv_lora + rope, D]: latent and RoPE key, one matrix
+        "kv_b_proj": flat(attn["wkv_b"]).T,  # [H * (nope + v), kv_lora]
+        "o_proj": attn["wo"].reshape(h * attn["wo"].shape[1], -1).T,  # [D, H * v]
+    }
+
+
+def test_one_step_of_latent_attention_equals_torch_muon_on_hfs_matrices():
+    """Muon on an MLA model's attention: each of wq_a, wq_b, wkv_a (the shared RoPE key's
+    columns with the latent's), wkv_b and wo orthogonalised as the one [out, in] matrix HF
+    stores, its lr adjusted by that shape; the latent norms AdamW's. Oracle: torch's update
+    in float64 numpy on the HF tensors, mapped back; tolerance 2e-6 (float32 iteration)."""
+    cfg = tiny_config(None, MLA, "model.n_kv_heads=4").model
+    h, d = cfg.n_heads, cfg.d_model
+    _, state = models.abstract_model(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
+    axes, shapes = models.logical_axes(state), nnx.to_pure_dict(state)
+    labels = muon_labels(axes)["blocks"]["attn"]
+    assert labels["q_norm"]["scale"] == labels["kv_norm"]["scale"] == "adamw"
+    names = ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo")
+    assert all(labels[k] == "muon" for k in names)
+    # a plain query projection (q_lora_rank null) is HF's q_proj, whole
+    plain = tiny_config(None, MLA.replace("q_lora_rank: 12", "q_lora_rank: null"), "model.n_kv_heads=4").model
+    _, plain_state = models.abstract_model(lambda: models.Transformer(plain, rngs=nnx.Rngs(0)))
+    wq = muon.matrix_view(models.logical_axes(plain_state)["blocks"]["attn"]["wq"])
+    assert wq.hf_shape(nnx.to_pure_dict(plain_state)["blocks"]["attn"]["wq"].shape) == (h * 10, d)
+
+    rng = np.random.default_rng(2)
+    attn_shapes = {k: shapes["blocks"]["attn"][k].shape for k in names}
+    p = {k: rng.normal(size=v).astype(np.float32) for k, v in attn_shapes.items()}
+    g = {k: rng.normal(size=v).astype(np.float32) for k, v in attn_shapes.items()}
+    views = {k: muon.matrix_view(axes["blocks"]["attn"][k]) for k in names}
+    lr, wd = 0.05, 0.1
+    tx = muon.muon(MuonConfig(), lambda count: lr, wd, views)
+    jp = jax.tree.map(jnp.asarray, p)
+    got, _ = tx.update(jax.tree.map(jnp.asarray, g), tx.init(jp), jp)
+
+    for layer in range(cfg.n_layers):
+        mine = lambda tree: {k: v[layer].astype(np.float64) for k, v in tree.items()}
+        hf_p, hf_g = hf_matrices_of_mla(mine(p), h), hf_matrices_of_mla(mine(g), h)
+        hf_new = {}
+        for name, w in hf_p.items():  # torch.optim.Muon's first step: buf = 0.05 g, u = 0.05 g + 0.95 buf
+            u = 0.05 * hf_g[name] + 0.95 * (0.05 * hf_g[name])
+            adjusted = lr * 0.2 * math.sqrt(max(w.shape))  # match_rms_adamw on HF's [out, in]
+            hf_new[name] = w * (1 - lr * wd) - adjusted * newton_schulz_np(u)
+        want = {  # back to our layouts
+            "wq_a": hf_new["q_a_proj"].T,
+            "wq_b": hf_new["q_b_proj"].T.reshape(attn_shapes["wq_b"][1:]),
+            "wkv_a": hf_new["kv_a_proj_with_mqa"].T,
+            "wkv_b": hf_new["kv_b_proj"].T.reshape(attn_shapes["wkv_b"][1:]),
+            "wo": hf_new["o_proj"].T.reshape(attn_shapes["wo"][1:]),
+        }
+        for k in names:
+            np.testing.assert_allclose(np.asarray(got[k][layer]), want[k] - p[k][layer], atol=2e-6, err_msg=k)
+
+
 @pytest.mark.parametrize(
     "override, message",
     [

@@ -54,6 +54,60 @@ def test_clip_scales_the_heads_over_tau_by_hand(grouped):
     assert out["wv"] is wq  # values untouched
 
 
+def test_latent_attention_clip_by_hand():
+    """MLA (Kimi K2's split): per head, the no-RoPE query and key columns by sqrt(g), the RoPE
+    query column by g, the values and the shared RoPE key (wkv_a) untouched; written out for
+    1 layer, 2 heads, nope = rope = v = 1, tau 2, maxima 8 and 1 (g = 0.25 and 1)."""
+    wq_b = np.array([[[[1.0, 2.0], [3.0, 4.0]]]], np.float32)  # [layers, q_lora 1, heads, nope + rope]
+    wkv_b = np.array([[[[5.0, 6.0], [7.0, 8.0]]]], np.float32)  # [layers, kv_lora 1, heads, nope + v]
+    wkv_a = np.array([[[9.0, 10.0]]], np.float32)  # [layers, d 1, kv_lora 1 + rope 1]
+    params = {"wq_b": wq_b, "wkv_b": wkv_b, "wkv_a": wkv_a}
+    out = qk_clip.clip_latent_attention(params, jnp.asarray([[8.0, 1.0]]), 2.0, nope=1)
+    # head 0: g = 2 / 8 = 0.25, sqrt(g) = 0.5; head 1 (1 < 2) untouched
+    np.testing.assert_allclose(out["wq_b"], [[[[0.5, 0.5], [3.0, 4.0]]]], rtol=1e-7)
+    np.testing.assert_allclose(out["wkv_b"], [[[[2.5, 6.0], [7.0, 8.0]]]], rtol=1e-7)
+    assert out["wkv_a"] is wkv_a
+    # the head's logit for a latent c = 1 and RoPE key r = 1 (no rotation at position 0):
+    # before 1*5 + 2*1 = 7, after 0.5*2.5 + 0.5*1 = 1.75 = 0.25 * 7
+    before = wq_b[0, 0, 0, 0] * wkv_b[0, 0, 0, 0] + wq_b[0, 0, 0, 1]
+    after = out["wq_b"][0, 0, 0, 0] * out["wkv_b"][0, 0, 0, 0] + out["wq_b"][0, 0, 0, 1]
+    assert before == 7.0 and float(after) == 1.75
+    # a plain query projection (q_lora_rank null) is clipped the same way
+    maxima = jnp.asarray([[8.0, 1.0]])
+    plain = qk_clip.clip_latent_attention({"wq": wq_b, "wkv_b": wkv_b}, maxima, 2.0, nope=1)
+    np.testing.assert_allclose(plain["wq"], out["wq_b"], rtol=1e-7)
+
+
+def test_latent_attention_records_its_logits_with_yarns_scale():
+    """LatentAttention's recorded maxima: loops over its own q and k times (nope + rope)^-0.5
+    x mscale^2, mscale = 0.1 x 0.5 x ln 4 + 1 (YaRN's, rope_mscale_all_dim 0.5)."""
+    from flax import nnx
+
+    from jaxtrain.models.mla import LatentAttention
+
+    cfg = tiny_config(
+        None,
+        MLA,
+        "model.n_kv_heads=4",
+        "model.rope_scaling=yarn",
+        "model.rope_scaling_factor=4",
+        "model.rope_mscale_all_dim=0.5",
+        "model.init_std=0.3",
+    ).model
+    layer = LatentAttention(cfg, rngs=nnx.Rngs(0))
+    s = 5
+    x = jax.random.normal(jax.random.key(1), (1, s, cfg.d_model))
+    positions, segments = jnp.arange(s)[None], jnp.ones((1, s), jnp.int32)
+    with logit_stats.recording(), logit_stats.collecting() as seen:
+        layer(x, positions, segments)
+    [(module, got)] = seen
+    assert module is layer
+    q, k, _ = (np.asarray(t, np.float64) for t in layer.project(x, positions))
+    scale = (8 + 4) ** -0.5 * (0.1 * 0.5 * np.log(4) + 1) ** 2
+    want = [max(scale * q[0, i, h] @ k[0, j, h] for i in range(s) for j in range(i + 1)) for h in range(4)]
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
+
+
 def reference_max_logits(params, tokens, cfg):
     """[layers, heads] largest causal logit of each head: the naive forward (reference_llama's
     pieces), with the scores' maxima read per layer."""
@@ -73,6 +127,42 @@ def reference_max_logits(params, tokens, cfg):
         out.append(jnp.max(jnp.where(causal, scores, -jnp.inf), axis=(0, 2, 3)))
         attn = jnp.einsum("bhqt,bthk->bqhk", jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1), v)
         x = x + jnp.einsum("bqhk,hkd->bqd", attn, p["attn"]["wo"])
+        hn = rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps)
+        gate = hn @ p["mlp"]["w_gate"]
+        x = x + (gate * jax.nn.sigmoid(gate) * (hn @ p["mlp"]["w_up"])) @ p["mlp"]["w_down"]
+    return np.asarray(jnp.stack(out))
+
+
+MLA = "model.mla={q_lora_rank: 16, kv_lora_rank: 16, qk_nope_head_dim: 8, qk_rope_head_dim: 4, v_head_dim: 8}"
+
+
+def reference_mla_max_logits(params, tokens, cfg):
+    """[layers, heads] largest causal logit of each latent attention head: a naive MLA forward
+    (queries through the normed q latent, keys as the up-projected no-RoPE part joined to the
+    one shared RoPE key, the latents' norms at eps 1e-6)."""
+    m = cfg.mla
+    b, s = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+    causal = np.tril(np.ones((s, s), bool))
+    x = params["embedding"][tokens]
+    out = []
+    for layer in range(cfg.n_layers):
+        p = jax.tree.map(lambda a: a[layer], params["blocks"])
+        a = p["attn"]
+        hn = rms_norm(x, p["attn_norm"]["scale"], cfg.norm_eps)
+        q = jnp.einsum("bsr,rhk->bshk", rms_norm(hn @ a["wq_a"], a["q_norm"]["scale"], 1e-6), a["wq_b"])
+        ckv = hn @ a["wkv_a"]
+        latent = rms_norm(ckv[..., : m.kv_lora_rank], a["kv_norm"]["scale"], 1e-6)
+        k_rope = apply_rope(ckv[:, :, None, m.kv_lora_rank :], positions, cfg.rope_theta)
+        kv = jnp.einsum("bsr,rhk->bshk", latent, a["wkv_b"])
+        k_nope, v = kv[..., : m.qk_nope_head_dim], kv[..., m.qk_nope_head_dim :]
+        n = m.qk_nope_head_dim
+        q = jnp.concatenate([q[..., :n], apply_rope(q[..., n:], positions, cfg.rope_theta)], axis=-1)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], m.qk_rope_head_dim))], -1)
+        scores = jnp.einsum("bqhk,bthk->bhqt", q, k) / np.sqrt(n + m.qk_rope_head_dim)
+        out.append(jnp.max(jnp.where(causal, scores, -jnp.inf), axis=(0, 2, 3)))
+        attn = jnp.einsum("bhqt,bthk->bqhk", jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1), v)
+        x = x + jnp.einsum("bqhk,hkd->bqd", attn, a["wo"])
         hn = rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps)
         gate = hn @ p["mlp"]["w_gate"]
         x = x + (gate * jax.nn.sigmoid(gate) * (hn @ p["mlp"]["w_up"])) @ p["mlp"]["w_down"]
@@ -130,6 +220,33 @@ def test_a_step_clips_the_heads_the_forward_pass_found_over_tau(overrides):
         if "'wq'" not in str(path) and "'wk'" not in str(path)
     ]
     for a, b in zip(rest(clipped), rest(plain), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_step_clips_the_latent_attention_heads_over_tau():
+    """MLA with Muon (MuonClip as Kimi K2 trains): the step's recorded maxima against the
+    naive MLA forward, then the clip of the unclipped step's weights by them (no-RoPE query
+    and key parts sqrt(g), RoPE query g)."""
+    overrides = ("model.n_kv_heads=4", MLA, "optimizer.name=muon")
+    cfg, initial, batch, plain, _ = one_step(*overrides)
+    logits = reference_mla_max_logits(initial, batch["inputs"], cfg.model)
+    tau = float(np.median(logits))
+    assert (logits > tau).any() and (logits < tau).any()
+    _, _, _, clipped, metrics = one_step(*overrides, f"optimizer.qk_clip.tau={tau}")
+    np.testing.assert_allclose(metrics["attention/max_logit"], logits.max(), rtol=1e-5)
+    g = np.where(logits > tau, tau / logits, 1.0)[:, None, :, None]  # [layers, 1, heads, 1]
+    nope = cfg.model.mla.qk_nope_head_dim
+    a_plain, a_clipped = plain["blocks"]["attn"], clipped["blocks"]["attn"]
+    q_factor = np.concatenate([np.sqrt(g).repeat(nope, -1), g.repeat(4, -1)], axis=-1)
+    kv_factor = np.concatenate([np.sqrt(g).repeat(nope, -1), np.ones_like(g).repeat(8, -1)], axis=-1)
+    np.testing.assert_allclose(a_clipped["wq_b"], a_plain["wq_b"] * q_factor, rtol=2e-5)
+    np.testing.assert_allclose(a_clipped["wkv_b"], a_plain["wkv_b"] * kv_factor, rtol=2e-5)
+    rest = lambda p: [
+        v
+        for path, v in jax.tree_util.tree_flatten_with_path(p)[0]
+        if "'wq_b'" not in str(path) and "'wkv_b'" not in str(path)
+    ]
+    for a, b in zip(rest(clipped), rest(plain), strict=True):  # wkv_a (the RoPE key) among them
         np.testing.assert_array_equal(a, b)
 
 

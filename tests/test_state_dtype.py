@@ -70,9 +70,13 @@ def test_bfloat16_state_halves_the_state_bytes_of_the_compiled_step():
     assert abs(bound("float32") - bound("bfloat16") - 2 * want) <= 1
 
 
+MLA = "model.mla={q_lora_rank: 8, kv_lora_rank: 12, qk_nope_head_dim: 6, qk_rope_head_dim: 4, v_head_dim: 6}"
+
+
 def test_muon_parameter_count_is_the_labelled_one():
     """footprint.muon_param_count (config arithmetic) against the optimizer's own labels on the
-    built models, dense and MoE (shared experts too)."""
+    built models, dense, MoE (shared experts too) and latent attention (with and without a query
+    latent)."""
     from flax import nnx
 
     from jaxtrain import models
@@ -81,6 +85,8 @@ def test_muon_parameter_count_is_the_labelled_one():
     for overrides in (
         (),
         ("model.moe={num_experts: 4, top_k: 2, num_shared_experts: 1, first_dense_layers: 1}",),
+        (MLA, "model.n_kv_heads=4"),
+        (MLA.replace("q_lora_rank: 8", "q_lora_rank: null"), "model.n_kv_heads=4"),
     ):
         m = small(*overrides).model
         _, state = models.abstract_model(lambda m=m: models.Transformer(m, rngs=nnx.Rngs(0)))

@@ -73,8 +73,8 @@ def _moment_shards(cfg: Config, size) -> int:
 
 def muon_param_count(m) -> int:
     """Parameters optimizer.name=muon gives to Muon (trainer/muon.py: the attention and MLP
-    matrices of every layer, each expert's included); none with model.lora, whose adapters
-    AdamW trains."""
+    matrices of every layer, latent attention's and each expert's included); none with
+    model.lora, whose adapters AdamW trains."""
     if m.lora is not None:
         return 0
     d = m.d_model
@@ -83,6 +83,8 @@ def muon_param_count(m) -> int:
         n_moe = m.moe.num_moe_layers(m)
         per_moe_layer = 3 * d * m.moe.mlp_dim(m) * (m.moe.num_experts + m.moe.num_shared_experts)
     attention = d * m.resolved_head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
+    if m.mla is not None:  # all its projections; its latent norms' scales are AdamW's
+        attention = m.mla.param_count(m) - m.mla.kv_lora_rank - (m.mla.q_lora_rank or 0)
     return m.n_layers * attention + (m.n_layers - n_moe) * 3 * d * m.mlp_dim + n_moe * per_moe_layer
 
 

@@ -3,8 +3,12 @@ the hidden weight matrices, each taken as the one matrix Hugging Face stores.
 
 Which parameters, and as which matrix. A parameter is a hidden matrix when its logical axes,
 after the stacking axes (`layers`; MoE's `expert`: each layer's and each expert's own
-matrix), are `embed` and only hidden axes (heads, kv_heads, head_dim, mlp), `embed` first
-(an input projection: q/k/v, gate, up) or last (an output projection: o, down). Our layouts
+matrix), are `embed` and only hidden axes (heads, kv_heads, head_dim, mlp, and latent
+attention's latents q_lora, kv_lora), `embed` first (an input projection: q/k/v, gate, up,
+MLA's down-projections wq_a and wkv_a, the shared RoPE key's columns included as HF's
+`kv_a_proj_with_mqa` holds them) or last (an output projection: o, down); or, without
+`embed`, a latent first and heads after it (MLA's up-projections wq_b, wkv_b: HF's
+`q_b_proj` [H * (nope + rope), q_lora], `kv_b_proj` [H * (nope + v), kv_lora]). Our layouts
 are [in..., out...]; the matrix is [prod(in), prod(out)], the transpose of HF's [out, in]
 (q_proj: [d_model, heads * head_dim] here, [heads * head_dim, d_model] there), never one head
 at a time. Embeddings, the LM head (vocab axes), norm scales, biases, routers (an unnamed
@@ -45,7 +49,9 @@ from jaxtrain.config import MuonConfig
 #: Leading axes that stack independent matrices (the layer scan's, MoE's experts).
 STACK_AXES = frozenset({"layers", "expert"})
 #: The axes a hidden matrix has besides `embed`.
-HIDDEN_AXES = frozenset({"heads", "kv_heads", "head_dim", "mlp"})
+HIDDEN_AXES = frozenset({"heads", "kv_heads", "head_dim", "mlp", "q_lora", "kv_lora"})
+#: Latent attention's latents: the input of its up-projections (models/mla.py).
+LATENT_AXES = frozenset({"q_lora", "kv_lora"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +85,8 @@ def matrix_view(logical_axes: Sequence[str | None]) -> MatrixView | None:
     while n_stack < len(axes) and axes[n_stack] in STACK_AXES:
         n_stack += 1
     core = axes[n_stack:]
+    if len(core) >= 2 and core[0] in LATENT_AXES and set(core[1:]) <= HIDDEN_AXES - LATENT_AXES:
+        return MatrixView(n_stack, 1)  # an MLA up-projection: [latent, heads, width]
     if len(core) < 2 or core.count("embed") != 1 or not set(core) - {"embed"} <= HIDDEN_AXES:
         return None
     if core[0] == "embed":
