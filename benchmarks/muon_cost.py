@@ -13,18 +13,17 @@ bytes, deviceless (no accelerator needed).
   global batch's tokens.
 - `--compile`: also the whole train step compiled for one H100 (deviceless, `jaxtrain compile
   --target gpu:h100 --gpus-per-host 1`) with adamw and with muon: the compiled memory figures.
-Writes benchmarks/results/muon_cost/<UTC time>-<sha>.json (git, date, machine, command,
-figures) and prints the figures.
+Prints the figures and the table docs/benchmarks.md quotes; the run is recorded as
+benchmarks/results/muon_cost/<UTC time>-<sha>.json (benchmarks/result_file.py), with the
+table as `cost`.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +40,7 @@ from jaxtrain.planning.flops import flops_per_token  # noqa: E402
 from jaxtrain.trainer import muon  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+COST_HEADER = ["figure", "adamw", "muon"]
 
 
 def hidden_matrices(cfg) -> list[tuple[str, int, tuple[int, int]]]:
@@ -121,36 +121,62 @@ def main(argv: list[str]) -> int:
     if args.compile:
         figures["h100_compiled_memory"] = {name: compiled_memory(config, name) for name in ("adamw", "muon")}
     print(json.dumps(figures, indent=2))
-    write_result(figures, argv)
+    rows = cost_rows(figures)
+    print(f"\n| {' | '.join(COST_HEADER)} |\n|---|---:|---:|")
+    for cells in rows:
+        print("| " + " | ".join(cells) + " |")
+    try:  # run as a script: benchmarks/ is on the path, as for the recording in __main__
+        import result_file
+    except ImportError:  # imported as benchmarks.muon_cost: nothing records
+        from benchmarks import result_file
+    result_file.add_figures(**figures)
+    result_file.add_table("cost", COST_HEADER, rows)
     return 0
 
 
-def write_result(figures: dict, argv: list[str]) -> Path:
-    sha = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO
-    ).stdout.strip()
-    clean = not subprocess.run(
-        ["git", "status", "--porcelain"], capture_output=True, text=True, cwd=REPO
-    ).stdout
-    now = dt.datetime.now(dt.UTC)
-    record = {
-        "git": {"commit": sha, "clean": clean},
-        "date": now.isoformat(timespec="seconds"),
-        "machine": {
-            "host": platform.node(),
-            "cpu": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-        },
-        "command": " ".join(["python", "benchmarks/muon_cost.py", *argv]),
-        "devices": "none: deviceless (XLA:CPU cost analysis; H100 compile-only devices with --compile)",
-        "figures": figures,
-    }
-    out = REPO / "benchmarks" / "results" / "muon_cost" / f"{now:%Y%m%dT%H%M%SZ}-{sha[:8]}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out.relative_to(REPO)}", file=sys.stderr)
-    return out
+def cost_rows(figures: dict) -> list[list[str]]:
+    """The `cost` table (COST_HEADER) from the run's figures: Newton-Schulz's FLOPs and bytes
+    against the step's, the optimizer state, and the compiled H100 memory when --compile ran."""
+    gib = lambda b: f"{b / 2**30:.2f} GiB"
+    counted, xla = figures["ns_flops_counted"], figures["ns_flops_xla"]
+    matrices = sum(m["count"] for m in figures["matrices"])
+    step = f"{figures['step_model_flops'] / 1e12:.1f} TFLOP"
+    rows = [
+        [
+            f"parameters Muon updates ({matrices} matrices)",
+            "-",
+            f"{figures['muon_params'] / 1e6:.1f} M of {figures['params'] / 1e6:.1f} M",
+        ],
+        [
+            f"Newton-Schulz FLOPs per step ({figures['ns_steps']} steps, {figures['ns_dtype']}; counted, "
+            f"XLA's count within {abs(xla - counted) / counted:.2%})",
+            "-",
+            f"{counted / 1e12:.1f} TFLOP",
+        ],
+        ["the step's model FLOPs (6 N + attention)", step, step],
+        [
+            "Newton-Schulz bytes accessed per step (XLA:CPU's cost model, unfused)",
+            "-",
+            f"{figures['ns_bytes_accessed_xla'] / 1e9:.0f} GB",
+        ],
+        [
+            "optimizer state, float32",
+            gib(figures["state_bytes_adamw_f32"]),
+            gib(figures["state_bytes_muon_f32"]),
+        ],
+    ]
+    compiled = figures.get("h100_compiled_memory")
+    if compiled:
+        for what, key in (
+            ("arguments (params + state + batch)", "argument"),
+            ("temporaries", "temp"),
+            ("total", "total"),
+        ):
+            rows.append([f"H100 compiled: {what}", gib(compiled["adamw"][key]), gib(compiled["muon"][key])])
+    return rows
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    import result_file  # benchmarks/: on the path when run as a script
+
+    sys.exit(result_file.run("muon_cost", lambda: main(sys.argv[1:])))

@@ -5,18 +5,16 @@ Muon's bfloat16 optimizer state against float32 at that lr.
 
 configs/tiny-text.yaml (the byte-level tiny model on this repository's docs and sources), the
 same tokens in the same order for every run (seed 0). For each optimizer every lr in --lrs is
-trained; the best is the one with the lowest mean loss over the last 10 steps. Writes
-benchmarks/results/muon_vs_adamw/<UTC time>-<sha>.json and prints a Markdown table.
+trained; the best is the one with the lowest mean loss over the last 10 steps. Prints a
+Markdown table; the run is recorded as benchmarks/results/muon_vs_adamw/<UTC time>-<sha>.json
+(benchmarks/result_file.py), with the table as `loss`.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +25,7 @@ from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.trainer import train  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+LOSS_HEADER = ["optimizer", "best lr", "loss at step 1", "mean loss, last 10 steps"]
 
 
 def losses(steps: int, *overrides: str) -> list[float]:
@@ -56,7 +55,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--lrs", default="1e-3,3e-3,1e-2")
     args = parser.parse_args(argv)
     lrs = [float(x) for x in args.lrs.split(",")]
-    tail = lambda xs: sum(xs[-10:]) / len(xs[-10:])
     runs = {}
     for name in ("adamw", "muon"):
         for lr in lrs:
@@ -79,41 +77,41 @@ def main(argv: list[str]) -> int:
         "muon_bf16_state_curve": bf16,
         "muon_bf16_state_max_abs_loss_difference": max(abs(a - b) for a, b in zip(bf16, f32)),
     }
-    print("| optimizer | best lr | loss at step 1 | mean loss, last 10 steps |")
-    print("|---|---:|---:|---:|")
-    for name in ("adamw", "muon"):
-        c = runs[f"{name} lr={best[name]:g}"]
-        print(f"| {name} | {best[name]:g} | {c[0]:.3f} | {tail(c):.3f} |")
-    print(f"| muon, bfloat16 state | {best['muon']:g} | {bf16[0]:.3f} | {tail(bf16):.3f} |")
+    rows = loss_rows(figures)
+    print(f"| {' | '.join(LOSS_HEADER)} |\n|---|---:|---:|---:|")
+    for cells in rows:
+        print("| " + " | ".join(cells) + " |")
     print(
         f"muon bfloat16 state: at most {figures['muon_bf16_state_max_abs_loss_difference']:.2e} from float32"
     )
-    write_result(figures, argv)
+    try:  # run as a script: benchmarks/ is on the path, as for the recording in __main__
+        import result_file
+    except ImportError:  # imported as benchmarks.muon_vs_adamw: nothing records
+        from benchmarks import result_file
+    result_file.add_figures(**figures)
+    result_file.add_table("loss", LOSS_HEADER, rows)
     return 0
 
 
-def write_result(figures: dict, argv: list[str]) -> Path:
-    git = lambda *args: subprocess.run(["git", *args], capture_output=True, text=True, cwd=REPO).stdout
-    sha, clean = git("rev-parse", "HEAD").strip(), not git("status", "--porcelain")
-    now = dt.datetime.now(dt.UTC)
-    record = {
-        "git": {"commit": sha, "clean": clean},
-        "date": now.isoformat(timespec="seconds"),
-        "machine": {
-            "host": platform.node(),
-            "cpu": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-        },
-        "command": " ".join(["python", "benchmarks/muon_vs_adamw.py", *argv]),
-        "devices": "CPU",
-        "figures": figures,
-    }
-    out = REPO / "benchmarks" / "results" / "muon_vs_adamw" / f"{now:%Y%m%dT%H%M%SZ}-{sha[:8]}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out.relative_to(REPO)}", file=sys.stderr)
-    return out
+def tail(losses: list[float]) -> float:
+    """The mean loss of the last 10 steps (what picks the best lr)."""
+    return sum(losses[-10:]) / len(losses[-10:])
+
+
+def loss_rows(figures: dict) -> list[list[str]]:
+    """The `loss` table (LOSS_HEADER) from the run's figures: each optimizer at its best lr,
+    then Muon with bfloat16 state at Muon's."""
+    best = figures["best_lr"]
+    rows = []
+    for name in ("adamw", "muon"):
+        c = figures["curves"][f"{name} lr={best[name]:g}"]
+        rows.append([name, f"{best[name]:g}", f"{c[0]:.3f}", f"{tail(c):.3f}"])
+    bf16 = figures["muon_bf16_state_curve"]
+    rows.append(["muon, bfloat16 state", f"{best['muon']:g}", f"{bf16[0]:.3f}", f"{tail(bf16):.3f}"])
+    return rows
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    import result_file  # benchmarks/: on the path when run as a script
+
+    sys.exit(result_file.run("muon_vs_adamw", lambda: main(sys.argv[1:])))

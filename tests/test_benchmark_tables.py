@@ -1,6 +1,6 @@
-"""The tables benchmarks/grpo.py and benchmarks/checkpoint.py record, built from hand-made
-metrics records and a goodput document (figures worked out by hand below). Pure Python: no
-jax program runs here."""
+"""The tables benchmarks/grpo.py, checkpoint.py, muon_cost.py and muon_vs_adamw.py record,
+built from hand-made metrics records, a goodput document and figures (worked out by hand
+below). Pure Python: no jax program runs here (the muon scripts import jax, and run nothing)."""
 
 from __future__ import annotations
 
@@ -66,3 +66,63 @@ def test_checkpoint_step_rows_against_the_run_without_checkpoints():
     # mean 3.05 / 3, median 1.0 (+0%); blocked median 3 ms = 0.3% of 1.0 s
     assert rows[2] == ["local tier every 1", "1.017", "1.000", "+0.0%", "3", "3.0", "0.3%"]
     assert all(len(r) == len(checkpoint.STEP_HEADER) for r in rows)
+
+
+def test_muon_cost_rows_from_hand_made_figures():
+    from benchmarks import muon_cost
+
+    figures = {
+        "matrices": [
+            {"param": "wq", "count": 2, "hf_shape": [8, 8]},
+            {"param": "wo", "count": 3, "hf_shape": [8, 8]},
+        ],
+        "muon_params": 3_000_000,
+        "params": 4_500_000,
+        "ns_steps": 5,
+        "ns_dtype": "float32",
+        "ns_flops_counted": 2e12,
+        "ns_flops_xla": 2.002e12,  # 0.1% above the count
+        "ns_bytes_accessed_xla": 3.4e9,
+        "step_model_flops": 10e12,
+        "state_bytes_adamw_f32": 2**31,
+        "state_bytes_muon_f32": 3 * 2**29,
+    }
+    rows = muon_cost.cost_rows(figures)
+    assert rows == [
+        ["parameters Muon updates (5 matrices)", "-", "3.0 M of 4.5 M"],
+        [
+            "Newton-Schulz FLOPs per step (5 steps, float32; counted, XLA's count within 0.10%)",
+            "-",
+            "2.0 TFLOP",
+        ],
+        ["the step's model FLOPs (6 N + attention)", "10.0 TFLOP", "10.0 TFLOP"],
+        ["Newton-Schulz bytes accessed per step (XLA:CPU's cost model, unfused)", "-", "3 GB"],
+        ["optimizer state, float32", "2.00 GiB", "1.50 GiB"],
+    ]
+    compiled = {"argument": 2**30, "temp": 2**29, "total": 3 * 2**29}
+    figures["h100_compiled_memory"] = {"adamw": compiled, "muon": {k: v // 2 for k, v in compiled.items()}}
+    assert muon_cost.cost_rows(figures)[5:] == [
+        ["H100 compiled: arguments (params + state + batch)", "1.00 GiB", "0.50 GiB"],
+        ["H100 compiled: temporaries", "0.50 GiB", "0.25 GiB"],
+        ["H100 compiled: total", "1.50 GiB", "0.75 GiB"],
+    ]
+    assert all(len(r) == len(muon_cost.COST_HEADER) for r in muon_cost.cost_rows(figures))
+
+
+def test_muon_vs_adamw_rows_take_each_best_lr_and_the_last_ten_steps():
+    from benchmarks import muon_vs_adamw
+
+    figures = {
+        "best_lr": {"adamw": 0.003, "muon": 0.01},
+        "curves": {
+            "adamw lr=0.001": [9.0] * 12,  # not the best: in no row
+            "adamw lr=0.003": [6.0] + [3.0] * 5 + [2.0] * 6,  # last 10: (4 x 3 + 6 x 2) / 10 = 2.4
+            "muon lr=0.01": [5.5] + [1.0] * 11,
+        },
+        "muon_bf16_state_curve": [5.5] + [1.0] * 10 + [1.1],  # last 10: (9 x 1.0 + 1.1) / 10 = 1.01
+    }
+    assert muon_vs_adamw.loss_rows(figures) == [
+        ["adamw", "0.003", "6.000", "2.400"],
+        ["muon", "0.01", "5.500", "1.000"],
+        ["muon, bfloat16 state", "0.01", "5.500", "1.010"],
+    ]
