@@ -8,7 +8,10 @@ token uses: for MoE, the top-k routed and shared experts only; embedding lookup
 excluded; a tied embedding still counts once as the output projection) + attention:
 12 * layers * seq * d_attn, halved when causal, where
 d_attn = n_heads * head_dim (= d_model for the usual shapes). This is the
-PaLM-paper convention MaxText also uses, so MFU figures compare.
+PaLM-paper convention MaxText also uses, so MFU figures compare. Latent attention
+(model.mla) scores with a query/key width unlike its value width: its QK^T and PV
+matmuls count apart, d_attn = n_heads * (qk_head_dim + v_head_dim) / 2 (DeepSeek-V3:
+128 x (192 + 128) / 2; head_dim is unused there).
 """
 
 from __future__ import annotations
@@ -33,7 +36,11 @@ __all__ = [
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
     n = cfg.active_param_count(include_embedding=cfg.tie_embeddings)
-    attn = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.resolved_head_dim
+    if cfg.mla is not None:  # QK^T over qk_head_dim, PV over v_head_dim (module docstring)
+        d_attn = cfg.n_heads * (cfg.mla.qk_head_dim + cfg.mla.v_head_dim) / 2
+    else:
+        d_attn = cfg.n_heads * cfg.resolved_head_dim
+    attn = 12 * cfg.n_layers * seq_len * d_attn
     return 6 * n + (attn / 2 if causal else attn)
 
 
