@@ -42,6 +42,27 @@ def test_platform_choices(platform, attention, cpu_tuning, exchange, grouped):
     assert f"model.attention_impl=auto -> {attention}: " in notes
 
 
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+def test_latent_attention_with_a_narrower_value_resolves_to_xla(platform):
+    """MLA's value head dim (v_head_dim) differs from its query/key one (nope + rope): only
+    xla_attention takes that (the flash kernels refuse it, models/attention.py), so auto must
+    not pick them on any platform; with equal widths the platform's choice stands."""
+    mla = (
+        "model.n_kv_heads=4",
+        "model.mla.kv_lora_rank=16",
+        "model.mla.qk_nope_head_dim=8",
+        "model.mla.qk_rope_head_dim=8",
+    )
+    narrower = resolve(tiny_config(None, *mla, "model.mla.v_head_dim=8"), Placement(platform, {"fsdp": 8}))
+    assert narrower.config.model.attention_impl == "xla"
+    assert any(
+        n.startswith("model.attention_impl=auto -> xla: latent attention's value head dim 8 differs")
+        for n in narrower.notes
+    )
+    equal = resolve(tiny_config(None, *mla, "model.mla.v_head_dim=16"), Placement(platform, {"fsdp": 8}))
+    assert equal.config.model.attention_impl == {"cpu": "xla", "gpu": "pallas", "tpu": "pallas"}[platform]
+
+
 @pytest.mark.parametrize(
     "platform,overrides,mesh,scanned,logged",
     [

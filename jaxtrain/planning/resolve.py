@@ -6,7 +6,8 @@ memory), in this order, each step seeing the ones before it:
 
 | setting                   | depends on      | `auto` picks                                               |
 |---------------------------|-----------------|------------------------------------------------------------|
-| model.attention_impl      | platform, chip  | GPU fastest measured (attention_speeds), TPU pallas, CPU xla |
+| model.attention_impl      | platform, chip, | GPU fastest measured (attention_speeds), TPU pallas, CPU xla |
+|                           | model.mla       | xla for MLA whose value head dim differs from its qk one   |
 | model.gpu_flash_kernel    | platform, chip  | GPU: mosaic (Hopper) where it takes the case, else triton  |
 | model.cpu_tuning          | platform        | true on CPU: models/cpu_tuning.py's program changes        |
 | model.scan_layers         | platform, mesh  | unrolled on one GPU (up to UNROLL_MAX_LAYERS), else scanned |
@@ -188,6 +189,11 @@ def axis_rules(cfg: Config) -> sharding.AxisRules:
 
 def _attention_impl(cfg: Config, p: Placement) -> tuple[str, str]:
     m = cfg.model
+    if m.mla is not None and m.mla.v_head_dim != m.mla.qk_head_dim:
+        return "xla", (
+            f"latent attention's value head dim {m.mla.v_head_dim} differs from its query/key "
+            f"head dim {m.mla.qk_head_dim}; of the attention paths only xla takes that"
+        )
     if p.platform == "gpu":
         return choose_gpu_attention(
             chip=p.chip,
