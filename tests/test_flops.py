@@ -16,6 +16,20 @@ def test_flops_per_token_by_hand():
     assert flops_per_token(cfg, 256, causal=False) == 6 * n + attn
 
 
+def test_latent_attention_counts_qk_and_v_widths_apart():
+    """MLA (DeepSeek-V3): QK^T runs over qk_nope + qk_rope = 192 values a head, PV over
+    v_head_dim = 128; the parameters come from param_count (checked in test_deepseek)."""
+    from jaxtrain.models.config import MLAConfig
+
+    mla = MLAConfig(q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+    cfg = ModelConfig(vocab_size=1000, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_dim=128, mla=mla)
+    n = cfg.active_param_count(include_embedding=False)
+    # per layer, forward: QK^T 2 * seq * 4 * 24 and PV 2 * seq * 4 * 12; x3 with the backward
+    attn = 2 * 3 * 256 * (2 * 4 * 24 + 2 * 4 * 12)
+    assert flops_per_token(cfg, 256, causal=False) == 6 * n + attn
+    assert flops_per_token(cfg, 256) == 6 * n + attn / 2
+
+
 def test_tied_embedding_counts_once_as_output_projection():
     untied = ModelConfig(vocab_size=1000, d_model=64, n_layers=1, n_heads=4, n_kv_heads=4, mlp_dim=64)
     tied = ModelConfig(

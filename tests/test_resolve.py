@@ -42,6 +42,24 @@ def test_platform_choices(platform, attention, cpu_tuning, exchange, grouped):
     assert f"model.attention_impl=auto -> {attention}: " in notes
 
 
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+def test_latent_attention_with_a_narrower_value_keeps_the_flash_kernel(platform):
+    """MLA's value head dim (v_head_dim) differs from its query/key one (nope + rope): the
+    portable flash kernel takes that (TPU, Triton), cuDNN and the Hopper kernel do not, so auto
+    keeps the platform's flash kernel and on a GPU runs it in Triton."""
+    mla = (
+        "model.n_kv_heads=4",
+        "model.mla.kv_lora_rank=16",
+        "model.mla.qk_nope_head_dim=8",
+        "model.mla.qk_rope_head_dim=8",
+    )
+    for v in (8, 16):
+        got = resolve(tiny_config(None, *mla, f"model.mla.v_head_dim={v}"), Placement(platform, {"fsdp": 8}))
+        assert got.config.model.attention_impl == {"cpu": "xla", "gpu": "pallas", "tpu": "pallas"}[platform]
+        if platform == "gpu" and v == 8:
+            assert got.config.model.gpu_flash_kernel == "triton"
+
+
 @pytest.mark.parametrize(
     "platform,overrides,mesh,scanned,logged",
     [

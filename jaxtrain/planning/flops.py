@@ -10,7 +10,9 @@ excluded; a tied embedding still counts once as the output projection) + attenti
 d_attn = n_heads * head_dim (= d_model for the usual shapes). This is the
 PaLM-paper convention MaxText also uses, so MFU figures compare. Multi-token
 prediction (model.mtp) adds its modules' parameters to N, the shared output head
-once more per module, and a layer of attention per module.
+once more per module, and a layer of attention per module. Latent attention
+(model.mla) scores with a query/key width unlike its value width: its QK^T and PV
+matmuls count apart (`ModelConfig.attention_widths`; DeepSeek-V3: 192 and 128).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ memory), in this order, each step seeing the ones before it:
 
 | setting                   | depends on      | `auto` picks                                               |
 |---------------------------|-----------------|------------------------------------------------------------|
-| model.attention_impl      | platform, chip  | GPU fastest measured (attention_speeds), TPU pallas, CPU xla |
+| model.attention_impl      | platform, chip, | GPU fastest measured (attention_speeds), TPU pallas, CPU xla |
+|                           | model.mla       | xla for MLA whose value head dim differs from its qk one   |
 | model.gpu_flash_kernel    | platform, chip  | GPU: mosaic (Hopper) where it takes the case, else triton  |
 | model.cpu_tuning          | platform        | true on CPU: models/cpu_tuning.py's program changes        |
 | model.scan_layers         | platform, mesh  | unrolled on one GPU (up to UNROLL_MAX_LAYERS), else scanned |
