@@ -722,7 +722,7 @@ class ModelConfig:
     @property
     def layers_per_group(self) -> int:
         """Layers in one scanned element of the dense stack: the whole attention pattern
-        (models/layers.py PatternGroup), else 1."""
+        (models/blocks.py PatternGroup), else 1."""
         return max(1, len(self.attention_pattern))
 
     @property

@@ -57,7 +57,7 @@ def site_meta(history: int) -> dict:
 
 
 def block_meta(cfg, *, moe: bool) -> dict:
-    """The sites of one decoder block (layers.Block, or moe.MoEBlock when `moe`)."""
+    """The sites of one decoder block (blocks.Block, or moe.MoEBlock when `moe`)."""
     site = lambda: site_meta(cfg.fp8_amax_history)
     mlp = {k: site() for k in MLP_SITES}
     if moe:

@@ -53,7 +53,8 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.models.attention import attend, sink_softmax
-from jaxtrain.models.layers import PatternGroup, norm_after, norm_before, post_norm
+from jaxtrain.models.blocks import PatternGroup, post_norm
+from jaxtrain.models.layers import norm_after, norm_before
 from jaxtrain.models.masks import softcapped
 from jaxtrain.models.transformer import MoEGroup, Transformer
 from jaxtrain.sharding import axis_rules, constrain, current_rules
@@ -219,7 +220,7 @@ def _attention(attn, x, cache, step: _Step, layer=None):
 
 
 def _block(block, x, cache, step: _Step, layer=None):
-    """One decoder block (layers.Block or moe.MoEBlock: the same residual layout) with its cache."""
+    """One decoder block (blocks.Block or moe.MoEBlock: the same residual layout) with its cache."""
     cfg = block.attn.cfg
     h, cache = _attention(block.attn, norm_before(block.attn_norm, x, cfg), cache, step, layer)
     x = x + norm_after(block.attn_norm, h, cfg, post_norm(block, "attn"))

@@ -290,15 +290,6 @@ class Attention(nnx.Module):
         return checkpoint_name(y, "out_proj")
 
 
-def attention_layer(cfg: ModelConfig, *, rngs: nnx.Rngs, kind: str | None = None):
-    """A block's attention: layers.Attention (GQA), or with `model.mla` latent attention."""
-    if cfg.mla is not None:
-        from jaxtrain.models.mla import LatentAttention  # built on this module's norms and RoPE
-
-        return LatentAttention(cfg, rngs=rngs, kind=kind)
-    return Attention(cfg, rngs=rngs, kind=kind)
-
-
 class MLP(nnx.Module):
     """Gated feed-forward: SwiGLU, or GeGLU with `model.mlp_activation: gelu_tanh`."""
 
@@ -337,55 +328,3 @@ def swiglu(x, w_gate, w_up, w_down, cfg: ModelConfig, fp8=None, adapters=None):
     act = jax.nn.silu if cfg.mlp_activation == "silu" else lambda g: jax.nn.gelu(g, approximate=True)
     h = constrain(act(gate) * up, ("batch", "seq", "act_mlp"))
     return checkpoint_name(mm(h, w_down, ("mlp", "embed"), "w_down"), "mlp_out")
-
-
-class Block(nnx.Module):
-    """Decoder block: x + attn(norm(x)), then + mlp(norm(x)) (pre-norms); with
-    `model.norm_placement: post`, x + norm(attn(x)), then + norm(mlp(x)); with `both`,
-    x + post_norm(attn(norm(x))), then the same around the MLP (Gemma). `kind`: the layer's
-    kind in `model.attention_pattern` (None without one)."""
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, kind: str | None = None):
-        self.attn_norm = RMSNorm(cfg, rngs=rngs)
-        self.attn = attention_layer(cfg, rngs=rngs, kind=kind)
-        self.mlp_norm = RMSNorm(cfg, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
-        if cfg.norm_placement == "both":
-            self.attn_post_norm = RMSNorm(cfg, rngs=rngs)
-            self.mlp_post_norm = RMSNorm(cfg, rngs=rngs)
-
-    def __call__(self, x, positions, segment_ids, fp8=None):
-        cfg = self.attn.cfg
-        x = checkpoint_name(x, "layer_input")
-        h = constrain(norm_before(self.attn_norm, x, cfg), REGION_INPUT_AXES)
-        h = self.attn(h, positions, segment_ids, None if fp8 is None else fp8["attn"])
-        x = constrain(x + norm_after(self.attn_norm, h, cfg, post_norm(self, "attn")), RESIDUAL_AXES)
-        h = constrain(norm_before(self.mlp_norm, x, cfg), REGION_INPUT_AXES)
-        h = self.mlp(h, None if fp8 is None else fp8["mlp"])
-        return constrain(x + norm_after(self.mlp_norm, h, cfg, post_norm(self, "mlp")), RESIDUAL_AXES)
-
-
-def post_norm(block, sublayer: str) -> RMSNorm | None:
-    """The block's norm after `sublayer` ("attn" or "mlp") with norm_placement both, else None."""
-    return getattr(block, f"{sublayer}_post_norm", None)
-
-
-class PatternGroup(nnx.Module):
-    """One repeat of `model.attention_pattern`: a Block per kind (`layer_0`, ...), so that the
-    layer scan runs over groups and each layer keeps its static window and RoPE base.
-    `block`: the class of its blocks (models/transformer.py MoEPatternGroup: MoE blocks)."""
-
-    block = Block
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.n_layers = cfg.layers_per_group
-        for i, kind in enumerate(cfg.attention_pattern):
-            setattr(self, f"layer_{i}", self.block(cfg, rngs=rngs, kind=kind))
-
-    def blocks(self) -> list[Block]:
-        return [getattr(self, f"layer_{i}") for i in range(self.n_layers)]
-
-    def __call__(self, x, positions, segment_ids, fp8=None):
-        for i, block in enumerate(self.blocks()):
-            x = block(x, positions, segment_ids, None if fp8 is None else fp8[f"layer_{i}"])
-        return x

@@ -80,12 +80,12 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain import sharding
 from jaxtrain.models import fp8 as fp8_ops
 from jaxtrain.models import lora
+from jaxtrain.models.blocks import attention_layer
 from jaxtrain.models.config import ModelConfig, MoEConfig
 from jaxtrain.models.layers import (
     REGION_INPUT_AXES,
     RESIDUAL_AXES,
     RMSNorm,
-    attention_layer,
     norm_after,
     norm_before,
     param,
@@ -163,7 +163,7 @@ class MoE(nnx.Module):
 
 
 class MoEBlock(nnx.Module):
-    """A decoder block (as layers.Block) whose feed-forward is MoE; returns (x, stats).
+    """A decoder block (as blocks.Block) whose feed-forward is MoE; returns (x, stats).
     `kind`: the layer's kind in `model.attention_pattern` (None without one)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, kind: str | None = None):

@@ -27,8 +27,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.models import layer_scan
+from jaxtrain.models.blocks import Block
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.models.layers import RESIDUAL_AXES, Block, RMSNorm, matmul_weight, param
+from jaxtrain.models.layers import RESIDUAL_AXES, RMSNorm, matmul_weight, param
 from jaxtrain.models.moe import MoEBlock
 from jaxtrain.sharding import constrain
 

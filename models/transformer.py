@@ -9,8 +9,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.models import cpu_tuning, layer_scan, logit_stats, lora, mtp
+from jaxtrain.models.blocks import Block, PatternGroup
 from jaxtrain.models.config import MATMUL_NAMES, REMAT_KEPT_NAMES, ModelConfig
-from jaxtrain.models.layers import REGION_INPUT_AXES, RESIDUAL_AXES, Block, PatternGroup, RMSNorm, param
+from jaxtrain.models.layers import REGION_INPUT_AXES, RESIDUAL_AXES, RMSNorm, param
 from jaxtrain.models.masks import softcapped
 from jaxtrain.models.moe import MoEBlock
 from jaxtrain.sharding import PipelineSchedule, constrain, current_rules, is_vocab_parallel, logical_to_spec

@@ -57,6 +57,7 @@ from jax.experimental import pallas as pl
 
 from jaxtrain.pallas_kernels.mesh_utils import device_kind, resolve_backend
 from jaxtrain.pallas_kernels.remat_names import ATTENTION_RESIDUALS
+from jaxtrain.pallas_kernels.sinks import sink_grad
 from jaxtrain.pallas_kernels.tile_ranges import PY_OPS, position_mask, ranges_for_kv_tile, ranges_for_q_tile
 
 __all__ = [
@@ -935,14 +936,6 @@ def _flash_fwd(q, k, v, segment_ids, sinks, cfg: FlashConfig):
     # backward needs no second forward kernel. q, k, v stay in kernel layout.
     out, lse = (checkpoint_name(x, ATTENTION_RESIDUALS) for x in (out, lse))
     return out, (qk, kk, vk, segment_ids, sinks, out, lse)
-
-
-def sink_grad(sinks, lse, delta):
-    """d loss / d sinks [heads] from the LSE (sinks included) and delta = rowsum(dO * O),
-    both [batch, heads, seq] (padded queries: LSE +inf). The sink is one more softmax column
-    with no value, so its dP is 0 and its dS is P_sink * (0 - delta), P_sink = exp(sink - LSE)."""
-    p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
-    return -jnp.sum(p_sink * delta, axis=(0, 2)).astype(sinks.dtype)
 
 
 def _flash_bwd(cfg: FlashConfig, residuals, do):

@@ -98,6 +98,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxtrain.pallas_kernels.remat_names import ATTENTION_RESIDUALS
+from jaxtrain.pallas_kernels.sinks import sink_grad
 from jaxtrain.pallas_kernels.tile_ranges import position_mask, ranges_for_kv_tile, ranges_for_q_tile
 
 __all__ = [
@@ -941,7 +942,6 @@ def _flash_bwd(cfg: MgpuConfig, residuals, do):
     if sinks is None:
         return dq, dk, dv, None, None
     # dS of the sink column: P_sink (0 - delta), over the real queries (the padded ones' dO is 0)
-    from jaxtrain.pallas_kernels.flash_attention import sink_grad
 
     return dq, dk, dv, None, sink_grad(sinks, lse, delta)
 

@@ -64,6 +64,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.sharding.microbatches import merge_microbatches, split_microbatches
+from jaxtrain.sharding.microbatches import stage_axis_size as _stage_axis_size
 from jaxtrain.sharding.pipeline_tables import TABLE_SCHEDULES, TickTable
 from jaxtrain.sharding.pipeline_tables import table as schedule_table
 
@@ -144,14 +146,6 @@ def _check_counts(stages: int, microbatches: int, repeats: int) -> None:
             raise ValueError(f"pipeline: {name}={v!r}: expected a positive integer")
 
 
-def _stage_axis_size(axis: str) -> int | None:
-    """Size of mesh axis `axis` in the current (abstract) mesh; None without a mesh or axis."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or axis not in mesh.axis_names:
-        return None
-    return dict(mesh.shape)[axis]
-
-
 def _on_stage(a: jax.Array, axis: str | None, rows: P | None = None) -> jax.Array:
     """Constrain dim 0 of `a` to mesh axis `axis` (None: replicated there if `rows` is
     given, else left alone) and the rest to `rows` (None: left to the partitioner)."""
@@ -159,16 +153,6 @@ def _on_stage(a: jax.Array, axis: str | None, rows: P | None = None) -> jax.Arra
         return a
     rest = [P.UNCONSTRAINED] * (a.ndim - 1) if rows is None else [*rows, *[None] * (a.ndim - 1 - len(rows))]
     return jax.lax.with_sharding_constraint(a, P(axis, *rest))
-
-
-def split_microbatches(a: jax.Array, m: int) -> jax.Array:
-    """[B, ...] -> [m, B/m, ...]; microbatch i = rows i, i+m, i+2m, ..."""
-    return a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)
-
-
-def merge_microbatches(a: jax.Array) -> jax.Array:
-    """Inverse of `split_microbatches`: [m, B/m, ...] -> [B, ...]."""
-    return a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:])
 
 
 def run_pipeline(

@@ -53,7 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.sharding.pipeline import _stage_axis_size, merge_microbatches, split_microbatches
+from jaxtrain.sharding.microbatches import merge_microbatches, split_microbatches
+from jaxtrain.sharding.microbatches import stage_axis_size as _stage_axis_size
 from jaxtrain.sharding.pipeline_tables import BW, IDLE, B, F, TickTable, W
 
 

@@ -52,7 +52,7 @@ def assert_grads_close(grads, expected):
 
 
 def ref_block(p, x, positions, mask, cfg):
-    """One pre-norm Llama block (the layout of models/layers.py Block's parameters)."""
+    """One pre-norm Llama block (the layout of models/blocks.py Block's parameters)."""
     groups, hd = cfg.n_heads // cfg.n_kv_heads, cfg.resolved_head_dim
     h = rms_norm(x, p["attn_norm"]["scale"], cfg.norm_eps)
     q, k, v = (jnp.einsum("bsd,dhk->bshk", h, p["attn"][w]) for w in ("wq", "wk", "wv"))
