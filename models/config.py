@@ -183,6 +183,13 @@ class MoEConfig:
     # f > 0: ceil(f x A), the grouped matmul shrinks to match and overflow is dropped
     # (counted in dropped_fraction), as MaxText's ragged_buffer_factor.
     receive_factor: float = 0.0
+    # Dropless expert parallelism: send a token once to each expert shard it needs, with its
+    # experts' ids and weights there, and get one combined row back (DeepSeek-V3's node-limited
+    # dispatch; models/moe.py `dispatch_per_shard`), instead of once per chosen expert. auto:
+    # where that sends fewer rows (a token reaches fewer than top_k shards: num_groups a
+    # multiple of the expert-parallel degree and top_k_groups < top_k, or fewer shards than
+    # top_k) and receive_factor is 0 | true (receive_factor 0 only) | false
+    dispatch_per_shard: bool | str = "auto"
     aux_loss_weight: float = 0.01  # Switch load-balancing loss (1.0 when perfectly balanced)
     z_loss_weight: float = 1e-3  # router z-loss: mean logsumexp(router logits)^2
     first_dense_layers: int = 0  # leading layers with a dense MLP (DeepSeek-MoE: 1)
@@ -227,6 +234,16 @@ class MoEConfig:
             raise ValueError(
                 f"model.moe.receive_factor={self.receive_factor}: expected >= 0 "
                 "(0: worst-case receive buffer, no drops)"
+            )
+        if self.dispatch_per_shard not in (True, False, "auto"):
+            raise ValueError(
+                f"model.moe.dispatch_per_shard={self.dispatch_per_shard!r}: expected auto, true or false"
+            )
+        if self.dispatch_per_shard is True and (self.dispatch != "dropless" or self.receive_factor):
+            raise ValueError(
+                f"model.moe.dispatch_per_shard=true with model.moe.dispatch={self.dispatch!r}, "
+                f"receive_factor={self.receive_factor}: applies to dispatch=dropless with "
+                "receive_factor 0 only; expected auto or false"
             )
         if self.receive_factor and self.dispatch != "dropless":
             raise ValueError(

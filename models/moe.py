@@ -449,6 +449,24 @@ def _local_moe(
         out = checkpoint_name(out, "mlp_out")  # the combine weights' gradient needs it
         y = jnp.einsum("bsec,ebcd->bsd", combine.astype(x.dtype), out)
         sums["dropped"] = jnp.sum(1.0 - keep.astype(F32))
+    elif ep > 1 and dispatch_per_shard(m, ep):
+        y = _per_shard_exchange(
+            x.reshape(b * s, d),
+            idx.reshape(b * s, k),
+            weights.reshape(b * s, k),
+            w_gate,
+            w_up,
+            w_down,
+            ep=ep,
+            expert_axes=expert_axes,
+            tensor_axes=tensor_axes,
+            exchange=exchange,
+            fp8=fp8,
+            impl=grouped,
+            m=m,
+            expert_biases=expert_biases,
+        ).reshape(b, s, d)
+        sums["dropped"] = jnp.zeros((), F32)  # every shard receives every row it is sent
     else:
         a = b * s * k
         flat_e = idx.reshape(a)
@@ -599,6 +617,141 @@ def _dropless_exchange(
         ), dropped
     back = jnp.zeros((ep, a, d), out.dtype).at[src, jnp.where(valid, i, a)].set(out, mode="drop")
     return a2a(back)[dest, pos], dropped  # unsent rows stay zero
+
+
+def shards_per_token(m: MoEConfig, ep: int) -> int:
+    """The most expert shards one token's top_k experts can lie on, over `ep` shards that hold
+    E/ep consecutive experts each: top_k and ep bound it, and so does group-limited routing
+    whose groups lie whole on shards (num_groups a multiple of ep: at most top_k_groups
+    shards, DeepSeek-V3's node limit) or span ep/num_groups shards each."""
+    bound = min(m.top_k, ep)
+    if m.num_groups > 1 and m.num_groups % ep == 0:
+        bound = min(bound, m.top_k_groups)
+    elif m.num_groups > 1 and ep % m.num_groups == 0:
+        bound = min(bound, m.top_k_groups * (ep // m.num_groups))
+    return bound
+
+
+def dispatch_per_shard(m: MoEConfig, ep: int) -> bool:
+    """Whether a dropless layer over `ep` expert shards sends each token once per shard it
+    needs (`_per_shard_exchange`) rather than once per chosen expert: model.moe.dispatch_per_shard,
+    whose `auto` (resolved by jaxtrain and logged, or here for a model built with it) is on
+    where that sends fewer rows, shards_per_token < top_k, with the worst-case receive buffer
+    (receive_factor 0). Off without expert parallelism and for capacity dispatch."""
+    if ep <= 1 or m.dispatch != "dropless":
+        return False
+    if m.dispatch_per_shard == "auto":
+        return not m.receive_factor and shards_per_token(m, ep) < m.top_k
+    return m.dispatch_per_shard is True
+
+
+def _per_shard_exchange(
+    x,
+    idx,
+    weights,
+    w_gate,
+    w_up,
+    w_down,
+    *,
+    ep,
+    expert_axes,
+    tensor_axes,
+    exchange,
+    fp8=None,
+    impl="ragged_dot",
+    m=None,
+    expert_biases=None,
+):
+    """Expert-parallel dropless, each token sent once per expert shard it needs (DeepSeek-V3's
+    node-limited dispatch): tokens x [T, d], their experts idx and weights [T, k] -> the
+    weighted sum of their experts' outputs [T, d].
+
+    A token has one row for each of its (at most n = shards_per_token) destination shards,
+    carrying the local ids and routing weights of its experts there (k_local = min(k, E/ep)
+    slots; unused: id E/ep, weight 0). A source sends a shard at most T rows, so each shard
+    receives into ep x T rows, a block of T per source in mesh order whose first rows are the
+    ones sent: nothing is dropped. The shard expands its rows to their experts (one grouped
+    matmul, as `_dropless_exchange`), sums each row's weighted expert outputs and sends that
+    one row back; the source sums its token's rows. Token rows move T x n instead of T x k
+    (ragged); the padded exchange's buffers are [ep, T, d] instead of [ep, T x k, d]."""
+    t, d = x.shape
+    k = idx.shape[1]
+    e_local = w_gate.shape[0]
+    n, k_local = shards_per_token(m, ep), min(k, e_local)
+    a2a = lambda v: jax.lax.all_to_all(v, expert_axes, 0, 0, tiled=True)
+    shard = idx // e_local  # [T, k]
+    need = jnp.any(shard[:, :, None] == jnp.arange(ep), axis=1)  # [T, ep]
+    dests = jnp.sort(jnp.where(need, jnp.arange(ep), ep), axis=1)[:, :n]  # [T, n]; ep: none
+    mine = shard[:, None, :] == dests[:, :, None]  # [T, n, k]: choice on that destination
+    slots = jnp.argsort((~mine).astype(jnp.int32), axis=-1, stable=True)[..., :k_local]
+    ids = jnp.take_along_axis(jnp.where(mine, (idx % e_local)[:, None, :], e_local), slots, axis=-1)
+    w = jnp.take_along_axis(jnp.where(mine, weights[:, None, :], 0), slots, axis=-1)
+    # The rows by destination, each destination's in token order; rows for no shard last
+    row_dest = dests.reshape(t * n)
+    order = checkpoint_name(jnp.argsort(row_dest, stable=True), "routing")
+    inverse = checkpoint_name(jnp.argsort(order), "routing")
+    xs = sort_rows(x, order, inverse, n)  # [T*n, d]
+    ids = _take_rows(ids.reshape(t * n, k_local), order, unique=True)
+    w = _take_rows(w.reshape(t * n, k_local), order, unique=True)
+    dest = row_dest[order]
+    per_dest = jnp.sum(need, axis=0)  # [ep] rows for each shard
+    dest_start = jnp.cumsum(per_dest) - per_dest
+    pos = jnp.arange(t * n) - dest_start[jnp.minimum(dest, ep - 1)]  # row within its destination's
+    recv_sizes = a2a(per_dest.reshape(ep, 1)).reshape(ep)  # [ep src] rows each source sent here
+    per_dest, dest_start, recv_sizes = (v.astype(jnp.int32) for v in (per_dest, dest_start, recv_sizes))
+    if exchange == "ragged":
+        landing = jnp.full((ep,), jax.lax.axis_index(expert_axes) * t)  # my block on every shard
+
+        def send(v):
+            out = jnp.zeros((ep * t, *v.shape[1:]), v.dtype)
+            return jax.lax.ragged_all_to_all(
+                v, out, dest_start, per_dest, landing, recv_sizes, axis_name=expert_axes
+            )
+    else:
+
+        def send(v):  # rows for no shard (dest = ep) fall off the buffer
+            buf = jnp.zeros((ep, t, *v.shape[1:]), v.dtype).at[dest, pos].set(v, mode="drop")
+            return a2a(buf).reshape(ep * t, *v.shape[1:])
+
+    buf, buf_ids, buf_w = send(xs), send(ids), send(w)
+    r = jnp.arange(ep * t)
+    valid = r % t < recv_sizes[r // t]
+    local_e = jnp.where(valid[:, None], buf_ids, e_local).reshape(-1)  # [ep*T*k_local]; e_local: none
+    by_expert = checkpoint_name(jnp.argsort(local_e, stable=True), "routing")
+    by_row = checkpoint_name(jnp.argsort(by_expert), "routing")
+    sizes = jnp.sum(local_e[:, None] == jnp.arange(e_local), axis=0).astype(jnp.int32)
+    in_biases, down_bias = _row_biases(expert_biases, local_e[by_expert])
+    out = _ragged_swiglu(
+        sort_rows(buf, by_expert, by_row, k_local),
+        w_gate,
+        w_up,
+        w_down,
+        sizes,
+        fp8,
+        impl,
+        m=m,
+        in_biases=in_biases,
+    )
+    if tensor_axes:
+        out = jax.lax.psum(out, tensor_axes)
+    if down_bias is not None:
+        out = out + down_bias
+    # Each row's expert outputs (the routing weights' gradient needs them: "mlp_out", as in
+    # the other paths), weighted and summed: one row back per row received
+    out = checkpoint_name(unsort_rows(out, by_expert, by_row).reshape(ep * t, k_local, d), "mlp_out")
+    back = jnp.einsum("rcd,rc->rd", out, buf_w.astype(out.dtype))
+    if exchange == "ragged":
+        blocks = jnp.arange(ep, dtype=jnp.int32) * t  # where each source's rows sit here
+        back_offsets = a2a(dest_start.reshape(ep, 1)).reshape(ep)  # where each source keeps mine
+        rows = jax.lax.ragged_all_to_all(
+            back, jnp.zeros((t * n, d), back.dtype), blocks, recv_sizes, back_offsets, per_dest,
+            axis_name=expert_axes,
+        )  # fmt: skip
+    else:
+        back = a2a(back.reshape(ep, t, d))  # [ep dest, T, d]
+        rows = jnp.where((dest < ep)[:, None], back[jnp.minimum(dest, ep - 1), jnp.minimum(pos, t - 1)], 0)
+    rows = unsort_rows(rows, order, inverse).reshape(t, n, d)  # each token's rows, rows for no shard 0
+    return jnp.sum(rows.astype(F32), axis=1).astype(x.dtype)
 
 
 def exchange_impl(m: MoEConfig) -> str:

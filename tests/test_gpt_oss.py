@@ -92,11 +92,13 @@ def test_gpt_oss_experts_equal_a_per_token_loop(dispatch):
     assert np.max(np.abs(unclamped - expected)) > 0.1
 
 
-@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+@pytest.mark.parametrize("dispatch", ["dropless", "dropless-per-shard", "capacity"])
 def test_gpt_oss_experts_split_over_expert_and_tensor_equal_the_loop(dispatch):
     """expert=2 x tensor=2: each shard's experts with their biases (gate/up split over tensor
-    with the mlp, the down bias added once after the tensor sum), through the all-to-all."""
-    m = dataclasses.replace(GPT_OSS_MOE, dispatch=dispatch)
+    with the mlp, the down bias added once after the tensor sum), through the all-to-all
+    (dropless: once per chosen expert, or once per expert shard, model.moe.dispatch_per_shard)."""
+    dispatch, _, per_shard = dispatch.partition("-")
+    m = dataclasses.replace(GPT_OSS_MOE, dispatch=dispatch, dispatch_per_shard=bool(per_shard))
     x, w_router, b_router, experts = layer_inputs(m, seed=1)
     mesh = sharding.make_mesh({"expert": 2, "tensor": 2}, jax.devices()[:4])
     w_gate, w_up, w_down, *biases = (jnp.asarray(t) for t in experts)

@@ -13,6 +13,8 @@ memory), in this order, each step seeing the ones before it:
 | model.scan_layers         | platform, mesh  | unrolled on one GPU (up to UNROLL_MAX_LAYERS), else scanned |
 | model.moe.exchange        | platform        | padded on CPU (no ragged_all_to_all there), ragged else    |
 | model.moe.grouped_matmul  | platform, chip  | TPU megablox, GPU grouped_matmul_choice, CPU ragged_dot    |
+| model.moe.dispatch_per_shard | mesh         | true where a token reaches fewer expert shards than top_k  |
+|                           |                 | (models/moe.py dispatch_per_shard), dropless, receive 0    |
 | mesh.head_sharding        | mesh, batch     | vocab when a device gathers fewer rows than vocab columns  |
 | train.loss_chunk          | mesh, batch     | 4 chunks once the f32 logits reach 16 MiB per device       |
 | model.remat               | device memory   | of those that fit (footprint.py), GPU: least predicted     |
@@ -43,6 +45,7 @@ from jax.experimental import multihost_utils
 
 from jaxtrain import sharding
 from jaxtrain.config import Config, ConfigError
+from jaxtrain.models.moe import dispatch_per_shard, shards_per_token
 from jaxtrain.planning.attention_speeds import choose_gpu_attention, choose_gpu_flash_kernel
 from jaxtrain.planning.footprint import (
     LOSS_AUTO_CHUNKS,
@@ -310,6 +313,21 @@ def _grouped_matmul(cfg: Config, p: Placement) -> tuple[str, str]:
     return "ragged_dot", f"XLA's jax.lax.ragged_dot on {p.platform.upper()}"
 
 
+def _dispatch_per_shard(cfg: Config, p: Placement) -> tuple[bool, str | None]:
+    m, ep = cfg.model.moe, p.mesh_shape.get("expert", 1)
+    if ep <= 1 or m.dispatch != "dropless":  # no exchange: nothing to choose
+        return False, None
+    n = shards_per_token(m, ep)
+    if dispatch_per_shard(m, ep):
+        return True, (
+            f"a token's {m.top_k} experts lie on at most {n} of the {ep} expert shards: it is "
+            f"sent {n} rows, not {m.top_k}"
+        )
+    if m.receive_factor:
+        return False, f"model.moe.receive_factor={m.receive_factor} bounds the receive buffer by assignments"
+    return False, f"a token's {m.top_k} experts may lie on {n} of the {ep} expert shards: nothing to save"
+
+
 def head_rows_per_device(cfg: Config, mesh_shape: Mapping[str, int]) -> int:
     """Tokens of one microbatch that one device holds when the head is vocab-parallel
     (gathered over fsdp; still split over data, expert and context)."""
@@ -414,6 +432,7 @@ _SETTINGS = (
     ("model.scan_layers", _scan_layers),
     ("model.moe.exchange", _moe_exchange),
     ("model.moe.grouped_matmul", _grouped_matmul),
+    ("model.moe.dispatch_per_shard", _dispatch_per_shard),
     ("mesh.head_sharding", _head_sharding),
     ("train.loss_chunk", _loss_chunk),
     ("model.remat", _remat),
