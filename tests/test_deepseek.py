@@ -24,7 +24,7 @@ from jaxtrain.models import MLAConfig, ModelConfig, MoEConfig, Transformer
 from jaxtrain.models.generation import decode_step, generate, prefill
 from jaxtrain.models.hf import HFConversionError, config_from_hf, from_hf, hf_config
 from jaxtrain.models.layers import rope_attention_factor, rope_frequencies
-from jaxtrain.models.moe import route
+from jaxtrain.models.moe import dispatch_per_shard, route
 from jaxtrain.trainer.optimizer import decays
 from tests.conftest import replace, tiny_config
 from tests.test_compile import TINY, needs_tpu, run_compile
@@ -147,10 +147,10 @@ def test_yarn_truncate_moves_the_ramp():
     assert float(jnp.max(jnp.abs(a / b - 1))) > 1e-3
 
 
-def deepseek_config(q_lora_rank=24, **mesh):
+def deepseek_config(q_lora_rank=24, top_k=2, **mesh):
     """A tiny DeepSeek-V3-shaped run: MLA (q latent or not), YaRN with both mscales and
-    interleaved pairs, a dense first layer, then MoE: 8 experts in 4 groups (best 2), top-2,
-    scaled by 2.5, a selection bias and a shared expert."""
+    interleaved pairs, a dense first layer, then MoE: 8 experts in 4 groups (best 2), top-2
+    (or `top_k`), scaled by 2.5, a selection bias and a shared expert."""
     cfg = tiny_config(
         None, "model.d_model=64", "model.mlp_dim=96", "train.seq_len=32", "model.vocab_size=128",
         "train.loss_chunk=0", "model.n_kv_heads=4", "model.n_heads=4",
@@ -160,7 +160,7 @@ def deepseek_config(q_lora_rank=24, **mesh):
             q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12
         ),
         moe=MoEConfig(
-            num_experts=8, top_k=2, expert_mlp_dim=16, num_shared_experts=1, scoring="sigmoid",
+            num_experts=8, top_k=top_k, expert_mlp_dim=16, num_shared_experts=1, scoring="sigmoid",
             score_bias=True, num_groups=4, top_k_groups=2, routed_scaling_factor=2.5,
             first_dense_layers=1, dispatch="dropless",
         ),
@@ -194,15 +194,25 @@ def test_param_count_and_logical_axes(q_lora_rank):
 
 
 @pytest.mark.slow
-def test_sharded_step_equals_one_device():
-    """fsdp=2 x tensor=2 x expert=2: the loss and every gradient (latent projections and norms,
-    router, selection bias, experts, shared expert) equal one device's."""
-    ref_loss, ref_grads, _ = loss_and_grads(deepseek_config(fsdp=1, tensor=1))
-    loss, grads, specs = loss_and_grads(deepseek_config(fsdp=2, tensor=2, expert=2))
+@pytest.mark.parametrize(
+    "top_k,mesh",
+    [(2, dict(fsdp=2, tensor=2, expert=2)), (4, dict(expert=4))],
+    ids=["fsdp,tensor,expert", "groups-on-shards"],
+)
+def test_sharded_step_equals_one_device(top_k, mesh):
+    """fsdp=2 x tensor=2 x expert=2, and expert=4 with top-4, where each of the 4 groups lies on
+    one expert shard, so a token's 4 experts lie on its best 2 groups' 2 shards and it is sent
+    once per shard (model.moe.dispatch_per_shard auto): the loss and every gradient (latent
+    projections and norms, router, selection bias, experts, shared expert) equal one device's."""
+    cfg = deepseek_config(top_k=top_k, **mesh)
+    assert dispatch_per_shard(cfg.model.moe, mesh["expert"]) is (top_k == 4)
+    ref_loss, ref_grads, _ = loss_and_grads(deepseek_config(top_k=top_k, fsdp=1, tensor=1))
+    loss, grads, specs = loss_and_grads(cfg)
     np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
     close = lambda a, b: np.testing.assert_allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL)
     jax.tree.map(close, grads, ref_grads)
-    assert specs["moe_blocks"]["attn"]["wkv_b"][2] == "tensor"
+    if mesh.get("tensor", 1) > 1:
+        assert specs["moe_blocks"]["attn"]["wkv_b"][2] == "tensor"
 
 
 def test_hf_config_mapping_by_hand():

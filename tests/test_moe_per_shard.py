@@ -111,11 +111,7 @@ _single = {}
 
 @pytest.mark.parametrize(
     "k,mesh",
-    [
-        (4, dict(expert=4)),
-        (8, dict(fsdp=2, expert=4)),
-        pytest.param(6, dict(expert=4), marks=pytest.mark.slow),
-    ],
+    [(4, dict(expert=4)), (8, dict(fsdp=2, expert=4))],
     ids=lambda v: ",".join(f"{a}={n}" for a, n in v.items()) if isinstance(v, dict) else f"k={v}",
 )
 def test_per_shard_dispatch_equals_per_expert_and_moves_k_times_fewer_bytes(k, mesh):
