@@ -64,6 +64,12 @@ ragged_dot over the whole buffer); with moe.receive_factor f, R = ceil(f x A).
 A shard then keeps a prefix of what it is sent (sources in mesh order, each
 source's rows by local expert) and drops the rest, as MaxText's
 ragged_buffer_factor; both exchanges keep the same rows.
+With moe.dispatch_per_shard (`dispatch_per_shard`: auto where it sends fewer rows) a token
+goes instead once to each expert shard holding one of its experts, with their ids and
+weights; the shard combines their weighted outputs into one row back (DeepSeek-V3's
+node-limited dispatch: with its groups on shards, at most top_k_groups rows a token), and
+receives into ep x T rows, T = a source's tokens, which cannot overflow
+(`_per_shard_exchange`).
 """
 
 from __future__ import annotations

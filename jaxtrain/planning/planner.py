@@ -32,6 +32,7 @@ import yaml
 
 from jaxtrain.config import Config, ConfigError, to_dict, validate
 from jaxtrain.models.config import DTYPE_BYTES
+from jaxtrain.models.moe import dispatch_per_shard, shards_per_token
 from jaxtrain.planning.compile import Target, compile_report, config_for_target
 from jaxtrain.planning.flops import flops_per_token
 from jaxtrain.planning.footprint import (
@@ -297,7 +298,9 @@ def analytic_step(cfg: Config, mesh: dict[str, int], chip, per_host: int) -> dic
     tensor    = microbatches x 4 L x 2 x T x D x a x (tensor-1)/tensor / W (2 all-reduces forward,
                 2 backward per layer; T = tokens of one device's microbatch)
     context   = microbatches x 3 L x (context-1) x T x 2 K hd x a / W  (ring K/V passes, fwd + bwd)
-    expert    = microbatches x 4 L_moe x T x top_k x D x a x (expert-1)/expert / W (all-to-alls)
+    expert    = microbatches x 4 L_moe x T x k_sent x D x a x (expert-1)/expert / W (all-to-alls;
+                k_sent = top_k rows a token, or with per-shard dispatch the shards it reaches, at most
+                models/moe.py shards_per_token: top_k_groups where the groups lie on shards)
     head      = microbatches x 2 x R x D x a x (fsdp-1)/fsdp / W, when the head is vocab-parallel
                 (mesh.head_sharding, planning/resolve.py; R = its rows per device): the
                 final activations gathered and their gradient summed; fsdp then leaves out the
@@ -398,6 +401,12 @@ def _weight_traffic(cfg: Config, mesh: dict[str, int], bw, pipe: _Pipe) -> dict[
     return out
 
 
+def _rows_per_token(m, ep: int) -> int:
+    """Token rows a token sends in the expert-parallel exchange: one per chosen expert, or
+    with per-shard dispatch one per expert shard, at most shards_per_token (models/moe.py)."""
+    return shards_per_token(m, ep) if dispatch_per_shard(m, ep) else m.top_k
+
+
 def _activation_traffic(cfg: Config, mesh: dict[str, int], bw, pipe: _Pipe) -> dict[str, float]:
     """Seconds of the activation collectives per step, on the critical path: tensor,
     context, expert and the pipeline's shift between stages (analytic_step's formulas)."""
@@ -416,7 +425,16 @@ def _activation_traffic(cfg: Config, mesh: dict[str, int], bw, pipe: _Pipe) -> d
         if tp > 1
         else 0,
         "context": mb * 3 * layers * (c - 1) * tok_mb * kv * a / bw("context") if c > 1 else 0,
-        "expert": mb * 4 * moe_layers * tok_mb * m.moe.top_k * m.d_model * a * (e - 1) / e / bw("expert")
+        "expert": mb
+        * 4
+        * moe_layers
+        * tok_mb
+        * _rows_per_token(m.moe, e)
+        * m.d_model
+        * a
+        * (e - 1)
+        / e
+        / bw("expert")
         if e > 1 and m.moe
         else 0,
         "stage": 2 * pipe.iterations * tok_mb / pipe.microbatches * m.d_model * a / bw("stage")
