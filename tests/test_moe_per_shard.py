@@ -66,15 +66,21 @@ def test_per_shard_needs_dropless_without_a_receive_bound():
             cfg.validate()
 
 
-def test_deepseek_v3_preset_resolves_to_per_shard_dispatch():
+def test_presets_resolve_dispatch_per_shard_where_their_mesh_allows():
     """configs/deepseek-v3-671b.yaml: 8 groups over expert=8 (one group a shard), best 4 of
-    them: a token's 8 experts lie on at most 4 shards, so auto sends per shard (and logs why)."""
+    them: a token's 8 experts lie on at most 4 shards, so auto sends per shard (and logs why).
+    configs/moonlight-16b-a3b.yaml has no group limit and no expert axis (fsdp=8 on one node):
+    no exchange, nothing to choose (false, no log line)."""
     cfg = load_config(os.path.join(REPO, "configs", "deepseek-v3-671b.yaml"), ["model.remat=full"])
     placement = Placement("tpu", {"data": 1, "fsdp": 64, "expert": 8, "tensor": 1}, 95 * 2**30, chip="v5p")
     resolution = resolve(cfg, placement)
     assert resolution.config.model.moe.dispatch_per_shard is True
     note = next(n for n in resolution.notes if n.startswith("model.moe.dispatch_per_shard"))
     assert "at most 4 of the 8 expert shards" in note, note
+    cfg = load_config(os.path.join(REPO, "configs", "moonlight-16b-a3b.yaml"), ["model.remat=full"])
+    resolution = resolve(cfg, Placement("gpu", {"fsdp": 8}, 80 * 2**30, chip="h100"))
+    assert resolution.config.model.moe.dispatch_per_shard is False
+    assert not [n for n in resolution.notes if n.startswith("model.moe.dispatch_per_shard")]
 
 
 def layer_step(m: MoEConfig, mesh_sizes=None):
@@ -153,18 +159,22 @@ def token_rows(hlo: str) -> int:
 
 
 needs_tpu = pytest.mark.skipif(not targets.tpu_available(), reason="libtpu not installed")
+needs_cuda = pytest.mark.skipif(not targets.cuda_available(), reason="jax-cuda12-plugin not installed")
 
 
-@needs_tpu
-def test_ragged_exchange_buffers_shrink_by_top_k_over_top_k_groups_on_tpu():
-    """Deviceless v5p, expert=4, 16 experts in 4 groups (one a shard), best 2, top-8, bf16:
-    each device's T = 32 tokens. Per expert, the ragged all-to-alls move rows between a
+@pytest.mark.parametrize(
+    "platform", [pytest.param("tpu", marks=needs_tpu), pytest.param("gpu", marks=needs_cuda)]
+)
+def test_ragged_exchange_buffers_shrink_by_top_k_over_top_k_groups(platform):
+    """Deviceless v5p / H100, expert=4, 16 experts in 4 groups (one a shard), best 2, top-8,
+    bf16: each device's T = 32 tokens. Per expert, the ragged all-to-alls move rows between a
     source's T k = 256 assignment rows and a shard's ep T k = 1024-row receive buffer; per
-    shard between T n = 64 token rows (n = top_k_groups = 2) and ep T = 128: the operands a
-    source sends shrink by k / n = 4 and the receive buffers by k = 8 (rows of every
-    ragged-all-to-all buffer in the compiled program, forward and backward)."""
-    devices = targets.tpu_topology_devices("v5p:2x2x2")[:4]
-    mesh = sharding.make_mesh({"expert": 4}, devices)
+    shard between T n = 64 token rows (n = top_k_groups = 2) and ep T = 128: the rows a
+    source sends shrink by k / n = 4 and the receive buffers by k = 8 (the rows of every
+    ragged-all-to-all buffer in the compiled program). TPU: the gradient program, and the
+    per-expert one beside it; GPU: the per-shard forward (its compiles are the slower)."""
+    devices = targets.tpu_topology_devices("v5p:2x2x2") if platform == "tpu" else targets.h100_devices(1, 8)
+    mesh = sharding.make_mesh({"expert": 4}, devices[:4])
     rules = sharding.PRESETS["fsdp_tensor"]
     b, s, d, f = 8, 16, 128, 128
     spec = lambda axes, shape: jax.sharding.NamedSharding(
@@ -179,7 +189,7 @@ def test_ragged_exchange_buffers_shrink_by_top_k_over_top_k_groups_on_tpu():
     ]
     args = [jax.ShapeDtypeStruct(shape, dt, sharding=spec(axes, shape)) for shape, axes, dt in shapes]
     rows = {}
-    for per_shard in (True, False):
+    for per_shard in (True, False) if platform == "tpu" else (True,):
         m = dataclasses.replace(
             grouped(8),
             score_bias=False,
@@ -192,12 +202,14 @@ def test_ragged_exchange_buffers_shrink_by_top_k_over_top_k_groups_on_tpu():
             y, _ = moe_layer(x, w_router, None, w_gate, w_up, w_down, m)
             return jnp.mean(y.astype(jnp.float32) ** 2)
 
+        program = jax.grad(loss, argnums=(0, 2)) if platform == "tpu" else loss
         with jax.set_mesh(mesh), sharding.axis_rules(rules):
-            hlo = jax.jit(jax.grad(loss, argnums=(0, 2))).lower(*args).compile().as_text()
+            hlo = jax.jit(program).lower(*args).compile().as_text()
         ragged = [c for c in collectives_by_axes(hlo, mesh) if c.kind == "ragged-all-to-all"]
         assert ragged and all(c.axes == ("expert",) for c in ragged)
         # every buffer's rows (the offsets and sizes, s32[ep], aside)
         rows[per_shard] = {int(r) for c in ragged for r in re.findall(r"\w+\[([0-9]+),[0-9,]+\]", c.shape)}
     t, ep, n = b * s // 4, 4, 2
-    assert rows[False] == {t * 8, ep * t * 8}
     assert rows[True] == {t * n, ep * t}
+    if platform == "tpu":
+        assert rows[False] == {t * 8, ep * t * 8}
