@@ -534,6 +534,25 @@ def receive_rows(a: int, ep: int, m: MoEConfig) -> int:
     return max(1, min(ep * a, math.ceil(m.receive_factor * a)))
 
 
+def _local_experts(buf, local_e, sizes, k, w_gate, w_up, w_down, tensor_axes, fp8, impl, m, expert_biases):
+    """A shard's received rows buf [R, d], each k times, through its local experts: local_e
+    int [R*k] the local expert of row r's i-th copy at r*k + i (e_local: none; its output is
+    never used), sizes int [e_local] their counts -> the outputs [R*k, d] in that order, the
+    tensor shards summed and the down bias added (one grouped matmul over the copies sorted
+    by local expert)."""
+    order = checkpoint_name(jnp.argsort(local_e, stable=True), "routing")
+    inverse = checkpoint_name(jnp.argsort(order), "routing")
+    in_biases, down_bias = _row_biases(expert_biases, local_e[order])
+    out = _ragged_swiglu(
+        sort_rows(buf, order, inverse, k), w_gate, w_up, w_down, sizes, fp8, impl, m=m, in_biases=in_biases
+    )
+    if tensor_axes:
+        out = jax.lax.psum(out, tensor_axes)
+    if down_bias is not None:
+        out = out + down_bias
+    return unsort_rows(out, order, inverse)
+
+
 def _dropless_exchange(
     xs,
     sorted_e,
@@ -596,18 +615,10 @@ def _dropless_exchange(
     # Local expert of every buffer row (e_local: padding), then one grouped matmul.
     ends = jnp.cumsum(kept, axis=1)[src]  # [rows, e_local]
     local_e = jnp.where(valid, jnp.sum(i[:, None] >= ends, axis=1), e_local)
-    order = checkpoint_name(jnp.argsort(local_e, stable=True), "routing")
-    inverse = checkpoint_name(jnp.argsort(order), "routing")
     sizes = jnp.sum(kept, axis=0).astype(jnp.int32)
-    in_biases, down_bias = _row_biases(expert_biases, local_e[order])
-    out = _ragged_swiglu(
-        sort_rows(buf, order, inverse, 1), w_gate, w_up, w_down, sizes, fp8, impl, m=m, in_biases=in_biases
-    )
-    if tensor_axes:
-        out = jax.lax.psum(out, tensor_axes)
-    if down_bias is not None:
-        out = out + down_bias
-    out = unsort_rows(out, order, inverse)  # [rows, d] buffer order
+    out = _local_experts(
+        buf, local_e, sizes, 1, w_gate, w_up, w_down, tensor_axes, fp8, impl, m, expert_biases
+    )  # [rows, d] buffer order
     dropped = jnp.sum(per_dest - sent)
     if exchange == "ragged":
         # Each source's rows go back to where it keeps them: its dest_start[this shard].
@@ -723,28 +734,13 @@ def _per_shard_exchange(
     r = jnp.arange(ep * t)
     valid = r % t < recv_sizes[r // t]
     local_e = jnp.where(valid[:, None], buf_ids, e_local).reshape(-1)  # [ep*T*k_local]; e_local: none
-    by_expert = checkpoint_name(jnp.argsort(local_e, stable=True), "routing")
-    by_row = checkpoint_name(jnp.argsort(by_expert), "routing")
     sizes = jnp.sum(local_e[:, None] == jnp.arange(e_local), axis=0).astype(jnp.int32)
-    in_biases, down_bias = _row_biases(expert_biases, local_e[by_expert])
-    out = _ragged_swiglu(
-        sort_rows(buf, by_expert, by_row, k_local),
-        w_gate,
-        w_up,
-        w_down,
-        sizes,
-        fp8,
-        impl,
-        m=m,
-        in_biases=in_biases,
+    out = _local_experts(
+        buf, local_e, sizes, k_local, w_gate, w_up, w_down, tensor_axes, fp8, impl, m, expert_biases
     )
-    if tensor_axes:
-        out = jax.lax.psum(out, tensor_axes)
-    if down_bias is not None:
-        out = out + down_bias
     # Each row's expert outputs (the routing weights' gradient needs them: "mlp_out", as in
     # the other paths), weighted and summed: one row back per row received
-    out = checkpoint_name(unsort_rows(out, by_expert, by_row).reshape(ep * t, k_local, d), "mlp_out")
+    out = checkpoint_name(out.reshape(ep * t, k_local, d), "mlp_out")
     back = jnp.einsum("rcd,rc->rd", out, buf_w.astype(out.dtype))
     if exchange == "ragged":
         blocks = jnp.arange(ep, dtype=jnp.int32) * t  # where each source's rows sit here
