@@ -738,9 +738,11 @@ def _per_shard_exchange(
     out = _local_experts(
         buf, local_e, sizes, k_local, w_gate, w_up, w_down, tensor_axes, fp8, impl, m, expert_biases
     )
-    # Each row's expert outputs (the routing weights' gradient needs them: "mlp_out", as in
-    # the other paths), weighted and summed: one row back per row received
-    out = checkpoint_name(out.reshape(ep * t, k_local, d), "mlp_out")
+    # Each row's expert outputs, weighted and summed: one row back per row received. The
+    # routing weights' gradient needs these outputs, but they fill the worst-case buffer (ep x
+    # k_local rows a token, against top_k for the other paths' "mlp_out"), so no remat policy
+    # keeps them: policies that keep mlp_out redo this layer's w_down in the backward here.
+    out = out.reshape(ep * t, k_local, d)
     back = jnp.einsum("rcd,rc->rd", out, buf_w.astype(out.dtype))
     if exchange == "ragged":
         blocks = jnp.arange(ep, dtype=jnp.int32) * t  # where each source's rows sit here
