@@ -447,6 +447,7 @@ def pipeline_loss(layer_fn, tail_fn, *, table: TickTable, axis: str = "stage", x
     f.defvjp(fwd, bwd)
 
     def loss(params, tail_params, x, extras, tail_inputs, aux_weights=None):
+        aux_weights = jax.tree.map(jnp.asarray, aux_weights)  # Python numbers: arrays
         out = f(params, tail_params, x, extras, tail_inputs, aux_weights)
         return out[0] if aux_weights is None else out
 
