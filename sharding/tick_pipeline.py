@@ -29,8 +29,8 @@ The tick loop (`lax.scan` over the table's ticks, on the pattern of `sharding/pi
 * the last stage's forward of the last chunk also runs the tail (`tail_fn`: norm, head,
   loss of that microbatch) and its vjp, which puts the loss gradient in the last stage's
   inbox for its backward. The tail runs outside the manual region, under a `lax.cond` on
-  the table: XLA's partitioner aborts on the loss's gather from vocab-sharded logits inside
-  a region manual over `stage` (jax 0.12.0.1);
+  the table, so on every stage's devices: XLA's partitioner aborts on the loss's gather
+  from vocab-sharded logits inside a region manual over `stage` (jax 0.12.0.1);
 * outputs move one stage on and input gradients one stage back by `lax.ppermute` over
   `stage` (collective permutes), into the receivers' stash and inbox slots.
 
@@ -45,8 +45,9 @@ its stage recompute; zero bubble runs M F, M B (forward + input gradient) and M 
 weight gradient, the gradient chain through the chunk's later layers included), one
 forward more per microbatch than BW, placed in ticks that would otherwise idle. Idle ticks
 cost nothing but the permutes, which every tick sends (zeros where the table sends
-nothing). The loss's tail runs only at the ticks that have one. Memory: the stash and inbox
-hold K (<= S for 1F1B) microbatches per chunk, not M.
+nothing). The tail runs at the M ticks that have one, on every device (above), as GPipe's
+head, which runs after its pipeline on every device too. Memory: the stash and inbox hold K
+(<= S for 1F1B) microbatches per chunk, not M.
 
 Imports only jax and numpy.
 """
@@ -369,24 +370,25 @@ def pipeline_loss_and_grads(
     run_send = per_stage(stage_send, (True, True, True, True, False, False), (True, True))
 
     # The tail (the last chunk's forward: its microbatch's loss and loss gradient) runs
-    # outside the stage-manual region: XLA's partitioner aborts on the loss's gather of
-    # vocab-sharded logits inside it (spmd_partitioner_util.cc "Check failed:
-    # partition_group_list.num_replica_groups() * ..."; jax 0.12.0.1).
-    def tail(tail_acc, loss, y, m):
+    # outside the stage-manual region, on every stage's devices: XLA's partitioner aborts on
+    # the loss's gather of vocab-sharded logits inside it (spmd_partitioner_util.cc "Check
+    # failed: partition_group_list.num_replica_groups() * ..."; jax 0.12.0.1).
+    def tail(tail_acc, loss, ys, m):  # ys [S, rows, ...]: the last stage's output is the input
+        y = hold(ys[S - 1], 0)
         rows = jax.tree.map(lambda e: get(e, m), tail_rows)
         loss_m, pull = jax.vjp(lambda tp, y: tail_fn(tp, y, rows), tail_params, y)
         d_tail, dy = pull(jnp.ones_like(loss_m))
         tail_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), tail_acc, d_tail)
         return tail_acc, loss + loss_m.astype(loss.dtype), hold(dy.astype(xs.dtype), 0)
 
-    def no_tail(tail_acc, loss, y, m):
+    def no_tail(tail_acc, loss, ys, m):
         return tail_acc, loss, zeros_x
 
     def tick(carry, now):
         stash, inbox, dxs, acc, aux_acc, tail_acc, loss = carry
         stash, acc, aux_acc, y, dh = run_op(stage_params, acc, aux_acc, stash, xs, inbox, now)
         valid, m = now["tail"] >= 0, jnp.maximum(now["tail"], 0)
-        tail_acc, loss, dy = jax.lax.cond(valid, tail, no_tail, tail_acc, loss, hold(y[S - 1], 0), m)
+        tail_acc, loss, dy = jax.lax.cond(valid, tail, no_tail, tail_acc, loss, y, m)
         # stage 0's backward of the first chunk: the gradient of the pipeline's input
         dxs = hold(put(dxs, now["dx"], dh[0]), 1)
         stash, inbox = run_send(stash, inbox, y, dh, dy, now)
