@@ -8,6 +8,7 @@ over the same layers and `jax.grad` of the same loss; the model's loss and gradi
 stage x fsdp x tensor mesh against one device (tolerances of tests/test_pipeline.py)."""
 
 import collections
+import dataclasses
 import functools
 import itertools
 import math
@@ -321,16 +322,20 @@ def test_interleaved_1f1b_8_layers_repeats2_equals_one_device(microbatches):
     assert_matches(loss_and_grads(cfg), ref)
 
 
-def test_moe_stages_with_expert_parallelism_equal_one_device():
-    """MoE layers inside the stages (stage 2 x expert 2 x fsdp 2, 1f1b, 2 microbatches): the
-    loss and the gradients, the router losses' included (taken in each stage's backward;
-    without them the router's gradients differ by up to 1e-4, 17x), equal one device's with
+@pytest.mark.parametrize("schedule, dense_prefix", [("1f1b", 0), ("zero_bubble", 2)])
+def test_moe_stages_with_expert_parallelism_equal_one_device(schedule, dense_prefix):
+    """MoE layers inside the stages (stage 2 x expert 2 x fsdp 2, 2 microbatches; 2 MoE
+    layers, after 2 dense ones with zero_bubble, which run as a gpipe forward): the loss and
+    the gradients, the router losses' included (taken in each stage's backward; without them
+    the router's gradients differ by up to 1e-4, 17x), equal one device's with
     train.microbatches=2 (the router losses are means over microbatches either way);
     tolerances of tests/test_pipeline.py."""
     cfg = moe_cfg()
+    moe = dataclasses.replace(cfg.model.moe, first_dense_layers=dense_prefix)
+    cfg = replace(cfg, model=dict(n_layers=2 + dense_prefix, moe=moe))
     ref = loss_and_grads(replace(cfg, train=dict(microbatches=2)))
     got = loss_and_grads(
-        replace(cfg, mesh=dict(stage=2, expert=2, fsdp=2), pipeline=dict(schedule="1f1b", microbatches=2))
+        replace(cfg, mesh=dict(stage=2, expert=2, fsdp=2), pipeline=dict(schedule=schedule, microbatches=2))
     )
     assert_matches(got, ref)
 
