@@ -13,7 +13,7 @@ from jaxtrain.models.blocks import Block, PatternGroup
 from jaxtrain.models.config import MATMUL_NAMES, REMAT_KEPT_NAMES, ModelConfig
 from jaxtrain.models.layers import REGION_INPUT_AXES, RESIDUAL_AXES, RMSNorm, param
 from jaxtrain.models.masks import softcapped
-from jaxtrain.models.moe import MoEBlock
+from jaxtrain.models.moe import STAT_KEYS, MoEBlock
 from jaxtrain.sharding import PipelineSchedule, constrain, current_rules, is_vocab_parallel, logical_to_spec
 
 # What the backward pass may keep from the forward pass, per `cfg.remat`: models/config.py
@@ -204,14 +204,7 @@ class Transformer(nnx.Module):
                 stats = jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), stats)
             if pipeline is None:
                 stats = jax.tree.map(lambda v: v[:, None], stats)  # [layers, 1 microbatch, ...]
-            # Per microbatch: mean over layers (max for max_load); then mean over microbatches,
-            # as train.microbatches averages them.
-            aux = {
-                f"moe_{k}": jnp.mean(jnp.max(v, axis=0) if k == "max_load" else jnp.mean(v, axis=0))
-                for k, v in stats.items()
-                if k != "expert_load"
-            }
-            aux["moe_expert_load"] = jnp.mean(stats["expert_load"], axis=1)
+            aux = _router_stats(stats)
         if max_logits:
             aux[logit_stats.KEY] = max_logits
         return (self.final_norm(x) if normed else x), aux
@@ -270,40 +263,76 @@ class Transformer(nnx.Module):
         pipeline: PipelineSchedule,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
-    ) -> jax.Array:
+        router_weights: tuple[jax.Array, jax.Array] | None = None,
+    ):
         """The loss summed over the batch, for a pipeline whose backward runs inside it
         (`pipeline.backward_inside`: 1f1b, interleaved_1f1b, zero_bubble). The layers, the
         final norm and `loss_fn(x, head, rows) -> scalar` (x: final-normed activations of one
         microbatch; head: `self.head()`; rows: that microbatch's rows of the pytree
         `loss_inputs`, e.g. targets and mask) run in the pipeline's tick loop, the loss at the
         last stage; the result is differentiable in the parameters (a custom VJP that has
-        computed every gradient in its forward; sharding/tick_pipeline.py). Dense stacks
-        only (config validation rejects MoE with these schedules)."""
-        if not hasattr(self, "blocks") or self.cfg.moe is not None:
-            raise ValueError(f"pipeline: schedule {pipeline.schedule} runs dense layer stacks only")
+        computed every gradient in its forward; sharding/tick_pipeline.py).
+
+        MoE models: the MoE stack runs in the tick loop, a dense prefix before it
+        (moe.first_dense_layers) as `pipeline`'s forward, differentiated by autodiff
+        (GPipe's memory for those layers). `router_weights` (the weights of the mean router
+        aux and z losses in the caller's objective) put the router losses' gradients into
+        each stage's backward; the result is then (loss, aux as `hidden` gives it), and the
+        caller adds `router_weights * aux` to its objective as a constant (its gradient is
+        already in the loss's: `sharding.tick_pipeline.pipeline_loss`)."""
+        cfg = self.cfg
         b, s = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         if segment_ids is None:  # stages slice every row input
             segment_ids = jnp.ones((b, s), jnp.int32)
         x = self.embed(tokens)
-        layer, layer_state = self._layer_fn(self.blocks, pipelined=True)
+        x_spec = _rows_spec(x, pipeline.microbatches)
+        extras = (positions, segment_ids)
+        stack = self.blocks if cfg.moe is None else self.moe_blocks
+        if cfg.moe is not None and hasattr(self, "blocks"):  # the dense prefix
+            layer, layer_state = self._layer_fn(self.blocks, pipelined=True)
+            x, _ = pipeline(
+                lambda state, x, ex: layer(state, None, x, *ex), layer_state, x, extras, x_spec=x_spec
+            )
+        layer, layer_state = self._layer_fn(stack, pipelined=True)
         norm_graphdef, norm_state = nnx.split(self.final_norm)
 
         def tail(tail_params, y, rows):
             norm, head = tail_params
             return loss_fn(nnx.merge(norm_graphdef, norm)(y), head, rows)
 
-        return pipeline.loss(
+        aux_weights = None
+        if cfg.moe is not None:
+            if router_weights is None:
+                raise ValueError(
+                    "pipelined_loss: an MoE model needs router_weights (its router losses' weights)"
+                )
+            # the objective weighs the means over MoE layers and microbatches: each layer's
+            # loss on each microbatch by 1 / (layers * microbatches) of it
+            share = 1.0 / (cfg.moe.num_moe_layers(cfg) * pipeline.microbatches)
+            aux_w, z_w = router_weights
+            aux_weights = {k: 0.0 for k in (*STAT_KEYS, "expert_load")}
+            aux_weights.update(aux_loss=aux_w * share, z_loss=z_w * share)
+        out = pipeline.loss(
             lambda state, x, ex: layer(state, None, x, *ex),
             tail,
             layer_state,
             (norm_state, self.head()),
             x,
-            (positions, segment_ids),
+            extras,
             loss_inputs,
-            x_spec=_rows_spec(x, pipeline.microbatches),
+            x_spec=x_spec,
+            aux_weights=aux_weights,
         )
+        if aux_weights is None:
+            return out
+        loss, stats = out
+        if cfg.attention_pattern:  # [groups, M, layers per group, ...] -> [layers, M, ...]
+            stats = jax.tree.map(
+                lambda v: jnp.moveaxis(v, 2, 1).reshape(-1, *v.shape[1:2], *v.shape[3:]), stats
+            )
+        return loss, _router_stats(stats)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens int [batch, seq] -> activations [batch, seq, d_model] (compute dtype)."""
@@ -346,6 +375,19 @@ class Transformer(nnx.Module):
         """The output projection [d_model, vocab] (param dtype): lm_head, or the embedding's
         transpose when tied."""
         return self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+
+
+def _router_stats(stats: dict) -> dict:
+    """The MoE layers' router statistics `[layers, microbatches, ...]` as `hidden`'s aux: per
+    microbatch the mean over layers (max for max_load), then the mean over microbatches,
+    as train.microbatches averages them; `moe_expert_load` [layers, experts]."""
+    aux = {
+        f"moe_{k}": jnp.mean(jnp.max(v, axis=0) if k == "max_load" else jnp.mean(v, axis=0))
+        for k, v in stats.items()
+        if k != "expert_load"
+    }
+    aux["moe_expert_load"] = jnp.mean(stats["expert_load"], axis=1)
+    return aux
 
 
 def _rows_spec(x: jax.Array, microbatches: int):

@@ -118,13 +118,16 @@ class Schedule:
         """Whether the backward pass runs inside the pipeline (TICK_SCHEDULES)."""
         return self.schedule in TICK_SCHEDULES
 
-    def loss(self, layer_fn, tail_fn, params, tail_params, x, extras, tail_inputs, x_spec=None):
+    def loss(
+        self, layer_fn, tail_fn, params, tail_params, x, extras, tail_inputs, x_spec=None, aux_weights=None
+    ):
         """The summed loss of `tail_fn` over the microbatches, differentiable, with forward
-        and backward run by the tick table (sharding/tick_pipeline.py `pipeline_loss`)."""
+        and backward run by the tick table (sharding/tick_pipeline.py `pipeline_loss`; with
+        `aux_weights`, (loss, the layers' aux) and the aux losses' gradients inside)."""
         from jaxtrain.sharding.tick_pipeline import pipeline_loss  # it imports this module
 
         f = pipeline_loss(layer_fn, tail_fn, table=self.table, axis=self.axis, x_spec=x_spec)
-        return f(params, tail_params, x, extras, tail_inputs)
+        return f(params, tail_params, x, extras, tail_inputs, aux_weights)
 
     def __call__(self, layer_fn, params, x, extras=None, x_spec=None):
         return run_pipeline(

@@ -18,27 +18,36 @@ The tick loop (`lax.scan` over the table's ticks, on the pattern of `sharding/pi
   flight and an inbox `[R*K, rows, ...]` their output gradients, K slots per chunk
   (microbatch m in slot m mod K). K comes from the table (`slots`): the fewest slots in which
   no two microbatches in flight collide; for 1F1B it is at most S, whatever M is;
-* at each tick every stage (one `jax.vmap` over stages, `spmd_axis_name="stage"`, under
-  one `jax.vjp`) runs the vjp of its stage (a `lax.scan` over its layers, each with the caller's remat) from
-  a stashed input, with the inbox's gradient as the cotangent on a backward op and zero on a
-  forward op: the primal output is the forward's result, the cotangent's pullback the
-  backward's. Which of them a stage keeps (sends its output on, sends its input gradient
-  back, adds its weight gradient) is read from the table;
+* at each tick every stage runs the table's op, and only it, in a `jax.shard_map` manual
+  over `stage` alone (fsdp, tensor, data stay automatic: XLA partitions the layers inside
+  as it does for GPipe): a `lax.switch` on the op code, so each device takes its own
+  branch. IDLE does nothing; F runs the stage forward (a `lax.scan` over its layers, each
+  with the caller's remat), no vjp; B the vjp in the stage input alone (the weights are
+  constants: no weight-gradient work); W the vjp in the weights alone, recomputed from the
+  stashed input and the inbox's gradient (its first layer outside the layer scan, so that
+  no gradient of the stage input is formed); BW the vjp in both;
 * the last stage's forward of the last chunk also runs the tail (`tail_fn`: norm, head,
   loss of that microbatch) and its vjp, which puts the loss gradient in the last stage's
-  inbox for its backward;
-* outputs move one stage on and input gradients one stage back by `jnp.roll` on the
-  stage-sharded dimension (a collective-permute over `stage`), into the receivers' stash
-  and inbox slots.
+  inbox for its backward. The tail runs outside the manual region, under a `lax.cond` on
+  the table, so on every stage's devices: XLA's partitioner aborts on the loss's gather
+  from vocab-sharded logits inside a region manual over `stage` (jax 0.12.0.1);
+* outputs move one stage on and input gradients one stage back by `lax.ppermute` over
+  `stage` (collective permutes), into the receivers' stash and inbox slots.
 
-Cost. A vmapped stage cannot branch per stage, so every tick runs one forward and one
-backward of a stage, masked by the table: a forward tick costs as much as a backward one.
-Per step that is about 2(M*R + S - 1) stage forward+backward passes, against GPipe's
-M*R + S - 1 forwards plus as many rematerialized forward+backward passes here: about 1.5x
-GPipe's compute, for memory bounded by K (<= S) microbatches instead of M. Running only the
-table's op (a per-stage branch under `shard_map`) would remove that overhead; it is not done.
-The zero-bubble table splits B and W; executed this way both run the full vjp (W
-recomputes it from the kept input and gradient), so it is correct but not faster here.
+Without a mesh axis `stage` (one device, tests) the same per-stage program runs with the
+stages vmapped, where the switch runs every branch and selects: correct, not fast.
+
+Cost. A stage's forward runs once per op of the table, its backward halves only where the
+op needs them. Per step and stage, with a chunk's forward as the unit (a backward about
+two): 1F1B and interleaved 1F1B run M*R forwards and M*R BWs (a forward again plus the
+backward, the layers' own remat inside as `model.remat` says), the compute of GPipe with
+its stage recompute; zero bubble runs M F, M B (forward + input gradient) and M W (forward +
+weight gradient, the gradient chain through the chunk's later layers included), one
+forward more per microbatch than BW, placed in ticks that would otherwise idle. Idle ticks
+cost nothing but the permutes, which every tick sends (zeros where the table sends
+nothing). The tail runs at the M ticks that have one, on every device (above), as GPipe's
+head, which runs after its pipeline on every device too. Memory: the stash and inbox hold K
+(<= S for 1F1B) microbatches per chunk, not M.
 
 Imports only jax and numpy.
 """
@@ -158,17 +167,24 @@ def pipeline_loss_and_grads(
     table: TickTable,
     axis: str = "stage",
     x_spec: P | None = None,
-) -> tuple[jax.Array, tuple[Any, Any, jax.Array]]:
+    aux_weights: Any = None,
+) -> tuple[jax.Array, Any, tuple[Any, Any, jax.Array]]:
     """The summed loss of every microbatch and its gradients, by the schedule `table`.
 
-    layer_fn, params, x, extras, axis, x_spec: as `sharding.run_pipeline` (the layers' aux is
-      dropped). params' layers are in model order; chunk r of stage s holds layers
-      `r*S*lps + s*lps .. + lps - 1`, the layout of the circular schedule.
+    layer_fn, params, x, extras, axis, x_spec: as `sharding.run_pipeline`. params' layers
+      are in model order; chunk r of stage s holds layers `r*S*lps + s*lps .. + lps - 1`,
+      the layout of the circular schedule.
     tail_fn(tail_params, y_rows, tail_rows) -> scalar: the loss of one microbatch from the
       last layer's output (its rows of `tail_inputs`, a pytree of `[B, ...]`).
+    aux_weights: None, the layers' aux is dropped; else a pytree of one layer's aux
+      structure with leaves broadcastable to its leaves (MoE: the router losses' weights),
+      and the gradients are those of `loss + sum over layers and microbatches of
+      sum(aux_weights * aux)`: the layers' aux losses are differentiated in each stage's
+      backward, where the layer ran.
 
-    Returns (loss, (d params, d tail_params, d x)): the sum over microbatches of tail_fn and
-    its gradients.
+    Returns (loss, aux, (d params, d tail_params, d x)): the sum over microbatches of tail_fn,
+    the layers' aux stacked `[L, M, ...]` as `run_pipeline` gives it (None without
+    aux_weights), and the gradients.
     """
     S, M, R = table.stages, table.microbatches, table.repeats
     leaves = jax.tree.leaves(params)
@@ -182,23 +198,27 @@ def pipeline_loss_and_grads(
     mesh_size = _stage_axis_size(axis)
     if mesh_size not in (None, 1, S):
         raise ValueError(f"pipeline: stages={S} but mesh axis {axis!r} has size {mesh_size}")
-    spmd = axis if mesh_size == S and S > 1 else None
+    on_mesh = mesh_size == S and S > 1
     if mesh_size is None:
         x_spec = None
     lps = n_layers // (S * R)
     k = slots(table)
     program = {key: jnp.asarray(v) for key, v in _tick_program(table, k).items()}
 
-    def on_stage(a, rows_dim: int | None = None, stage_dim: bool = True):
-        """Dim 0 on `stage` (replicated there if not `stage_dim`); the rows at `rows_dim`
-        held to x_spec; the rest unconstrained."""
-        axis0 = spmd if stage_dim else None
-        if axis0 is None and (x_spec is None or rows_dim is None):
+    def hold(a, rows_dim: int):
+        """The rows at `rows_dim` held to x_spec, the other dims left to the partitioner."""
+        if x_spec is None:
             return a
-        spec = [axis0, *[P.UNCONSTRAINED] * (a.ndim - 1)]
+        rows = [*x_spec, *[None] * (a.ndim - rows_dim - len(x_spec))]
+        return jax.lax.with_sharding_constraint(a, P(*[P.UNCONSTRAINED] * rows_dim, *rows))
+
+    def on_stage(a, rows_dim: int | None = None):
+        """Dim 0 on `stage`, the rows at `rows_dim` held to x_spec, the rest unconstrained."""
+        if not on_mesh:
+            return a if rows_dim is None else hold(a, rows_dim)
+        spec = [axis, *[P.UNCONSTRAINED] * (a.ndim - 1)]
         if x_spec is not None and rows_dim is not None:
-            rows = [*x_spec, *[None] * (a.ndim - rows_dim - len(x_spec))]
-            spec[rows_dim:] = rows
+            spec[rows_dim:] = [*x_spec, *[None] * (a.ndim - rows_dim - len(x_spec))]
         return jax.lax.with_sharding_constraint(a, P(*spec))
 
     def to_stages(p):  # [L, ...] -> [S, R, lps, ...]
@@ -208,100 +228,195 @@ def pipeline_loss_and_grads(
         return g.swapaxes(0, 1).reshape(n_layers, *g.shape[3:])
 
     stage_params = jax.tree.map(to_stages, params)
-    xs = on_stage(split_microbatches(x, M), rows_dim=1, stage_dim=False)  # [M, rows, ...]
+    xs = hold(split_microbatches(x, M), 1)  # [M, rows, ...]
     ex = jax.tree.map(lambda e: split_microbatches(e, M), extras)
     tail_rows = jax.tree.map(lambda e: split_microbatches(e, M), tail_inputs)
 
-    def stage_fn(p_stage, chunk, h, ex_rows):
-        p = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False), p_stage)
-        return jax.lax.scan(lambda h, lp: (layer_fn(lp, h, ex_rows)[0], None), h, p)[0]
+    def per_stage(fn, staged_in, staged_out):
+        """fn on one stage's share of its arguments (`staged_in`: which carry a leading stage
+        dim, the rest every stage sees whole), its outputs stacked on a stage dim where
+        `staged_out`; `axis_index(axis)` is the stage. On the mesh a `shard_map` manual over
+        `stage` only: each device runs its own stage (a `lax.switch` there branches per
+        device), while XLA keeps partitioning the other axes (fsdp, tensor, data) inside.
+        Without one, the stages are vmapped (a switch then runs every branch and selects:
+        correct, not fast)."""
+        if not on_mesh:
+            in_axes = tuple(0 if st else None for st in staged_in)
+            return jax.vmap(
+                fn, in_axes=in_axes, out_axes=tuple(0 if st else None for st in staged_out), axis_name=axis
+            )
 
-    def stage_forward(p_stage, chunk, micro, h):
-        ex_rows = jax.tree.map(lambda e: jnp.take(e, micro, axis=0), ex)
-        return stage_fn(p_stage, chunk, h, ex_rows)
+        def local(*args):
+            args = [jax.tree.map(lambda a: a[0], a) if st else a for a, st in zip(args, staged_in)]
+            outs = fn(*args)
+            return tuple(jax.tree.map(lambda a: a[None], o) if st else o for o, st in zip(outs, staged_out))
 
-    forward_stages = jax.vmap(stage_forward, spmd_axis_name=spmd)
+        spec = lambda staged: tuple(P(axis) if st else P() for st in staged)
+        return jax.shard_map(
+            local, in_specs=spec(staged_in), out_specs=spec(staged_out), axis_names={axis}, check_vma=False
+        )
 
-    def per_stage(mask, a):  # [S] -> broadcastable against a [S, ...]
-        return mask.reshape(S, *[1] * (a.ndim - 1))
-
-    def run_stages(acc, op, chunk, micro, h, ct):
-        """Every stage's tick: outputs, input gradients and the weight-gradient sums. The
-        vjp is taken of the vmapped forward (not vmapped itself), as autodiff of
-        `run_pipeline` does: kernels with a custom VJP (cuDNN attention) batch their forward
-        only then."""
-        backward = (op == B) | (op == W) | (op == BW)
-        ct = jnp.where(per_stage(backward, ct), ct, jnp.zeros_like(ct))
-        y, pull = jax.vjp(lambda p, h: forward_stages(p, chunk, micro, h), stage_params, h)
-        dp, dh = pull(ct)
-        keep = (op == W) | (op == BW)
-        acc = jax.tree.map(lambda a, g: a + jnp.where(per_stage(keep, g), g, 0).astype(a.dtype), acc, dp)
-        return y, dh, acc
-
-    def put(buf, i, v):  # one stage: buf[i] = v unless i < 0
+    def put(buf, i, v):  # buf[i] = v unless i < 0
         old = jax.lax.dynamic_index_in_dim(buf, jnp.maximum(i, 0), 0, keepdims=False)
         return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(i >= 0, v, old), jnp.maximum(i, 0), 0)
 
     def get(buf, i):
         return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
 
-    stage_ids = jnp.arange(S)
+    zeros_x = jnp.zeros(xs.shape[1:], xs.dtype)
 
-    def broadcast(v):  # one microbatch's rows -> [S, rows, ...], each stage's copy
-        return on_stage(jnp.broadcast_to(v, (S, *v.shape)), rows_dim=1)
+    keep_aux = aux_weights is not None
 
-    put_stages = jax.vmap(put, spmd_axis_name=spmd)
-    get_stages = jax.vmap(get, spmd_axis_name=spmd)
+    def stage_fn(p_chunk, h, micro, *, peel_first: bool = False):
+        """(the chunk's lps layers on microbatch `micro`'s rows h, their aux stacked
+        `[lps, ...]` or None). `peel_first`: the first layer outside the layer scan, so that
+        a vjp in the weights alone computes no gradient of the stage input (a scan's carry
+        is differentiated at every layer once any is)."""
+        ex_rows = jax.tree.map(lambda e: get(e, micro), ex)
 
-    def tail_vjp(tp, y, m):
-        rows = jax.tree.map(lambda e: jnp.take(e, m, axis=0), tail_rows)
-        loss, pull = jax.vjp(lambda tp, y: tail_fn(tp, y, rows), tp, y)
-        return (loss, *pull(jnp.ones_like(loss)))
+        def body(h, lp):
+            h, aux = layer_fn(lp, h, ex_rows)
+            return h, aux if keep_aux else None
+
+        if not (peel_first or lps == 1):
+            return jax.lax.scan(body, h, p_chunk)
+        h, aux = body(h, jax.tree.map(lambda a: a[0], p_chunk))
+        aux = jax.tree.map(lambda a: a[None], aux)
+        if lps == 1:
+            return h, aux
+        h, rest = jax.lax.scan(body, h, jax.tree.map(lambda a: a[1:], p_chunk))
+        return h, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), aux, rest)
+
+    # a chunk's aux [lps, ...] and its cotangent: the weights
+    chunk_aux = None
+    if keep_aux:
+        chunk_aux = jax.eval_shape(
+            lambda p, h: stage_fn(p, h, 0)[1], jax.tree.map(lambda a: a[0, 0], stage_params), xs[0]
+        )
+    aux_ct = jax.tree.map(
+        lambda a, w: (
+            jnp.broadcast_to(jnp.asarray(w, a.dtype), a.shape)
+            if jnp.issubdtype(a.dtype, jnp.inexact)
+            else np.zeros(a.shape, jax.dtypes.float0)
+        ),
+        chunk_aux,
+        aux_weights,
+    )
+
+    def add(acc, chunk, dp):  # acc[chunk] += dp
+        def one(a, g):
+            cur = jax.lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False)
+            return jax.lax.dynamic_update_index_in_dim(a, cur + g.astype(a.dtype), chunk, 0)
+
+        return jax.tree.map(one, acc, dp)
+
+    # One branch per op code, each running only its own work:
+    # (acc, aux_acc, p_chunk, chunk, micro, h, ct) -> (y, dh, acc, aux_acc)
+    def idle(acc, aux_acc, p_chunk, chunk, micro, h, ct):
+        return zeros_x, zeros_x, acc, aux_acc
+
+    def forward(acc, aux_acc, p_chunk, chunk, micro, h, ct):  # F: no vjp; records the aux
+        y, aux = stage_fn(p_chunk, h, micro)
+
+        def record(a, v):  # a [R, lps, M, ...] <- v [lps, ...] at (chunk, :, micro)
+            return jax.lax.dynamic_update_slice(
+                a, v[None, :, None].astype(a.dtype), (chunk, 0, micro, *[0] * (v.ndim - 1))
+            )
+
+        return hold(y, 0), zeros_x, acc, jax.tree.map(record, aux_acc, aux)
+
+    def input_grad(acc, aux_acc, p_chunk, chunk, micro, h, ct):  # B: the weights are constants
+        _, pull = jax.vjp(lambda h: stage_fn(p_chunk, h, micro), h)
+        return zeros_x, hold(pull((ct, aux_ct))[0], 0), acc, aux_acc
+
+    def weight_grad(acc, aux_acc, p_chunk, chunk, micro, h, ct):  # W: the input is a constant
+        _, pull = jax.vjp(lambda p: stage_fn(p, h, micro, peel_first=True), p_chunk)
+        return zeros_x, zeros_x, add(acc, chunk, pull((ct, aux_ct))[0]), aux_acc
+
+    def both_grads(acc, aux_acc, p_chunk, chunk, micro, h, ct):  # BW
+        _, pull = jax.vjp(lambda p, h: stage_fn(p, h, micro), p_chunk, h)
+        dp, dh = pull((ct, aux_ct))
+        return zeros_x, hold(dh, 0), add(acc, chunk, dp), aux_acc
+
+    branches = [None] * 5
+    for code, fn in ((IDLE, idle), (F, forward), (B, input_grad), (W, weight_grad), (BW, both_grads)):
+        branches[code] = fn
+
+    def stage_op(p_stage, acc, aux_acc, stash, xs, inbox, now):
+        """One stage's op of the tick -> (stash, acc, aux_acc, y, dh)."""
+        s = jax.lax.axis_index(axis)
+        op, chunk, micro, slot = (get(now[key], s) for key in ("op", "chunk", "micro", "slot"))
+        # stage 0 takes a new microbatch into its stash at the start of its forward
+        load = now["load"]
+        stash = put(stash, jnp.where((s == 0) & (load >= 0), slot, -1), get(xs, jnp.maximum(load, 0)))
+        h, ct = hold(get(stash, slot), 0), hold(get(inbox, slot), 0)
+        p_chunk = jax.tree.map(lambda a: get(a, chunk), p_stage)
+        y, dh, acc, aux_acc = jax.lax.switch(op, branches, acc, aux_acc, p_chunk, chunk, micro, h, ct)
+        return stash, acc, aux_acc, y, dh
+
+    def stage_send(stash, inbox, y, dh, dy, now):
+        """The tail's loss gradient into the last stage's inbox; outputs one stage on and
+        input gradients one stage back (collective permutes) -> (stash, inbox)."""
+        s = jax.lax.axis_index(axis)
+        at_tail = (now["tail"] >= 0) & (s == S - 1)
+        inbox = put(inbox, jnp.where(at_tail, get(now["slot"], s), -1), dy)
+        y_in = jax.lax.ppermute(y, axis, [(i, (i + 1) % S) for i in range(S)])
+        dh_in = jax.lax.ppermute(dh, axis, [(i, (i - 1) % S) for i in range(S)])
+        stash = hold(put(stash, get(now["recv_act"], s), y_in), 1)
+        inbox = hold(put(inbox, get(now["recv_grad"], s), dh_in), 1)
+        return stash, inbox
+
+    run_op = per_stage(stage_op, (True, True, True, True, False, True, False), (True,) * 5)
+    run_send = per_stage(stage_send, (True, True, True, True, False, False), (True, True))
+
+    # The tail (the last chunk's forward: its microbatch's loss and loss gradient) runs
+    # outside the stage-manual region, on every stage's devices: XLA's partitioner aborts on
+    # the loss's gather of vocab-sharded logits inside it (spmd_partitioner_util.cc "Check
+    # failed: partition_group_list.num_replica_groups() * ..."; jax 0.12.0.1).
+    def tail(tail_acc, loss, ys, m):  # ys [S, rows, ...]: the last stage's output is the input
+        y = hold(ys[S - 1], 0)
+        rows = jax.tree.map(lambda e: get(e, m), tail_rows)
+        loss_m, pull = jax.vjp(lambda tp, y: tail_fn(tp, y, rows), tail_params, y)
+        d_tail, dy = pull(jnp.ones_like(loss_m))
+        tail_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), tail_acc, d_tail)
+        return tail_acc, loss + loss_m.astype(loss.dtype), hold(dy.astype(xs.dtype), 0)
+
+    def no_tail(tail_acc, loss, ys, m):
+        return tail_acc, loss, zeros_x
 
     def tick(carry, now):
-        stash, inbox, dxs, acc, tail_acc, loss = carry
-        # stage 0 takes a new microbatch into its stash at the start of its forward
-        first = jnp.maximum(now["load"], 0)
-        # (written through the per-stage put with one target stage, so that no stage-sharded
-        # buffer is updated at a fixed stage index, which XLA does with an all-reduce)
-        into = jnp.where((stage_ids == 0) & (now["load"] >= 0), now["slot"], -1)
-        stash = on_stage(put_stages(stash, into, broadcast(get(xs, first))), rows_dim=2)
-        h = on_stage(get_stages(stash, now["slot"]), rows_dim=1)
-        ct = on_stage(get_stages(inbox, now["slot"]), rows_dim=1)
-        y, dh, acc = run_stages(acc, now["op"], now["chunk"], now["micro"], h, ct)
-        y, dh = on_stage(y, rows_dim=1), on_stage(dh, rows_dim=1)
-        # the last chunk's forward: its microbatch's loss and loss gradient
-        m = jnp.maximum(now["tail"], 0)
-        valid = now["tail"] >= 0
-        loss_m, d_tail, dy = tail_vjp(tail_params, y[S - 1], m)
-        loss = loss + jnp.where(valid, loss_m, 0).astype(loss.dtype)
-        tail_acc = jax.tree.map(lambda a, g: a + jnp.where(valid, g, 0).astype(a.dtype), tail_acc, d_tail)
-        into = jnp.where((stage_ids == S - 1) & valid, now["slot"], -1)
-        inbox = on_stage(put_stages(inbox, into, broadcast(dy.astype(inbox.dtype))), rows_dim=2)
+        stash, inbox, dxs, acc, aux_acc, tail_acc, loss = carry
+        stash, acc, aux_acc, y, dh = run_op(stage_params, acc, aux_acc, stash, xs, inbox, now)
+        valid, m = now["tail"] >= 0, jnp.maximum(now["tail"], 0)
+        tail_acc, loss, dy = jax.lax.cond(valid, tail, no_tail, tail_acc, loss, y, m)
         # stage 0's backward of the first chunk: the gradient of the pipeline's input
-        dxs = on_stage(put(dxs, now["dx"], dh[0]), rows_dim=1, stage_dim=False)
-        # outputs one stage on, input gradients one stage back (collective permutes)
-        stash = on_stage(put_stages(stash, now["recv_act"], jnp.roll(y, 1, axis=0)), rows_dim=2)
-        inbox = on_stage(put_stages(inbox, now["recv_grad"], jnp.roll(dh, -1, axis=0)), rows_dim=2)
-        return (stash, inbox, dxs, acc, tail_acc, loss), None
+        dxs = hold(put(dxs, now["dx"], dh[0]), 1)
+        stash, inbox = run_send(stash, inbox, y, dh, dy, now)
+        return (stash, inbox, dxs, acc, aux_acc, tail_acc, loss), None
 
-    buffers = on_stage(jnp.zeros((S, R * k, *xs.shape[1:]), xs.dtype), rows_dim=2)
+    buffers = on_stage(jnp.zeros((S, R * k, *xs.shape[1:]), xs.dtype), 2)
     acc0 = jax.tree.map(lambda a: on_stage(jnp.zeros_like(a)), stage_params)
     tail0 = jax.tree.map(jnp.zeros_like, tail_params)
-    loss0 = jnp.zeros((), jnp.float32)
-    carry = (buffers, buffers, jnp.zeros_like(xs), acc0, tail0, loss0)
-    (_, _, dxs, acc, d_tail, loss), _ = jax.lax.scan(tick, carry, program)
-    return loss, (jax.tree.map(from_stages, acc), d_tail, merge_microbatches(dxs))
+    # the layers' aux per stage [S, R, lps, M, ...]; entries of idle slots are never written
+    aux0 = jax.tree.map(lambda a: on_stage(jnp.zeros((S, R, lps, M, *a.shape[1:]), a.dtype)), chunk_aux)
+    carry = (buffers, buffers, jnp.zeros_like(xs), acc0, aux0, tail0, jnp.zeros((), jnp.float32))
+    (_, _, dxs, acc, aux, d_tail, loss), _ = jax.lax.scan(tick, carry, program)
+    # [S, R, lps, M, ...] -> [R, S, lps, M, ...] -> [L, M, ...] (model order)
+    aux = jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(n_layers, M, *a.shape[4:]), aux)
+    return loss, aux, (jax.tree.map(from_stages, acc), d_tail, merge_microbatches(dxs))
 
 
 def pipeline_loss(layer_fn, tail_fn, *, table: TickTable, axis: str = "stage", x_spec: P | None = None):
-    """f(params, tail_params, x, extras, tail_inputs) -> the summed loss, differentiable in
-    params, tail_params and x: a `jax.custom_vjp` whose forward runs
-    `pipeline_loss_and_grads` (every gradient at once, by the schedule) and whose backward
-    scales those gradients by the loss's cotangent. extras and tail_inputs (positions,
-    targets: integers) get no gradient."""
+    """f(params, tail_params, x, extras, tail_inputs, aux_weights=None) -> the summed loss
+    (aux_weights given: (loss, the layers' aux `[L, M, ...]`)), differentiable in params,
+    tail_params and x: a `jax.custom_vjp` whose forward runs `pipeline_loss_and_grads`
+    (every gradient at once, by the schedule) and whose backward scales those gradients by
+    the loss's cotangent. extras and tail_inputs (positions, targets: integers) and
+    aux_weights get no gradient, and the aux's cotangent is not used: the loss's gradient
+    already holds `aux_weights * aux` (`pipeline_loss_and_grads`), so a caller adds that
+    term to its objective as a constant."""
 
-    def run(params, tail_params, x, extras, tail_inputs):
+    def run(params, tail_params, x, extras, tail_inputs, aux_weights):
         return pipeline_loss_and_grads(
             layer_fn,
             params,
@@ -313,24 +428,32 @@ def pipeline_loss(layer_fn, tail_fn, *, table: TickTable, axis: str = "stage", x
             table=table,
             axis=axis,
             x_spec=x_spec,
+            aux_weights=aux_weights,
         )
 
     @jax.custom_vjp
-    def f(params, tail_params, x, extras, tail_inputs):
-        return run(params, tail_params, x, extras, tail_inputs)[0]
+    def f(params, tail_params, x, extras, tail_inputs, aux_weights):
+        return run(params, tail_params, x, extras, tail_inputs, aux_weights)[:2]
 
-    def fwd(params, tail_params, x, extras, tail_inputs):
-        loss, grads = run(params, tail_params, x, extras, tail_inputs)
-        return loss, (grads, extras, tail_inputs)
+    def fwd(params, tail_params, x, extras, tail_inputs, aux_weights):
+        loss, aux, grads = run(params, tail_params, x, extras, tail_inputs, aux_weights)
+        return (loss, aux), (grads, extras, tail_inputs, aux_weights)
 
-    def bwd(res, g):
-        grads, extras, tail_inputs = res
+    def bwd(res, cotangents):
+        grads, extras, tail_inputs, aux_weights = res
+        g = cotangents[0]  # the aux's is not used (see above)
         scaled = jax.tree.map(lambda a: (a * g).astype(a.dtype), grads)
         no_grad = lambda tree: jax.tree.map(_zero_cotangent, tree)
-        return (*scaled, no_grad(extras), no_grad(tail_inputs))
+        return (*scaled, no_grad(extras), no_grad(tail_inputs), no_grad(aux_weights))
 
     f.defvjp(fwd, bwd)
-    return f
+
+    def loss(params, tail_params, x, extras, tail_inputs, aux_weights=None):
+        aux_weights = jax.tree.map(jnp.asarray, aux_weights)  # Python numbers: arrays
+        out = f(params, tail_params, x, extras, tail_inputs, aux_weights)
+        return out[0] if aux_weights is None else out
+
+    return loss
 
 
 def _zero_cotangent(a):

@@ -7,8 +7,12 @@ bubbles counted by hand from the drawn tables; the executor against a plain `lax
 over the same layers and `jax.grad` of the same loss; the model's loss and gradients on a
 stage x fsdp x tensor mesh against one device (tolerances of tests/test_pipeline.py)."""
 
+import collections
+import dataclasses
+import functools
 import itertools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +25,7 @@ from jaxtrain.sharding.pipeline import Schedule, bubble_fraction
 from jaxtrain.sharding.pipeline_tables import BW, IDLE, B, F, W, table
 from jaxtrain.sharding.tick_pipeline import pipeline_loss, slots
 from tests.conftest import replace, tiny_config
-from tests.test_pipeline import SMALL, assert_matches, loss_and_grads
+from tests.test_pipeline import SMALL, assert_matches, loss_and_grads, moe_cfg
 
 # (schedule, stages, microbatches, repeats)
 TICK_CASES = [
@@ -161,6 +165,116 @@ def test_tick_pipeline_equals_sequential_on_stage_mesh(toy, name, S, M, R):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5), grads, ref_grads)
     assert "collective-permute" in hlo
+    # each device branches on its stage's op (IDLE, F, B, W, BW): a 5-way conditional
+    assert re.search(r" conditional\(.*branch_computations=\{(%[\w.]+, ){4}%[\w.]+\}", hlo)
+
+
+def aux_layer(p, h, ex):
+    y = toy_layer(p, h, ex)[0]
+    return y, {"sq": jnp.mean(y**2), "positive": jnp.sum(y > 0)}  # an integer leaf: no gradient
+
+
+@pytest.mark.parametrize("name,S,M,R", [("zero_bubble", 2, 4, 1), ("interleaved_1f1b", 2, 4, 2)], ids=str)
+def test_layer_aux_and_its_loss_equal_sequential(toy, name, S, M, R):
+    """The layers' aux comes out [L, M] in model order, and with aux_weights the gradients
+    hold the aux loss's, taken in each stage's backward (W's peeled first layer included);
+    against each microbatch run through a plain scan (rows m, m+M, ...) and jax.grad of
+    its loss plus 0.3 x the sum of every layer's `sq`."""
+    (params, tail_params, x, ex, target), _ = toy
+    weight = 0.3
+
+    def sequential(params, tail_params, x):
+        total, auxes = 0.0, []
+        for m in range(M):
+            rows = slice(m, None, M)
+            y, aux = jax.lax.scan(lambda h, p: aux_layer(p, h, ex[rows]), x[rows], params)
+            total += toy_tail(tail_params, y, target[rows]) + weight * jnp.sum(aux["sq"])
+            auxes.append(aux)
+        return total, jax.tree.map(lambda *a: jnp.stack(a, axis=1), *auxes)  # [L, M]
+
+    (ref_loss, ref_aux), ref_grads = jax.value_and_grad(sequential, argnums=(0, 1, 2), has_aux=True)(
+        params, tail_params, x
+    )
+    f = pipeline_loss(aux_layer, toy_tail, table=table(name, S, M, R))
+
+    def objective(p, tp, x):  # the aux term added as the contract says: its gradient is inside
+        loss, aux = f(p, tp, x, ex, target, {"sq": weight, "positive": 0})
+        return loss + weight * jnp.sum(aux["sq"]), aux
+
+    grad = jax.jit(jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True))
+    with jax.set_mesh(sharding.make_mesh({"stage": S, "data": 8 // S})):
+        (loss, aux), grads = grad(params, tail_params, x)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(aux["sq"], ref_aux["sq"], rtol=1e-6)
+    np.testing.assert_array_equal(aux["positive"], ref_aux["positive"])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5), grads, ref_grads)
+
+
+# Executions of the stage's layers, counted by the layers themselves: a callback in the
+# forward, and a gradient marker (identity with a custom VJP) on the layer's input and on its
+# weight whose backward calls back. The callbacks take a loop-varying operand, so none is
+# hoisted out of the layer scan.
+_RUNS = collections.Counter()
+
+
+def _note(kind, operand):
+    def record(stage, _):
+        _RUNS[(kind, int(stage))] += 1
+
+    jax.debug.callback(record, jax.lax.axis_index("stage"), operand)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _grad_marker(a, kind):
+    return a
+
+
+def _marker_bwd(kind, _, g):
+    _note(kind, g)
+    return (g,)
+
+
+_grad_marker.defvjp(lambda a, kind: (a, None), _marker_bwd)
+
+
+def counted_layer(p, h, ex):
+    _note("forward", h)
+    return jnp.tanh(_grad_marker(h, "input grad") @ _grad_marker(p["w"], "weight grad")), None
+
+
+@pytest.mark.parametrize(
+    "name, forwards, input_grads, weight_grads",
+    [
+        # 2 layers x (4 F + 4 BW); the every-tick executor ran 2 x 10 ticks of each
+        ("1f1b", 2 * 8, 2 * 4, 2 * 4),
+        # 2 layers x (4 F + 4 B + 4 W) forwards; input grads: 2 layers x 4 B, and in W the
+        # second layer's input (the first layer's weight gradient needs it); weight grads:
+        # 2 layers x 4 W only, none in B
+        ("zero_bubble", 2 * 12, 2 * 4 + 4, 2 * 4),
+    ],
+)
+def test_each_stage_runs_only_its_tables_ops(name, forwards, input_grads, weight_grads):
+    """S=2, M=4, 2 layers per stage: per stage, each layer runs as often as the table's ops
+    need (F: a forward; B: a forward and the input gradient; W: a forward and the weight
+    gradient; BW: both), not once per tick (10 ticks for 1f1b, 14 for zero_bubble)."""
+    S, M = 2, 4
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {"w": jax.random.normal(k[0], (2 * S, 8, 8)) / 3}
+    x, target = jax.random.normal(k[1], (M, 8)), jax.random.normal(k[2], (M,))
+    f = pipeline_loss(counted_layer, lambda v, y, t: jnp.sum((y @ v - t) ** 2), table=table(name, S, M))
+    grad = jax.jit(jax.grad(lambda p, x: f(p, jnp.ones(8), x, None, target), argnums=(0, 1)))
+    # a mesh of `stage` alone: jax 0.12.0.1's debug callback fails inside a shard_map that
+    # leaves several mesh axes automatic (debugging.py passes them all to axis_index)
+    _RUNS.clear()
+    with jax.set_mesh(jax.sharding.Mesh(np.array(jax.devices()[:S]), ("stage",))):
+        jax.block_until_ready(grad(params, x))
+        jax.effects_barrier()
+    for s in range(S):
+        assert [_RUNS[(kind, s)] for kind in ("forward", "input grad", "weight grad")] == [
+            forwards,
+            input_grads,
+            weight_grads,
+        ], s
 
 
 # --- the model and train step: loss and gradients equal one device ------------------------
@@ -208,6 +322,24 @@ def test_interleaved_1f1b_8_layers_repeats2_equals_one_device(microbatches):
     assert_matches(loss_and_grads(cfg), ref)
 
 
+@pytest.mark.parametrize("schedule, dense_prefix", [("1f1b", 0), ("zero_bubble", 2)])
+def test_moe_stages_with_expert_parallelism_equal_one_device(schedule, dense_prefix):
+    """MoE layers inside the stages (stage 2 x expert 2 x fsdp 2, 2 microbatches; 2 MoE
+    layers, after 2 dense ones with zero_bubble, which run as a gpipe forward): the loss and
+    the gradients, the router losses' included (taken in each stage's backward; without them
+    the router's gradients differ by up to 1e-4, 17x), equal one device's with
+    train.microbatches=2 (the router losses are means over microbatches either way);
+    tolerances of tests/test_pipeline.py."""
+    cfg = moe_cfg()
+    moe = dataclasses.replace(cfg.model.moe, first_dense_layers=dense_prefix)
+    cfg = replace(cfg, model=dict(n_layers=2 + dense_prefix, moe=moe))
+    ref = loss_and_grads(replace(cfg, train=dict(microbatches=2)))
+    got = loss_and_grads(
+        replace(cfg, mesh=dict(stage=2, expert=2, fsdp=2), pipeline=dict(schedule=schedule, microbatches=2))
+    )
+    assert_matches(got, ref)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -238,9 +370,9 @@ def test_config_errors_name_the_key(overrides, message):
 
 
 def test_tick_loop_program_is_flat_in_microbatches(toy):
-    """The table is the scan's input, not unrolled code: the compiled program has as many
-    instructions at M=16 as at M=2, within 2% (measured: 733 and 732; K <= S slots either
-    way). An unrolled schedule would grow 8-fold."""
+    """The table is the scan's input, not unrolled code: the compiled program on a stage mesh
+    has as many instructions at M=16 as at M=2, within 2% (measured: 1137 and 1138; K <= S
+    slots either way). An unrolled schedule would grow 8-fold."""
     (params, tail_params, x, ex, target), _ = toy
     x16, ex16, t16 = (jnp.concatenate([a] * 2) for a in (x, ex, target))  # 16 rows, 16 microbatches
 
@@ -249,4 +381,5 @@ def test_tick_loop_program_is_flat_in_microbatches(toy):
         grad = jax.jit(jax.grad(lambda p: f(p, tail_params, x, ex, target)))
         return sum(" = " in line for line in grad.lower(params).compile().as_text().splitlines())
 
-    assert instructions(16, x16, ex16, t16) == pytest.approx(instructions(2, x, ex, target), rel=0.02)
+    with jax.set_mesh(sharding.make_mesh({"stage": 2, "data": 4})):
+        assert instructions(16, x16, ex16, t16) == pytest.approx(instructions(2, x, ex, target), rel=0.02)

@@ -198,16 +198,24 @@ def _pipelined_model_loss(model, micro: dict, spec: StepSpec) -> tuple[jax.Array
             return chunked_cross_entropy(x, head, targets, mask, chunk=chunk)[0]
         return cross_entropy(model.project(x, head), targets, mask)[0]
 
+    count = jnp.sum(micro["loss_mask"].astype(jnp.float32))
+    moe = spec.cfg.model.moe
+    # MoE: the router losses' weights in `objective` (count x weight x their means), whose
+    # gradients the pipeline takes inside each stage's backward; `objective` then adds them
+    # as constants
+    router_weights = None if moe is None else (count * moe.aux_loss_weight, count * moe.z_loss_weight)
     with jax.named_scope("pipeline"):
-        total = model.pipelined_loss(
+        out = model.pipelined_loss(
             micro["inputs"],
             loss,
             (micro["targets"], micro["loss_mask"]),
             pipeline=spec.pipeline,
             positions=micro["positions"],
             segment_ids=micro["segment_ids"] if spec.packs_documents else None,
+            router_weights=router_weights,
         )
-    return total, jnp.sum(micro["loss_mask"].astype(jnp.float32)), {}
+    total, stats = (out, {}) if moe is None else out
+    return total, count, stats
 
 
 def whole_params(params: dict, frozen: dict | None) -> dict:
