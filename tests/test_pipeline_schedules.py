@@ -87,8 +87,10 @@ def test_bubbles_by_hand():
     # 1f1b S=4 M=8 (drawn in docs/parallelism.md): 22 ticks, 6 idle per stage
     assert table("1f1b", 4, 8).ticks == 22
     assert table("1f1b", 4, 8).bubble == pytest.approx(6 / 22)
-    # zero_bubble S=2 M=4: F, B, W each a tick: 12 busy + 2 idle per stage
-    assert table("zero_bubble", 2, 4).bubble == pytest.approx(2 / 14)
+    # zero_bubble (ZB-H1), F, B, W a tick each: 3M busy + S-1 idle per stage, the paper's
+    # (S-1)(T_F + T_B - T_W): S=2 M=4 1 of 13, S=4 M=8 3 of 27 (1f1b: 6 of 22)
+    assert table("zero_bubble", 2, 4).bubble == pytest.approx(1 / 13)
+    assert table("zero_bubble", 4, 8).bubble == pytest.approx(3 / 27)
     # interleaved S=2 M=4 R=2: 16 chunk ops + 2 idle per stage, as circular
     assert table("interleaved_1f1b", 2, 4, 2).bubble == pytest.approx(2 / 18)
 
@@ -98,6 +100,32 @@ def test_table_bubble_equals_the_formula(name):
     repeats = (2, 3) if name in ("circular", "interleaved_1f1b") else (1,)
     for S, M, R in itertools.product((2, 4), (4, 8), repeats):
         assert table(name, S, M, R).bubble == pytest.approx(bubble_fraction(S, M, R)), (S, M, R)
+
+
+@pytest.mark.parametrize("S,M", [(2, 2), (2, 4), (3, 5), (4, 8), (4, 32), (8, 32)], ids=str)
+def test_zero_bubble_is_zb_h1(S, M):
+    """ZB-H1's bubble (S-1)/(3M+S-1) (M >= S), and every stage holds S inputs at most:
+    stage 0's 1f1b peak (stages after it defer their first weight gradients up to it)."""
+    tb = table("zero_bubble", S, M)
+    assert tb.ticks == 3 * M + S - 1
+    assert tb.bubble == pytest.approx((S - 1) / (3 * M + S - 1))
+    assert list(tb.live_inputs()) == [S] * S
+    assert max(tb.live_inputs()) == max(table("1f1b", S, M).live_inputs())
+    assert slots(tb) <= S
+
+
+@pytest.mark.parametrize(
+    "S,M,R", [(2, 2, 3), (2, 4, 2), (4, 8, 2), (4, 32, 2), (4, 8, 3), (8, 32, 2)], ids=str
+)
+def test_interleaved_holds_r_times_s_chunk_inputs(S, M, R):
+    """Device s holds at most R*S - s microbatch-chunk inputs whatever M is (R*S chunks of
+    L/(S*R) layers: 1f1b's S stages' worth), fewer than Megatron's warm-up count keeps
+    ((S-s-1)*2 + (R-1)*S forwards before the first backward, then one more), at the bubble
+    (S-1)/(R*M+S-1)."""
+    tb = table("interleaved_1f1b", S, M, R)
+    assert list(tb.live_inputs()) == [R * S - s for s in range(S)]
+    assert all(tb.live_inputs() <= [(S - s - 1) * 2 + (R - 1) * S + 1 for s in range(S)])
+    assert tb.bubble == pytest.approx((S - 1) / (R * M + S - 1))
 
 
 def test_schedule_reports_its_tables_bubble():
@@ -117,6 +145,22 @@ def test_rendered_table():
         ]
     )
     assert (table("1f1b", 2, 4).ops == IDLE).sum() == 4
+    # drawn by hand from ZB-H1 (stage 1 defers W0 past B1) and Megatron's interleaved order
+    # (groups of S microbatches per chunk; warm-up (S-s-1) + (R-1)*S forwards)
+    assert table("zero_bubble", 2, 3).render() == "\n".join(
+        [
+            "tick     0  1  2  3  4  5  6  7  8  9",
+            "stage 0 F0 F1  . B0 W0 F2 B1 W1 B2 W2",
+            "stage 1  . F0 B0 F1 B1 W0 F2 B2 W1 W2",
+        ]
+    )
+    assert table("interleaved_1f1b", 2, 4, 2).render() == "\n".join(
+        [
+            "tick      0   1   2   3   4   5   6   7   8   9  10  11  12  13  14  15  16  17",
+            "stage 0 F0a F1a F0b F1b   . B0b F2a B1b F3a B0a F2b B1a F3b B2b   . B3b B2a B3a",
+            "stage 1   . F0a F1a F0b B0b F1b B1b F2a B0a F3a B1a F2b B2b F3b B3b B2a B3a   .",
+        ]
+    )
 
 
 # --- the executor alone, on a toy layer ---------------------------------------------------
