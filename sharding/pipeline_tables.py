@@ -79,6 +79,16 @@ class TickTable:
         rows = [f"stage {s} " + " ".join(f"{c:>{width}}" for c in row) for s, row in enumerate(cells)]
         return "\n".join([header, *rows])
 
+    def markdown(self) -> str:
+        """The table as a Markdown table: a column per tick, a row per stage (cells as `render`)."""
+        lines = [
+            "| stage | " + " | ".join(str(t) for t in range(self.ticks)) + " |",
+            "|---|" + "---|" * self.ticks,
+        ]
+        for s in range(self.stages):
+            lines.append(f"| {s} | " + " | ".join(self._cell(t, s) for t in range(self.ticks)) + " |")
+        return "\n".join(lines)
+
     def _cell(self, t: int, s: int) -> str:
         op = int(self.ops[t, s])
         if op == IDLE:
@@ -112,6 +122,54 @@ def table(name: str, stages: int, microbatches: int, repeats: int = 1) -> TickTa
             )
         return _simulate(name, S, M, R, [_interleaved(S, M, R, s) for s in range(S)])
     raise ValueError(f"pipeline: schedule={name!r}: expected one of {', '.join(TABLE_SCHEDULES)}")
+
+
+# The tables docs/parallelism.md draws (`docs_markdown`), and the M of its memory column.
+DOCS_TABLES = (
+    ("gpipe", 4, 8, 1),
+    ("1f1b", 4, 8, 1),
+    ("zero_bubble", 4, 8, 1),
+    ("circular", 2, 4, 2),
+    ("interleaved_1f1b", 2, 4, 2),
+)
+DOCS_SUMMARY = (
+    ("gpipe", 4, 8, 1),
+    ("circular", 4, 8, 2),
+    ("1f1b", 4, 8, 1),
+    ("interleaved_1f1b", 4, 8, 2),
+    ("zero_bubble", 4, 8, 1),
+)
+DOCS_LARGE_M = 32
+
+
+def docs_markdown() -> str:
+    """docs/parallelism.md's tick tables and the memory and bubble of each schedule, as the
+    tables of this module give them (tests/test_pipeline_schedules.py checks the page holds
+    this text between its `<!-- tick tables -->` markers)."""
+    out = []
+    for name, S, M, R in DOCS_TABLES:
+        tb = table(name, S, M, R)
+        held = ", ".join(str(int(n)) for n in tb.live_inputs())
+        shape = f"S={S}, M={M}" + (f", R={R}" if R > 1 else "")
+        idle = int((tb.ops == IDLE).sum())
+        out += [
+            f"**{name}**, {shape}: bubble {tb.bubble:.3f} ({idle} idle of {tb.ticks} x {S} cells), "
+            f"inputs held per stage {held}",
+            "",
+            tb.markdown(),
+            "",
+        ]
+    out += [
+        f"| schedule | S, M, R | bubble | inputs held by stage 0 | at M = {DOCS_LARGE_M} |",
+        "|---|---|---|---|---|",
+    ]
+    for name, S, M, R in DOCS_SUMMARY:
+        tb, large = table(name, S, M, R), table(name, S, DOCS_LARGE_M, R)
+        out.append(
+            f"| {name} | {S}, {M}, {R} | {tb.bubble:.3f} | {int(tb.live_inputs()[0])} "
+            f"| {int(large.live_inputs()[0])} |"
+        )
+    return "\n".join(out) + "\n"
 
 
 def _expect_repeats(name: str, repeats: int, expected: int) -> None:

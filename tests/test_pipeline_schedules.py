@@ -9,6 +9,7 @@ stage x fsdp x tensor mesh against one device (tolerances of tests/test_pipeline
 
 import itertools
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ import pytest
 from jaxtrain import sharding
 from jaxtrain.config import ConfigError, validate
 from jaxtrain.sharding.pipeline import Schedule, bubble_fraction
-from jaxtrain.sharding.pipeline_tables import BW, IDLE, B, F, W, table
+from jaxtrain.sharding.pipeline_tables import BW, IDLE, B, F, W, docs_markdown, table
 from jaxtrain.sharding.tick_pipeline import pipeline_loss, slots
 from jaxtrain.trainer import train
 from tests.conftest import replace, tiny_config
@@ -164,6 +165,15 @@ def test_rendered_table():
     )
 
 
+def test_docs_hold_the_tables_the_code_renders():
+    """docs/parallelism.md's tick tables, bubbles and inputs held are the code's own
+    (regenerate with `pipeline_tables.docs_markdown()` when a table changes)."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "parallelism.md").read_text()
+    assert page.count("<!-- tick tables -->\n") == 1 and page.count("<!-- /tick tables -->") == 1
+    drawn = page.split("<!-- tick tables -->\n")[1].split("<!-- /tick tables -->")[0]
+    assert drawn == docs_markdown()
+
+
 # --- the executor alone, on a toy layer ---------------------------------------------------
 
 L, BATCH, D = 8, 8, 16
@@ -301,10 +311,10 @@ def test_tick_loop_program_is_flat_in_microbatches(toy):
 
 
 @pytest.mark.slow
-def test_checkpoint_from_gpipe_resumes_under_zero_bubble(tmp_path):
-    """Two steps under gpipe, saved, two more under zero_bubble (as its logged bubble, 1 of
-    13 ticks against gpipe's 2 of 10, shows): the losses of an uninterrupted 4-step gpipe run,
-    the same math in another order (f32, rtol 1e-5)."""
+def test_checkpoint_from_gpipe_resumes_under_zero_bubble(tmp_path, capfd):
+    """Two steps under gpipe, saved, two more under zero_bubble (as its bubble, printed at
+    start and logged, shows: 1 of 13 ticks against gpipe's 2 of 10): the losses of an
+    uninterrupted 4-step gpipe run, the same math in another order (f32, rtol 1e-5)."""
 
     def run(name, schedule, steps):
         cfg = tiny_config(
@@ -321,7 +331,9 @@ def test_checkpoint_from_gpipe_resumes_under_zero_bubble(tmp_path):
 
     ref = run("ref", "gpipe", 4)
     first = run("switch", "gpipe", 2)
+    capfd.readouterr()
     resumed = run("switch", "zero_bubble", 4)
+    assert "bubble (idle share of its tick table) = 0.077" in capfd.readouterr().err
     assert resumed.start_step == 2
     assert [m["pipeline_bubble"] for m in first.metrics + resumed.metrics] == pytest.approx(
         [2 / 10, 2 / 10, 1 / 13, 1 / 13]
