@@ -33,6 +33,7 @@ TICK_CASES = [
     ("1f1b", 4, 8, 1),
     ("zero_bubble", 2, 4, 1),
     ("zero_bubble", 4, 8, 1),
+    ("zero_bubble", 4, 2, 1),
     ("interleaved_1f1b", 2, 4, 2),
     ("interleaved_1f1b", 4, 8, 2),
     ("interleaved_1f1b", 2, 2, 3),
