@@ -79,6 +79,16 @@ class TickTable:
         rows = [f"stage {s} " + " ".join(f"{c:>{width}}" for c in row) for s, row in enumerate(cells)]
         return "\n".join([header, *rows])
 
+    def markdown(self) -> str:
+        """The table as a Markdown table: a column per tick, a row per stage (cells as `render`)."""
+        lines = [
+            "| stage | " + " | ".join(str(t) for t in range(self.ticks)) + " |",
+            "|---|" + "---|" * self.ticks,
+        ]
+        for s in range(self.stages):
+            lines.append(f"| {s} | " + " | ".join(self._cell(t, s) for t in range(self.ticks)) + " |")
+        return "\n".join(lines)
+
     def _cell(self, t: int, s: int) -> str:
         op = int(self.ops[t, s])
         if op == IDLE:
@@ -101,10 +111,7 @@ def table(name: str, stages: int, microbatches: int, repeats: int = 1) -> TickTa
         return _simulate(name, S, M, 1, [_one_f_one_b(S, M, s) for s in range(S)])
     if name == "zero_bubble":
         _expect_repeats(name, R, 1)
-        orders = [[(B if op == BW else op, m, r) for op, m, r in _one_f_one_b(S, M, s)] for s in range(S)]
-        # ZB-H1: a stage defers at most S - 1 - s weight gradients (the ones its 1F1B
-        # cool-down leaves room for), so its inputs stay within 1F1B's bound
-        return _simulate(name, S, M, 1, orders, w_cap=[S - 1 - s for s in range(S)])
+        return _simulate(name, S, M, 1, [_zero_bubble_h1(S, M, s) for s in range(S)])
     if name == "interleaved_1f1b":
         if R < 2:
             raise ValueError(f"pipeline: interleaved_1f1b needs repeats >= 2; got repeats={R}")
@@ -115,6 +122,54 @@ def table(name: str, stages: int, microbatches: int, repeats: int = 1) -> TickTa
             )
         return _simulate(name, S, M, R, [_interleaved(S, M, R, s) for s in range(S)])
     raise ValueError(f"pipeline: schedule={name!r}: expected one of {', '.join(TABLE_SCHEDULES)}")
+
+
+# The tables docs/parallelism.md draws (`docs_markdown`), and the M of its memory column.
+DOCS_TABLES = (
+    ("gpipe", 4, 8, 1),
+    ("1f1b", 4, 8, 1),
+    ("zero_bubble", 4, 8, 1),
+    ("circular", 2, 4, 2),
+    ("interleaved_1f1b", 2, 4, 2),
+)
+DOCS_SUMMARY = (
+    ("gpipe", 4, 8, 1),
+    ("circular", 4, 8, 2),
+    ("1f1b", 4, 8, 1),
+    ("interleaved_1f1b", 4, 8, 2),
+    ("zero_bubble", 4, 8, 1),
+)
+DOCS_LARGE_M = 32
+
+
+def docs_markdown() -> str:
+    """docs/parallelism.md's tick tables and the memory and bubble of each schedule, as the
+    tables of this module give them (tests/test_pipeline_schedules.py checks the page holds
+    this text between its `<!-- tick tables -->` markers)."""
+    out = []
+    for name, S, M, R in DOCS_TABLES:
+        tb = table(name, S, M, R)
+        held = ", ".join(str(int(n)) for n in tb.live_inputs())
+        shape = f"S={S}, M={M}" + (f", R={R}" if R > 1 else "")
+        idle = int((tb.ops == IDLE).sum())
+        out += [
+            f"**{name}**, {shape}: bubble {tb.bubble:.3f} ({idle} idle of {tb.ticks} x {S} cells), "
+            f"inputs held per stage {held}",
+            "",
+            tb.markdown(),
+            "",
+        ]
+    out += [
+        f"| schedule | S, M, R | bubble | inputs held by stage 0 | at M = {DOCS_LARGE_M} |",
+        "|---|---|---|---|---|",
+    ]
+    for name, S, M, R in DOCS_SUMMARY:
+        tb, large = table(name, S, M, R), table(name, S, DOCS_LARGE_M, R)
+        out.append(
+            f"| {name} | {S}, {M}, {R} | {tb.bubble:.3f} | {int(tb.live_inputs()[0])} "
+            f"| {int(large.live_inputs()[0])} |"
+        )
+    return "\n".join(out) + "\n"
 
 
 def _expect_repeats(name: str, repeats: int, expected: int) -> None:
@@ -146,9 +201,34 @@ def _one_f_one_b(S: int, M: int, s: int) -> list[tuple[int, int, int]]:
     return order + [(BW, m, 0) for m in range(M - warm, M)]
 
 
+def _zero_bubble_h1(S: int, M: int, s: int) -> list[tuple[int, int, int]]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023, Figure 3 top) for stage s:
+    1F1B's S - s forwards before the first backward, each backward split into B and W, and
+    the first s weight gradients deferred, so that every stage keeps at most S inputs (stage
+    0's 1F1B peak) and from its first B on runs B, W, F without a gap. With F, B and W a tick
+    each, a stage is idle S - 1 ticks of 3M + S - 1 (M >= S): the paper's
+    (S-1)(T_F + T_B - T_W), a third of 1F1B's (S-1)(T_F + T_B + T_W)."""
+    warm = min(S - s, M)
+    order = [(F, m, 0) for m in range(warm)]
+    deferred_w = 0
+    for i in range(M):
+        order.append((B, i, 0))
+        if i >= s:
+            order.append((W, deferred_w, 0))
+            deferred_w += 1
+        if warm + i < M:
+            order.append((F, warm + i, 0))
+    return order + [(W, m, 0) for m in range(deferred_w, M)]
+
+
 def _interleaved(S: int, M: int, R: int, s: int) -> list[tuple[int, int, int]]:
     """Megatron's interleaved order for device s: forwards in groups of S microbatches per
-    chunk, (S - s - 1) * 2 + (R - 1) * S of them before the first backward."""
+    chunk, chunks in turn (backwards the same, the last chunk first), one forward and one
+    backward alternating after a warm-up. Megatron warms up with (S-s-1)*2 + (R-1)*S
+    forwards, the extra S-s-1 covering a backward twice a forward's length; in ticks of one
+    length (S-s-1) + (R-1)*S give the same bubble, (S-1)/(M*R+S-1), and keep device s at
+    R*S - s microbatch-chunk inputs: R*S chunks of L/(S*R) layers, S stages' worth of
+    layers, the 1f1b bound (Megatron's count keeps up to (R+1)*S - 1)."""
     n = M * R
 
     def fwd(k):
@@ -157,38 +237,30 @@ def _interleaved(S: int, M: int, R: int, s: int) -> list[tuple[int, int, int]]:
     def bwd(k):
         return (BW, (k // (S * R)) * S + k % S, R - 1 - (k // S) % R)
 
-    warm = min((S - s - 1) * 2 + (R - 1) * S, n)
+    warm = min(S - s - 1 + (R - 1) * S, n)
     order = [fwd(k) for k in range(warm)]
     for i in range(n - warm):
         order += [fwd(warm + i), bwd(i)]
     return order + [bwd(k) for k in range(n - warm, n)]
 
 
-def _simulate(name, S, M, R, orders, w_cap=None) -> TickTable:
-    """Run each stage's order as early as its dependencies allow (see the module doc).
-    `w_cap`: zero-bubble; the stage's B ops leave their W pending, run when the stage would
-    otherwise idle, or first when more than w_cap[s] are pending."""
+def _simulate(name, S, M, R, orders) -> TickTable:
+    """Run each stage's order as early as its dependencies allow (see the module doc): at
+    each tick a stage runs its next op if what it needs ran at an earlier tick, else idles."""
     done: dict[tuple, int] = {}  # (op kind, stage, micro, repeat) -> tick
     pos = [0] * S
-    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(S)]
     ops_rows, micro_rows, repeat_rows = [], [], []
     t = 0
     limit = 8 * (M * R + S) * 3
-    while any(pos[s] < len(orders[s]) or pending_w[s] for s in range(S)):
+    while any(pos[s] < len(orders[s]) for s in range(S)):
         if t > limit:
             raise RuntimeError(f"pipeline: schedule {name} does not finish (S={S}, M={M}, R={R})")
         row = [(IDLE, -1, -1)] * S
         for s in range(S):
             nxt = orders[s][pos[s]] if pos[s] < len(orders[s]) else None
-            must_w = w_cap is not None and len(pending_w[s]) > w_cap[s]
-            if nxt is not None and not must_w and _ready(done, nxt, s, S, R, t):
+            if nxt is not None and _ready(done, nxt, s, S, R, t):
                 row[s] = nxt
                 pos[s] += 1
-                if nxt[0] == B:
-                    pending_w[s].append((nxt[1], nxt[2]))
-            elif pending_w[s]:
-                m, r = pending_w[s].pop(0)
-                row[s] = (W, m, r)
         for s, (op, m, r) in enumerate(row):
             if op != IDLE:
                 done[(F if op == F else (W if op == W else B), s, m, r)] = t
@@ -210,6 +282,8 @@ def _ready(done: dict, op: tuple[int, int, int], s: int, S: int, R: int, t: int)
             return True
         prev = (s - 1, r) if s > 0 else (S - 1, r - 1)
         return ran((F, prev[0], m, prev[1]))
+    if kind == W:
+        return ran((B, s, m, r))
     # B or BW: its own forward, and the input gradient from the stage after it
     if not ran((F, s, m, r)):
         return False

@@ -13,6 +13,7 @@ import functools
 import itertools
 import math
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +23,9 @@ import pytest
 from jaxtrain import sharding
 from jaxtrain.config import ConfigError, validate
 from jaxtrain.sharding.pipeline import Schedule, bubble_fraction
-from jaxtrain.sharding.pipeline_tables import BW, IDLE, B, F, W, table
+from jaxtrain.sharding.pipeline_tables import BW, IDLE, B, F, W, docs_markdown, table
 from jaxtrain.sharding.tick_pipeline import pipeline_loss, slots
+from jaxtrain.trainer import train
 from tests.conftest import replace, tiny_config
 from tests.test_pipeline import SMALL, assert_matches, loss_and_grads, moe_cfg
 
@@ -35,6 +37,7 @@ TICK_CASES = [
     ("1f1b", 4, 8, 1),
     ("zero_bubble", 2, 4, 1),
     ("zero_bubble", 4, 8, 1),
+    ("zero_bubble", 4, 2, 1),
     ("interleaved_1f1b", 2, 4, 2),
     ("interleaved_1f1b", 4, 8, 2),
     ("interleaved_1f1b", 2, 2, 3),
@@ -91,8 +94,10 @@ def test_bubbles_by_hand():
     # 1f1b S=4 M=8 (drawn in docs/parallelism.md): 22 ticks, 6 idle per stage
     assert table("1f1b", 4, 8).ticks == 22
     assert table("1f1b", 4, 8).bubble == pytest.approx(6 / 22)
-    # zero_bubble S=2 M=4: F, B, W each a tick: 12 busy + 2 idle per stage
-    assert table("zero_bubble", 2, 4).bubble == pytest.approx(2 / 14)
+    # zero_bubble (ZB-H1), F, B, W a tick each: 3M busy + S-1 idle per stage, the paper's
+    # (S-1)(T_F + T_B - T_W): S=2 M=4 1 of 13, S=4 M=8 3 of 27 (1f1b: 6 of 22)
+    assert table("zero_bubble", 2, 4).bubble == pytest.approx(1 / 13)
+    assert table("zero_bubble", 4, 8).bubble == pytest.approx(3 / 27)
     # interleaved S=2 M=4 R=2: 16 chunk ops + 2 idle per stage, as circular
     assert table("interleaved_1f1b", 2, 4, 2).bubble == pytest.approx(2 / 18)
 
@@ -102,6 +107,32 @@ def test_table_bubble_equals_the_formula(name):
     repeats = (2, 3) if name in ("circular", "interleaved_1f1b") else (1,)
     for S, M, R in itertools.product((2, 4), (4, 8), repeats):
         assert table(name, S, M, R).bubble == pytest.approx(bubble_fraction(S, M, R)), (S, M, R)
+
+
+@pytest.mark.parametrize("S,M", [(2, 2), (2, 4), (3, 5), (4, 8), (4, 32), (8, 32)], ids=str)
+def test_zero_bubble_is_zb_h1(S, M):
+    """ZB-H1's bubble (S-1)/(3M+S-1) (M >= S), and every stage holds S inputs at most:
+    stage 0's 1f1b peak (stages after it defer their first weight gradients up to it)."""
+    tb = table("zero_bubble", S, M)
+    assert tb.ticks == 3 * M + S - 1
+    assert tb.bubble == pytest.approx((S - 1) / (3 * M + S - 1))
+    assert list(tb.live_inputs()) == [S] * S
+    assert max(tb.live_inputs()) == max(table("1f1b", S, M).live_inputs())
+    assert slots(tb) <= S
+
+
+@pytest.mark.parametrize(
+    "S,M,R", [(2, 2, 3), (2, 4, 2), (4, 8, 2), (4, 32, 2), (4, 8, 3), (8, 32, 2)], ids=str
+)
+def test_interleaved_holds_r_times_s_chunk_inputs(S, M, R):
+    """Device s holds at most R*S - s microbatch-chunk inputs whatever M is (R*S chunks of
+    L/(S*R) layers: 1f1b's S stages' worth), fewer than Megatron's warm-up count keeps
+    ((S-s-1)*2 + (R-1)*S forwards before the first backward, then one more), at the bubble
+    (S-1)/(R*M+S-1)."""
+    tb = table("interleaved_1f1b", S, M, R)
+    assert list(tb.live_inputs()) == [R * S - s for s in range(S)]
+    assert all(tb.live_inputs() <= [(S - s - 1) * 2 + (R - 1) * S + 1 for s in range(S)])
+    assert tb.bubble == pytest.approx((S - 1) / (R * M + S - 1))
 
 
 def test_schedule_reports_its_tables_bubble():
@@ -121,6 +152,31 @@ def test_rendered_table():
         ]
     )
     assert (table("1f1b", 2, 4).ops == IDLE).sum() == 4
+    # drawn by hand from ZB-H1 (stage 1 defers W0 past B1) and Megatron's interleaved order
+    # (groups of S microbatches per chunk; warm-up (S-s-1) + (R-1)*S forwards)
+    assert table("zero_bubble", 2, 3).render() == "\n".join(
+        [
+            "tick     0  1  2  3  4  5  6  7  8  9",
+            "stage 0 F0 F1  . B0 W0 F2 B1 W1 B2 W2",
+            "stage 1  . F0 B0 F1 B1 W0 F2 B2 W1 W2",
+        ]
+    )
+    assert table("interleaved_1f1b", 2, 4, 2).render() == "\n".join(
+        [
+            "tick      0   1   2   3   4   5   6   7   8   9  10  11  12  13  14  15  16  17",
+            "stage 0 F0a F1a F0b F1b   . B0b F2a B1b F3a B0a F2b B1a F3b B2b   . B3b B2a B3a",
+            "stage 1   . F0a F1a F0b B0b F1b B1b F2a B0a F3a B1a F2b B2b F3b B3b B2a B3a   .",
+        ]
+    )
+
+
+def test_docs_hold_the_tables_the_code_renders():
+    """docs/parallelism.md's tick tables, bubbles and inputs held are the code's own
+    (regenerate with `pipeline_tables.docs_markdown()` when a table changes)."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "parallelism.md").read_text()
+    assert page.count("<!-- tick tables -->\n") == 1 and page.count("<!-- /tick tables -->") == 1
+    drawn = page.split("<!-- tick tables -->\n")[1].split("<!-- /tick tables -->")[0]
+    assert drawn == docs_markdown()
 
 
 # --- the executor alone, on a toy layer ---------------------------------------------------
@@ -383,3 +439,39 @@ def test_tick_loop_program_is_flat_in_microbatches(toy):
 
     with jax.set_mesh(sharding.make_mesh({"stage": 2, "data": 4})):
         assert instructions(16, x16, ex16, t16) == pytest.approx(instructions(2, x, ex, target), rel=0.02)
+
+
+# --- checkpoints: the schedule is how a step runs, not what it computes --------------------
+
+
+@pytest.mark.slow
+def test_checkpoint_from_gpipe_resumes_under_zero_bubble(tmp_path, capfd):
+    """Two steps under gpipe, saved, two more under zero_bubble (as its bubble, printed at
+    start and logged, shows: 1 of 13 ticks against gpipe's 2 of 10): the losses of an
+    uninterrupted 4-step gpipe run, the same math in another order (f32, rtol 1e-5)."""
+
+    def run(name, schedule, steps):
+        cfg = tiny_config(
+            tmp_path / name,
+            *SMALL,
+            "model.n_layers=4",
+            "mesh.stage=2",
+            "pipeline.microbatches=4",
+            f"pipeline.schedule={schedule}",
+            f"train.steps={steps}",
+            "checkpoint.every=2",
+        )
+        return train(cfg, devices=jax.devices()[:2])
+
+    ref = run("ref", "gpipe", 4)
+    first = run("switch", "gpipe", 2)
+    capfd.readouterr()
+    resumed = run("switch", "zero_bubble", 4)
+    assert "bubble (idle share of its tick table) = 0.077" in capfd.readouterr().err
+    assert resumed.start_step == 2
+    assert [m["pipeline_bubble"] for m in first.metrics + resumed.metrics] == pytest.approx(
+        [2 / 10, 2 / 10, 1 / 13, 1 / 13]
+    )
+    losses = [m["loss"] for m in first.metrics + resumed.metrics]
+    np.testing.assert_allclose(losses, [m["loss"] for m in ref.metrics], rtol=1e-5)
+    assert len(set(losses)) == 4  # it trains

@@ -14,7 +14,7 @@ from conftest import REPO, tiny_config
 
 from jaxtrain.config import ConfigError, load_config, validate
 from jaxtrain.planning.compile import compile_report, config_for_target, parse_target
-from jaxtrain.planning.footprint import REMAT_BY_COST, estimate
+from jaxtrain.planning.footprint import REMAT_BY_COST, estimate, pipeline_inputs_held
 from jaxtrain.planning.planner import MESH_ORDER, Candidate, apply, plan, write_config
 from jaxtrain.planning.resolve import Placement, placement_of_devices, resolve
 from jaxtrain.sharding import targets
@@ -230,7 +230,13 @@ def test_stage_is_searched_and_a_pipeline_candidate_compiles_as_estimated(tmp_pa
     rows = p.ranked + p.rejected
     staged = [r for r in rows if dict(r.candidate.mesh)["stage"] > 1]
     assert {dict(r.candidate.mesh)["stage"] for r in staged} == {2, 4}
-    assert {r.candidate.pipeline[1:] for r in staged} == {("gpipe", 1), ("circular", 2)}
+    assert {r.candidate.pipeline[1:] for r in staged} == {
+        ("gpipe", 1),
+        ("circular", 2),
+        ("1f1b", 1),
+        ("interleaved_1f1b", 2),
+        ("zero_bubble", 1),
+    }
     assert all(r.candidate.microbatches == 1 for r in staged)
     best = min((r for r in staged if r.reason is None), key=lambda r: r.analytic_step_s)
     assert best.analytic_step_s >= min(r.analytic_step_s for r in p.ranked)  # bubble + recompute
@@ -243,6 +249,52 @@ def test_stage_is_searched_and_a_pipeline_candidate_compiles_as_estimated(tmp_pa
     assert r["fits"]
     ratio = best.analytic_bytes / r["memory"]["total"]
     assert 0.5 <= ratio <= 1.3, (best.candidate, best.analytic_bytes, r["memory"])
+
+
+def test_each_schedule_holds_its_own_count_of_stage_inputs():
+    """Hand counts of the [T/M, D] stage inputs a device keeps: gpipe and circular one per
+    iteration (M R + S - 1); 1f1b and zero_bubble a stash and an inbox of S slots, whatever M;
+    interleaved_1f1b two buffers of R x 2S (Megatron's groups hold 2S of one block). The
+    estimate differs between schedules by exactly that count x T/M x D x a."""
+    assert [pipeline_inputs_held("gpipe", 4, m, 1) for m in (8, 32)] == [11, 35]
+    assert pipeline_inputs_held("circular", 4, 8, 2) == 19
+    assert [pipeline_inputs_held(s, 4, m, 1) for s in ("1f1b", "zero_bubble") for m in (8, 32)] == [8] * 4
+    assert [pipeline_inputs_held("interleaved_1f1b", 4, m, 2) for m in (8, 32)] == [32, 32]
+    mesh = {"stage": 4}
+
+    def saved(schedule, m):
+        cfg = tiny_config(
+            None, "model.n_layers=8", "train.loss_chunk=0", "mesh.stage=4", f"pipeline.schedule={schedule}"
+        )
+        cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, microbatches=m))
+        return estimate(cfg, mesh).saved
+
+    one = 8 * 128 // 32 * 128 * 4  # a microbatch of 8 x 128 tokens / 32, d_model 128, f32
+    assert saved("gpipe", 32) - saved("1f1b", 32) == (35 - 8) * one
+    assert saved("zero_bubble", 32) == saved("1f1b", 32)
+
+
+def test_plan_ranks_1f1b_before_gpipe_when_it_holds_less():
+    """Same mesh, remat and microbatches: 1f1b's analytic step equals gpipe's (the same
+    bubble, (S-1)/(M+S-1)); its 2S buffered inputs against gpipe's M+S-1 make it the smaller,
+    and so the first ranked, from M = 2S on (at M = S gpipe's S+S-1 are fewer)."""
+    cfg = tiny_config(None, "model.n_layers=4", "train.seq_len=512")
+    p = plan(cfg, parse_target("tpu:v5p-8"), compile=False, top=10_000)
+    by = {}
+    for r in p.ranked:
+        c = r.candidate
+        if c.pipeline is not None:
+            by[(c.mesh, c.remat, c.pipeline[0], c.pipeline[1])] = (r, p.ranked.index(r))
+    pairs = [(k, v) for k, v in by.items() if k[3] == "1f1b" and (*k[:3], "gpipe") in by]
+    assert pairs
+    assert {key[2] // dict(key[0])["stage"] for key, _ in pairs} == {1, 2, 4}
+    for key, (row, rank) in pairs:
+        gpipe, gpipe_rank = by[(*key[:3], "gpipe")]
+        assert row.analytic_step_s == pytest.approx(gpipe.analytic_step_s, rel=1e-12)
+        if key[2] >= 2 * dict(key[0])["stage"]:
+            assert row.analytic_bytes < gpipe.analytic_bytes and rank < gpipe_rank
+        else:
+            assert row.analytic_bytes > gpipe.analytic_bytes and rank > gpipe_rank
 
 
 @pytest.mark.parametrize(

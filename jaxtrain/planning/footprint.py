@@ -40,6 +40,8 @@ from jaxtrain.config import Config, ConfigError
 from jaxtrain.models.config import DTYPE_BYTES, REMAT_KEPT_NAMES
 from jaxtrain.models.moe import capacity, receive_rows
 from jaxtrain.sharding import hardware
+from jaxtrain.sharding.pipeline_tables import table as schedule_table
+from jaxtrain.sharding.tick_pipeline import slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,10 +240,12 @@ def _gib(n: int) -> str:
 #                  when attention is not a flash kernel: heads/tensor x S x (a + 4) per token
 #   logits       = 2 x 4 x T x V / tensor          f32 logits and their gradient
 #                  (train.loss_chunk = c: 2 x 4 x rows x c/context x V / tensor + 4 x T x D)
-# With pipeline stages (mesh.stage = S > 1, pipeline.microbatches M, repeats R, I = M R + S - 1
-# iterations, sharding/pipeline.py): the layers' parameters split over S (embedding and head
-# do not); each iteration keeps only its stage's input and recomputes the stage in the backward:
-#   saved        = I x T/M x D x a + 2 x T x D x a (microbatch buffers)
+# With pipeline stages (mesh.stage = S > 1, pipeline.microbatches M, repeats R): the layers'
+# parameters split over S (embedding and head do not); the pipeline keeps H stage inputs of
+# one microbatch (`pipeline_inputs_held`: gpipe and circular one per iteration, H = M R + S - 1;
+# the 1f1b family its stash and inbox slots, H = 2 R K, K = S for 1f1b and zero_bubble) and
+# recomputes each stage in the backward:
+#   saved        = H x T/M x D x a + 2 x T x D x a (microbatch buffers)
 #                  + L/(S R) x T/M x (bytes/token the remat policy keeps)
 #   working set  = T/M x (bytes/token of one layer with nothing recomputed)
 # MoE layers (models/moe.py), with A = T x top_k assignments per device and R the rows
@@ -473,6 +477,22 @@ def estimate(cfg: Config, mesh_sizes: dict[str, int], platform: str | None = Non
     )  # fmt: skip
 
 
+def pipeline_inputs_held(schedule: str, stages: int, microbatches: int, repeats: int) -> int:
+    """How many [T/M, D] tensors (one pipeline microbatch's activations between stages) a
+    device keeps for the backward pass under `schedule`:
+
+    - gpipe, circular (sharding/pipeline.py): the scan keeps every iteration's stage input,
+      M R + S - 1 of them (all M R microbatch-blocks, and the bubble's iterations);
+    - 1f1b, interleaved_1f1b, zero_bubble (sharding/tick_pipeline.py): the stash of inputs in
+      flight and the inbox of their output gradients, R K slots each, K the table's slots
+      per block (`slots`): S for 1f1b and zero_bubble, whatever M is; up to 2S for
+      interleaved_1f1b, whose Megatron groups keep up to 2S microbatches of one block."""
+    if schedule in ("gpipe", "circular"):
+        return microbatches * repeats + stages - 1
+    tick_table = schedule_table(schedule, stages, microbatches, repeats)
+    return 2 * repeats * slots(tick_table)
+
+
 def activation_bytes(cfg: Config, mesh_sizes: dict[str, int]) -> tuple[float, float, float]:
     """(saved, working set, rows of one attention's scores) of `estimate` (formulas above)."""
     m = cfg.model
@@ -492,11 +512,10 @@ def activation_bytes(cfg: Config, mesh_sizes: dict[str, int]) -> tuple[float, fl
         if m.gathers_weights_once and m.remat == "none":  # gathered matmul weights (models/cpu_tuning.py)
             saved += (layer_stack_params(m) - expert_params(m)) * a / tp
         return saved, tokens * layer_bytes_per_token(m, tp, **moe) + expert_weights, rows
-    # sharding/pipeline.py: each iteration keeps only its stage's input
     pm, reps = cfg.pipeline.resolved_microbatches(stages), cfg.pipeline.repeats
-    iterations = pm * reps + stages - 1
     t_pm = tokens / pm  # tokens of one pipeline microbatch
-    saved = iterations * t_pm * m.d_model * a  # stage inputs kept for the backward
+    held = pipeline_inputs_held(cfg.pipeline.schedule, stages, pm, reps)
+    saved = held * t_pm * m.d_model * a  # stage inputs (and gradients) kept for the backward
     saved += 2 * tokens * m.d_model * a  # the microbatch buffers in and out (not on stage)
     saved += m.n_layers / (stages * reps) * t_pm * kept  # one iteration's backward
     if m.remat == "none":

@@ -48,13 +48,20 @@ from jaxtrain.planning.footprint import (
 )
 from jaxtrain.planning.resolve import REMAT_HEADROOM, Placement, head_rows_per_device, resolve
 from jaxtrain.sharding import hardware
+from jaxtrain.sharding.pipeline_tables import table as schedule_table
 
 GiB = 2**30
 HEADROOM = REMAT_HEADROOM  # the analytic estimate must fit in this fraction of HBM
 SEARCH_REMAT = tuple(p for p in REMAT_BY_COST if p != "save_matmuls")  # same memory as minimal
 MICROBATCHES = (1, 2, 4, 8, 16)
 PIPELINE_MICROBATCHES = (1, 2, 4)  # x mesh.stage
-PIPELINE_SCHEDULES = (("gpipe", 1), ("circular", 2))  # (schedule, repeats)
+PIPELINE_SCHEDULES = (  # (schedule, repeats)
+    ("gpipe", 1),
+    ("circular", 2),
+    ("1f1b", 1),
+    ("interleaved_1f1b", 2),
+    ("zero_bubble", 1),
+)
 MESH_ORDER = ("data", "fsdp", "tensor", "context", "expert", "stage")
 LONG_SEQUENCE = 8192  # context parallelism is searched from this seq_len on
 
@@ -312,9 +319,10 @@ def analytic_step(cfg: Config, mesh: dict[str, int], chip, per_host: int) -> dic
     critical path). W: the axis bandwidth, hardware.Chip.ici_bytes_per_s (or the NIC across
     GPU hosts).
 
-    Pipeline stages (S > 1, M pipeline microbatches, R repeats, I = M R + S - 1 iterations,
-    sharding/pipeline.py): every device runs L/S layers for I/(M R) of the time it would
-    without a bubble, and redoes each iteration's stage forward in the backward:
+    Pipeline stages (S > 1, M pipeline microbatches, R repeats, I = M R / (1 - bubble)
+    iterations, the bubble the schedule's table's: M R + S - 1 but for zero_bubble): every
+    device runs L/S layers for I/(M R) of the time it would without a bubble, and redoes each
+    iteration's stage forward in the backward (zero_bubble twice: its B and its W each do):
     compute   = (model FLOPs + full-layer forward + recompute FLOPs) x tokens / devices / peak
                 x I / (M R)
     L         -> L/S x I/(M R) in tensor, context and expert (per-layer traffic per device)
@@ -345,21 +353,27 @@ def analytic_step(cfg: Config, mesh: dict[str, int], chip, per_host: int) -> dic
 
 
 class _Pipe(NamedTuple):
-    """Pipeline terms of analytic_step: stages S, microbatches M, repeats R, iterations I."""
+    """Pipeline terms of analytic_step: stages S, microbatches M, repeats R, iterations I
+    (stage passes per device, the bubble's included: M R / (1 - bubble))."""
 
     stages: int
     microbatches: int
     repeats: int
-    iterations: int
+    iterations: float
     inflate: float  # I / (M R) = 1 / (1 - bubble)
+    weight_recompute: bool  # zero_bubble: W redoes the stage's forward (sharding/tick_pipeline.py)
 
 
 def _pipeline_terms(cfg: Config, stages: int) -> _Pipe:
+    """The bubble is the schedule's tick table's (sharding/pipeline_tables.py): for gpipe,
+    circular, 1f1b and interleaved_1f1b I = M R + S - 1; zero_bubble's B and W fill the
+    bubble to a third, I = M + (S - 1) / 3."""
     if stages <= 1:
-        return _Pipe(1, 1, 1, 1, 1.0)
-    pm, reps = cfg.pipeline.resolved_microbatches(stages), cfg.pipeline.repeats
-    iterations = pm * reps + stages - 1
-    return _Pipe(stages, pm, reps, iterations, iterations / (pm * reps))
+        return _Pipe(1, 1, 1, 1, 1.0, False)
+    p = cfg.pipeline
+    pm, reps, schedule = p.resolved_microbatches(stages), p.repeats, p.schedule
+    inflate = 1 / (1 - schedule_table(schedule, stages, pm, reps).bubble)
+    return _Pipe(stages, pm, reps, pm * reps * inflate, inflate, schedule == "zero_bubble")
 
 
 def _extra_flops_per_token(cfg: Config, mesh: dict[str, int], pipe: _Pipe) -> float:
@@ -369,7 +383,7 @@ def _extra_flops_per_token(cfg: Config, mesh: dict[str, int], pipe: _Pipe) -> fl
     m = cfg.model
     extra = recompute_flops_per_token(cfg)
     if pipe.stages > 1:
-        extra += recompute_flops_per_token(cfg, "full")
+        extra += recompute_flops_per_token(cfg, "full") * (2 if pipe.weight_recompute else 1)
     if m.moe is not None:
         r = moe_row_factor(cfg, mesh)
         extra += (r - 1) * 18 * m.moe.top_k * m.d_model * m.moe.mlp_dim(m) * m.moe.num_moe_layers(m)
