@@ -555,9 +555,11 @@ def recompute_flops(cfg: Config) -> float:
     m = cfg.model
     if m.remat != "full":
         return 0.0  # save_matmuls keeps the matmul outputs: only cheap elementwise work is redone
-    layer_params = _layer_params(cfg)
-    # the causal half of 2 x L x S x heads x (qk + v width): 4*L*S*d with equal widths
-    attn_fwd = m.n_layers * cfg.train.seq_len * m.n_heads * sum(m.attention_widths)
+    layer_params = _layer_params(cfg)  # the prediction modules' (model.mtp) included
+    # the causal half of 2 x L x S x heads x (qk + v width): 4*L*S*d with equal widths; each
+    # prediction module's block attends as a layer does
+    layers = m.n_layers + (m.mtp.depth if m.mtp is not None else 0)
+    attn_fwd = layers * cfg.train.seq_len * m.n_heads * sum(m.attention_widths)
     return 2 * layer_params + attn_fwd
 
 
