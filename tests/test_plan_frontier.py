@@ -183,3 +183,30 @@ def test_plan_runs_on_the_latent_attention_presets(preset, target, capsys):
     assert code == 0, out
     rank1 = next(line for line in out.splitlines() if line.startswith("1 "))
     assert "%" in rank1, out
+
+
+def test_cost_variants_keep_the_dense_prefix_and_extrapolate_the_moe_layers(monkeypatch):
+    """The TPU step estimate compiles two unrolled variants and extrapolates; DeepSeek-V3's 3
+    dense first layers must stay in both (a 1-layer variant is no valid model: first_dense_layers
+    3 >= 1 layer). Oracle: a cost that is exactly 7 + 10 per dense layer + 100 per MoE layer
+    (the compile replaced by that count of the variant's layers) extrapolates to 7 + 3 x 10 +
+    58 x 100 FLOPs, one microbatch."""
+    from jaxtrain.planning import compile as compile_mod
+
+    cfg = load_config(os.path.join(REPO, "configs", "deepseek-v3-671b.yaml"))
+    built = []
+
+    def compile_step(variant, *args):
+        variant.model.validate()
+        built.append(variant.model.n_layers)
+        return variant
+
+    def cost(variant):
+        m = variant.model
+        return {"flops": 7.0 + 10 * m.moe.first_dense_layers + 100 * m.moe.num_moe_layers(m)}
+
+    monkeypatch.setattr(compile_mod, "_compile_step", compile_step)
+    monkeypatch.setattr(compile_mod, "compiled_cost", cost)
+    out = compile_mod._extrapolated_cost(cfg, None, None, "tpu")
+    assert built == [4, 5]
+    assert out["flops"] == 7 + 3 * 10 + 58 * 100 and out["flops per layer"] == 100
