@@ -17,7 +17,8 @@ It is deliberately a LOWER bound, so it never refuses a config that fits. Per de
   to the device for the forward pass; train.objective=dpo adds the frozen reference copy of
   the parameters (trainer/dpo.py), sharded as they are;
 - activations: what the backward pass must keep, at least one [tokens, d_model]
-  tensor per layer (remat full keeps only the layer inputs), in the compute dtype;
+  tensor per layer and per prediction module (model.mtp) (remat full keeps only the layer
+  inputs), in the compute dtype;
   with pipeline stages, at least one in all (each stage keeps its iterations' inputs);
 - logits: the [tokens, vocab] output projection in f32 (cross-entropy runs in f32),
   vocab sharded over tensor; one chunk of positions with train.loss_chunk (its `auto` may
