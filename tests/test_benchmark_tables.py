@@ -126,3 +126,25 @@ def test_muon_vs_adamw_rows_take_each_best_lr_and_the_last_ten_steps():
         ["muon", "0.01", "5.500", "1.000"],
         ["muon, bfloat16 state", "0.01", "5.500", "1.010"],
     ]
+
+
+def test_presets_compile_row_from_a_hand_made_report():
+    """benchmarks/presets.py's `compile` row: GiB are bytes / 2^30 (80 GiB = 85899345920 B), the
+    mesh's axes of size 1 left out, a report that does not fit says so, and an estimate shows
+    its step and MFU."""
+    from benchmarks import presets
+
+    gib = 2**30
+    report = {
+        "target": "gpu:h100 1 host(s) x 8 GPUs", "mesh": {"fsdp": 8, "tensor": 1},
+        "global_batch_size": 8, "seq_len": 4096, "attention_impl": "pallas", "hbm_bytes": 80 * gib,
+        "memory": {"total": 60 * gib, "argument": 20 * gib, "temp": 40 * gib}, "fits": True,
+    }  # fmt: skip
+    assert presets.compile_row("gpt-oss-20b", report) == [
+        "gpt-oss-20b", "gpu:h100 1 host(s) x 8 GPUs", "fsdp=8, 8 x 4096", "pallas",
+        "60.0 of 80.0 GiB (args 20.0, temp 40.0)", "-",
+    ]  # fmt: skip
+    big = {**report, "memory": {"total": 90 * gib, "argument": 30 * gib, "temp": 60 * gib}, "fits": False}
+    assert presets.compile_row("x", big)[4] == "90.0 of 80.0 GiB (args 30.0, temp 60.0): does not fit"
+    estimated = {**report, "step_seconds_est": 1.234, "mfu_est": 0.4567}
+    assert presets.compile_row("x", estimated)[5] == "1.23 s, 45.7%"

@@ -14,8 +14,10 @@ XLA:GPU compiler. From the compiled program we read:
   compile 1- and 2-layer *unrolled* variants of the same config (same mesh,
   batch per microbatch), take the difference as the per-layer cost and
   extrapolate: cost(L) = c1 + (L - 1) * (c2 - c1), times the microbatch
-  count. TPU collective-matmul loops (windowed einsums) would be counted once
-  too, so the variants are compiled without them. The FLOPs are checked
+  count (an MoE model's dense first layers stay in both variants, and L counts
+  the layers after them; an attention pattern or `moe.every` group is one unit).
+  TPU collective-matmul loops (windowed einsums) would be counted once too, so
+  the variants are compiled without them. The FLOPs are checked
   against the analytic count (planning/flops.py, plus remat recompute); where
   XLA still counts fewer, the time is scaled up by the shortfall, and the
   ratio is printed so this shows.
@@ -332,6 +334,16 @@ def _compile_or_oom(cfg, mesh, rules):
         raise
 
 
+def cost_layers(m) -> tuple[int, int, int]:
+    """(prefix, unit, units) of the cost variants: they keep an MoE model's dense prefix
+    (model.moe.first_dense_layers) whole and repeat one unit after it, a layer, an attention
+    pattern or a group of model.moe.every layers; the model is prefix + units x unit layers.
+    (A variant of fewer layers than the prefix is no valid MoE model.)"""
+    prefix = m.moe.first_dense_layers if m.moe is not None else 0
+    unit = m.layers_per_group * (m.moe.every if m.moe is not None else 1)
+    return prefix, unit, (m.n_layers - prefix) // unit
+
+
 def _variant(cfg: Config, n_layers: int) -> Config:
     """The same config with `n_layers` unrolled layers and one microbatch's batch (with an
     attention pattern, a multiple of its length)."""
@@ -362,13 +374,13 @@ def _extrapolated_cost(
     cfg: Config, mesh, rules, platform: str, *, charge_kernels: bool = True
 ) -> dict[str, float] | None:
     opts = _COST_VARIANT_OPTIONS.get(platform)
-    unit = cfg.model.layers_per_group
+    prefix, unit, groups = cost_layers(cfg.model)
     with cost_estimates(charge_kernels):
-        c1 = compiled_cost(_compile_step(_variant(cfg, unit), mesh, rules, opts))
-        c2 = compiled_cost(_compile_step(_variant(cfg, 2 * unit), mesh, rules, opts))
+        c1 = compiled_cost(_compile_step(_variant(cfg, prefix + unit), mesh, rules, opts))
+        c2 = compiled_cost(_compile_step(_variant(cfg, prefix + 2 * unit), mesh, rules, opts))
     if not c1 or not c2:
         return None
-    groups, n = cfg.model.n_layers // unit, cfg.train.microbatches
+    n = cfg.train.microbatches
     out = {}
     for key in ("flops", "optimal_seconds", "bytes accessed"):
         if key in c1 and key in c2:
@@ -555,9 +567,11 @@ def recompute_flops(cfg: Config) -> float:
     m = cfg.model
     if m.remat != "full":
         return 0.0  # save_matmuls keeps the matmul outputs: only cheap elementwise work is redone
-    layer_params = _layer_params(cfg)
-    # the causal half of 2 x L x S x heads x (qk + v width): 4*L*S*d with equal widths
-    attn_fwd = m.n_layers * cfg.train.seq_len * m.n_heads * sum(m.attention_widths)
+    layer_params = _layer_params(cfg)  # the prediction modules' (model.mtp) included
+    # the causal half of 2 x L x S x heads x (qk + v width): 4*L*S*d with equal widths; each
+    # prediction module's block attends as a layer does
+    layers = m.n_layers + (m.mtp.depth if m.mtp is not None else 0)
+    attn_fwd = layers * cfg.train.seq_len * m.n_heads * sum(m.attention_widths)
     return 2 * layer_params + attn_fwd
 
 

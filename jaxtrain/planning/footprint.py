@@ -17,7 +17,8 @@ It is deliberately a LOWER bound, so it never refuses a config that fits. Per de
   to the device for the forward pass; train.objective=dpo adds the frozen reference copy of
   the parameters (trainer/dpo.py), sharded as they are;
 - activations: what the backward pass must keep, at least one [tokens, d_model]
-  tensor per layer (remat full keeps only the layer inputs), in the compute dtype;
+  tensor per layer and per prediction module (model.mtp) (remat full keeps only the layer
+  inputs), in the compute dtype;
   with pipeline stages, at least one in all (each stage keeps its iterations' inputs);
 - logits: the [tokens, vocab] output projection in f32 (cross-entropy runs in f32),
   vocab sharded over tensor; one chunk of positions with train.loss_chunk (its `auto` may
@@ -39,6 +40,7 @@ import jax
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.models.config import DTYPE_BYTES, REMAT_KEPT_NAMES
 from jaxtrain.models.moe import capacity, receive_rows
+from jaxtrain.planning.attention_shape import attention_shape
 from jaxtrain.sharding import hardware
 from jaxtrain.sharding.pipeline_tables import table as schedule_table
 from jaxtrain.sharding.tick_pipeline import slots
@@ -152,8 +154,9 @@ def lower_bound(cfg: Config, mesh_sizes: dict[str, int]) -> Footprint:
     state -= int(compact_grad_savings(cfg, size))
     rows, seq = microbatch_shape(cfg, size)
     tokens = rows * seq
-    # a stage keeps one [tokens, d_model] input per pipeline iteration, at least `tokens` of them
-    layers = m.n_layers if size("stage") == 1 else 1
+    # a stage keeps one [tokens, d_model] input per pipeline iteration, at least `tokens` of them;
+    # each prediction module (model.mtp) keeps its input too
+    layers = m.n_layers + (m.mtp.depth if m.mtp is not None else 0) if size("stage") == 1 else 1
     activations = layers * tokens * m.d_model * DTYPE_BYTES.get(m.compute_dtype, 4)
     # f32 logits: all of them, or one chunk with train.loss_chunk (auto may chunk)
     chunk = cfg.train.loss_chunk
@@ -263,6 +266,15 @@ def _gib(n: int) -> str:
 #                  buffers)
 #   weights      = 3 x E/ep x D x F / tensor x p  one MoE layer's experts, gathered whole inside
 #                  the shard_map: in the working set, and kept per MoE layer under remat none
+# Latent attention (model.mla; planning/attention_shape.py): qkv_proj is q and k of H x (nope +
+# rope) values and v of H x v_head; context H x v_head; the projections before RoPE are q and
+# the key/value up-projection H x (nope + v); its latents (q_lora + kv_lora + rope, replicated
+# over tensor) and their two norms ((q_lora + kv_lora) x (4 + 4 + a)) join one layer's extra.
+# Multi-token prediction (model.mtp, depth N; not with stages): each module keeps what a layer
+# keeps, and its token embedding, N x T x (bytes/token kept + D x a) more in `saved` (and its
+# block's experts under remat none); its block's working set is a layer's. Its logits, through
+# the same head: (N + 2) x 4 x T x V / tensor unchunked (each depth's kept for the backward, one
+# gradient at a time); chunked, each depth's d loss / d x too, (N + 1) x 4 x T x D.
 # With model.cpu_tuning in bfloat16 under remat none, each layer's matmul weights gathered over
 # fsdp (models/cpu_tuning.py) are kept for the backward too: (P_layers - P_experts) x a / tensor in
 # all (not with pipeline stages, whose backward recomputes each stage).
@@ -303,7 +315,7 @@ SAVED_NAMES = REMAT_KEPT_NAMES
 def name_bytes_per_token(m, tensor: int = 1, moe_rows: float = 1.0) -> dict[str, float]:
     """Bytes per token per layer of each checkpoint name (heads / mlp shard over tensor);
     `moe_rows`: rows the expert matmuls run over per assignment (moe_row_factor)."""
-    a, hd, t = DTYPE_BYTES.get(m.compute_dtype, 4), m.resolved_head_dim, max(1, tensor)
+    a, t, att = DTYPE_BYTES.get(m.compute_dtype, 4), max(1, tensor), attention_shape(m)
     mlp, outputs, routing = m.mlp_dim, 1, 0
     if m.moe is not None:  # top-k experts' intermediates per token (plus shared ones)
         mlp = m.moe.mlp_dim(m) * (m.moe.top_k * moe_rows + m.moe.num_shared_experts)
@@ -312,8 +324,8 @@ def name_bytes_per_token(m, tensor: int = 1, moe_rows: float = 1.0) -> dict[str,
         routing = 4 * m.moe.top_k * (1 if m.moe.dispatch == "capacity" else 3)
     return {
         "layer_input": m.d_model * a,
-        "qkv_proj": (m.n_heads + 2 * m.n_kv_heads) * hd * a / t,
-        "context": m.n_heads * (hd * a + 4) / t,  # the output and its f32 softmax statistics
+        "qkv_proj": att.qkv * a / t,
+        "context": (att.context * a + 4 * m.n_heads) / t,  # the output and its f32 softmax statistics
         "out_proj": m.d_model * a,
         "mlp_in": 2 * mlp * a / t,
         "mlp_out": outputs * m.d_model * a,
@@ -325,7 +337,8 @@ def layer_bytes_per_token(
     m, tensor: int = 1, moe_rows: float = 1.0, ep: int = 1, padded: bool = False
 ) -> float:
     """Everything one layer's backward uses with nothing recomputed (remat none): the named
-    checkpoints plus the norms' f32 inputs, f32 normalised values and outputs, the roped q/k,
+    checkpoints plus the norms' f32 inputs, f32 normalised values and outputs, q/k before RoPE
+    (latent attention: its up-projections' outputs, and its latents with their norms),
     the residual and SwiGLU's three elementwise operands (silu(gate), its derivative's
     operand, the product), and in MoE layers the routed rows (formulas above). The f32
     normalised value and the dense third operand were added against the compiled H100 step
@@ -333,7 +346,10 @@ def layer_bytes_per_token(
     n = name_bytes_per_token(m, tensor, moe_rows)
     a = DTYPE_BYTES.get(m.compute_dtype, 4)
     extra = 2 * m.d_model * (4 + 4 + a)  # two RMSNorms: f32 input, f32 normalised, output
-    extra += (m.n_heads + m.n_kv_heads) * m.resolved_head_dim * a / max(1, tensor)  # roped q, k
+    att = attention_shape(m)
+    extra += att.projected * a / max(1, tensor)  # q, k before RoPE (MLA: before the heads' split)
+    # latent attention's latents (replicated over tensor) and their norms (f32 in, f32 normalised, out)
+    extra += att.latent * a + att.latent_normed * (4 + 4 + a)
     extra += m.d_model * a  # residual after attention
     extra += n["mlp_in"] * 1.5  # silu(gate), its derivative's operand, silu(gate) * up
     if m.moe is not None:
@@ -425,15 +441,21 @@ def lora_share(m, per_param: float, p: int) -> float:
 
 
 def expert_params(m) -> int:
-    """Parameters of the routed experts (sharded over mesh.expert; 0 for dense models)."""
+    """Parameters of the routed experts, their biases (model.moe.expert_bias) included, in the
+    MoE layers and the prediction modules' blocks (model.mtp): all sharded over mesh.expert;
+    0 for dense models."""
     if m.moe is None:
         return 0
-    return m.moe.num_moe_layers(m) * m.moe.num_experts * 3 * m.d_model * m.moe.mlp_dim(m)
+    d, f = m.d_model, m.moe.mlp_dim(m)
+    per_expert = 3 * d * f + ((2 * f + d) if m.moe.expert_bias else 0)
+    layers = m.moe.num_moe_layers(m) + (m.mtp.depth if m.mtp is not None else 0)
+    return layers * m.moe.num_experts * per_expert
 
 
 def layer_stack_params(m) -> int:
-    """Parameters inside the repeated layers (what pipeline stages split; the embedding,
-    the final norm and an untied head stay outside)."""
+    """Parameters inside the repeated layers and the prediction modules (model.mtp, which run
+    in a layer loop of their own and never with stages): what pipeline stages split; the
+    embedding, the final norm and an untied head stay outside."""
     head = 0 if m.tie_embeddings else m.vocab_size * m.d_model
     return m.param_count(include_embedding=False) - m.d_model - head
 
@@ -465,11 +487,12 @@ def estimate(cfg: Config, mesh_sizes: dict[str, int], platform: str | None = Non
     tp, a = size("tensor"), DTYPE_BYTES.get(m.compute_dtype, 4)
     if m.attention_impl in ("xla", "auto"):  # [rows, heads, seq, seq] probs and f32 scores, one layer
         working += att_rows * max(1, m.n_heads // tp) * seq * t.seq_len * (a + 4)
+    depth = m.mtp.depth if m.mtp is not None else 0  # the prediction modules' losses use the head too
     if t.loss_chunk:  # trainer/loss.py: one chunk of logits live, plus d loss / d x in f32
         chunk = max(1, min(seq, t.loss_chunk // size("context")))
-        logits = 2 * 4 * rows * chunk * max(1, m.vocab_size // tp) + 4 * rows * seq * m.d_model
+        logits = 2 * 4 * rows * chunk * max(1, m.vocab_size // tp) + (1 + depth) * 4 * rows * seq * m.d_model
     else:
-        logits = 2 * 4 * rows * seq * max(1, m.vocab_size // tp)
+        logits = (2 + depth) * 4 * rows * seq * max(1, m.vocab_size // tp)
     logits /= stages  # outside the pipeline the compiler spreads the head over stage too (compiled)
     return Estimate(
         state=int(state), saved=int(saved), working=int(working), logits=int(logits),
@@ -508,7 +531,11 @@ def activation_bytes(cfg: Config, mesh_sizes: dict[str, int]) -> tuple[float, fl
     expert_weights = moe_weight_bytes(cfg, mesh_sizes)  # one MoE layer's, gathered
     moe_layers = m.moe.num_moe_layers(m) if m.moe is not None else 0
     if stages == 1:
-        saved = m.n_layers * tokens * kept + (moe_layers * expert_weights if m.remat == "none" else 0)
+        # the prediction modules (model.mtp; never with stages): a layer's keep and their embeddings
+        depth = m.mtp.depth if m.mtp is not None else 0
+        saved = m.n_layers * tokens * kept + depth * tokens * (kept + m.d_model * a)
+        if m.remat == "none":
+            saved += (moe_layers + (depth if m.moe is not None else 0)) * expert_weights
         if m.gathers_weights_once and m.remat == "none":  # gathered matmul weights (models/cpu_tuning.py)
             saved += (layer_stack_params(m) - expert_params(m)) * a / tp
         return saved, tokens * layer_bytes_per_token(m, tp, **moe) + expert_weights, rows

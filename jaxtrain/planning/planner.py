@@ -33,6 +33,7 @@ import yaml
 from jaxtrain.config import Config, ConfigError, to_dict, validate
 from jaxtrain.models.config import DTYPE_BYTES
 from jaxtrain.models.moe import dispatch_per_shard, shards_per_token
+from jaxtrain.planning.attention_shape import attention_shape
 from jaxtrain.planning.compile import Target, compile_report, config_for_target
 from jaxtrain.planning.flops import flops_per_token
 from jaxtrain.planning.footprint import (
@@ -249,36 +250,41 @@ def invalid_reason(cfg: Config, cand: Candidate, num_devices: int) -> str | None
 def recompute_flops_per_token(cfg: Config, remat: str | None = None) -> float:
     """Forward FLOPs per token the backward pass redoes under `remat`.
 
-    Per layer, the forward pieces are qkv (2 D (H + 2K) hd), attention (2 S H hd, causal),
-    out (2 H hd D), mlp_in (2/3 of the MLP's 2 x active MLP params), mlp_out (1/3). A piece is
+    Per layer, the forward pieces are qkv (the projections up to q, k, v: 2 D (H + 2K) hd;
+    latent attention's four, planning/attention_shape.py), attention (S H (qk + v), causal),
+    out (2 H v D), mlp_in (2/3 of the MLP's 2 x active MLP params), mlp_out (1/3). A piece is
     recomputed when its output is not kept (a dense mlp_out's output is only needed by the next
     layer, whose input is kept; MoE expert outputs are needed by the router weights' gradient,
     so their w_down, 2 x D x F x top_k per MoE layer, is redone unless mlp_out is kept);
-    `full` redoes the whole layer, as XLA counts it."""
+    `full` redoes the whole layer, as XLA counts it. The prediction modules (model.mtp) run
+    under the layers' policy: each is one more layer of the model's kind, and `full` also
+    redoes its input projection (eh_proj, 2 x 2D x D)."""
     m = cfg.model
     remat = remat or m.remat
     if remat in ("none",):
         return 0.0
-    hd, d, seq = m.resolved_head_dim, m.d_model, cfg.train.seq_len
-    qkv = 2 * d * (m.n_heads + 2 * m.n_kv_heads) * hd
-    out = 2 * m.n_heads * hd * d
-    attn = 2 * seq * m.n_heads * hd
+    d, seq, att = m.d_model, cfg.train.seq_len, attention_shape(m)
+    depth = m.mtp.depth if m.mtp is not None else 0
+    layers = m.n_layers + depth  # the prediction modules' blocks are layers of the model's kind
+    qkv, out, attn = att.qkv_flops, att.out_flops, att.attention_flops(seq / 2)
     head = 0 if m.tie_embeddings else m.vocab_size * d
-    layer_params = (m.active_param_count(include_embedding=False) - head - d) / m.n_layers
+    # the modules' parameters besides their blocks: three norms and eh_proj [2D, D]
+    mtp_inputs = depth * (3 * d + 2 * d * d)
+    layer_params = (m.active_param_count(include_embedding=False) - head - d - mtp_inputs) / layers
     mlp = 2 * layer_params - qkv - out  # 2 x params = forward FLOPs; the rest is the MLP
     pieces = {"qkv_proj": qkv, "context": attn, "out_proj": out, "mlp_in": 2 * mlp / 3}
     if remat == "full":
-        return m.n_layers * (qkv + attn + out + mlp)
+        return layers * (qkv + attn + out + mlp) + depth * 2 * 2 * d * d
     # MoE: the router weights' gradient needs the expert outputs, so the experts' w_down
     # matmul is redone unless mlp_out is kept (a dense MLP's output is never needed).
     moe_out = 0.0
     if m.moe is not None:
-        moe_out = m.moe.num_moe_layers(m) * 2 * d * m.moe.mlp_dim(m) * m.moe.top_k
+        moe_out = (m.moe.num_moe_layers(m) + depth) * 2 * d * m.moe.mlp_dim(m) * m.moe.top_k
     if remat == "custom":
         kept = {n for n, mode in m.remat_custom if mode in ("device", "offload")}
     else:  # offload_matmuls keeps the minimal names, on the host
         kept = set(SAVED_NAMES["minimal" if remat == "offload_matmuls" else remat])
-    return m.n_layers * sum(f for name, f in pieces.items() if name not in kept) + (
+    return layers * sum(f for name, f in pieces.items() if name not in kept) + (
         moe_out if "mlp_out" not in kept else 0.0
     )
 
@@ -304,7 +310,8 @@ def analytic_step(cfg: Config, mesh: dict[str, int], chip, per_host: int) -> dic
                 context likewise: parameters are replicated over it)
     tensor    = microbatches x 4 L x 2 x T x D x a x (tensor-1)/tensor / W (2 all-reduces forward,
                 2 backward per layer; T = tokens of one device's microbatch)
-    context   = microbatches x 3 L x (context-1) x T x 2 K hd x a / W  (ring K/V passes, fwd + bwd)
+    context   = microbatches x 3 L x (context-1) x T x 2 K hd x a / W  (ring K/V passes, fwd + bwd;
+                latent attention passes its expanded K and V, H (qk + v))
     expert    = microbatches x 4 L_moe x T x k_sent x D x a x (expert-1)/expert / W (all-to-alls;
                 k_sent = top_k rows a token, or with per-shard dispatch the shards it reaches, at most
                 models/moe.py shards_per_token: top_k_groups where the groups lie on shards)
@@ -313,6 +320,7 @@ def analytic_step(cfg: Config, mesh: dict[str, int], chip, per_host: int) -> dic
                 final activations gathered and their gradient summed; fsdp then leaves out the
                 head's vocab x D, which is no longer gathered
     step      = max(compute, fsdp + data + context) + tensor + expert + stage + head
+    L counts the prediction modules' blocks (model.mtp) in tensor, context and expert.
     MoE: compute adds (r - 1) x 18 x top_k x D x F x MoE layers per token, r = rows per routed
     assignment (footprint.moe_row_factor): XLA costs the expert matmuls over their whole buffer.
     (weight and gradient collectives overlap the matmuls; activation collectives are on the
@@ -429,11 +437,14 @@ def _activation_traffic(cfg: Config, mesh: dict[str, int], bw, pipe: _Pipe) -> d
     a = DTYPE_BYTES[m.compute_dtype]
     mb = t.microbatches
     layers = m.n_layers / pipe.stages * pipe.inflate  # layer passes per device, per microbatch
+    moe_layers = (m.moe.num_moe_layers(m) if m.moe else 0) * layers / m.n_layers
+    if m.mtp is not None:  # each prediction module's block (never with stages) is one layer more
+        layers += m.mtp.depth
+        moe_layers += m.mtp.depth if m.moe else 0
     rows = t.global_batch_size * sequences_per_row(cfg)
     tok_mb = rows * t.seq_len / (g("data") * g("fsdp") * g("expert") * g("context") * mb)
     tp, c, e = g("tensor"), g("context"), g("expert")
-    moe_layers = (m.moe.num_moe_layers(m) if m.moe else 0) * layers / m.n_layers
-    kv = 2 * m.n_kv_heads * m.resolved_head_dim
+    kv = attention_shape(m).kv  # keys and values per token (latent attention: expanded per head)
     return {
         "tensor": mb * 4 * layers * 2 * tok_mb * m.d_model * a * (tp - 1) / tp / bw("tensor")
         if tp > 1

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxtrain.config import Config
+from jaxtrain.planning.attention_shape import attention_shape
 from jaxtrain.planning.footprint import (
     SAVED_NAMES,
     activation_bytes,
@@ -63,16 +64,16 @@ def _matmul_flops_per_token(cfg: Config, mesh_sizes: dict[str, int]) -> dict[str
     computes (heads and mlp split over tensor)."""
     m = cfg.model
     t = max(1, mesh_sizes.get("tensor", 1))
-    d, hd = m.d_model, m.resolved_head_dim
+    d, att = m.d_model, attention_shape(m)
     mlp = m.mlp_dim
     if m.moe is not None:  # the routed rows' experts plus the shared ones, per token
         mlp = m.moe.mlp_dim(m) * (m.moe.top_k * moe_row_factor(cfg, mesh_sizes) + m.moe.num_shared_experts)
     seq = cfg.train.seq_len
     keys = seq / 2 if m.sliding_window is None else min(seq / 2, m.sliding_window)  # causal
     return {
-        "qkv_proj": 2 * d * (m.n_heads + 2 * m.n_kv_heads) * hd / t,
-        "context": 2 * 2 * keys * m.n_heads * hd / t,  # scores and weighted values
-        "out_proj": 2 * m.n_heads * hd * d / t,
+        "qkv_proj": att.qkv_flops_per_device(t),
+        "context": att.attention_flops(keys) / t,  # scores and weighted values
+        "out_proj": att.out_flops / t,
         "mlp_in": 2 * 2 * d * mlp / t,
         "mlp_out": 2 * mlp * d / t,
     }
