@@ -14,10 +14,12 @@ through the returned input gradient, and the head's parameters are the tail's.
 The tick loop (`lax.scan` over the table's ticks, on the pattern of `sharding/pipeline.py`):
 
 * the weights are viewed `[stage, repeat, layers_per_stage, ...]` on mesh axis `stage`;
-  per stage, a stash `[R*K, rows, ...]` holds the stage inputs of the microbatches in
-  flight and an inbox `[R*K, rows, ...]` their output gradients, K slots per chunk
-  (microbatch m in slot m mod K). K comes from the table (`slots`): the fewest slots in which
-  no two microbatches in flight collide; for 1F1B it is at most S, whatever M is;
+  per stage, a stash `[n, rows, ...]` holds the stage inputs in flight and an inbox
+  `[n', rows, ...]` their output gradients, one pool of slots per stage shared by its
+  chunks: each (microbatch, chunk) takes the lowest slot free when it arrives and frees it
+  after its last backward op, the table's slots per tick computed once in numpy
+  (`_assign_slots`), so n and n' are the most the table keeps alive at once on a stage
+  (`slots`): S inputs and one gradient for 1F1B whatever M is, not K slots per chunk;
 * at each tick every stage runs the table's op, and only it, in a `jax.shard_map` manual
   over `stage` alone (fsdp, tensor, data stay automatic: XLA partitions the layers inside
   as it does for GPipe): a `lax.switch` on the op code, so each device takes its own
@@ -46,8 +48,9 @@ weight gradient, the gradient chain through the chunk's later layers included), 
 forward more per microbatch than BW, placed in ticks that would otherwise idle. Idle ticks
 cost nothing but the permutes, which every tick sends (zeros where the table sends
 nothing). The tail runs at the M ticks that have one, on every device (above), as GPipe's
-head, which runs after its pipeline on every device too. Memory: the stash and inbox hold K
-(<= S for 1F1B) microbatches per chunk, not M.
+head, which runs after its pipeline on every device too. Memory: the stash and inbox hold
+what the table keeps alive (S inputs for 1F1B, R*S plus the later chunks' inputs waiting
+at stage 0 for interleaved 1F1B: 10 at S=4, R=2), not M.
 
 Imports only jax and numpy.
 """
@@ -67,15 +70,16 @@ from jaxtrain.sharding.microbatches import stage_axis_size as _stage_axis_size
 from jaxtrain.sharding.pipeline_tables import BW, IDLE, B, F, TickTable, W
 
 
-def slots(table: TickTable) -> int:
-    """The fewest slots K per (stage, chunk) such that microbatch m in slot m mod K never
-    overwrites one still in use, for the stash (input kept from its arrival to its last
-    backward op) and the inbox (gradient kept from its arrival to its last backward op)."""
-    stash, inbox = _occupancy(table)
-    for k in range(1, table.microbatches + 1):
-        if all(_fits(spans, k) for spans in (*stash.values(), *inbox.values())):
-            return k
-    raise AssertionError("unreachable: M slots always fit")
+def slots(table: TickTable) -> tuple[int, int]:
+    """(stash slots, inbox slots): the size of each per-stage buffer, the most stage inputs
+    (output gradients) any stage holds at once by the table, every (micro, chunk) of a stage
+    sharing one pool (`_assign_slots`). An input is held from its arrival (the end of the
+    previous stage's forward, or stage 0's load at the start of its own) to its stage's last
+    backward op, a gradient from its arrival to the same op: 1F1B holds at most S inputs,
+    interleaved 1F1B a few more than the table's R*S - s (a chunk input from the last stage
+    can arrive at stage 0 ticks before its forward)."""
+    stash, inbox = _assign_slots(table)
+    return 1 + max(stash.values()), 1 + max(inbox.values())
 
 
 def _occupancy(table: TickTable):
@@ -109,24 +113,46 @@ def _occupancy(table: TickTable):
     return stash, inbox
 
 
-def _fits(spans: dict, k: int) -> bool:
-    for m1, (w1, u1) in spans.items():
-        for m2, (w2, u2) in spans.items():
-            if m1 < m2 and m1 % k == m2 % k and w2 < u1 and w1 < u2:
-                return False
-    return True
+def _assign_slots(table: TickTable) -> tuple[dict, dict]:
+    """({(stage, chunk, micro): stash slot}, {...: inbox slot}): per stage one pool over all
+    its chunks, each arrival taking the lowest slot free at its arrival (freed after its
+    last read; a write at the end of that tick may reuse it). In order of arrival this
+    colours the interval graph of the lifetimes optimally: a stage needs as many slots as
+    it has (micro, chunk) alive at once, whatever the chunk."""
+
+    def colour(occupancy):
+        per_stage = {}
+        for (s, r), spans in occupancy.items():
+            per_stage.setdefault(s, []).extend((w, u, r, m) for m, (w, u) in spans.items())
+        out = {}
+        for s, spans in per_stage.items():
+            free_after = []  # slot -> the tick of its occupant's last read
+            for w, u, r, m in sorted(spans):
+                i = next((i for i, end in enumerate(free_after) if end <= w), len(free_after))
+                free_after[i : i + 1] = [u]
+                out[(s, r, m)] = i
+        return out
+
+    stash, inbox = _occupancy(table)
+    return colour(stash), colour(inbox)
 
 
-def _tick_program(table: TickTable, k: int) -> dict[str, np.ndarray]:
-    """Per tick, what every stage does and where arrivals go (int32 arrays, -1 for none)."""
+def _tick_program(table: TickTable) -> dict[str, np.ndarray]:
+    """Per tick, what every stage does and where arrivals go (int32 arrays, -1 for none):
+    `slot` / `gslot` the stash / inbox slot the stage's op reads (the last chunk's forward
+    on the last stage: where its loss gradient goes), 0 where it reads none."""
     S, R, T = table.stages, table.repeats, table.ticks
     ops, micro, rep = table.ops, np.maximum(table.micro, 0), np.maximum(table.repeat, 0)
-    slot = rep * k + micro % k
+    stash_at, inbox_at = _assign_slots(table)
+    slot, gslot = np.zeros((T, S)), np.zeros((T, S))
     recv_act, recv_grad = np.full((T, S), -1), np.full((T, S), -1)
     load, tail, dx = np.full(T, -1), np.full(T, -1), np.full(T, -1)
     for t in range(T):
         for s in range(S):
             op, m, r = int(ops[t, s]), int(micro[t, s]), int(rep[t, s])
+            if op == IDLE:
+                continue
+            slot[t, s], gslot[t, s] = stash_at[(s, r, m)], inbox_at[(s, r, m)]
             if op == F:
                 if (s, r) == (0, 0):
                     load[t] = m
@@ -134,19 +160,20 @@ def _tick_program(table: TickTable, k: int) -> dict[str, np.ndarray]:
                     tail[t] = m
                 else:  # the next chunk's stage receives it
                     nxt, nr = (s + 1, r) if s < S - 1 else (0, r + 1)
-                    recv_act[t, nxt] = nr * k + m % k
+                    recv_act[t, nxt] = stash_at[(nxt, nr, m)]
             if op in (B, BW):
                 if (s, r) == (0, 0):
                     dx[t] = m
                 else:
                     prev, pr = (s - 1, r) if s > 0 else (S - 1, r - 1)
-                    recv_grad[t, prev] = pr * k + m % k
+                    recv_grad[t, prev] = inbox_at[(prev, pr, m)]
     to32 = lambda a: np.asarray(a, np.int32)
     return dict(
         op=to32(ops),
         micro=to32(micro),
         chunk=to32(rep),
         slot=to32(slot),
+        gslot=to32(gslot),
         recv_act=to32(recv_act),
         recv_grad=to32(recv_grad),
         load=to32(load),
@@ -202,8 +229,8 @@ def pipeline_loss_and_grads(
     if mesh_size is None:
         x_spec = None
     lps = n_layers // (S * R)
-    k = slots(table)
-    program = {key: jnp.asarray(v) for key, v in _tick_program(table, k).items()}
+    n_stash, n_inbox = slots(table)
+    program = {key: jnp.asarray(v) for key, v in _tick_program(table).items()}
 
     def hold(a, rows_dim: int):
         """The rows at `rows_dim` held to x_spec, the other dims left to the partitioner."""
@@ -345,11 +372,12 @@ def pipeline_loss_and_grads(
     def stage_op(p_stage, acc, aux_acc, stash, xs, inbox, now):
         """One stage's op of the tick -> (stash, acc, aux_acc, y, dh)."""
         s = jax.lax.axis_index(axis)
-        op, chunk, micro, slot = (get(now[key], s) for key in ("op", "chunk", "micro", "slot"))
+        op, chunk, micro = (get(now[key], s) for key in ("op", "chunk", "micro"))
+        slot, gslot = get(now["slot"], s), get(now["gslot"], s)
         # stage 0 takes a new microbatch into its stash at the start of its forward
         load = now["load"]
         stash = put(stash, jnp.where((s == 0) & (load >= 0), slot, -1), get(xs, jnp.maximum(load, 0)))
-        h, ct = hold(get(stash, slot), 0), hold(get(inbox, slot), 0)
+        h, ct = hold(get(stash, slot), 0), hold(get(inbox, gslot), 0)
         p_chunk = jax.tree.map(lambda a: get(a, chunk), p_stage)
         y, dh, acc, aux_acc = jax.lax.switch(op, branches, acc, aux_acc, p_chunk, chunk, micro, h, ct)
         return stash, acc, aux_acc, y, dh
@@ -359,7 +387,7 @@ def pipeline_loss_and_grads(
         input gradients one stage back (collective permutes) -> (stash, inbox)."""
         s = jax.lax.axis_index(axis)
         at_tail = (now["tail"] >= 0) & (s == S - 1)
-        inbox = put(inbox, jnp.where(at_tail, get(now["slot"], s), -1), dy)
+        inbox = put(inbox, jnp.where(at_tail, get(now["gslot"], s), -1), dy)
         y_in = jax.lax.ppermute(y, axis, [(i, (i + 1) % S) for i in range(S)])
         dh_in = jax.lax.ppermute(dh, axis, [(i, (i - 1) % S) for i in range(S)])
         stash = hold(put(stash, get(now["recv_act"], s), y_in), 1)
@@ -394,12 +422,13 @@ def pipeline_loss_and_grads(
         stash, inbox = run_send(stash, inbox, y, dh, dy, now)
         return (stash, inbox, dxs, acc, aux_acc, tail_acc, loss), None
 
-    buffers = on_stage(jnp.zeros((S, R * k, *xs.shape[1:]), xs.dtype), 2)
+    stash0 = on_stage(jnp.zeros((S, n_stash, *xs.shape[1:]), xs.dtype), 2)
+    inbox0 = on_stage(jnp.zeros((S, n_inbox, *xs.shape[1:]), xs.dtype), 2)
     acc0 = jax.tree.map(lambda a: on_stage(jnp.zeros_like(a)), stage_params)
     tail0 = jax.tree.map(jnp.zeros_like, tail_params)
     # the layers' aux per stage [S, R, lps, M, ...]; entries of idle slots are never written
     aux0 = jax.tree.map(lambda a: on_stage(jnp.zeros((S, R, lps, M, *a.shape[1:]), a.dtype)), chunk_aux)
-    carry = (buffers, buffers, jnp.zeros_like(xs), acc0, aux0, tail0, jnp.zeros((), jnp.float32))
+    carry = (stash0, inbox0, jnp.zeros_like(xs), acc0, aux0, tail0, jnp.zeros((), jnp.float32))
     (_, _, dxs, acc, aux, d_tail, loss), _ = jax.lax.scan(tick, carry, program)
     # [S, R, lps, M, ...] -> [R, S, lps, M, ...] -> [L, M, ...] (model order)
     aux = jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(n_layers, M, *a.shape[4:]), aux)

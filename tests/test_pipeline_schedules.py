@@ -24,7 +24,7 @@ from jaxtrain import sharding
 from jaxtrain.config import ConfigError, validate
 from jaxtrain.sharding.pipeline import Schedule, bubble_fraction
 from jaxtrain.sharding.pipeline_tables import BW, IDLE, B, F, W, docs_markdown, table
-from jaxtrain.sharding.tick_pipeline import pipeline_loss, slots
+from jaxtrain.sharding.tick_pipeline import _tick_program, pipeline_loss, slots
 from jaxtrain.trainer import train
 from tests.conftest import replace, tiny_config
 from tests.test_pipeline import SMALL, assert_matches, loss_and_grads, moe_cfg
@@ -83,7 +83,8 @@ def test_1f1b_keeps_at_most_s_inputs_whatever_m(S, M):
     tb = table("1f1b", S, M)
     # stage s: S - s warm-up forwards before its first backward (M permitting)
     assert list(tb.live_inputs()) == [min(S - s, M) for s in range(S)]
-    assert slots(tb) <= S
+    stash, inbox = slots(tb)  # the executor's buffers: S inputs, one gradient at a time
+    assert stash == min(S, M) and inbox == 1
     assert list(table("gpipe", S, M).live_inputs()) == [M] * S  # the contrast: all M
 
 
@@ -118,7 +119,9 @@ def test_zero_bubble_is_zb_h1(S, M):
     assert tb.bubble == pytest.approx((S - 1) / (3 * M + S - 1))
     assert list(tb.live_inputs()) == [S] * S
     assert max(tb.live_inputs()) == max(table("1f1b", S, M).live_inputs())
-    assert slots(tb) <= S
+    # the executor's stash and inbox: S inputs, and S gradients (stage s keeps s + 1: those
+    # of the s weight gradients it defers, and the current one's)
+    assert slots(tb) == (S, S)
 
 
 @pytest.mark.parametrize(
@@ -133,6 +136,72 @@ def test_interleaved_holds_r_times_s_chunk_inputs(S, M, R):
     assert list(tb.live_inputs()) == [R * S - s for s in range(S)]
     assert all(tb.live_inputs() <= [(S - s - 1) * 2 + (R - 1) * S + 1 for s in range(S)])
     assert tb.bubble == pytest.approx((S - 1) / (R * M + S - 1))
+
+
+def test_interleaved_buffers_pool_their_slots_by_hand():
+    """The executor's stash and inbox share one pool of slots per stage across chunks, so
+    they hold what the table keeps alive at once, not K slots per chunk (K = 2S with
+    Megatron's groups: 2RS). Hand counts from the rendered tables, an input alive from its
+    arrival to its last backward, a gradient from its arrival to the same op:
+
+    - S=2 M=4 R=2 (drawn in docs/parallelism.md): stash 5, at tick 8 on stage 0 (F3a):
+      0a 1a 2a 3a, and 2b, which stage 1's F2a sent at tick 7 for a forward at tick 10;
+      inbox 2, at tick 8 on stage 1: 0a's gradient (stage 0's B0b, tick 5; read by B0a at 8)
+      and 1a's (B1b, tick 7). Per chunk it took 4 slots: 8 each.
+    - S=4 M=8 R=2: stash 10, at tick 18 on stage 0 (F7a): 0a..7a, and 4b and 5b, sent by
+      stage 3's F4a (tick 15) and F5a (tick 17) for forwards at ticks 20 and 22; inbox 3, at
+      tick 14 on stage 3: 0a's and 1a's gradients (stage 0's B0b at 11, B1b at 13, read by
+      B0a at 16 and B1a at 18) and 3b's loss gradient (F3b at 13, B3b at 14). Was 16 each."""
+    small, large = table("interleaved_1f1b", 2, 4, 2), table("interleaved_1f1b", 4, 8, 2)
+    cell = lambda tb, t, s: (int(tb.ops[t, s]), int(tb.micro[t, s]), int(tb.repeat[t, s]))
+    # the cells the counts above read (so that they count this table)
+    assert [cell(small, 8, 0), cell(small, 7, 1), cell(small, 10, 0)] == [(F, 3, 0), (F, 2, 0), (F, 2, 1)]
+    assert [cell(large, 18, 0), cell(large, 15, 3), cell(large, 17, 3)] == [(F, 7, 0), (F, 4, 0), (F, 5, 0)]
+    assert [cell(large, 20, 0), cell(large, 22, 0), cell(large, 14, 3)] == [(F, 4, 1), (F, 5, 1), (BW, 3, 1)]
+    assert slots(small) == (5, 2)
+    assert slots(large) == (10, 3)
+    assert slots(table("interleaved_1f1b", 4, 32, 2)) == (10, 3)  # whatever M
+
+
+@pytest.mark.parametrize("name,S,M,R", TICK_CASES, ids=str)
+def test_no_buffer_slot_is_overwritten_while_live(name, S, M, R):
+    """The tick program's buffer traffic simulated in numpy, each slot holding a label of
+    what was written into it: every op reads its own input (stage 0's load of m, or the
+    output of the forward before it) and its own output gradient (the tail's, or the input
+    gradient of the backward after it), so nothing it needs was overwritten, in buffers of
+    `slots(table)`."""
+    tb = table(name, S, M, R)
+    prog, (n_stash, n_inbox) = _tick_program(tb), slots(tb)
+    stash, inbox = [[None] * n_stash for _ in range(S)], [[None] * n_inbox for _ in range(S)]
+
+    def put(buf, s, i, label):
+        if i >= 0:
+            assert i < len(buf[s]), (name, S, M, R, s, i)
+            buf[s][i] = label
+
+    for t in range(tb.ticks):
+        ops, micro, chunk = prog["op"][t], prog["micro"][t], prog["chunk"][t]
+        if prog["load"][t] >= 0:
+            put(stash, 0, prog["slot"][t, 0], ("x", int(prog["load"][t])))
+        outs, grads = [None] * S, [None] * S
+        for s in range(S):
+            op, m, r = int(ops[s]), int(micro[s]), int(chunk[s])
+            if op == IDLE:
+                continue
+            prev = ((s - 1, r) if s else (S - 1, r - 1)) if (s, r) != (0, 0) else None
+            nxt = ((s + 1, r) if s < S - 1 else (0, r + 1)) if (s, r) != (S - 1, R - 1) else None
+            want_in = ("x", m) if prev is None else ("y", *prev, m)
+            assert stash[s][prog["slot"][t, s]] == want_in, (t, s, op, m, r)
+            if op != F:
+                want_ct = ("loss", m) if nxt is None else ("dh", *nxt, m)
+                assert inbox[s][prog["gslot"][t, s]] == want_ct, (t, s, op, m, r)
+            outs[s] = ("y", s, r, m) if op == F else None
+            grads[s] = ("dh", s, r, m) if op in (B, BW) else None
+        if prog["tail"][t] >= 0:
+            put(inbox, S - 1, prog["gslot"][t, S - 1], ("loss", int(prog["tail"][t])))
+        for s in range(S):  # the permutes: outputs one stage on, gradients one stage back
+            put(stash, s, prog["recv_act"][t, s], outs[(s - 1) % S])
+            put(inbox, s, prog["recv_grad"][t, s], grads[(s + 1) % S])
 
 
 def test_schedule_reports_its_tables_bubble():

@@ -246,7 +246,7 @@ def _gib(n: int) -> str:
 # With pipeline stages (mesh.stage = S > 1, pipeline.microbatches M, repeats R): the layers'
 # parameters split over S (embedding and head do not); the pipeline keeps H stage inputs of
 # one microbatch (`pipeline_inputs_held`: gpipe and circular one per iteration, H = M R + S - 1;
-# the 1f1b family its stash and inbox slots, H = 2 R K, K = S for 1f1b and zero_bubble) and
+# the 1f1b family its stash and inbox slots, `slots`: H = S + 1 for 1f1b, 2S for zero_bubble) and
 # recomputes each stage in the backward:
 #   saved        = H x T/M x D x a + 2 x T x D x a (microbatch buffers)
 #                  + L/(S R) x T/M x (bytes/token the remat policy keeps)
@@ -507,13 +507,15 @@ def pipeline_inputs_held(schedule: str, stages: int, microbatches: int, repeats:
     - gpipe, circular (sharding/pipeline.py): the scan keeps every iteration's stage input,
       M R + S - 1 of them (all M R microbatch-blocks, and the bubble's iterations);
     - 1f1b, interleaved_1f1b, zero_bubble (sharding/tick_pipeline.py): the stash of inputs in
-      flight and the inbox of their output gradients, R K slots each, K the table's slots
-      per block (`slots`): S for 1f1b and zero_bubble, whatever M is; up to 2S for
-      interleaved_1f1b, whose Megatron groups keep up to 2S microbatches of one block."""
+      flight and the inbox of their output gradients, each as many slots as the table keeps
+      alive at once on a stage (`slots`), whatever M is: S inputs and one gradient for 1f1b,
+      S and S for zero_bubble (gradients wait for their deferred W); for interleaved_1f1b the
+      table's R S - s inputs plus the later chunks' inputs that reach stage 0 before their
+      forward, and a few gradients (S=4, R=2: 10 and 3; S=8, R=2: 20 and 5)."""
     if schedule in ("gpipe", "circular"):
         return microbatches * repeats + stages - 1
     tick_table = schedule_table(schedule, stages, microbatches, repeats)
-    return 2 * repeats * slots(tick_table)
+    return sum(slots(tick_table))
 
 
 def activation_bytes(cfg: Config, mesh_sizes: dict[str, int]) -> tuple[float, float, float]:
