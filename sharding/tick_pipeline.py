@@ -19,7 +19,9 @@ The tick loop (`lax.scan` over the table's ticks, on the pattern of `sharding/pi
   chunks: each (microbatch, chunk) takes the lowest slot free when it arrives and frees it
   after its last backward op, the table's slots per tick computed once in numpy
   (`_assign_slots`), so n and n' are the most the table keeps alive at once on a stage
-  (`slots`): S inputs and one gradient for 1F1B whatever M is, not K slots per chunk;
+  (`slots`): S inputs and one gradient for 1F1B whatever M is, not K slots per chunk.
+  The last stage sends an output for stage 0's next chunk at the tick before that chunk's
+  forward, keeping it in its own stash until then, where stage 0 would keep it waiting;
 * at each tick every stage runs the table's op, and only it, in a `jax.shard_map` manual
   over `stage` alone (fsdp, tensor, data stay automatic: XLA partitions the layers inside
   as it does for GPipe): a `lax.switch` on the op code, so each device takes its own
@@ -49,8 +51,7 @@ forward more per microbatch than BW, placed in ticks that would otherwise idle. 
 cost nothing but the permutes, which every tick sends (zeros where the table sends
 nothing). The tail runs at the M ticks that have one, on every device (above), as GPipe's
 head, which runs after its pipeline on every device too. Memory: the stash and inbox hold
-what the table keeps alive (S inputs for 1F1B, R*S plus the later chunks' inputs waiting
-at stage 0 for interleaved 1F1B: 10 at S=4, R=2), not M.
+what the table keeps alive (S inputs for 1F1B, R*S for interleaved 1F1B), not M.
 
 Imports only jax and numpy.
 """
@@ -75,16 +76,19 @@ def slots(table: TickTable) -> tuple[int, int]:
     (output gradients) any stage holds at once by the table, every (micro, chunk) of a stage
     sharing one pool (`_assign_slots`). An input is held from its arrival (the end of the
     previous stage's forward, or stage 0's load at the start of its own) to its stage's last
-    backward op, a gradient from its arrival to the same op: 1F1B holds at most S inputs,
-    interleaved 1F1B a few more than the table's R*S - s (a chunk input from the last stage
-    can arrive at stage 0 ticks before its forward)."""
+    backward op, a gradient from its arrival to the same op (`_occupancy`): 1F1B holds at
+    most S inputs, interleaved 1F1B R*S."""
     stash, inbox = _assign_slots(table)
     return 1 + max(stash.values()), 1 + max(inbox.values())
 
 
 def _occupancy(table: TickTable):
     """{(stage, chunk): {micro: (written at the end of tick, last read at tick)}} for the
-    stash and the inbox."""
+    stash, the inbox and the last stage's held outputs (`held`, by the chunk they leave).
+
+    A last-stage output for the next chunk's forward on stage 0 is sent just in time, at
+    the tick before that forward: until then the last stage keeps it in its own stash
+    (stage 0, which holds the most, would otherwise keep it waiting)."""
     S, R = table.stages, table.repeats
     at = {}
     for t in range(table.ticks):
@@ -93,16 +97,17 @@ def _occupancy(table: TickTable):
             if op != IDLE:
                 kind = B if op == BW else op
                 at[(kind, s, int(table.micro[t, s]), int(table.repeat[t, s]))] = t
-    stash, inbox = {}, {}
+    stash, inbox, held = {}, {}, {}
     for (kind, s, m, r), t in at.items():
         if kind != F:
             continue
         last = at.get((W, s, m, r), at[(B, s, m, r)])
-        if (s, r) == (0, 0):
-            written = t - 1  # loaded at the start of its forward's tick
+        if s == 0:
+            written = t - 1  # loaded at the start of its forward's tick, or sent just before it
+            if r > 0 and at[(F, S - 1, m, r - 1)] < written:
+                held.setdefault((S - 1, r - 1), {})[m] = (at[(F, S - 1, m, r - 1)], written)
         else:
-            prev = (s - 1, r) if s > 0 else (S - 1, r - 1)
-            written = at[(F, prev[0], m, prev[1])]
+            written = at[(F, s - 1, m, r)]
         stash.setdefault((s, r), {})[m] = (written, last)
         if (s, r) == (S - 1, R - 1):
             g_written = t  # the tail's gradient, formed in the forward's tick
@@ -110,43 +115,50 @@ def _occupancy(table: TickTable):
             nxt = (s + 1, r) if s < S - 1 else (0, r + 1)
             g_written = at[(B, nxt[0], m, nxt[1])]
         inbox.setdefault((s, r), {})[m] = (g_written, last)
-    return stash, inbox
+    return stash, inbox, held
 
 
 def _assign_slots(table: TickTable) -> tuple[dict, dict]:
-    """({(stage, chunk, micro): stash slot}, {...: inbox slot}): per stage one pool over all
+    """({(stage, chunk, micro): stash slot} and, keyed ("held", chunk, micro), the last
+    stage's held outputs; {(stage, chunk, micro): inbox slot}): per stage one pool over all
     its chunks, each arrival taking the lowest slot free at its arrival (freed after its
     last read; a write at the end of that tick may reuse it). In order of arrival this
     colours the interval graph of the lifetimes optimally: a stage needs as many slots as
     it has (micro, chunk) alive at once, whatever the chunk."""
 
-    def colour(occupancy):
-        per_stage = {}
-        for (s, r), spans in occupancy.items():
-            per_stage.setdefault(s, []).extend((w, u, r, m) for m, (w, u) in spans.items())
-        out = {}
-        for s, spans in per_stage.items():
-            free_after = []  # slot -> the tick of its occupant's last read
-            for w, u, r, m in sorted(spans):
-                i = next((i for i, end in enumerate(free_after) if end <= w), len(free_after))
-                free_after[i : i + 1] = [u]
-                out[(s, r, m)] = i
+    def colour(items):  # [(stage, written, last read, key)] -> {key: slot}
+        out, free_after = {}, {}  # stage -> [the tick of each slot's occupant's last read]
+        for w, u, s, key in sorted((w, u, s, key) for s, w, u, key in items):
+            ends = free_after.setdefault(s, [])
+            i = next((i for i, end in enumerate(ends) if end <= w), len(ends))
+            ends[i : i + 1] = [u]
+            out[key] = i
         return out
 
-    stash, inbox = _occupancy(table)
-    return colour(stash), colour(inbox)
+    stash, inbox, held = _occupancy(table)
+    spans = lambda occ, tag: [
+        (s, w, u, (*tag, r, m) if tag else (s, r, m)) for (s, r), d in occ.items() for m, (w, u) in d.items()
+    ]
+    return colour(spans(stash, ()) + spans(held, ("held",))), colour(spans(inbox, ()))
 
 
 def _tick_program(table: TickTable) -> dict[str, np.ndarray]:
     """Per tick, what every stage does and where arrivals go (int32 arrays, -1 for none):
     `slot` / `gslot` the stash / inbox slot the stage's op reads (the last chunk's forward
-    on the last stage: where its loss gradient goes), 0 where it reads none."""
+    on the last stage: where its loss gradient goes), 0 where it reads none; `keep` the
+    stash slot where the last stage keeps its output for a later send, `send` the slot it
+    sends from instead of this tick's output (`_occupancy`)."""
     S, R, T = table.stages, table.repeats, table.ticks
     ops, micro, rep = table.ops, np.maximum(table.micro, 0), np.maximum(table.repeat, 0)
     stash_at, inbox_at = _assign_slots(table)
+    _, _, held = _occupancy(table)
     slot, gslot = np.zeros((T, S)), np.zeros((T, S))
     recv_act, recv_grad = np.full((T, S), -1), np.full((T, S), -1)
+    keep, send = np.full((T, S), -1), np.full((T, S), -1)
     load, tail, dx = np.full(T, -1), np.full(T, -1), np.full(T, -1)
+    for (s, r), spans in held.items():
+        for m, (w, u) in spans.items():
+            keep[w, s] = send[u, s] = stash_at[("held", r, m)]
     for t in range(T):
         for s in range(S):
             op, m, r = int(ops[t, s]), int(micro[t, s]), int(rep[t, s])
@@ -156,11 +168,12 @@ def _tick_program(table: TickTable) -> dict[str, np.ndarray]:
             if op == F:
                 if (s, r) == (0, 0):
                     load[t] = m
+                elif s == 0:  # the last stage sends it at the tick before
+                    recv_act[t - 1, 0] = slot[t, 0]
                 if (s, r) == (S - 1, R - 1):
                     tail[t] = m
-                else:  # the next chunk's stage receives it
-                    nxt, nr = (s + 1, r) if s < S - 1 else (0, r + 1)
-                    recv_act[t, nxt] = stash_at[(nxt, nr, m)]
+                elif s < S - 1:  # the next stage receives it
+                    recv_act[t, s + 1] = stash_at[(s + 1, r, m)]
             if op in (B, BW):
                 if (s, r) == (0, 0):
                     dx[t] = m
@@ -176,6 +189,8 @@ def _tick_program(table: TickTable) -> dict[str, np.ndarray]:
         gslot=to32(gslot),
         recv_act=to32(recv_act),
         recv_grad=to32(recv_grad),
+        keep=to32(keep),
+        send=to32(send),
         load=to32(load),
         tail=to32(tail),
         dx=to32(dx),
@@ -388,7 +403,11 @@ def pipeline_loss_and_grads(
         s = jax.lax.axis_index(axis)
         at_tail = (now["tail"] >= 0) & (s == S - 1)
         inbox = put(inbox, jnp.where(at_tail, get(now["gslot"], s), -1), dy)
-        y_in = jax.lax.ppermute(y, axis, [(i, (i + 1) % S) for i in range(S)])
+        # the last stage sends an output it kept, or keeps this tick's for a later send
+        send = get(now["send"], s)
+        out = jnp.where(send >= 0, get(stash, jnp.maximum(send, 0)), y)
+        stash = put(stash, get(now["keep"], s), y)
+        y_in = jax.lax.ppermute(out, axis, [(i, (i + 1) % S) for i in range(S)])
         dh_in = jax.lax.ppermute(dh, axis, [(i, (i - 1) % S) for i in range(S)])
         stash = hold(put(stash, get(now["recv_act"], s), y_in), 1)
         inbox = hold(put(inbox, get(now["recv_grad"], s), dh_in), 1)

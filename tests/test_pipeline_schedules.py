@@ -135,6 +135,7 @@ def test_interleaved_holds_r_times_s_chunk_inputs(S, M, R):
     tb = table("interleaved_1f1b", S, M, R)
     assert list(tb.live_inputs()) == [R * S - s for s in range(S)]
     assert all(tb.live_inputs() <= [(S - s - 1) * 2 + (R - 1) * S + 1 for s in range(S)])
+    assert slots(tb)[0] == R * S  # the executor's stash: the table's peak, stage 0's
     assert tb.bubble == pytest.approx((S - 1) / (R * M + S - 1))
 
 
@@ -142,25 +143,27 @@ def test_interleaved_buffers_pool_their_slots_by_hand():
     """The executor's stash and inbox share one pool of slots per stage across chunks, so
     they hold what the table keeps alive at once, not K slots per chunk (K = 2S with
     Megatron's groups: 2RS). Hand counts from the rendered tables, an input alive from its
-    arrival to its last backward, a gradient from its arrival to the same op:
+    arrival to its last backward, a gradient from its arrival to the same op; the last
+    stage keeps an output for stage 0's next chunk until the tick before its forward:
 
-    - S=2 M=4 R=2 (drawn in docs/parallelism.md): stash 5, at tick 8 on stage 0 (F3a):
-      0a 1a 2a 3a, and 2b, which stage 1's F2a sent at tick 7 for a forward at tick 10;
-      inbox 2, at tick 8 on stage 1: 0a's gradient (stage 0's B0b, tick 5; read by B0a at 8)
-      and 1a's (B1b, tick 7). Per chunk it took 4 slots: 8 each.
-    - S=4 M=8 R=2: stash 10, at tick 18 on stage 0 (F7a): 0a..7a, and 4b and 5b, sent by
-      stage 3's F4a (tick 15) and F5a (tick 17) for forwards at ticks 20 and 22; inbox 3, at
-      tick 14 on stage 3: 0a's and 1a's gradients (stage 0's B0b at 11, B1b at 13, read by
-      B0a at 16 and B1a at 18) and 3b's loss gradient (F3b at 13, B3b at 14). Was 16 each."""
+    - S=2 M=4 R=2 (drawn in docs/parallelism.md): stash 4, the table's peak R*S, at tick 8
+      on stage 0 (F3a): 0a 1a 2a 3a (2b, out of stage 1's F2a at tick 7, stays on stage 1
+      until tick 9, for stage 0's forward at 10); inbox 2, at tick 8 on stage 1: 0a's
+      gradient (stage 0's B0b, tick 5; read by B0a at 8) and 1a's (B1b, tick 7). Per chunk
+      the buffers took 4 slots: 8 each.
+    - S=4 M=8 R=2: stash 8, at tick 18 on stage 0 (F7a): 0a..7a (4b and 5b, out of stage
+      3's F4a at 15 and F5a at 17, stay there until ticks 19 and 21); inbox 3, at tick 14 on
+      stage 3: 0a's and 1a's gradients (stage 0's B0b at 11, B1b at 13, read by B0a at 16
+      and B1a at 18) and 3b's loss gradient (F3b at 13, B3b at 14). Was 16 each."""
     small, large = table("interleaved_1f1b", 2, 4, 2), table("interleaved_1f1b", 4, 8, 2)
     cell = lambda tb, t, s: (int(tb.ops[t, s]), int(tb.micro[t, s]), int(tb.repeat[t, s]))
     # the cells the counts above read (so that they count this table)
     assert [cell(small, 8, 0), cell(small, 7, 1), cell(small, 10, 0)] == [(F, 3, 0), (F, 2, 0), (F, 2, 1)]
     assert [cell(large, 18, 0), cell(large, 15, 3), cell(large, 17, 3)] == [(F, 7, 0), (F, 4, 0), (F, 5, 0)]
     assert [cell(large, 20, 0), cell(large, 22, 0), cell(large, 14, 3)] == [(F, 4, 1), (F, 5, 1), (BW, 3, 1)]
-    assert slots(small) == (5, 2)
-    assert slots(large) == (10, 3)
-    assert slots(table("interleaved_1f1b", 4, 32, 2)) == (10, 3)  # whatever M
+    assert slots(small) == (4, 2) and max(small.live_inputs()) == 4
+    assert slots(large) == (8, 3) and max(large.live_inputs()) == 8
+    assert slots(table("interleaved_1f1b", 4, 32, 2)) == (8, 3)  # whatever M
 
 
 @pytest.mark.parametrize("name,S,M,R", TICK_CASES, ids=str)
@@ -199,6 +202,11 @@ def test_no_buffer_slot_is_overwritten_while_live(name, S, M, R):
             grads[s] = ("dh", s, r, m) if op in (B, BW) else None
         if prog["tail"][t] >= 0:
             put(inbox, S - 1, prog["gslot"][t, S - 1], ("loss", int(prog["tail"][t])))
+        for s in range(S):  # an output kept for a later send; one sent from where it was kept
+            kept = outs[s]
+            if prog["send"][t, s] >= 0:
+                outs[s] = stash[s][prog["send"][t, s]]
+            put(stash, s, prog["keep"][t, s], kept)
         for s in range(S):  # the permutes: outputs one stage on, gradients one stage back
             put(stash, s, prog["recv_act"][t, s], outs[(s - 1) % S])
             put(inbox, s, prog["recv_grad"][t, s], grads[(s + 1) % S])

@@ -509,9 +509,8 @@ def pipeline_inputs_held(schedule: str, stages: int, microbatches: int, repeats:
     - 1f1b, interleaved_1f1b, zero_bubble (sharding/tick_pipeline.py): the stash of inputs in
       flight and the inbox of their output gradients, each as many slots as the table keeps
       alive at once on a stage (`slots`), whatever M is: S inputs and one gradient for 1f1b,
-      S and S for zero_bubble (gradients wait for their deferred W); for interleaved_1f1b the
-      table's R S - s inputs plus the later chunks' inputs that reach stage 0 before their
-      forward, and a few gradients (S=4, R=2: 10 and 3; S=8, R=2: 20 and 5)."""
+      S and S for zero_bubble (gradients wait for their deferred W), R S inputs and a few
+      gradients for interleaved_1f1b (S=4, R=2: 8 and 3; S=8, R=2: 16 and 5)."""
     if schedule in ("gpipe", "circular"):
         return microbatches * repeats + stages - 1
     tick_table = schedule_table(schedule, stages, microbatches, repeats)
