@@ -38,7 +38,8 @@ GIB = 2**30
 COMPILE_HEADER = ["preset", "target", "mesh, batch", "attention", "memory / device", "est. step, MFU"]
 ESTIMATE_HEADER = [
     "preset", "target", "mesh, batch, remat", "compiled GiB (attention)", "planner GiB, same attention",
-    "planner / compiled", "planner GiB, `auto` attention", "roofline step s (compute, fsdp, expert)", "roofline MFU",
+    "planner / compiled", "planner GiB, `auto` attention", "roofline step s (compute, fsdp, expert)",
+    "roofline MFU",
     "roofline MFU, routed rows only",
 ]  # fmt: skip
 
