@@ -39,7 +39,7 @@ import jax
 
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.models.config import DTYPE_BYTES, REMAT_KEPT_NAMES
-from jaxtrain.models.moe import capacity, receive_rows
+from jaxtrain.models.moe import capacity, dispatch_per_shard, receive_rows, shards_per_token
 from jaxtrain.planning.attention_shape import attention_shape
 from jaxtrain.sharding import hardware
 from jaxtrain.sharding.pipeline_tables import table as schedule_table
@@ -264,6 +264,11 @@ def _gib(n: int) -> str:
 #                  + 2 x r x top_k x D x a, the outputs over R rows sorted and in buffer
 #                  order (+ 2 x ep x top_k x D x a: the padded exchange's send and receive
 #                  buffers)
+# Dropless per shard (model.moe.dispatch_per_shard; `_per_shard_exchange`): each token goes once
+# to each of its n = shards_per_token shards, which receive ep x T rows and expand them to
+# k_local = min(top_k, E/ep) expert slots, so R = ep x T x k_local (r = ep x k_local / top_k);
+# the outputs over A rows sorted become the n rows a token gets back (n x D x a), and the padded
+# exchange's buffers are [ep, T, D]: + 2 x ep x D x a
 #   weights      = 3 x E/ep x D x F / tensor x p  one MoE layer's experts, gathered whole inside
 #                  the shard_map: in the working set, and kept per MoE layer under remat none
 # Latent attention (model.mla; planning/attention_shape.py): qkv_proj is q and k of H x (nope +
@@ -334,13 +339,14 @@ def name_bytes_per_token(m, tensor: int = 1, moe_rows: float = 1.0) -> dict[str,
 
 
 def layer_bytes_per_token(
-    m, tensor: int = 1, moe_rows: float = 1.0, ep: int = 1, padded: bool = False
+    m, tensor: int = 1, moe_rows: float = 1.0, ep: int = 1, padded: bool = False, per_shard: bool = False
 ) -> float:
     """Everything one layer's backward uses with nothing recomputed (remat none): the named
     checkpoints plus the norms' f32 inputs, f32 normalised values and outputs, q/k before RoPE
     (latent attention: its up-projections' outputs, and its latents with their norms),
     the residual and SwiGLU's three elementwise operands (silu(gate), its derivative's
-    operand, the product), and in MoE layers the routed rows (formulas above). The f32
+    operand, the product), and in MoE layers the routed rows (formulas above; `per_shard`:
+    the layer sends a token once per expert shard, dispatch_per_shard). The f32
     normalised value and the dense third operand were added against the compiled H100 step
     of configs/gpu-peer.yaml (remat none: -10.6% before, +5% after; tests/test_gpu_memory_plan.py)."""
     n = name_bytes_per_token(m, tensor, moe_rows)
@@ -354,13 +360,15 @@ def layer_bytes_per_token(
     extra += n["mlp_in"] * 1.5  # silu(gate), its derivative's operand, silu(gate) * up
     if m.moe is not None:
         k = m.moe.top_k
-        # the sorted input (R rows), the outputs sorted (A rows; in token order they are mlp_out)
-        # and combined
-        extra += (moe_rows + 1) * k * m.d_model * a + m.d_model * a
+        per_shard = per_shard and ep > 1
+        sent = shards_per_token(m.moe, ep) if per_shard else k  # rows a token sends (and gets back)
+        # the sorted input (R rows), the outputs sorted (A rows; per shard the n rows back; in
+        # token order they are mlp_out) and combined
+        extra += (moe_rows * k + sent) * m.d_model * a + m.d_model * a
         if ep > 1:  # the receive buffer's outputs, in sorted and in buffer order (R rows each)
             extra += 2 * moe_rows * k * m.d_model * a
-        if padded and ep > 1:
-            extra += 2 * ep * k * m.d_model * a  # the padded all_to_all's send and receive buffers
+        if padded and ep > 1:  # the padded all_to_all's send and receive buffers: [ep, T, D] per shard
+            extra += 2 * ep * (1 if per_shard else k) * m.d_model * a
     return sum(n.values()) + extra
 
 
@@ -376,6 +384,8 @@ def moe_row_factor(cfg: Config, mesh_sizes: dict[str, int]) -> float:
     ep = max(1, mesh_sizes.get("expert", 1))
     if ep == 1:
         return 1.0
+    if dispatch_per_shard(m.moe, ep):  # ep x T rows, each expanded to k_local expert slots
+        return ep * min(m.moe.top_k, m.moe.num_experts // ep) / m.moe.top_k
 
     rows, seq = microbatch_shape(cfg, mesh_product(mesh_sizes))
     a = rows * seq * m.moe.top_k
@@ -395,7 +405,7 @@ def moe_weight_bytes(cfg: Config, mesh_sizes: dict[str, int]) -> float:
 
 def saved_bytes_per_token(m, remat: str, tensor: int = 1, remat_custom=(), **moe) -> float:
     """Bytes per token per layer a policy keeps on the device between forward and backward
-    (`moe`: layer_bytes_per_token's moe_rows, ep, padded)."""
+    (`moe`: layer_bytes_per_token's moe_rows, ep, padded, per_shard)."""
     if remat == "none":
         return layer_bytes_per_token(m, tensor, **moe)
     n = name_bytes_per_token(m, tensor, moe.get("moe_rows", 1.0))
@@ -527,7 +537,12 @@ def activation_bytes(cfg: Config, mesh_sizes: dict[str, int]) -> tuple[float, fl
     moe = {}
     if m.moe is not None:
         padded = m.moe.exchange in ("padded", "auto")
-        moe = dict(moe_rows=moe_row_factor(cfg, mesh_sizes), ep=size("expert"), padded=padded)
+        moe = dict(
+            moe_rows=moe_row_factor(cfg, mesh_sizes),
+            ep=size("expert"),
+            padded=padded,
+            per_shard=dispatch_per_shard(m.moe, size("expert")),
+        )
     kept = saved_bytes_per_token(m, m.remat, tp, m.remat_custom, **moe)
     expert_weights = moe_weight_bytes(cfg, mesh_sizes)  # one MoE layer's, gathered
     moe_layers = m.moe.num_moe_layers(m) if m.moe is not None else 0
