@@ -272,6 +272,7 @@ def _deepseek_settings(hf: dict) -> dict:
         first_dense_layers=hf.get("first_k_dense_replace") or 0,
         dispatch="dropless",
         aux_loss_weight=0.0,
+        z_loss_weight=0.0,  # transformers adds no router z-loss
     )
     mla = MLAConfig(
         q_lora_rank=hf.get("q_lora_rank"),
@@ -315,6 +316,7 @@ def _gpt_oss_settings(hf: dict) -> dict:
             swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
             swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
             aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)) * k,
+            z_loss_weight=0.0,  # transformers adds no router z-loss
         ),
     )
 
@@ -342,6 +344,7 @@ def _moe_from_hf(hf: dict, layout: str) -> MoEConfig:
         dispatch="dropless",
         # HF sums its load-balancing loss over the k choices; ours averages (1.0 = balanced).
         aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.02)) * k,
+        z_loss_weight=0.0,  # transformers adds no router z-loss
     )
 
 

@@ -79,6 +79,32 @@ def test_normaliser_is_global_whatever_the_split():
         assert halves == pytest.approx(whole, rel=1e-6, abs=1e-7)
 
 
+def test_bnpo_normalises_each_microbatch_by_its_own_tokens():
+    """TRL 1.16's bnpo: each accumulation step's loss is its token sum / its own completion
+    tokens, divided by the steps. Four rows in train.microbatches=2 (microbatch m: rows m,
+    m + 2): rows 0, 2 hold losses (1, 3) and (2): 6 / 3 = 2; rows 1, 3 hold (5) and (4, 6, 8):
+    23 / 4 = 5.75; bnpo = (2 + 5.75) / 2 = 3.875, where dapo (the whole batch's tokens) is
+    29 / 7. With one microbatch bnpo is dapo."""
+    mask = np.array([[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 1, 1]], np.float32)
+    loss = np.array([[1, 3, 9], [5, 9, 9], [2, 9, 9], [4, 6, 8]], np.float32)  # 9: not counted
+    bnpo, share = grpo.loss_weights(mask, "bnpo", 3, microbatches=2)
+    assert float(np.sum(bnpo * loss)) == pytest.approx(3.875, rel=1e-6)
+    assert float(np.sum(share)) == pytest.approx(1.0, rel=1e-6)  # metrics: the batch's token mean
+    dapo, _ = grpo.loss_weights(mask, "dapo", 3, microbatches=2)
+    assert float(np.sum(dapo * loss)) == pytest.approx(29 / 7, rel=1e-6)
+    one, _ = grpo.loss_weights(mask, "bnpo", 3, microbatches=1)
+    assert float(np.sum(one * loss)) == pytest.approx(29 / 7, rel=1e-6)
+
+
+def test_reward_std_is_the_whole_batchs_as_trl_logs_it():
+    """TRL 1.16 logs nanstd(rewards): the std of the whole batch's rewards with n - 1, NaNs
+    left out, whatever scale_rewards. Rewards [1, 2, 3, 0, 0, 3] in groups of 3: mean 1.5,
+    squares 9.5, var 9.5 / 5 = 1.9 -> 1.3784 (the mean of the groups' stds, 1 and sqrt(3),
+    would be 1.3660)."""
+    assert grpo.reward_std([1.0, 2.0, 3.0, 0.0, 0.0, 3.0]) == pytest.approx(math.sqrt(1.9), rel=1e-12)
+    assert grpo.reward_std([1.0, float("nan"), 3.0]) == pytest.approx(math.sqrt(2.0), rel=1e-12)
+
+
 # --- the clipped objective and the KL -------------------------------------------------------
 
 
@@ -302,6 +328,9 @@ def test_grpo_cli_run_records_rollouts_and_metrics(grpo_run):
         assert m["grpo/sample_tokens_per_second"] > 0
     step1 = [r for r in rows if r["step"] == 1]
     assert metrics[0]["grpo/reward"] == pytest.approx(np.mean([r["reward"] for r in step1]), rel=1e-5)
+    # TRL's reward_std: the whole batch's (n - 1), not the mean of the groups'
+    want_std = np.std([r["reward"] for r in step1], ddof=1)
+    assert metrics[0]["grpo/reward_std"] == pytest.approx(want_std, rel=1e-5, abs=1e-7)
     assert metrics[0]["grpo/kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference
     goodput = json.loads((out / "goodput.json").read_text())
     assert goodput["seconds"]["sample"] > 0
@@ -415,34 +444,15 @@ def test_old_logprobs_are_the_sampling_policys(grpo_setup, grpo_run):
 # --- against a plain torch GRPO loop (tests/assets/make_grpo_assets.py) ---------------------
 
 
-@pytest.mark.parametrize("microbatches", [1, 2])
-def test_grpo_steps_and_weights_equal_torch_on_a_data_fsdp_mesh(tmp_path, microbatches):
-    """Two rollouts, each trained on for two steps (updates_per_rollout=2), from the tiny HF
-    Llama's weights on data=2 x fsdp=2 (and in two microbatches: the normalisers are the
-    global batch's), loss_type=grpo, beta=0.1, epsilon 0.03 / epsilon_high 0.05 (most tokens
-    clipped in the reused steps): every step's loss, gradient norm, KL and clip ratio equal the
-    torch loop's within rtol 1e-5 (atol 1e-6), and the final weights within 1e-5 (f32).
-    old_logps are the weights' own log-probs when each rollout is first used, as the sampler
-    records them."""
-    import gzip
-    import shutil
-
-    from jaxtrain import models, sharding
-    from jaxtrain.interchange.convert import hf_to_ckpt, load_params
-    from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh
-    from jaxtrain.trainer.program import build_program
-    from tests.test_dpo import _hf_config
-
-    with gzip.open(ASSETS / "grpo" / "expected.json.gz", "rt") as f:
-        oracle = json.load(f)
-    h, group = oracle["hparams"], oracle["group_size"]
-    cfg = _hf_config(
-        tmp_path,
+def _oracle_overrides(oracle) -> list[str]:
+    """The config of the torch loop's run: its GRPO and AdamW settings, 8 completions of 16."""
+    h = oracle["hparams"]
+    return [
         "train.objective=grpo",
         "data.source=prompts",
         f"data.tokenizer={CHATML}",
         "grpo.rewards=[unused:reward]",
-        f"grpo.group_size={group}",
+        f"grpo.group_size={oracle['group_size']}",
         "grpo.max_new_tokens=8",
         f"grpo.temperature={h['temperature']}",
         f"grpo.epsilon={h['epsilon']}",
@@ -450,10 +460,7 @@ def test_grpo_steps_and_weights_equal_torch_on_a_data_fsdp_mesh(tmp_path, microb
         f"grpo.beta={h['beta']}",
         f"grpo.loss_type={h['loss_type']}",
         f"grpo.updates_per_rollout={oracle['updates_per_rollout']}",
-        "mesh.data=2",
-        "mesh.fsdp=2",
         "train.global_batch_size=8",
-        f"train.microbatches={microbatches}",
         "train.seq_len=16",
         f"train.steps={len(oracle['steps'])}",
         f"optimizer.lr={h['lr']}",
@@ -464,8 +471,20 @@ def test_grpo_steps_and_weights_equal_torch_on_a_data_fsdp_mesh(tmp_path, microb
         f"optimizer.eps={h['eps']}",
         f"optimizer.weight_decay={h['weight_decay']}",
         f"optimizer.clip_norm={h['clip_norm']}",
-    )
-    mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:4])
+    ]
+
+
+def _train_on_oracle_rollouts(cfg, oracle, devices: int = 4):
+    """(each step's metrics, the final params, (mesh, rules, params target)) of jaxtrain's GRPO
+    step on the oracle's rollouts from cfg's train.init_from. old_logps are the weights' own
+    log-probs when each rollout is first used, as the sampler records them."""
+    from jaxtrain import models, sharding
+    from jaxtrain.interchange.convert import load_params
+    from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh
+    from jaxtrain.trainer.program import build_program
+
+    h, group, seq = oracle["hparams"], oracle["group_size"], cfg.train.seq_len
+    mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[:devices])
     cfg = resolve_for_mesh(cfg, mesh)
     rules = axis_rules(cfg)
     spec = types.SimpleNamespace(cfg=cfg, pipeline=None)
@@ -491,9 +510,13 @@ def test_grpo_steps_and_weights_equal_torch_on_a_data_fsdp_mesh(tmp_path, microb
                 for k, v in rollout.items()
                 if k != "rewards"
             }
-            weight, share = grpo.loss_weights(rows["loss_mask"], h["loss_type"], 8)
+            weight, share = grpo.loss_weights(
+                rows["loss_mask"], h["loss_type"], cfg.grpo.max_new_tokens, cfg.train.microbatches
+            )
             adv = grpo.advantages(rewards, group, h["scale_rewards"])
-            rows.update(advantages=np.repeat(adv[:, None], 16, axis=1), loss_weight=weight, token_share=share)
+            rows.update(
+                advantages=np.repeat(adv[:, None], seq, axis=1), loss_weight=weight, token_share=share
+            )
             place = lambda r: {k: jax.device_put(v, program.batch_sharding) for k, v in r.items()}
             rows["old_logps"] = np.asarray(old_logps(state.params, place(rows))) * rows["loss_mask"]
             batch = place(rows)
@@ -501,21 +524,127 @@ def test_grpo_steps_and_weights_equal_torch_on_a_data_fsdp_mesh(tmp_path, microb
                 state, metrics = program.step(state, batch)
                 got.append(jax.device_get(metrics))
         final = jax.device_get(state.params)
+    return got, final, (mesh, rules, target)
+
+
+def _assert_final_weights(tmp_path, cfg, final, where, hf_config, oracle_dir, atol=1e-5):
+    """`final` equals the torch loop's final weights (oracle_dir/final.safetensors, HF names),
+    converted as the initial ones were, within `atol` (f32)."""
+    import shutil
+
+    from jaxtrain import sharding
+    from jaxtrain.interchange.convert import hf_to_ckpt, load_params
+
+    mesh, rules, target = where
+    hf_final = tmp_path / "hf_final"
+    hf_final.mkdir()
+    shutil.copy(hf_config, hf_final / "config.json")
+    shutil.copy(oracle_dir / "final.safetensors", hf_final / "model.safetensors")
+    hf_to_ckpt(hf_final, tmp_path / "final_ckpt")
+    with jax.set_mesh(mesh), sharding.axis_rules(rules):
+        want_final = jax.device_get(load_params(str(tmp_path / "final_ckpt"), cfg.model, target))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(final), jax.tree.leaves(want_final)):
+        np.testing.assert_allclose(a, b, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.composes("grpo+dense", "grpo+data", "grpo+fsdp", "grpo+adamw")
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_grpo_steps_and_weights_equal_torch_on_a_data_fsdp_mesh(tmp_path, microbatches):
+    """Two rollouts, each trained on for two steps (updates_per_rollout=2), from the tiny HF
+    Llama's weights on data=2 x fsdp=2 (and in two microbatches: the normalisers are the
+    global batch's), loss_type=grpo, beta=0.1, epsilon 0.03 / epsilon_high 0.05 (most tokens
+    clipped in the reused steps): every step's loss, gradient norm, KL and clip ratio equal the
+    torch loop's within rtol 1e-5 (atol 1e-6), and the final weights within 1e-5 (f32).
+    old_logps are the weights' own log-probs when each rollout is first used, as the sampler
+    records them."""
+    import gzip
+
+    from tests.test_dpo import _hf_config
+
+    with gzip.open(ASSETS / "grpo" / "expected.json.gz", "rt") as f:
+        oracle = json.load(f)
+    cfg = _hf_config(
+        tmp_path,
+        *_oracle_overrides(oracle),
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        f"train.microbatches={microbatches}",
+    )
+    got, final, where = _train_on_oracle_rollouts(cfg, oracle)
     for step, (want, have) in enumerate(zip(oracle["steps"], got), start=1):
         for key in ("loss", "grad_norm", "grpo/kl", "grpo/clip_ratio"):
             np.testing.assert_allclose(
                 float(have[key]), want[key], rtol=1e-5, atol=1e-6, err_msg=f"step {step} {key}"
             )
-    # the torch loop's final weights, converted as the initial ones were
-    hf_final = tmp_path / "hf_final"
-    hf_final.mkdir()
-    shutil.copy(ASSETS / "hf" / "llama_gqa_rope_llama3" / "config.json", hf_final / "config.json")
-    shutil.copy(ASSETS / "grpo" / "final.safetensors", hf_final / "model.safetensors")
-    hf_to_ckpt(hf_final, tmp_path / "final_ckpt")
-    with jax.set_mesh(mesh), sharding.axis_rules(rules):
-        want_final = jax.device_get(load_params(str(tmp_path / "final_ckpt"), cfg.model, target))
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(final), jax.tree.leaves(want_final)):
-        np.testing.assert_allclose(a, b, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+    _assert_final_weights(
+        tmp_path, cfg, final, where, ASSETS / "hf" / "llama_gqa_rope_llama3" / "config.json", ASSETS / "grpo"
+    )
+
+
+@pytest.mark.composes("grpo+moe")
+def test_grpo_on_moe_adds_the_router_loss_as_trl_does(tmp_path):
+    """GRPO on the tiny HF Qwen3-MoE cut to one layer (router_aux_loss_coef 0.05), data=2 x
+    fsdp=2 in two microbatches, against the torch loop of tests/assets/make_grpo_moe_assets.py:
+    TRL 1.16 adds ``router_aux_loss_coef x aux_loss`` of each microbatch (divided by the
+    accumulation steps) beside the policy loss, not scaled by the completion-token count.
+    Every step's loss, gradient norm and aux loss (ours x top_k: HF sums over the k choices)
+    within rtol 1e-5 (atol 1e-6), the final weights within 2e-5 (f32). HF has no z-loss, nor
+    has the converted model. One layer and unpadded rows: HF pools the layers'
+    router statistics and leaves padding out of them (make_grpo_moe_assets.py)."""
+    import dataclasses
+    import gzip
+
+    from jaxtrain.interchange.convert import hf_to_ckpt
+    from tests.conftest import tiny_config
+
+    oracle_dir = ASSETS / "grpo_moe"
+    with gzip.open(oracle_dir / "expected.json.gz", "rt") as f:
+        oracle = json.load(f)
+    h = oracle["hparams"]
+    hf_dir = tmp_path / "hf"
+    _one_layer_model(ASSETS / oracle["source"], hf_dir, h["router_aux_loss_coef"])
+    model_cfg = hf_to_ckpt(hf_dir, tmp_path / "ckpt")
+    assert model_cfg.moe.z_loss_weight == 0.0  # transformers adds none
+    model = [
+        f"model.{k}={v}"
+        for k, v in dataclasses.asdict(model_cfg).items()
+        if v not in (None, ()) and not isinstance(v, dict)
+    ]
+    cfg = tiny_config(
+        tmp_path,
+        *model,
+        f"model.moe={json.dumps(dataclasses.asdict(model_cfg.moe))}",
+        "data.paths=[unused]",
+        f"train.init_from={tmp_path / 'ckpt'}",
+        *_oracle_overrides(oracle),
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        f"train.microbatches={h['microbatches']}",
+    )
+    assert cfg.model.moe.aux_loss_weight == pytest.approx(h["router_aux_loss_coef"] * cfg.model.moe.top_k)
+    got, final, where = _train_on_oracle_rollouts(cfg, oracle)
+    for step, (want, have) in enumerate(zip(oracle["steps"], got), start=1):
+        pairs = [("loss", "loss"), ("grad_norm", "grad_norm"), ("aux_loss", "moe_aux_loss")]
+        for key, ours in pairs:
+            value = float(have[ours]) * (cfg.model.moe.top_k if key == "aux_loss" else 1)
+            np.testing.assert_allclose(value, want[key], rtol=1e-5, atol=1e-6, err_msg=f"step {step} {key}")
+    # atol 2e-5: one expert weight of 8192 ends 1.2e-5 away (Adam's step on a near-zero
+    # gradient magnifies float32 noise); every other weight, the router's included, < 1e-6
+    _assert_final_weights(tmp_path, cfg, final, where, hf_dir / "config.json", oracle_dir, atol=2e-5)
+
+
+def _one_layer_model(source, dest, coef: float) -> None:
+    """tests/assets/make_grpo_moe_assets.py `one_layer_model`: the HF Qwen3-MoE `source` cut
+    to its first layer, with router_aux_loss_coef `coef`, written to `dest`."""
+    from safetensors.numpy import load_file, save_file
+
+    config = json.loads((source / "config.json").read_text())
+    config.update(num_hidden_layers=1, router_aux_loss_coef=coef)
+    weights = load_file(source / "model.safetensors")
+    kept = {k: v for k, v in weights.items() if ".layers." not in k or ".layers.0." in k}
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(kept, dest / "model.safetensors")
 
 
 def test_grpo_config_refusals_name_the_key(tmp_path):
@@ -535,6 +664,10 @@ def test_grpo_config_refusals_name_the_key(tmp_path):
     for extra, message in [
         (["mesh.stage=2"], "mesh.stage=2 with train.objective=grpo: the sampler does not run pipeline"),
         (
+            ["mesh.context=2"],
+            "mesh.context=2 with train.objective=grpo: rollouts are not laid out in the zig-zag",
+        ),
+        (
             ["train.global_batch_size=6"],
             "train.global_batch_size=6: expected a multiple of grpo.group_size=4",
         ),
@@ -552,6 +685,7 @@ def test_grpo_config_refusals_name_the_key(tmp_path):
         tiny_config(tmp_path, "data.source=prompts", "data.paths=[p.jsonl]")
 
 
+@pytest.mark.composes("grpo+lora")
 def test_grpo_with_lora_takes_the_base_as_its_reference(tmp_path):
     """GRPO on adapters (the PEFT asset's, B non-zero: the policy starts away from the base)
     with beta=0.1: the state keeps no reference copy, and step 1's KL and loss equal those

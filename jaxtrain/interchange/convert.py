@@ -60,7 +60,7 @@ RUNTIME_FIELDS = (
     "lora",  # adapters on the weights, not the weights (a LoRA run's base is a plain model)
 )
 # Inside model.moe: how the layer runs on a backend (planning/resolve.py), not what it holds.
-MOE_RUNTIME_FIELDS = ("exchange", "grouped_matmul")
+MOE_RUNTIME_FIELDS = ("exchange", "grouped_matmul", "dispatch_per_shard")
 
 
 def _path(path: str | os.PathLike) -> epath.Path:

@@ -11,14 +11,20 @@ TRL's definitions (GRPOTrainer, TRL 1.16), as the `grpo` config section names th
   ``beta > 0`` the k3 KL estimate ``beta (exp(ref - logp) - (ref - logp) - 1)`` against the
   frozen initial weights (the plain estimator: no ratio correction);
 - aggregation (`loss_type`): grpo, the mean over completions of each one's token mean;
-  bnpo and dapo, the token sum over the global batch divided by its completion tokens;
-  dr_grpo, the token sum divided by (completions x max_new_tokens).
+  dapo, the token sum over the global batch divided by its completion tokens; bnpo, each
+  microbatch's token sum divided by that microbatch's completion tokens, averaged over the
+  ``train.microbatches`` (TRL's "local batch": one process's batch of one accumulation step);
+  dr_grpo, the token sum divided by (completions x max_new_tokens);
+- MoE models: the router losses beside the policy loss, as TRL adds
+  ``router_aux_loss_coef x aux_loss``: each microbatch's weighted router losses divided by
+  the microbatches (trainer/step.py `objective`), not scaled by any token count.
 
-Every normaliser is over the whole global batch, so the loss is the same on any mesh and for
-any ``train.microbatches``: the rollout (trainer/rollout.py) gives each completion token its
-weight, ``loss_weight`` (the aggregation's factor) and ``token_share`` (1 / the batch's
-completion tokens, for the token means of the metrics), and the step sums ``weight x
-per-token value`` over whatever part of the batch it holds. The batch fields (all ``[batch,
+Every normaliser but bnpo's is over the whole global batch, so the loss is the same on any
+mesh and for any ``train.microbatches`` (bnpo's alone depends on ``train.microbatches``,
+never on the mesh): the rollout (trainer/rollout.py) gives each completion token its weight,
+``loss_weight`` (the aggregation's factor) and ``token_share`` (1 / the batch's completion
+tokens, for the token means of the metrics), and the step sums ``weight x per-token value``
+over whatever part of the batch it holds. The batch fields (all ``[batch,
 seq]``, `GRPO_KEYS`): ``advantages`` (each row's advantage, repeated along the row),
 ``old_logps`` and the two weights, besides the LM fields.
 """
@@ -66,16 +72,32 @@ def advantages(rewards, group_size: int, scale_rewards: str) -> np.ndarray:
     return (centred / (std + np.float32(1e-4))).astype(np.float32)
 
 
-def loss_weights(mask: np.ndarray, loss_type: str, max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+def reward_std(rewards) -> float:
+    """grpo/reward_std as TRL 1.16 logs it (`nanstd(rewards)`): the standard deviation of the
+    whole batch's rewards, NaNs left out, with n - 1 as torch's; whatever `scale_rewards`."""
+    r = np.asarray(rewards, np.float64)
+    r = r[~np.isnan(r)]
+    return float(r.std(ddof=1)) if r.size > 1 else float("nan")
+
+
+def loss_weights(
+    mask: np.ndarray, loss_type: str, max_new_tokens: int, microbatches: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
     """(loss_weight, token_share) [completions, seq] f32 for a global batch's completion-token
-    `mask` (module docstring)."""
+    `mask` (module docstring). `microbatches`: train.microbatches, which bnpo's normaliser
+    follows; each is the rows m, m + n, ... as trainer/step.py `split_microbatches` takes them."""
     mask = np.asarray(mask, np.float32)
     n = mask.shape[0]
     tokens = max(float(mask.sum()), 1.0)
     if loss_type == "grpo":
         per_row = np.maximum(mask.sum(axis=1, keepdims=True), 1.0)
         weight = mask / (per_row * n)
-    elif loss_type in ("bnpo", "dapo"):
+    elif loss_type == "bnpo":  # each microbatch by its own tokens, then the mean over them
+        weight = np.empty_like(mask)
+        for m in range(microbatches):
+            part = mask[m::microbatches]
+            weight[m::microbatches] = part / (max(float(part.sum()), 1.0) * microbatches)
+    elif loss_type == "dapo":
         weight = mask / tokens
     elif loss_type == "dr_grpo":
         weight = mask / float(n * max_new_tokens)

@@ -14,7 +14,10 @@ steps it samples a new rollout, which steps s .. s + mu - 1 reuse whole:
    tokenizer's), which it keeps and is trained on, or after `grpo.max_new_tokens` (truncated);
 3. the rewards (trainer/rewards.py) on the decoded completions, the advantages and the
    loss weights (trainer/grpo.py), and ``old_logps``: the sampling weights' log-probs of the
-   completion tokens at `grpo.temperature`, one forward pass over the batch;
+   completion tokens at `grpo.temperature`, one forward pass over the batch. On several
+   processes every process gathers the whole batch's tokens and old log-probs, scores its
+   own rows (as TRL does) and gathers the scores, so each computes the same advantages,
+   weights and metrics from the same numbers;
 4. one row per completion in ``output_dir/rollouts.jsonl`` (process 0), and the rollout's
    arrays in ``output_dir/rollouts/<k>.npz`` (grpo.updates_per_rollout > 1; the last
    checkpoint.every / mu + 2 of them kept), from which a run resumed in the middle of a
@@ -34,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tokenizers
+from jax.experimental import multihost_utils
 
 from jaxtrain import models, sharding
 from jaxtrain.config import Config
@@ -97,6 +101,23 @@ def _old_logps(program, cfg: Config, rules):
         return grpo.policy_logps(model, batch, None, spec)[0]
 
     return jax.jit(sharding.with_rules(run, rules), out_shardings=program.batch_sharding)
+
+
+def _whole(x: jax.Array) -> np.ndarray:
+    """A batch-sharded array -> the whole batch on this host. `jax.device_get` refuses an
+    array with rows on other processes' devices; process_allgather (a collective: every
+    process calls it, in the same order) gathers them."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _gathered(local):
+    """Numpy arrays of this process's rows (`RolloutFeeder._mine`) -> the whole batch's,
+    concatenated in process order, on every process (TRL's gather of the local rewards)."""
+    if jax.process_count() == 1:
+        return local
+    return tuple(np.asarray(a) for a in multihost_utils.process_allgather(tuple(local), tiled=True))
 
 
 class RolloutFeeder:
@@ -189,7 +210,7 @@ class RolloutFeeder:
                 jnp.asarray(lengths),
                 jax.random.fold_in(self.key, k),
             )
-            out = np.asarray(jax.device_get(out))
+            out = _whole(out)
             seconds = time.perf_counter() - t0
         completions, truncated = [], []
         for i, n in enumerate(lengths):
@@ -203,16 +224,21 @@ class RolloutFeeder:
             key: [p.fields.get(key) for p in prompts]
             for key in sorted({f for p in prompts for f in p.fields})
         }
-        table, reward = score(
-            self.rewards,
-            g.reward_weights,
-            [p.text for p in prompts],
-            texts,
-            [c.tolist() for c in completions],
-            fields,
+        mine = self._mine(len(prompts))  # each process scores its own rows; all get all the scores
+        table, reward = _gathered(
+            score(
+                self.rewards,
+                g.reward_weights,
+                [p.text for p in prompts[mine]],
+                texts[mine],
+                [c.tolist() for c in completions[mine]],
+                {key: values[mine] for key, values in fields.items()},
+            )
         )
         adv = grpo.advantages(reward, g.group_size, g.scale_rewards)
-        weight, share = grpo.loss_weights(rows["loss_mask"], g.loss_type, g.max_new_tokens)
+        weight, share = grpo.loss_weights(
+            rows["loss_mask"], g.loss_type, g.max_new_tokens, cfg.train.microbatches
+        )
         rows.update(
             advantages=np.repeat(adv[:, None], cfg.train.seq_len, axis=1),
             loss_weight=weight,
@@ -221,11 +247,11 @@ class RolloutFeeder:
         with self._phase():
             partial = {k_: v for k_, v in rows.items() if k_ != "old_logps"}
             logps = self.logps_fn(state.params, state.frozen, self._place(partial))
-            rows["old_logps"] = np.asarray(jax.device_get(logps)) * rows["loss_mask"]
+            rows["old_logps"] = _whole(logps) * rows["loss_mask"]
         generated = int(sum(len(c) for c in completions))
         metrics = {
             "grpo/reward": float(reward.mean()),
-            "grpo/reward_std": float(reward.reshape(-1, g.group_size).std(axis=1, ddof=1).mean()),
+            "grpo/reward_std": grpo.reward_std(reward),
             "grpo/completion_length": generated / len(completions),
             "grpo/sample_tokens_per_second": generated / max(seconds, 1e-9),
         }
@@ -248,10 +274,16 @@ class RolloutFeeder:
             mask[i, n : n + m] = 1
         return batch_from_windows(tokens, docs, mask)
 
+    @staticmethod
+    def _mine(n: int) -> slice:
+        """This process's rows of a global batch of `n` (the data loaders' split, which
+        batch_to_device assumes: process i holds the i-th of process_count equal parts)."""
+        i, p = jax.process_index(), jax.process_count()
+        return slice(i * n // p, (i + 1) * n // p)
+
     def _place(self, rows: dict) -> dict:
         """The global rows -> the device batch (each process places its own rows)."""
-        n, p = len(rows["inputs"]), jax.process_count()
-        mine = slice(jax.process_index() * n // p, (jax.process_index() + 1) * n // p)
+        mine = self._mine(len(rows["inputs"]))
         return batch_to_device({k: v[mine] for k, v in rows.items()}, self.batch_sharding)
 
     def _npz(self, k: int) -> str:

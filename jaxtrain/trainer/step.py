@@ -241,7 +241,9 @@ def objective(
     pairs, against the reference log-probabilities `ref_logps`; trainer/dpo.py), plus for MoE
     models count x (weighted router losses) and with model.mtp count x (weighted multi-token
     prediction loss), so that after the division by the batch's count these enter as their
-    count-weighted means over microbatches; times `scale` under loss scaling. `dropout_key`:
+    count-weighted means over microbatches (train.objective=grpo, whose objective is already
+    the batch's mean loss and is not divided: the weighted router losses / the microbatches,
+    TRL's rule); times `scale` under loss scaling. `dropout_key`:
     model.lora's adapter dropout, or None."""
     model = models.merge(spec.graphdef, spec.abstract_params, params)
     if grpo.is_grpo(spec.cfg):
@@ -253,9 +255,11 @@ def objective(
     value = total
     moe, mtp = spec.cfg.model.moe, spec.cfg.model.mtp
     if moe is not None:
-        value = total + count * (
-            moe.aux_loss_weight * stats["moe_aux_loss"] + moe.z_loss_weight * stats["moe_z_loss"]
-        )
+        router = moe.aux_loss_weight * stats["moe_aux_loss"] + moe.z_loss_weight * stats["moe_z_loss"]
+        # grpo: `total` is already this microbatch's part of the batch's mean loss, and TRL adds
+        # the weighted router losses of each microbatch / the accumulation steps beside it
+        grpo_run = grpo.is_grpo(spec.cfg)
+        value = total + (router / spec.cfg.train.microbatches if grpo_run else count * router)
     else:
         stats = {k: v for k, v in stats.items() if k in SUMMED_METRICS or k in ("mtp_loss", logit_stats.KEY)}
     if "mtp_loss" in stats:
