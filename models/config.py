@@ -438,13 +438,15 @@ class ModelConfig:
     # (Gemma 2: 50 and 30); null: none
     attention_softcap: float | None = None
     final_softcap: float | None = None
-    # layer kinds repeating over the depth: local (a sliding window of `sliding_window` keys,
-    # RoPE base `local_rope_theta`, no RoPE scaling) or global (full causal attention,
-    # `rope_theta` with `rope_scaling`); layer i is attention_pattern[i % len]. Empty: every
+    # layer kinds repeating over the depth: local (a sliding window of `sliding_window` keys)
+    # or global (full causal attention); layer i is attention_pattern[i % len]. Empty: every
     # layer as `sliding_window` says (Mistral). Gemma 2: [local, global]; Gemma 3: five local,
-    # one global. The layers scan in groups of one pattern, so it must divide n_layers.
+    # one global; GPT-OSS: [local, global]. The layers scan in groups of one pattern, so it
+    # must divide n_layers. Every layer has `rope_theta` with `rope_scaling` (GPT-OSS's YaRN
+    # on sliding and full layers alike) unless `local_rope_theta` is set: then local layers
+    # have that base and no scaling (Gemma 3: 10000 unscaled; its global layers 1e6, x8).
     attention_pattern: tuple[str, ...] = ()
-    local_rope_theta: float | None = None  # RoPE base of local layers; None: rope_theta
+    local_rope_theta: float | None = None  # own unscaled RoPE base of local layers; None: shared
     tie_embeddings: bool = False  # the output head is the embedding table's transpose
     init_std: float = 0.02  # normal init of weights (output projections: / sqrt(2 x n_layers))
     param_dtype: str = "float32"  # master weights (and optimizer state)

@@ -226,7 +226,15 @@ def _gemma_settings(hf: dict) -> dict:
     # do not tile by 6, so its whole depth is one group (the layers unrolled in one scan step)
     pattern = _layer_pattern(list(types))
     params = dict(hf.get("rope_parameters") or {})
-    local = params.get("sliding_attention", {}).get("rope_theta", hf.get("rope_local_base_freq"))
+    sliding = dict(params.get("sliding_attention") or {})
+    local = sliding.get("rope_theta", hf.get("rope_local_base_freq"))
+    if sliding.get("rope_type", "default") != "default":  # scaled local layers: shared RoPE only
+        if sliding != params.get("full_attention"):
+            raise HFConversionError(
+                f"config.json rope_parameters.sliding_attention={sliding}: expected rope_type default "
+                "(an own unscaled base) or the full_attention layers' RoPE"
+            )
+        local = None  # model.local_rope_theta unset: local layers share the global RoPE
     return dict(
         norm_scale_offset=1.0,
         embedding_scale=float(hf["hidden_size"]) ** 0.5,
@@ -411,6 +419,15 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
             f"architecture {arch!r}: model.attention_pattern, softcaps and norm_scale_offset do not convert"
         )
     _check_gpt_oss_features(cfg, arch)
+    # local layers with their own unscaled RoPE: Gemma 3's config.json alone can say so (GPT-OSS,
+    # Gemma 2: one rotary embedding for every layer)
+    same_rope = (cfg.local_rope_theta, cfg.rope_scaling) == (cfg.rope_theta, None)
+    own_local = cfg.local_rope_theta is not None and not same_rope and bool(cfg.attention_pattern)
+    if own_local and arch != "Gemma3ForCausalLM":
+        raise HFConversionError(
+            f"architecture {arch!r}: model.local_rope_theta={cfg.local_rope_theta} does not convert "
+            "(its local layers share the global RoPE); expected null"
+        )
     if cfg.sliding_window and arch not in ("MistralForCausalLM", "MixtralForCausalLM", _GPT_OSS, *_GEMMA):
         raise HFConversionError(
             f"architecture {arch!r}: model.sliding_window={cfg.sliding_window} does not convert"
@@ -645,14 +662,13 @@ def _gemma_hf_fields(cfg: ModelConfig, rope: dict) -> dict:
         "attention_bias": False,
     }
     local = cfg.local_rope_theta or cfg.rope_theta
-    if cfg.qk_norm == "head":  # Gemma 3: RoPE per layer type
+    if cfg.qk_norm == "head":  # Gemma 3: RoPE per layer type; local_rope_theta unset: the global one
+        own = cfg.local_rope_theta is not None or rope["rope_type"] == "default"
         out["rope_parameters"] = {
             "full_attention": rope,
-            "sliding_attention": {"rope_type": "default", "rope_theta": local},
+            "sliding_attention": {"rope_type": "default", "rope_theta": local} if own else rope,
         }
         out["rope_local_base_freq"] = local
-    elif local != cfg.rope_theta:
-        raise HFConversionError("Gemma 2 has one RoPE base: model.local_rope_theta must equal rope_theta")
     return out
 
 

@@ -94,6 +94,14 @@ def weight_matmul(eqn: str, x: jax.Array, w: jax.Array, cfg: ModelConfig, fp8_si
     return cpu_tuning.einsum(eqn, x, w) if cfg.cpu_tuning is True else jnp.einsum(eqn, x, w)
 
 
+def own_local_rope(cfg: ModelConfig, kind: str | None) -> bool:
+    """Whether a layer of this kind has its own unscaled RoPE of base `local_rope_theta`:
+    Gemma 3's local layers (transformers: `rope_parameters` per layer type). Without
+    `local_rope_theta`, local layers share the global RoPE and its scaling, as transformers'
+    one rotary embedding gives them (GPT-OSS's YaRN, Gemma 2)."""
+    return kind == "local" and cfg.local_rope_theta is not None
+
+
 def rope_frequencies(cfg: ModelConfig, kind: str | None = None, dim: int | None = None) -> jax.Array:
     """Inverse frequencies [dim / 2] (dim: the rotated width, head_dim by default; latent
     attention: its RoPE part), with the configured long-context scaling.
@@ -101,13 +109,14 @@ def rope_frequencies(cfg: ModelConfig, kind: str | None = None, dim: int | None 
     `llama3`: Llama 3.1's rule (wavelengths longer than original_max_position /
     low_freq_factor are slowed by `factor`, shorter than .../high_freq_factor kept,
     smooth in between); `linear`: all divided by `factor`; `yarn`: `yarn_frequencies`.
-    A local layer of an attention pattern (`kind`) has its own base, `local_rope_theta`,
-    and no scaling (Gemma 3).
+    Every layer shares this RoPE (GPT-OSS's sliding layers have its YaRN too), except a local
+    layer of an attention pattern (`kind`) when `local_rope_theta` is set: its own base and no
+    scaling (Gemma 3; `own_local_rope`).
     """
     d = cfg.resolved_head_dim if dim is None else dim
-    theta = (cfg.local_rope_theta or cfg.rope_theta) if kind == "local" else cfg.rope_theta
+    theta = cfg.local_rope_theta if own_local_rope(cfg, kind) else cfg.rope_theta
     inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    if kind == "local":
+    if own_local_rope(cfg, kind):
         return inv_freq
     factor = cfg.rope_scaling_factor
     if cfg.rope_scaling == "linear":
@@ -153,8 +162,9 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 def rope_attention_factor(cfg: ModelConfig, kind: str | None = None) -> float:
     """What cos and sin are multiplied by: YaRN's attention factor (model.rope_attention_factor,
-    else from the mscales: see the config), 1 otherwise and on local layers."""
-    if cfg.rope_scaling != "yarn" or kind == "local":
+    else from the mscales: see the config), 1 otherwise and on layers with their own local RoPE
+    (`own_local_rope`: Gemma 3's; GPT-OSS's sliding layers have YaRN's factor too)."""
+    if cfg.rope_scaling != "yarn" or own_local_rope(cfg, kind):
         return 1.0
     if cfg.rope_attention_factor is not None:
         return cfg.rope_attention_factor

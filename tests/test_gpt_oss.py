@@ -299,3 +299,41 @@ def test_convert_round_trip_writes_what_transformers_wrote(tmp_path):
         np.testing.assert_array_equal(ours[name], value, err_msg=name)
     exported, original = (config_from_hf(json.loads((d / "config.json").read_text())) for d in (out, src))
     assert architecture_of(exported) == architecture_of(original)
+
+
+# --- the Hub's YaRN on sliding and full layers ---------------------------------------------
+
+# openai/gpt-oss-20b's config.json (4.x spelling; transformers 5.25 reads it as rope_parameters)
+HUB_ROPE = {
+    "rope_theta": 150000,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+}
+LOGIT_ATOL = 1e-5  # f32, as tests/test_hf.py; YaRN dropped on the sliding layers: 0.27
+
+
+@pytest.mark.composes("sinks+attention_pattern")
+def test_yarn_on_sliding_and_full_layers_matches_transformers():
+    """transformers gives GPT-OSS one rotary embedding: YaRN's frequencies and its attention
+    factor (1 + 0.1 ln 32) on the sliding layers as on the full ones (only Gemma 3's local
+    layers, model.local_rope_theta, have their own unscaled RoPE). The tiny checkpoint carries
+    the Hub's settings, and its 16 tokens are 4 windows: `from_hf` gives transformers' logits.
+    Greedy decode through the KV cache: tests/test_generate.py on the same asset."""
+    d = ASSETS / "gpt_oss_yarn"
+    hf = json.loads((d / "config.json").read_text())
+    cfg = config_from_hf(hf)
+    hub = {k: v for k, v in hf.items() if k != "rope_parameters"} | HUB_ROPE
+    assert config_from_hf(hub) == cfg  # the asset holds the Hub's RoPE
+    assert (cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_original_max_position) == ("yarn", 32.0, 4096)
+    assert (cfg.attention_pattern, cfg.local_rope_theta) == (("local", "global"), None)
+    tokens = np.load(d / "tokens.npy")
+    assert tokens.shape[1] >= 4 * cfg.sliding_window
+    logits = np.asarray(models.from_hf(d)(jnp.asarray(tokens)))
+    err = float(np.max(np.abs(logits - np.load(d / "logits.npy"))))
+    assert err <= LOGIT_ATOL, err

@@ -284,3 +284,28 @@ def test_training_starts_from_a_converted_gemma3_checkpoint(tmp_path):
     assert abs(first - expected) < 1e-4
     out = ckpt_to_hf(tmp_path / "run", tmp_path / "hf")
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
+
+
+def test_local_layers_have_their_own_rope_only_where_the_config_says():
+    """Gemma 3's config.json gives its local layers their own unscaled RoPE (model.local_rope_theta:
+    base 10000, no x8) and exports it so; a Gemma 3 whose local layers share the scaled global
+    RoPE (local_rope_theta null, as GPT-OSS's and Gemma 2's one rotary embedding) exports
+    `sliding_attention` as the global parameters and reads back so. Any other scaled
+    `sliding_attention`, and an own local RoPE for a class with one rotary embedding, are refused.
+    Logits: tests/test_hf.py (gemma3_pattern) and tests/test_gpt_oss.py (gpt_oss_yarn)."""
+    gemma3 = json.loads((ASSETS / "gemma3_pattern" / "config.json").read_text())
+    cfg = config_from_hf(gemma3)
+    sliding = hf_config(cfg)["rope_parameters"]["sliding_attention"]
+    assert (cfg.local_rope_theta, sliding) == (10000.0, {"rope_type": "default", "rope_theta": 10000.0})
+    shared = dataclasses.replace(cfg, local_rope_theta=None)
+    rope = hf_config(shared)["rope_parameters"]
+    assert rope["sliding_attention"] == rope["full_attention"] == {
+        "rope_type": "linear", "factor": 8.0, "rope_theta": 1e6,
+    }  # fmt: skip
+    assert config_from_hf(hf_config(shared)) == shared
+    other = {**rope, "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}
+    with pytest.raises(HFConversionError, match="rope_parameters.sliding_attention="):
+        config_from_hf(gemma3 | {"rope_parameters": other})
+    gpt_oss = config_from_hf(json.loads((ASSETS / "gpt_oss_yarn" / "config.json").read_text()))
+    with pytest.raises(HFConversionError, match="model.local_rope_theta=10000.0 does not convert"):
+        hf_config(dataclasses.replace(gpt_oss, local_rope_theta=10000.0))

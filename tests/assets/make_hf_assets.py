@@ -208,6 +208,36 @@ MODELS = {
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
     ),
+    # GPT-OSS with the Hub's RoPE (openai/gpt-oss-20b's config.json: rope_theta 150000 and
+    # rope_scaling yarn, factor 32 over 4096 positions, betas 32 / 1, truncate false), sliding
+    # (window 4) and full layers alternating over 16 tokens: transformers applies its one YaRN
+    # rotary embedding (frequencies and attention factor) to both kinds. Smaller dims than
+    # `gpt_oss`: the asset is about the RoPE, not the experts.
+    "gpt_oss_yarn": lambda: GptOssForCausalLM(
+        GptOssConfig.from_dict(
+            dict(
+                **{**COMMON, "hidden_size": 32, "intermediate_size": 16, "max_position_embeddings": 131072},
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                sliding_window=4,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                swiglu_limit=2.0,
+                initializer_range=0.1,
+                tie_word_embeddings=False,
+                rope_theta=150000,  # the Hub's 4.x spelling, as transformers 5.25 reads it
+                rope_scaling={
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "factor": 32.0,
+                    "original_max_position_embeddings": 4096,
+                    "rope_type": "yarn",
+                    "truncate": False,
+                },
+            )
+        )
+    ),
 }
 
 # DeepSeek-V3: latent attention (q through a latent of q_lora_rank, or not), YaRN with mscale !=

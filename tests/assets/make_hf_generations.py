@@ -37,6 +37,7 @@ NAMES = (
     "gemma2_softcap",
     "gemma3_pattern",
     "gpt_oss",
+    "gpt_oss_yarn",
     "deepseek_v3_yarn",
     # not deepseek_v3_plain_q: transformers 5.24's batched cached generate leaves its own
     # no-cache greedy on row 1 at step 8 (top-2 margin 0.015; one row at a time they agree);
