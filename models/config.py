@@ -756,10 +756,11 @@ class ModelConfig:
         attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
         if self.qkv_bias:
             attn += hd * (self.n_heads + 2 * self.n_kv_heads)
-        attn += (d if self.attention_out_bias else 0) + (self.n_heads if self.attention_sinks else 0)
+        extra = (d if self.attention_out_bias else 0) + (self.n_heads if self.attention_sinks else 0)
+        attn += extra  # the output bias and the sinks
         attn += {"none": 0, "head": 2 * hd, "projection": hd * (self.n_heads + self.n_kv_heads)}[self.qk_norm]
-        if self.mla is not None:  # no biases or QK-norm with it (MLAConfig.validate)
-            attn = self.mla.param_count(self)
+        if self.mla is not None:  # no q/k/v biases or QK-norm with it (MLAConfig.validate)
+            attn = self.mla.param_count(self) + extra
         mlp = 3 * d * self.mlp_dim
         per_layer = attn + mlp + (4 if self.norm_placement == "both" else 2) * d
         embed = self.vocab_size * d

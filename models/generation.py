@@ -171,6 +171,7 @@ def _latent_attention(attn, x, cache, step: _Step, layer=None):
         attn.window,
         softmax_scale(attn.cfg),
         attn.cfg.attention_softcap,
+        _sinks(attn),  # [H] over H query heads of the one latent key/value head
     )
     cache = tuple(jax.lax.dynamic_update_index_in_dim(c, t, layer, 0) for c, t in zip(cache, (rows, empty)))
     return attn.absorbed_output(out), cache

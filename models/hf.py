@@ -566,6 +566,8 @@ def _deepseek_hf_config(cfg: ModelConfig, arch: str) -> dict:
             ("model.sliding_window", cfg.sliding_window, None),
             ("model.attention_scale", cfg.attention_scale, None),
             ("model.attention_softcap", cfg.attention_softcap, None),
+            ("model.attention_sinks", cfg.attention_sinks, False),  # models/mla.py has them; HF's not
+            ("model.attention_out_bias", cfg.attention_out_bias, False),
             ("model.final_softcap", cfg.final_softcap, None),
             ("model.norm_scale_offset", cfg.norm_scale_offset, 0.0),
             ("model.embedding_scale", cfg.embedding_scale, 1.0),

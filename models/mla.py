@@ -10,6 +10,8 @@ Parameters of one layer (H = n_heads, D = d_model; names as Hugging Face's Deeps
     kv_norm [kv_lora]                    ("norm",)
     wkv_b   [kv_lora, H, nope + v]       ("kv_lora", "heads", "head_dim")  per head: no-RoPE key, value
     wo      [H, v, D]                    ("heads", "head_dim", "embed")
+    bo      [D]                          ("bias",)                         model.attention_out_bias
+    sinks   [H]                          ("sink_heads",)                   model.attention_sinks
 
 Heads shard over `tensor` like every attention's; the latents (`q_lora`, `kv_lora`) are
 never split over `tensor` (each head's up-projection reads all of it), and over `fsdp` only
@@ -22,6 +24,12 @@ the same split of its own projection. The latents' RMSNorms use epsilon 1e-6 wha
 is (nope + rope) ** -0.5, times YaRN's get_mscale(factor, mscale_all_dim) ** 2 when
 `model.rope_mscale_all_dim` is set (transformers' `yarn_apply_mscale`); `model.attention_scale`
 overrides it.
+
+`model.attention_sinks` and `model.attention_out_bias` are layers.Attention's (GPT-OSS): one
+learned logit per head in every softmax's denominator, carrying no value, and a bias on the
+output projection. No published MLA checkpoint has either (models/hf.py does not export them);
+they exist so that a config asking for them gets them, in training and in the latent-cache
+decode alike (models/generation.py), never a model silently without them.
 """
 
 from __future__ import annotations
@@ -86,6 +94,10 @@ class LatentAttention(nnx.Module):
         self.wkv_b = p((m.kv_lora_rank, h, kv_width), ("kv_lora", "heads", "head_dim"), cfg.init_std)
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.wo = p((h, m.v_head_dim, d), ("heads", "head_dim", "embed"), out_std)
+        if cfg.attention_out_bias:  # as layers.Attention's: d_model whole
+            self.bo = p((d,), ("bias",), 0)
+        if cfg.attention_sinks:  # one logit per query head, split with the heads
+            self.sinks = p((h,), ("sink_heads",), 0)
         self.cfg = cfg
 
     def __call__(self, x, positions, segment_ids, fp8=None):
@@ -100,6 +112,8 @@ class LatentAttention(nnx.Module):
     def attention(self, q, k, v, segment_ids):
         """Causal attention of expanded q, k, v [b, s, H, *] with this layer's scale -> [b, s, H, v]."""
         cfg = self.cfg
+        # only when set, so that the attention paths without sinks see the call they know
+        sinks = {"sinks": self.sinks[...]} if cfg.attention_sinks else {}
         return attend(
             q,
             k,
@@ -113,6 +127,7 @@ class LatentAttention(nnx.Module):
             cpu_tuned=cfg.cpu_tuning is True,
             softmax_scale=softmax_scale(cfg),
             softcap=cfg.attention_softcap,
+            **sinks,
         )
 
     @property
@@ -175,6 +190,8 @@ class LatentAttention(nnx.Module):
         """Attention output [b, s, H, v_head_dim] -> [b, s, d]."""
         out = constrain(out, ("batch", "seq", "act_heads", None))  # named `context` by attend()
         y = self._matmul("bshk,hkd->bsd", out, "wo", ("heads", "head_dim", "embed"))
+        if self.cfg.attention_out_bias:
+            y = y + self.bo[...].astype(y.dtype)
         return checkpoint_name(y, "out_proj")
 
     # --- the latent KV cache (models/generation.py): attention with the up-projections absorbed
