@@ -174,6 +174,13 @@ def _convert_parser(sub) -> None:
         action="store_true",
         help="ckpt-to-hf of a LoRA run: its adapters as a PEFT adapter directory (default: the merged model)",
     )
+    v.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "fp8-block"),
+        default="float32",
+        help="ckpt-to-hf: the weights' dtype; fp8-block: DeepSeek-V3's published layout (e4m3 projections "
+        "with a float32 weight_scale_inv per 128x128 block, the rest bfloat16) (default: float32)",
+    )
 
 
 def _generate_parser(sub) -> None:
@@ -454,6 +461,8 @@ def _convert(args) -> int:
     from jaxtrain.interchange import convert
     from jaxtrain.models.hf import HFConversionError
 
+    if args.direction == "hf-to-ckpt" and args.dtype != "float32":
+        return _fail(f"--dtype {args.dtype}: applies to ckpt-to-hf (hf-to-ckpt writes float32)")
     try:
         if args.direction == "hf-to-ckpt":
             cfg = convert.hf_to_ckpt(args.source, args.dest, force=args.force)
@@ -463,7 +472,12 @@ def _convert(args) -> int:
             )
         else:
             out = convert.ckpt_to_hf(
-                args.source, args.dest, architecture=args.architecture, force=args.force, adapter=args.adapter
+                args.source,
+                args.dest,
+                architecture=args.architecture,
+                force=args.force,
+                adapter=args.adapter,
+                dtype=args.dtype,
             )
             kind = "a PEFT LoRA adapter" if args.adapter else "Hugging Face safetensors"
             print(f"converted {args.source} -> {out} ({kind})")

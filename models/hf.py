@@ -12,8 +12,10 @@ and the clamped SwiGLU, MXFP4 experts dequantized)
 and returns a ready NNX `Transformer`; writes one that
 `transformers` loads with the same logits. What each family adds is a ModelConfig
 feature (`qkv_bias`, `qk_norm`, `norm_placement`), never a branch on the family. No
-network, no torch: tensors are read one at a time with `safetensors.safe_open` (numpy),
-so peak memory is one copy of the model plus one tensor.
+network, no torch: tensors are read one at a time (models/safetensors_io.py: any dtype,
+BF16 and FP8 included), so peak memory is one copy of the model plus one tensor. DeepSeek-V3's
+and Kimi K2's block-FP8 weights (`weight_scale_inv`) are dequantized as they are read
+(models/hf_fp8.py); a quantization other than block FP8 or GPT-OSS's MXFP4 is refused.
 
 Layout mapping (HF Linear weights are `[out, in]`):
   q_proj [H*hd, D] -> wq [D, H, hd]      o_proj [D, H*hd] -> wo [H, hd, D]
@@ -41,8 +43,9 @@ uses, so no head-dim permutation is needed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
@@ -50,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtrain.models import hf_fp8
 from jaxtrain.models.config import MLAConfig, ModelConfig, MoEConfig, MTPConfig
 from jaxtrain.models.params import abstract_model, merge
 from jaxtrain.models.transformer import Transformer
@@ -164,6 +168,7 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
         raise HFConversionError(
             f"activation {act!r} is not supported (expected one of {tuple(_ACTIVATIONS)})"
         )
+    _fp8_block(hf)  # refuses a quantization that does not import (one line naming it)
     if hf.get("use_sliding_window"):  # Qwen2/3 write sliding_window with use_sliding_window false
         raise HFConversionError(
             "config.json use_sliding_window=true is not supported (per-layer windows, max_window_layers)"
@@ -804,8 +809,9 @@ def _read_experts_weight(reader, name: str) -> np.ndarray:
     raise HFConversionError(f"{reader.path}: tensor {name!r} is missing (nor {name}_blocks / _scales)")
 
 
-def _load_gpt_oss_experts(reader, cfg: ModelConfig, params: dict, dtype) -> None:
-    """Fill params' GPT-OSS expert weights and biases (stacked per layer) from `reader`."""
+def _gpt_oss_expert_sources(reader, cfg: ModelConfig, shapes: dict, parts: dict) -> None:
+    """Add the GPT-OSS expert weights and biases (stacked per layer) to `param_sources`' maps:
+    w_gate / w_up the even / odd columns of `gate_up_proj`, each read when its slice is."""
     e, d, f = cfg.moe.num_experts, cfg.d_model, cfg.moe.mlp_dim(cfg)
     groups = cfg.n_layers // cfg.layers_per_group
     expected = {
@@ -814,33 +820,33 @@ def _load_gpt_oss_experts(reader, cfg: ModelConfig, params: dict, dtype) -> None
         "down_proj": (e, f, d),
         "down_proj_bias": (e, d),
     }
+    ours = {  # ours: (theirs, which interleaved half, or None for all of it)
+        "w_gate": ("gate_up_proj", 0),
+        "w_up": ("gate_up_proj", 1),
+        "w_down": ("down_proj", None),
+        "b_gate": ("gate_up_proj_bias", 0),
+        "b_up": ("gate_up_proj_bias", 1),
+        "b_down": ("down_proj_bias", None),
+    }
     for where, index, prefix in _gpt_oss_experts(cfg):
-        hf = {
-            name: _read_experts_weight(reader, prefix + name)
-            if not name.endswith("bias")
-            else np.asarray(reader.get(prefix + name), np.float32)
-            for name in expected
-        }
-        for name, shape in expected.items():
-            if hf[name].shape != shape:
-                raise HFConversionError(
-                    f"tensor {prefix + name!r}: shape {hf[name].shape}, expected {shape} from config.json"
-                )
-        ours = {
-            "w_gate": hf["gate_up_proj"][..., 0::2],
-            "w_up": hf["gate_up_proj"][..., 1::2],
-            "w_down": hf["down_proj"],
-            "b_gate": hf["gate_up_proj_bias"][..., 0::2],
-            "b_up": hf["gate_up_proj_bias"][..., 1::2],
-            "b_down": hf["down_proj_bias"],
-        }
-        node = params
-        for key in where:
-            node = node.setdefault(key, {})
-        for name, w in ours.items():
-            if name not in node:
-                node[name] = np.empty((groups, *w.shape), dtype)
-            node[name][index] = w
+        for name, (theirs, half) in ours.items():
+            shape = expected[theirs]
+            if half is not None:
+                shape = (*shape[:-1], shape[-1] // 2)
+            shapes.setdefault((*where, name), (groups, *shape))
+            read = functools.partial(_read_gpt_oss_expert, reader, prefix + theirs, expected[theirs], half)
+            parts.setdefault((*where, name), []).append((index, read))
+
+
+def _read_gpt_oss_expert(reader, name: str, shape: tuple[int, ...], half: int | None) -> np.ndarray:
+    w = (
+        np.asarray(reader.get(name), np.float32)
+        if name.endswith("bias")
+        else _read_experts_weight(reader, name)
+    )
+    if w.shape != shape:
+        raise HFConversionError(f"tensor {name!r}: shape {w.shape}, expected {shape} from config.json")
+    return w if half is None else np.ascontiguousarray(w[..., half::2])
 
 
 def _gpt_oss_expert_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
@@ -1000,32 +1006,74 @@ def _to_hf(path: tuple[str, ...], w: np.ndarray) -> np.ndarray:
     return w
 
 
+def _fp8_block(hf: dict) -> tuple[int, int] | None:
+    """config.json's FP8 block (models/hf_fp8.py), its refusals as HFConversionError."""
+    try:
+        return hf_fp8.block_size(hf)
+    except hf_fp8.QuantizationError as e:
+        raise HFConversionError(str(e)) from None
+
+
 class _SafetensorsDir:
-    """Tensor-by-name access across one or more safetensors files, one tensor in memory at a time."""
+    """Tensor-by-name access across one or more safetensors files, one tensor in memory at a
+    time (models/safetensors_io.py: read, not memory-mapped). Block-FP8 weights (e4m3 with a
+    `<name>_scale_inv`, config.json's quantization_config) come back dequantized, float32."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
+        from jaxtrain.models.safetensors_io import SafetensorsFile
 
         index = path / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
             files = sorted(set(weight_map.values()))
+            self._files = {f: SafetensorsFile(path / f) for f in files}
         else:
             files = sorted(p.name for p in path.glob("*.safetensors"))
             if not files:
                 raise HFConversionError(f"{path}: no *.safetensors files")
-            weight_map = {}
-            for f in files:
-                with safe_open(str(path / f), framework="numpy") as h:
-                    weight_map.update({k: f for k in h.keys()})
-        self._handles = {f: safe_open(str(path / f), framework="numpy") for f in files}
+            self._files = {f: SafetensorsFile(path / f) for f in files}
+            weight_map = {k: f for f, h in self._files.items() for k in h.keys()}
         self.weight_map = weight_map
         self.path = path
+        config = path / "config.json"
+        self.fp8_block = _fp8_block(json.loads(config.read_text())) if config.is_file() else None
+
+    def check(self, name: str, shape: tuple[int, ...]) -> None:
+        """From the headers alone: `name` is there with `shape` (a block-FP8 one with its
+        scale grid), so a converter fails before it writes anything."""
+        if name not in self.weight_map:
+            raise HFConversionError(f"{self.path}: tensor {name!r} is missing")
+        f = self._files[self.weight_map[name]]
+        if f.shape(name) != tuple(shape):
+            raise HFConversionError(
+                f"tensor {name!r}: shape {f.shape(name)}, expected {tuple(shape)} from config.json"
+            )
+        scale = name + hf_fp8.SCALE_SUFFIX
+        if f.dtype(name).name.startswith("float8") and self.fp8_block and scale in self.weight_map:
+            have, want = self._files[self.weight_map[scale]].shape(scale), hf_fp8.grid(shape, self.fp8_block)
+            if have != want:
+                raise HFConversionError(
+                    f"{self.path}: tensor {scale!r}: shape {have}, expected {want} "
+                    f"(weight_block_size {list(self.fp8_block)} over {list(shape)})"
+                )
 
     def get(self, name: str) -> np.ndarray:
         if name not in self.weight_map:
             raise HFConversionError(f"{self.path}: tensor {name!r} is missing")
-        return self._handles[self.weight_map[name]].get_tensor(name)
+        w = self._files[self.weight_map[name]].read(name)
+        scale = name + hf_fp8.SCALE_SUFFIX
+        if not w.dtype.name.startswith("float8"):
+            return w
+        if scale not in self.weight_map or self.fp8_block is None:
+            raise HFConversionError(
+                f"{self.path}: tensor {name!r} is {w.dtype} without {scale} and config.json "
+                "quantization_config (quant_method fp8, weight_block_size); expected block FP8"
+            )
+        try:
+            scale_inv = self._files[self.weight_map[scale]].read(scale)
+            return hf_fp8.dequantize_blocks(w, scale_inv, self.fp8_block, name)
+        except hf_fp8.QuantizationError as e:
+            raise HFConversionError(f"{self.path}: {e}") from None
 
 
 def _shape_of(path: tuple[str, ...], cfg: ModelConfig) -> tuple[int, ...]:
@@ -1067,10 +1115,20 @@ def _shape_of(path: tuple[str, ...], cfg: ModelConfig) -> tuple[int, ...]:
     }[path[-1]]
 
 
-def load_hf_params(path: str | Path, cfg: ModelConfig, dtype=np.float32) -> dict:
-    """Our nested param dict (numpy, layers stacked) from an HF directory."""
+@dataclasses.dataclass(frozen=True)
+class ParamSource:
+    """One of our parameters as an HF directory holds it: its shape (layers and experts
+    stacked) and its slices, each (index into the stacked array, () when unstacked; a function
+    that reads, dequantizes and converts that slice's HF tensors, checking the shape)."""
+
+    shape: tuple[int, ...]
+    slices: tuple[tuple[tuple[int, ...], Callable[[], np.ndarray]], ...]
+
+
+def param_sources(path: str | Path, cfg: ModelConfig) -> dict[tuple[str, ...], ParamSource]:
+    """Every parameter's `ParamSource`, keyed by its path in our nested params; nothing is read
+    yet (only the safetensors headers), so a converter can hold one slice at a time."""
     reader = _SafetensorsDir(Path(path))
-    params: dict = {}
     # the stacked layers (or pattern groups) of each stack, and the experts of MoE layers
     n_dense = cfg.n_layers if cfg.moe is None else cfg.moe.first_dense_layers
     layers = {"blocks": n_dense // cfg.layers_per_group}
@@ -1079,25 +1137,41 @@ def load_hf_params(path: str | Path, cfg: ModelConfig, dtype=np.float32) -> dict
     if cfg.mtp is not None:
         layers["mtp"] = cfg.mtp.depth
     experts = (cfg.moe.num_experts,) if cfg.moe is not None else ()
+    shapes: dict = {}
+    parts: dict = {}
     for ours, index, theirs in _hf_names(cfg):
-        w = _to_ours(ours, np.asarray(reader.get(theirs), dtype=np.float32), cfg)
         expected = _shape_of(ours, cfg)
-        if w.shape != expected:
-            raise HFConversionError(
-                f"tensor {theirs!r}: shape {w.shape} after conversion, expected {expected} from config.json"
-            )
+        # HF's shape of `expected`: `_to_hf` of a zero-stride stand-in (no memory)
+        reader.check(theirs, _to_hf(ours, np.broadcast_to(np.float32(0), expected)).shape)
+        stacked = () if not index else (layers[ours[0]], *(experts if len(index) == 2 else ()))
+        shapes.setdefault(ours, (*stacked, *expected))
+        read = functools.partial(_read_converted, reader, ours, theirs, cfg, expected)
+        parts.setdefault(ours, []).append((index, read))
+    if _has_gpt_oss_experts(cfg):
+        _gpt_oss_expert_sources(reader, cfg, shapes, parts)
+    return {p: ParamSource(shapes[p], tuple(parts[p])) for p in parts}
+
+
+def _read_converted(reader, ours: tuple[str, ...], theirs: str, cfg: ModelConfig, expected) -> np.ndarray:
+    w = _to_ours(ours, np.asarray(reader.get(theirs), dtype=np.float32), cfg)
+    if w.shape != expected:
+        raise HFConversionError(
+            f"tensor {theirs!r}: shape {w.shape} after conversion, expected {expected} from config.json"
+        )
+    return w
+
+
+def load_hf_params(path: str | Path, cfg: ModelConfig, dtype=np.float32) -> dict:
+    """Our nested param dict (numpy, layers stacked) from an HF directory: one copy of the
+    model plus one tensor (`jaxtrain convert hf-to-ckpt` streams instead: interchange/convert.py)."""
+    params: dict = {}
+    for ours, source in param_sources(path, cfg).items():
         node = params
         for key in ours[:-1]:
             node = node.setdefault(key, {})
-        if not index:
-            node[ours[-1]] = w.astype(dtype)
-        else:
-            if ours[-1] not in node:
-                stacked = (layers[ours[0]], *(experts if len(index) == 2 else ()))
-                node[ours[-1]] = np.empty((*stacked, *expected), dtype)
-            node[ours[-1]][index] = w
-    if _has_gpt_oss_experts(cfg):
-        _load_gpt_oss_experts(reader, cfg, params, dtype)
+        node[ours[-1]] = np.empty(source.shape, dtype)
+        for index, read in source.slices:
+            node[ours[-1]][index] = read()
     return params
 
 
@@ -1148,11 +1222,13 @@ def write_hf_dir(
     *,
     architecture: str | None = None,
     max_shard_bytes: int = 2 * 2**30,
+    config_updates: dict | None = None,
 ) -> Path:
-    """Write (name, tensor) pairs as HF safetensors shards plus `model.safetensors.index.json`
-    and `config.json`. Holds at most one shard in memory, so a 7B model converts
-    without a second full copy."""
-    from safetensors.numpy import save_file
+    """Write (name, tensor) pairs (any dtype: float32, bfloat16, e4m3 with its scales) as HF
+    safetensors shards plus `model.safetensors.index.json` and `config.json` (with
+    `config_updates`: torch_dtype, quantization_config). Holds at most one shard in memory, so
+    a 7B model converts without a second full copy."""
+    from jaxtrain.models.safetensors_io import write_file
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -1164,7 +1240,7 @@ def write_hf_dir(
         nonlocal current, size
         if current:
             name = f"model-{len(written) + 1:05d}.safetensors"
-            save_file(current, str(out / name), metadata={"format": "pt"})
+            write_file(out / name, current.items(), metadata={"format": "pt"})
             written.append((name, list(current)))
             current, size = {}, 0
 
@@ -1184,7 +1260,8 @@ def write_hf_dir(
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=2) + "\n"
     )
-    (out / "config.json").write_text(json.dumps(hf_config(cfg, architecture), indent=2) + "\n")
+    config = {**hf_config(cfg, architecture), **(config_updates or {})}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 

@@ -8,9 +8,10 @@ A converted checkpoint is a directory holding
 directory, a checkpoint.dir or an output_dir: `resolve_checkpoint`); the model
 config then comes from the checkpoint's saved config, and only the parameters
 are read (not the optimizer state).
-Conversion streams: HF tensors are read one at a time into the stacked
-layout (one copy of the model in memory), and written back one safetensors
-shard at a time.
+Conversion streams: `hf-to-ckpt` reads one HF tensor at a time (block-FP8 ones
+dequantized) and writes it into its slice of the stacked arrays (interchange/stream_ckpt.py),
+so it needs host memory for a few tensors, not the model; `ckpt-to-hf` writes one
+safetensors shard at a time, in float32, bfloat16 or DeepSeek's block FP8 (`--dtype`).
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ from etils import epath
 
 from jaxtrain.config import ConfigError, _build
 from jaxtrain.data import storage
-from jaxtrain.models import lora
+from jaxtrain.interchange.stream_ckpt import save_streamed
+from jaxtrain.models import hf_fp8, lora
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.hf import (
     HFConversionError,
     config_from_hf_dir,
-    load_hf_params,
+    param_sources,
     params_to_hf_tensors,
     write_hf_dir,
 )
@@ -136,12 +138,10 @@ def hf_to_ckpt(hf_dir: str | Path, out_dir: str | Path, *, force: bool = False) 
     check_destination(out_dir, force=force)
     with _local_dir(hf_dir) as local_hf:
         cfg = config_from_hf_dir(local_hf)  # with the MTP modules it holds (DeepSeek-V3)
-        params = load_hf_params(local_hf, cfg)
+        sources = param_sources(local_hf, cfg)  # headers only: nothing read yet
         out = _path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(out / "params", params, force=True)
-        checkpointer.wait_until_finished()
+        save_streamed(out / "params", sources)  # slice by slice (interchange/stream_ckpt.py)
         (out / "model.yaml").write_text(yaml.safe_dump(architecture_of(cfg), sort_keys=False))
         tokenizer = epath.Path(local_hf) / "tokenizer.json"
         if tokenizer.is_file():  # `jaxtrain generate OUT_DIR` reads it
@@ -293,6 +293,8 @@ def ckpt_to_hf(
     max_shard_bytes: int = 2 * 2**30,
     force: bool = False,
     adapter: bool = False,
+    dtype: str = "float32",
+    fp8_block: tuple[int, int] = hf_fp8.DEFAULT_BLOCK,
 ) -> Path:
     """Write `source` (see `resolve_checkpoint`: a converted or a training checkpoint) as an
     HF directory. Holds one float32-or-stored-dtype copy of the parameters on the host
@@ -302,10 +304,23 @@ def ckpt_to_hf(
 
     A LoRA run (model.lora): with `adapter`, its adapters as a PEFT adapter directory
     (interchange/peft.py) for the base it was trained on; without, the merged model
-    (W + alpha / r A B for every adapted weight, its base read from the run's train.init_from)."""
+    (W + alpha / r A B for every adapted weight, its base read from the run's train.init_from).
+
+    `dtype`: float32 (default), bfloat16, or fp8-block: DeepSeek-V3's published layout (its
+    projections e4m3 with a float32 `weight_scale_inv` per `fp8_block` block, DeepSeek's rule
+    amax / 448: models/hf_fp8.py; the rest bfloat16), for latent-attention models only."""
+    if dtype not in hf_fp8.EXPORT_DTYPES:
+        raise HFConversionError(f"--dtype {dtype!r}: expected one of {hf_fp8.EXPORT_DTYPES}")
+    if adapter and dtype != "float32":
+        raise HFConversionError(f"--dtype {dtype}: --adapter writes float32 adapters; expected float32")
     check_destination(out_dir, force=force)
     with contextlib.closing(resolve_checkpoint(source)) as src:
         cfg = src.model_config()
+        if dtype == "fp8-block" and cfg.mla is None:
+            raise HFConversionError(
+                "--dtype fp8-block writes DeepSeek-V3's block-FP8 layout; the model has no model.mla "
+                "(expected a DeepseekV3ForCausalLM model, or --dtype float32 / bfloat16)"
+            )
         if adapter and cfg.lora is None:
             raise HFConversionError(f"--adapter: {source} is not a LoRA run (its model.lora is null)")
         params = src.restore_params()
@@ -324,11 +339,12 @@ def ckpt_to_hf(
 
     def write(directory):
         return write_hf_dir(
-            params_to_hf_tensors(params, cfg),
+            hf_fp8.export_tensors(params_to_hf_tensors(params, cfg), dtype, fp8_block),
             cfg,
             directory,
             architecture=architecture,
             max_shard_bytes=max_shard_bytes,
+            config_updates=hf_fp8.export_config(dtype, fp8_block),
         )
 
     if storage.is_local(out_dir):
