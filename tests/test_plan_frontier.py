@@ -77,7 +77,7 @@ def test_planner_parameter_counts_are_the_built_models(name):
     assert footprint.layer_stack_params(m) == sum(sizes) - outside
     labels = jax.tree.leaves(muon_labels(models.logical_axes(state)))
     assert footprint.muon_param_count(m) == sum(s for s, label in zip(sizes, labels) if label == "muon")
-    if m.mtp is not None:  # what the modules add, counted apart (MTP's blocks are AdamW's)
+    if m.mtp is not None:  # what the modules add, counted apart
         assert m.mtp_param_count() == sum(x.size for x in jax.tree.leaves(params["mtp"]))
 
 

@@ -77,8 +77,9 @@ def _moment_shards(cfg: Config, size) -> int:
 
 def muon_param_count(m) -> int:
     """Parameters optimizer.name=muon gives to Muon (trainer/muon.py: the attention and MLP
-    matrices of every layer, latent attention's and each expert's included); none with
-    model.lora, whose adapters AdamW trains."""
+    matrices of every layer, latent attention's and each expert's included, and each
+    prediction module's (model.mtp): its eh_proj and its block's); none with model.lora,
+    whose adapters AdamW trains."""
     if m.lora is not None:
         return 0
     d = m.d_model
@@ -89,15 +90,20 @@ def muon_param_count(m) -> int:
     attention = d * m.resolved_head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
     if m.mla is not None:  # all its projections; its latent norms' scales are AdamW's
         attention = m.mla.param_count(m) - m.mla.kv_lora_rank - (m.mla.q_lora_rank or 0)
-    return m.n_layers * attention + (m.n_layers - n_moe) * 3 * d * m.mlp_dim + n_moe * per_moe_layer
+    mtp = 0
+    if m.mtp is not None:  # each module: eh_proj and one block of the model's kind (MoE on MoE models)
+        mtp = m.mtp.depth * (2 * d * d + attention + (per_moe_layer if m.moe else 3 * d * m.mlp_dim))
+    return m.n_layers * attention + (m.n_layers - n_moe) * 3 * d * m.mlp_dim + n_moe * per_moe_layer + mtp
 
 
 def moment_bytes(cfg: Config) -> float:
     """Optimizer-state bytes per trained parameter, on average over them: AdamW's two moments,
     or with optimizer.name=muon one momentum for Muon's matrices and two moments for the rest,
-    in optimizer.state_dtype (null: the parameter dtype)."""
+    in optimizer.state_dtype (null: the parameter dtype; bfloat16: 3 bytes, with its error term)."""
     m, o = cfg.model, cfg.optimizer
     s = DTYPE_BYTES.get(o.state_dtype or m.param_dtype, 4)
+    if o.state_dtype == "bfloat16":
+        s += 1  # each entry's int8 error term (trainer/state_store.py)
     if o.name != "muon":
         return 2 * s
     return s * (2 - muon_param_count(m) / m.param_count())

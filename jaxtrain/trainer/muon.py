@@ -2,11 +2,13 @@
 the hidden weight matrices, each taken as the one matrix Hugging Face stores.
 
 Which parameters, and as which matrix. A parameter is a hidden matrix when its logical axes,
-after the stacking axes (`layers`; MoE's `expert`: each layer's and each expert's own
-matrix), are `embed` and only hidden axes (heads, kv_heads, head_dim, mlp, and latent
-attention's latents q_lora, kv_lora), `embed` first (an input projection: q/k/v, gate, up,
+after the stacking axes (`layers`; MoE's `expert`; the prediction modules' `mtp_depth`: each
+layer's, each expert's and each module's own matrix), are `embed` and only hidden axes
+(heads, kv_heads, head_dim, mlp, latent attention's latents q_lora, kv_lora, and eh_proj's
+mtp_concat), `embed` first (an input projection: q/k/v, gate, up,
 MLA's down-projections wq_a and wkv_a, the shared RoPE key's columns included as HF's
-`kv_a_proj_with_mqa` holds them) or last (an output projection: o, down); or, without
+`kv_a_proj_with_mqa` holds them) or last (an output projection: o, down, and a prediction
+module's eh_proj [2 d_model, d_model], HF's [d_model, 2 d_model]); or, without
 `embed`, a latent first and heads after it (MLA's up-projections wq_b, wkv_b: HF's
 `q_b_proj` [H * (nope + rope), q_lora], `kv_b_proj` [H * (nope + v), kv_lora]). Our layouts
 are [in..., out...]; the matrix is [prod(in), prod(out)], the transpose of HF's [out, in]
@@ -45,11 +47,14 @@ import jax.numpy as jnp
 import optax
 
 from jaxtrain.config import MuonConfig
+from jaxtrain.trainer import state_store
 
-#: Leading axes that stack independent matrices (the layer scan's, MoE's experts).
-STACK_AXES = frozenset({"layers", "expert"})
-#: The axes a hidden matrix has besides `embed`.
-HIDDEN_AXES = frozenset({"heads", "kv_heads", "head_dim", "mlp", "q_lora", "kv_lora"})
+#: Leading axes that stack independent matrices (the layer scan's, MoE's experts, the
+#: multi-token prediction modules': models/mtp.py).
+STACK_AXES = frozenset({"layers", "expert", "mtp_depth"})
+#: The axes a hidden matrix has besides `embed` (`mtp_concat`: the input of a prediction
+#: module's eh_proj, HF's [d_model, 2 d_model]).
+HIDDEN_AXES = frozenset({"heads", "kv_heads", "head_dim", "mlp", "q_lora", "kv_lora", "mtp_concat"})
 #: Latent attention's latents: the input of its up-projections (models/mla.py).
 LATENT_AXES = frozenset({"q_lora", "kv_lora"})
 
@@ -128,6 +133,8 @@ def lr_ratio(adjust_lr: str, out_dim: int, in_dim: int) -> float:
 class MuonState(NamedTuple):
     count: jax.Array  # steps taken (the schedule's argument)
     momentum: optax.Updates  # the momentum buffers, param-shaped
+    # with state_dtype bfloat16, their int8 error terms (trainer/state_store.py); else None
+    momentum_err: optax.Updates = None
 
 
 def muon(
@@ -143,8 +150,11 @@ def muon(
     (None: each parameter's); the update is computed in float32 whatever it is."""
     ns_dtype = jnp.dtype(cfg.ns_dtype)
     m = cfg.momentum
+    compensated = state_store.compensated(state_dtype)  # bfloat16 with an int8 error term
 
     def init(params):
+        if compensated:
+            return MuonState(jnp.zeros([], jnp.int32), *state_store.zeros_like_tree(params))
         momentum = jax.tree.map(lambda p: jnp.zeros(p.shape, state_dtype or p.dtype), params)
         return MuonState(count=jnp.zeros([], jnp.int32), momentum=momentum)
 
@@ -161,12 +171,16 @@ def muon(
             ratio = lr_ratio(cfg.adjust_lr, *view.hf_shape(p.shape))
             o = view.from_matrices(o.astype(jnp.float32), p.shape)
             step = -(lr * weight_decay) * p.astype(jnp.float32) - (lr * ratio) * o
-            return step.astype(p.dtype), buf.astype(state_dtype or p.dtype)
+            return step.astype(p.dtype), buf if compensated else buf.astype(state_dtype or p.dtype)
 
-        pairs = jax.tree.map(one, updates, state.momentum, params, views)
+        bufs = state_store.decode_tree(state.momentum, state.momentum_err) if compensated else state.momentum
+        pairs = jax.tree.map(one, updates, bufs, params, views)
         is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and not isinstance(x, optax.MaskedNode)
         new_updates = jax.tree.map(lambda t: t[0], pairs, is_leaf=is_pair)
         momentum = jax.tree.map(lambda t: t[1], pairs, is_leaf=is_pair)
-        return new_updates, MuonState(count=optax.safe_increment(state.count), momentum=momentum)
+        count = optax.safe_increment(state.count)
+        if compensated:
+            return new_updates, MuonState(count, *state_store.encode_tree(momentum))
+        return new_updates, MuonState(count=count, momentum=momentum)
 
     return optax.GradientTransformation(init, update)

@@ -8,13 +8,14 @@ or not. With `optimizer.name: muon`, the hidden weight matrices (trainer/muon.py
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from jaxtrain.config import OptimizerConfig
-from jaxtrain.trainer import muon
+from jaxtrain.trainer import muon, state_store
 
 #: Logical axes of matmul weights and embeddings (models/layers.py, models/moe.py).
 WEIGHT_AXES = frozenset(
@@ -81,20 +82,43 @@ def muon_labels(param_axes: dict) -> dict:
     )
 
 
+class ScaleByAdamCompensatedState(NamedTuple):
+    """Adam's state with its moments stored as bfloat16 plus int8 error terms
+    (trainer/state_store.py)."""
+
+    count: jax.Array
+    mu: optax.Updates  # bfloat16
+    nu: optax.Updates
+    mu_err: optax.Updates  # int8
+    nu_err: optax.Updates
+
+
 def scale_by_adam_stored(b1: float, b2: float, eps: float, state_dtype) -> optax.GradientTransformation:
     """optax.scale_by_adam with its moments stored in `state_dtype`: each update reads them in
-    float32, computes as optax does, and stores them back rounded (optimizer.state_dtype)."""
+    float32, computes as optax does, and stores them back (optimizer.state_dtype; bfloat16
+    with an int8 error term each, else b2 near 1 freezes nu: trainer/state_store.py)."""
+    compensated = state_store.compensated(state_dtype)
 
     def init(params):
+        count = jnp.zeros([], jnp.int32)
+        if compensated:
+            mu, mu_err = state_store.zeros_like_tree(params)
+            nu, nu_err = state_store.zeros_like_tree(params)
+            return ScaleByAdamCompensatedState(count, mu, nu, mu_err, nu_err)
         zeros = lambda p: jnp.zeros(p.shape, state_dtype)
-        return optax.ScaleByAdamState(
-            count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params), nu=jax.tree.map(zeros, params)
-        )
+        mu, nu = jax.tree.map(zeros, params), jax.tree.map(zeros, params)
+        return optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
 
     def update(updates, state, params=None):
         del params
         count = optax.safe_increment(state.count)
         f32 = lambda x: x.astype(jnp.float32)
+        if compensated:
+            decoded = (
+                state_store.decode_tree(state.mu, state.mu_err),
+                state_store.decode_tree(state.nu, state.nu_err),
+            )
+            state = state._replace(mu=decoded[0], nu=decoded[1])
         mu = jax.tree.map(lambda g, m: (1 - b1) * f32(g) + b1 * f32(m), updates, state.mu)
         nu = jax.tree.map(lambda g, v: (1 - b2) * jnp.square(f32(g)) + b2 * f32(v), updates, state.nu)
         c1 = 1 - b1 ** count.astype(jnp.float32)
@@ -102,6 +126,9 @@ def scale_by_adam_stored(b1: float, b2: float, eps: float, state_dtype) -> optax
         new = jax.tree.map(
             lambda g, m, v: ((m / c1) / (jnp.sqrt(v / c2) + eps)).astype(g.dtype), updates, mu, nu
         )
+        if compensated:
+            (mu, mu_err), (nu, nu_err) = state_store.encode_tree(mu), state_store.encode_tree(nu)
+            return new, ScaleByAdamCompensatedState(count, mu, nu, mu_err, nu_err)
         store = lambda t: jax.tree.map(lambda x: x.astype(state_dtype), t)
         return new, optax.ScaleByAdamState(count=count, mu=store(mu), nu=store(nu))
 
