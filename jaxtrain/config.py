@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from jaxtrain import compose
 from jaxtrain.models.config import ModelConfig
 
 
@@ -582,6 +583,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         cfg.model.validate()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    refused = compose.refusals(cfg)  # the pairs of features jaxtrain/compose.py refuses
+    if refused:
+        raise ConfigError(refused[0])
     if cfg.model.param_dtype == "float16":
         # Master weights and Adam moments in float16 lose small updates (10-bit mantissa);
         # fp16 training keeps them float32 and computes in float16 with loss scaling.
@@ -595,7 +599,6 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _validate_context(cfg)
     _validate_train(cfg)
     _validate_dpo(cfg)
-    _validate_mtp(cfg)
     _validate_grpo(cfg)
     if num_devices is not None:
         _validate_devices(cfg, num_devices)
@@ -610,12 +613,12 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if cfg.data.source == "text" and not cfg.data.paths:
         raise ConfigError("data.paths=[]: data.source=text needs at least one file or glob")
     _validate_optimizer(cfg.optimizer)
-    _validate_qk_clip(cfg)
     if cfg.logging.every < 1:
         raise ConfigError(f"logging.every={cfg.logging.every}: expected a positive integer")
     _validate_fault_tolerance(cfg)
     _validate_eval(cfg)
     _validate_observability(cfg)
+    compose.warn_untested(cfg)
 
 
 def _validate_mesh(cfg: Config) -> None:
@@ -703,11 +706,6 @@ def _validate_train(cfg: Config) -> None:
             f"train.loss_chunk={t.loss_chunk}: expected auto, 0 (off) or a positive divisor of "
             f"train.seq_len={t.seq_len}"
         )
-    if isinstance(t.loss_chunk, int) and t.loss_chunk > 0 and cfg.model.final_softcap is not None:
-        raise ConfigError(
-            f"train.loss_chunk={t.loss_chunk} with model.final_softcap={cfg.model.final_softcap}: the "
-            "chunked loss takes no softcap yet; expected train.loss_chunk 0 or auto"
-        )
     if t.microbatches < 1:
         raise ConfigError(f"train.microbatches={t.microbatches}: expected a positive integer")
     if t.global_batch_size < 1:
@@ -732,41 +730,10 @@ def _validate_dpo(cfg: Config) -> None:
             f"train.objective=dpo with data.source={cfg.data.source!r}: DPO trains on preference pairs; "
             "expected data.source=tokens with directories written by `jaxtrain tokenize --preference`"
         )
-    if isinstance(t.loss_chunk, int) and t.loss_chunk > 0:
-        raise ConfigError(
-            f"train.loss_chunk={t.loss_chunk} with train.objective=dpo: DPO needs each sequence's "
-            "log-probability, which the chunked loss does not give; expected 0 or auto"
-        )
     if cfg.eval.every:
         raise ConfigError(
             f"eval.every={cfg.eval.every} with train.objective=dpo: held-out evaluation measures the LM "
             "loss; expected eval.every=0 (the dpo/* training metrics track the preference fit)"
-        )
-
-
-def _validate_mtp(cfg: Config) -> None:
-    """Where multi-token prediction (model.mtp) trains: the LM objective, outside pipelines
-    and context parallelism."""
-    mtp = cfg.model.mtp
-    if mtp is None:
-        return
-    if cfg.train.objective != "lm":
-        raise ConfigError(
-            f"model.mtp with train.objective={cfg.train.objective}: the prediction modules train with "
-            "the LM objective only; expected train.objective=lm or model.mtp null"
-        )
-    if cfg.mesh.stage > 1:
-        raise ConfigError(
-            f"model.mtp with mesh.stage={cfg.mesh.stage}: the prediction modules do not run in a "
-            "pipeline yet; expected mesh.stage=1 or model.mtp null"
-        )
-    if cfg.mesh.context != 1:
-        # context parallelism stores each row in zig-zag order (sharding/context.py), where
-        # token t + k is not k places after token t
-        raise ConfigError(
-            f"model.mtp with mesh.context={cfg.mesh.context}: the prediction modules read tokens "
-            "ahead in sequence order, which context parallelism permutes; expected mesh.context=1 "
-            "or model.mtp null"
         )
 
 
@@ -836,16 +803,6 @@ def _validate_grpo(cfg: Config) -> None:
             f"grpo.max_prompt_len={prompt_len} + grpo.max_new_tokens={g.max_new_tokens}: expected at least "
             f"one prompt token and a sum <= train.seq_len={t.seq_len}"
         )
-    if cfg.mesh.stage > 1:
-        raise ConfigError(
-            f"mesh.stage={cfg.mesh.stage} with train.objective=grpo: the sampler does not run pipeline "
-            "stages; expected mesh.stage=1"
-        )
-    if isinstance(t.loss_chunk, int) and t.loss_chunk > 0:
-        raise ConfigError(
-            f"train.loss_chunk={t.loss_chunk} with train.objective=grpo: GRPO needs every completion "
-            "token's log-probability, which the chunked loss does not give; expected 0 or auto"
-        )
     if cfg.eval.every:
         raise ConfigError(
             f"eval.every={cfg.eval.every} with train.objective=grpo: held-out evaluation measures the LM "
@@ -910,32 +867,6 @@ def _validate_optimizer(o: OptimizerConfig) -> None:
     if o.qk_clip.tau is not None and not (math.isfinite(o.qk_clip.tau) and o.qk_clip.tau > 0):
         raise ConfigError(f"optimizer.qk_clip.tau={o.qk_clip.tau}: expected a positive number or null")
     _validate_muon(o.muon)
-
-
-def _validate_qk_clip(cfg: Config) -> None:
-    tau, m = cfg.optimizer.qk_clip.tau, cfg.model
-    if tau is None:
-        return
-    if m.lora is not None:
-        raise ConfigError(
-            f"optimizer.qk_clip.tau={tau} with model.lora: the query and key weights are frozen; "
-            "expected optimizer.qk_clip.tau=null"
-        )
-    if m.qk_norm != "none":
-        raise ConfigError(
-            f"optimizer.qk_clip.tau={tau} with model.qk_norm={m.qk_norm!r}: the norm undoes a scaled "
-            "query or key weight; expected optimizer.qk_clip.tau=null or model.qk_norm=none"
-        )
-    if m.mtp is not None:  # the prediction modules' attention layers record nothing yet
-        raise ConfigError(
-            f"optimizer.qk_clip.tau={tau} with model.mtp: QK-clip clips the main layers' attention "
-            "only, not yet the prediction modules'; expected optimizer.qk_clip.tau=null or model.mtp=null"
-        )
-    if cfg.train.objective != "lm":
-        raise ConfigError(
-            f"optimizer.qk_clip.tau={tau} with train.objective={cfg.train.objective!r}: QK-clip "
-            "records the logits of the LM objective's forward pass; expected train.objective=lm"
-        )
 
 
 def _validate_muon(m: MuonConfig) -> None:
@@ -1009,11 +940,6 @@ def _validate_pipeline(cfg: Config) -> None:
     if p.schedule not in schedules:
         raise ConfigError(f"pipeline.schedule={p.schedule!r}: expected one of {', '.join(schedules)}")
     blocks = p.schedule in ("circular", "interleaved_1f1b")
-    if stages > 1 and cfg.model.attention_pattern:
-        raise ConfigError(
-            f"mesh.stage={stages} with model.attention_pattern={list(cfg.model.attention_pattern)}: "
-            "pipeline stages over layer patterns are not supported yet; expected mesh.stage=1"
-        )
     if p.microbatches is not None and p.microbatches < 1:
         raise ConfigError(f"pipeline.microbatches={p.microbatches}: expected a positive integer or null")
     if not blocks and p.repeats != 1:
@@ -1039,25 +965,6 @@ def _validate_pipeline(cfg: Config) -> None:
             f"pipeline.microbatches={m}: the interleaved_1f1b schedule expects a multiple of "
             f"mesh.stage={stages}"
         )
-    if p.schedule in ("1f1b", "interleaved_1f1b", "zero_bubble"):
-        # the loss runs inside these pipelines (sharding/tick_pipeline.py): the plain LM loss
-        # (with MoE's router losses), so far
-        if cfg.train.objective != "lm":
-            raise ConfigError(
-                f"pipeline.schedule={p.schedule} with train.objective={cfg.train.objective}: "
-                "expected lm (or pipeline.schedule=gpipe or circular)"
-            )
-        if cfg.model.lora is not None:
-            raise ConfigError(
-                f"pipeline.schedule={p.schedule} with model.lora: expected pipeline.schedule=gpipe "
-                "or circular"
-            )
-        if cfg.optimizer.qk_clip.tau is not None:  # the logits are recorded outside these loops
-            raise ConfigError(
-                f"pipeline.schedule={p.schedule} with optimizer.qk_clip.tau={cfg.optimizer.qk_clip.tau}: "
-                "QK-clip records its logits in the gpipe and circular schedules only so far; expected "
-                "pipeline.schedule=gpipe or circular"
-            )
     model, moe = cfg.model, cfg.model.moe
     chunks = stages * p.repeats
     stacks = (
@@ -1074,13 +981,6 @@ def _validate_pipeline(cfg: Config) -> None:
                 f"{name}={n}: expected a multiple of mesh.stage x pipeline.repeats = {chunks} "
                 "(each stage holds equal blocks of layers)"
             )
-    if model.fp8:
-        raise ConfigError(f"model.fp8=true with mesh.stage={stages}: fp8 is not supported with pipelines yet")
-    if moe is not None and model.attention_pattern:
-        raise ConfigError(
-            f"model.attention_pattern with model.moe and mesh.stage={stages}: MoE layers in pattern "
-            "groups are not supported with pipelines yet"
-        )
 
 
 def _validate_data_tokens(d: DataConfig) -> None:

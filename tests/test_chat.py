@@ -448,6 +448,7 @@ def test_tokenize_chat_errors_name_the_row(tmp_path, capsys):
 # --------------------------------------------------------------------------- the loss
 
 
+@pytest.mark.composes("chat+dense")
 def test_step_loss_is_the_mean_over_masked_in_targets(chat_dir):
     """One train program (data=2 mesh, 2 microbatches) on a chat batch: its loss equals numpy's
     cross-entropy of the model's own logits, averaged over the targets whose mask is 1 (rtol 1e-5,

@@ -51,6 +51,7 @@ def test_f32_matches_plain(chunk):
     assert dx.dtype == jnp.float32 and dhead.dtype == jnp.float32
 
 
+@pytest.mark.composes("bf16+chunked_loss")
 def test_bf16_compute_close_to_f32():
     """bf16 activations: the chunked loss keeps f32 logits, so it is at least as close to the
     f32 oracle as the plain bf16 loss (stated tolerance: 1e-2 relative on the loss, gradients
@@ -97,6 +98,7 @@ def _program_results(cfg):
         return float(loss), jax.device_get(grads), (float(total), float(count))
 
 
+@pytest.mark.composes("fsdp+chunked_loss", "tensor+chunked_loss", "lm+chunked_loss", "dense+chunked_loss")
 @pytest.mark.parametrize("tied", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["untied", "tied"])
 def test_program_sharded_matches_plain_single_device(tied):
     one = dict(data=1, fsdp=1, tensor=1)

@@ -56,6 +56,7 @@ def test_ulysses_data2_context2_matches_single_device(tmp_path, single_device_lo
     np.testing.assert_allclose(losses, single_device_losses, rtol=LOSS_RTOL)
 
 
+@pytest.mark.composes("lm+context", "dense+context", "data+context", "tensor+context", "context+adamw")
 def test_ring_context2_tensor2_data2_matches_single_device(tmp_path, single_device_losses):
     """Context composes with tensor parallelism (heads split inside the ring's
     shard_map) and data parallelism on one 8-device mesh."""

@@ -196,7 +196,14 @@ def test_param_count_and_logical_axes(q_lora_rank):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "top_k,mesh",
-    [(2, dict(fsdp=2, tensor=2, expert=2)), (4, dict(expert=4))],
+    [
+        pytest.param(
+            2,
+            dict(fsdp=2, tensor=2, expert=2),
+            marks=pytest.mark.composes("mla+fsdp", "mla+tensor", "mla+expert"),
+        ),
+        pytest.param(4, dict(expert=4), marks=pytest.mark.composes("mla+expert")),
+    ],
     ids=["fsdp,tensor,expert", "groups-on-shards"],
 )
 def test_sharded_step_equals_one_device(top_k, mesh):

@@ -86,6 +86,7 @@ def _hf_config(tmp_path, *overrides):
     )
 
 
+@pytest.mark.composes("dpo+dense", "dpo+data", "dpo+fsdp", "dpo+adamw")
 def test_dpo_steps_equal_torch_on_a_data_fsdp_mesh(tmp_path, oracle):
     """Four DPO steps from the HF model's weights on data=2 x fsdp=2: the first loss is ln 2
     (policy == reference, with label smoothing too), and every step's loss, gradient norm and
@@ -361,6 +362,7 @@ def _random_pairs(rng, pairs, seq, vocab):
     return fields
 
 
+@pytest.mark.composes("dpo+tensor", "dpo+context", "dpo+gpipe", "tensor+gpipe", "context+gpipe")
 def test_dpo_on_tensor_context_and_pipeline_meshes_equals_one_device(tmp_path):
     """Two DPO steps from the seed's weights give the same losses, gradient norms and rewards
     on a pipeline x context (ring attention, zig-zag order) x tensor mesh, and with two
@@ -417,6 +419,7 @@ def test_dpo_on_tensor_context_and_pipeline_meshes_equals_one_device(tmp_path):
                 )
 
 
+@pytest.mark.composes("dpo+lora")
 def test_dpo_with_lora_takes_the_base_as_its_reference(tmp_path, oracle):
     """DPO on adapters (the PEFT asset's, B non-zero, so the policy starts away from the base):
     the state keeps no reference copy, and step 1's loss and rewards equal those of two plain

@@ -318,7 +318,7 @@ HUB_ROPE = {
 LOGIT_ATOL = 1e-5  # f32, as tests/test_hf.py; YaRN dropped on the sliding layers: 0.27
 
 
-@pytest.mark.composes("sinks+attention_pattern")
+@pytest.mark.composes("sinks+attention_pattern", "moe+sinks", "moe+attention_pattern")
 def test_yarn_on_sliding_and_full_layers_matches_transformers():
     """transformers gives GPT-OSS one rotary embedding: YaRN's frequencies and its attention
     factor (1 + 0.1 ln 32) on the sliding layers as on the full ones (only Gemma 3's local

@@ -581,7 +581,7 @@ def test_grpo_steps_and_weights_equal_torch_on_a_data_fsdp_mesh(tmp_path, microb
     )
 
 
-@pytest.mark.composes("grpo+moe")
+@pytest.mark.composes("grpo+moe", "moe+adamw", "grpo+qk_norm", "qk_norm+data", "qk_norm+adamw")
 def test_grpo_on_moe_adds_the_router_loss_as_trl_does(tmp_path):
     """GRPO on the tiny HF Qwen3-MoE cut to one layer (router_aux_loss_coef 0.05), data=2 x
     fsdp=2 in two microbatches, against the torch loop of tests/assets/make_grpo_moe_assets.py:

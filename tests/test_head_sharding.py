@@ -111,7 +111,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+PAIRS = {"chunked-data": ("data+chunked_loss",)}  # feature pairs a case runs against one device
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.composes(*PAIRS[c])) if c in PAIRS else c for c in CASES]
+)
 def test_vocab_parallel_matches_single_device(case):
     overrides, mesh = CASES[case]
     # Ring attention's summation order moves the loss by about 1e-4 against one device, so

@@ -124,6 +124,7 @@ def trained(tmp_path_factory, base_ckpt):
     return cfg, mesh, program, state, losses  # outside the mesh: later tests set their own
 
 
+@pytest.mark.composes("lm+lora", "dense+lora", "data+lora", "lora+adamw")
 def test_losses_and_final_adapters_equal_torch_peft(trained):
     cfg, _, _, state, losses = trained
     # f32 on both sides; summation orders differ (data=2 x fsdp=2 here, one device in torch)
@@ -362,6 +363,16 @@ def _adapter_loss_and_grads(cfg, whole=None):
         return float(loss), jax.device_get(grads), specs, whole
 
 
+@pytest.mark.composes(
+    "moe+fsdp",
+    "moe+tensor",
+    "moe+expert",
+    "fsdp+expert",
+    "tensor+expert",
+    "fsdp+lora",
+    "tensor+lora",
+    "expert+lora",
+)
 def test_adapters_on_tensor_and_expert_meshes_equal_one_device_and_follow_the_rules():
     """fsdp=2 x tensor=2 x expert=2 against one device: the loss and every adapter gradient
     (attention, the dense MLP, the experts') are equal (rtol 1e-5), and each adapter's A is

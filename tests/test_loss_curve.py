@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxtrain.trainer import train
 from tests.conftest import program_on_mesh, tiny_config
@@ -76,6 +77,7 @@ def textbook_losses(cfg, params, batches) -> list[float]:
     return losses
 
 
+@pytest.mark.composes("lm+dense", "lm+adamw", "dense+adamw")
 def test_tiny_config_loss_curve_matches_a_textbook_loop_and_the_stored_curve(tmp_path):
     cfg = tiny_config(tmp_path)
     losses = [r["loss"] for r in train(cfg, devices=jax.devices()[:1]).metrics][:STEPS]

@@ -63,6 +63,7 @@ def test_packed_segments_equal_separate_documents():
     np.testing.assert_allclose(out[:, 10:], model(doc_b), **F32_TOL)
 
 
+@pytest.mark.composes("dense+remat")
 def test_remat_and_unrolled_layers_change_nothing():
     tok = tokens()
     _, params = build(SMALL)
@@ -95,6 +96,13 @@ REMAT_MOE = dataclasses.replace(
 )
 
 
+def _also_on_moe(variant) -> bool:
+    """The name-based policies that keep or offload run on REMAT_MOE too."""
+    return variant["remat"] in ("minimal", "offload_matmuls", "save_except_mlp_in") or bool(
+        variant.get("remat_custom")
+    )
+
+
 @functools.cache
 def _remat_loss_and_grads(cfg):
     tok = tokens()
@@ -105,16 +113,20 @@ def _remat_loss_and_grads(cfg):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize("variant", REMAT_VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
+@pytest.mark.composes("dense+remat")
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param(v, marks=pytest.mark.composes("moe+remat")) if _also_on_moe(v) else v
+        for v in REMAT_VARIANTS
+    ],
+    ids=lambda v: "-".join(map(str, v.values())),
+)
 def test_every_remat_policy_gives_the_gradients_of_none(variant):
     """Named activation checkpoints: whatever a policy keeps, offloads or recomputes, the
     f32 loss and gradients equal those without remat (1e-6); dense layers for every
     policy, a dense + MoE stack for the name-based ones that keep or offload."""
-    bases = [SMALL]
-    if variant["remat"] in ("minimal", "offload_matmuls", "save_except_mlp_in") or variant.get(
-        "remat_custom"
-    ):
-        bases.append(REMAT_MOE)
+    bases = [SMALL, REMAT_MOE] if _also_on_moe(variant) else [SMALL]
     for base in bases:
         base_loss, base_grads = _remat_loss_and_grads(base)
         loss, grads = _remat_loss_and_grads(dataclasses.replace(base, **variant))
@@ -146,6 +158,7 @@ def test_remat_custom_bad_names_are_config_errors(custom, match):
         load_config(None, ["model.remat=full", "model.remat_custom.qkv_proj=offload"])
 
 
+@pytest.mark.composes("dense+bf16")
 def test_bf16_compute_close_to_f32():
     model32, params = build(SMALL)
     model16, _ = build(dataclasses.replace(SMALL, compute_dtype="bfloat16"))

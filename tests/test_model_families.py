@@ -66,6 +66,18 @@ SHARDED = {
     # biases (split with their experts over expert, the gate/up ones over tensor), clamped SwiGLU
     "gpt-oss-moe": FAMILIES["gpt-oss-moe"],
 }
+# the feature pairs each mesh case runs against one device (jaxtrain/compose.py)
+SHARDED_PAIRS = {
+    "bias+projection-norm+post": ("qk_norm+fsdp", "qk_norm+tensor"),
+    "head-norm+moe": ("qk_norm+fsdp", "qk_norm+tensor", "qk_norm+expert"),
+    "gemma2-all": (
+        "attention_pattern+fsdp", "attention_pattern+tensor", "final_softcap+fsdp", "final_softcap+tensor",
+    ),
+    "gpt-oss-moe": (
+        "sinks+fsdp", "sinks+tensor", "sinks+expert",
+        "attention_pattern+fsdp", "attention_pattern+tensor", "attention_pattern+expert",
+    ),
+}  # fmt: skip
 
 
 def family_cfg(name, **mesh):
@@ -85,7 +97,9 @@ def loss_and_grads(cfg):
         return float(loss), jax.device_get(grads), jax.tree.map(lambda g: g.sharding.spec, grads)
 
 
-@pytest.mark.parametrize("name", SHARDED)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.composes(*SHARDED_PAIRS[n])) for n in SHARDED]
+)
 def test_sharded_step_equals_one_device(name):
     """fsdp=2 x tensor=2 (the MoE family: x expert=2): the loss and every gradient equal the
     single-device ones, the biases and QK-norm scales included, and those are split with
@@ -172,7 +186,12 @@ def test_gemma_settings_resolve_to_what_runs_them():
     [
         # the ring's XLA blocks: windowed pairs at a distance (its flash blocks, interpreted, are
         # tests/test_ring_attention.py's: a whole model of them costs the suite half a minute)
-        (dict(context=2), "xla", "ring"),
+        pytest.param(
+            dict(context=2),
+            "xla",
+            "ring",
+            marks=pytest.mark.composes("attention_pattern+context", "final_softcap+context"),
+        ),
         (dict(fsdp=2), "pallas", "ring"),  # the flash kernel, softcap and window, per shard
     ],
 )
@@ -253,6 +272,7 @@ def test_gemma_boundary_reads_its_own_keys_and_refuses_what_does_not_tile():
         hf_config(dataclasses.replace(gemma2, embedding_scale=1.0))
 
 
+@pytest.mark.composes("lm+attention_pattern", "lm+qk_norm")
 def test_training_starts_from_a_converted_gemma3_checkpoint(tmp_path):
     """`convert hf-to-ckpt` then `train.init_from` on Gemma 3 (pattern groups, post-norms,
     QK-norm): the first loss is the converted model's cross-entropy on the first batch, and

@@ -446,7 +446,7 @@ EP_MESHES = [
     ("dropless-megablox", dict(expert=2, fsdp=2, tensor=2)),  # receive buffer with padding rows
     # the GPU kernel, interpreted (31 s on 2 cores)
     pytest.param("dropless-triton", dict(expert=2, fsdp=2, tensor=2), marks=pytest.mark.slow),
-    ("capacity", dict(data=2, expert=4)),
+    pytest.param("capacity", dict(data=2, expert=4), marks=pytest.mark.composes("moe+data", "data+expert")),
     pytest.param("dropless", dict(data=2, expert=4), marks=pytest.mark.slow),
     pytest.param("capacity", dict(expert=8), marks=pytest.mark.slow),
     pytest.param("dropless", dict(expert=2), marks=pytest.mark.slow),

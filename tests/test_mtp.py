@@ -165,7 +165,13 @@ def reference_value_and_grads():
     return jax.device_get(jax.jit(jax.value_and_grad(mean_ahead))(params))
 
 
-@pytest.mark.parametrize("chunk", [0, 4], ids=["plain", "chunked"])
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        pytest.param(0, id="plain"),
+        pytest.param(4, id="chunked", marks=pytest.mark.composes("mtp+chunked_loss")),
+    ],
+)
 def test_loss_and_gradients_match_the_reference(chunk):
     value, grads, _ = value_and_grads(CFG, chunk)
     ref_value, ref_grads = reference_value_and_grads()
@@ -174,6 +180,7 @@ def test_loss_and_gradients_match_the_reference(chunk):
     assert np.abs(grads["mtp"]["eh_proj"]).max() > 0 and np.abs(grads["blocks"]["attn"]["wq"]).max() > 0
 
 
+@pytest.mark.composes("mtp+remat")
 def test_remat_and_unrolled_modules_change_nothing():
     """The modules under remat full and unrolled (model.scan_layers false) give the loss and
     gradients of remat none, scanned: the policy only changes what the backward recomputes."""
@@ -266,6 +273,7 @@ def one_device():
     return step_loss_and_grads(step_cfg())
 
 
+@pytest.mark.composes("lm+mtp", "dense+mtp")
 def test_step_objective_matches_the_reference(one_device):
     """The step differentiates main CE + loss_weight x mean over depths of the modules' CE, and
     reports the main CE as `loss`."""
@@ -290,16 +298,19 @@ MOE = (
     "model.moe.score_bias=true",
 )
 SHARDED = {
-    "fsdp2,tensor2": ((), dict(fsdp=2, tensor=2)),
+    "fsdp2,tensor2": pytest.param((), dict(fsdp=2, tensor=2), marks=pytest.mark.composes("mtp+tensor")),
     # the chunked loss's vocab-parallel form (trainer/loss.py) on the modules' hidden states
     "vocab-parallel-chunked": (("mesh.head_sharding=vocab", "train.loss_chunk=4"), dict(fsdp=4)),
     # MoE prediction blocks under expert parallelism (a second model to compile: 2 x 20 s)
     "moe-expert2,fsdp2,tensor2": pytest.param(
-        (*MOE, "mesh.expert=2"), dict(fsdp=2, tensor=2), marks=pytest.mark.slow
+        (*MOE, "mesh.expert=2"),
+        dict(fsdp=2, tensor=2),
+        marks=[pytest.mark.slow, pytest.mark.composes("mtp+tensor", "mtp+expert")],
     ),
 }
 
 
+@pytest.mark.composes("mtp+fsdp")
 @pytest.mark.parametrize("overrides,mesh", SHARDED.values(), ids=SHARDED.keys())
 def test_sharded_step_matches_one_device(one_device, overrides, mesh):
     """Simulated devices against one device: same loss and gradients (f32, summation order)."""

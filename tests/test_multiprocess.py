@@ -99,6 +99,9 @@ def assert_ok(results):
         assert code == 0, f"process {i} exited {code}:\n{err[-3000:]}"
 
 
+@pytest.mark.composes(
+    "lm+multiprocess", "dense+multiprocess", "data+multiprocess", "fsdp+multiprocess", "multiprocess+adamw"
+)
 def test_two_processes_train_as_one_mesh_and_checkpoints_cross(tmp_path):
     # single-process oracle on this process's 8 devices; its step-3 checkpoint is reused below
     ref_cfg = tiny_config(tmp_path / "ref", *COMMON, "train.steps=6", "checkpoint.every=3")

@@ -29,7 +29,7 @@ from jaxtrain.recovery.checkpoint import abstract_state
 from jaxtrain.trainer import muon
 from jaxtrain.trainer.batches import batch_to_device
 from jaxtrain.trainer.loop import initial_state
-from jaxtrain.trainer.optimizer import muon_labels
+from jaxtrain.trainer.optimizer import learning_rate_schedule, make_optimizer, muon_labels
 from jaxtrain.trainer.program import build_program
 from tests.conftest import program_on_mesh, replace, tiny_config
 
@@ -120,7 +120,14 @@ def max_weight_error(params) -> float:
     return max(float(np.max(np.abs(np.asarray(g) - w))) for (_, w), g in zip(flat_want, got))
 
 
-@pytest.mark.parametrize("mesh", ["mesh.data=2 mesh.fsdp=2", "mesh.fsdp=2 mesh.tensor=2"])
+@pytest.mark.composes("lm+muon", "dense+muon", "fsdp+muon")
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        pytest.param("mesh.data=2 mesh.fsdp=2", marks=pytest.mark.composes("data+muon")),
+        pytest.param("mesh.fsdp=2 mesh.tensor=2", marks=pytest.mark.composes("tensor+muon")),
+    ],
+)
 def test_muon_equals_torch_muon_on_meshes(tmp_path, init_ckpt, mesh):
     cfg = muon_config(tmp_path, init_ckpt, *mesh.split())
     losses, params, program, _ = train(cfg)
@@ -213,6 +220,7 @@ def _at(tree, path):
     return tree
 
 
+@pytest.mark.composes("moe+muon")
 def test_one_step_of_stacked_expert_matrices_equals_a_loop_over_matrices():
     """Muon on [layers, experts, d, f] (each expert's own matrix, gate and up apart), with
     `original` lr on a tall HF shape, against numpy matrix by matrix."""
@@ -255,6 +263,7 @@ def hf_matrices_of_mla(attn: dict, h: int) -> dict:
     }
 
 
+@pytest.mark.composes("mla+muon")
 def test_one_step_of_latent_attention_equals_torch_muon_on_hfs_matrices():
     """Muon on an MLA model's attention: each of wq_a, wq_b, wkv_a (the shared RoPE key's
     columns with the latent's), wkv_b and wo orthogonalised as the one [out, in] matrix HF
@@ -301,6 +310,122 @@ def test_one_step_of_latent_attention_equals_torch_muon_on_hfs_matrices():
         }
         for k in names:
             np.testing.assert_allclose(np.asarray(got[k][layer]), want[k] - p[k][layer], atol=2e-6, err_msg=k)
+
+
+def hf_matrices_of_mtp(module: dict, d: int) -> dict:
+    """HF's [out, in] tensors of one prediction module (DeepSeek-V3's `model.layers.{L + k}`),
+    written out: eh_proj [d, 2d] (embedding half first), the block's q/k/v/o and gate/up/down."""
+    attn, mlp = module["block"]["attn"], module["block"]["mlp"]
+    heads_out = lambda w: w.reshape(d, -1).T  # [d, heads, hd] -> [heads * hd, d]
+    return {
+        "eh_proj": module["eh_proj"].T,
+        "q_proj": heads_out(attn["wq"]),
+        "k_proj": heads_out(attn["wk"]),
+        "v_proj": heads_out(attn["wv"]),
+        "o_proj": attn["wo"].reshape(-1, d).T,  # [d, H * hd]
+        "gate_proj": mlp["w_gate"].T,
+        "up_proj": mlp["w_up"].T,
+        "down_proj": mlp["w_down"].T,
+    }
+
+
+def _mtp_ours(hf: dict, like: dict) -> dict:
+    """`hf_matrices_of_mtp`'s inverse, into the layouts of `like` (one module's params)."""
+    attn = like["block"]["attn"]
+    return {
+        "eh_proj": hf["eh_proj"].T,
+        "block": {
+            "attn": {
+                "wq": hf["q_proj"].T.reshape(attn["wq"].shape),
+                "wk": hf["k_proj"].T.reshape(attn["wk"].shape),
+                "wv": hf["v_proj"].T.reshape(attn["wv"].shape),
+                "wo": hf["o_proj"].T.reshape(attn["wo"].shape),
+            },
+            "mlp": {
+                k: hf[n].T for k, n in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
+            },
+        },
+    }
+
+
+@pytest.mark.composes("muon+mtp")
+def test_one_step_of_the_prediction_modules_equals_torch_muon_per_depth():
+    """optimizer.name=muon with model.mtp (depth 2): each module's eh_proj and its block's
+    attention and MLP projections are Muon's, one [out, in] matrix per depth as HF stores it
+    (eh_proj: [d_model, 2 d_model]), their lr adjusted by that shape; the modules' norms stay
+    AdamW's. Oracle: torch.optim.Muon's first step in float64 numpy on the HF tensors, mapped
+    back (tolerance 2e-6: float32 iteration), and AdamW's first step (-lr g / (|g| + eps))
+    for the norms. Before the fix every module matrix took AdamW's update."""
+    cfg = tiny_config(
+        None, "model.d_model=32", "model.mlp_dim=48", "model.vocab_size=64", "model.mtp={depth: 2}",
+        "optimizer.name=muon", "optimizer.warmup_steps=0", "optimizer.clip_norm=null",
+    )  # fmt: skip
+    m, o = cfg.model, cfg.optimizer
+    _, state = models.abstract_model(lambda: models.Transformer(m, rngs=nnx.Rngs(0)))
+    axes, shapes = models.logical_axes(state), nnx.to_pure_dict(state)
+    labels = muon_labels(axes)["mtp"]
+    matrices = {"eh_proj": labels["eh_proj"], **labels["block"]["attn"], **labels["block"]["mlp"]}
+    assert set(matrices.values()) == {"muon"}, matrices
+    norms = ("enorm", "hnorm", "head_norm")
+    assert {labels[k]["scale"] for k in norms} | {
+        labels["block"][k]["scale"] for k in ("attn_norm", "mlp_norm")
+    } == {"adamw"}
+    d = m.d_model
+    eh = muon.matrix_view(axes["mtp"]["eh_proj"])
+    assert eh.n_stack == 1 and eh.hf_shape(shapes["mtp"]["eh_proj"].shape) == (d, 2 * d)
+
+    rng = np.random.default_rng(3)
+    p = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), shapes)
+    g = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), shapes)
+    tx = make_optimizer(o, cfg.train.steps, param_axes=axes)
+    jp = jax.tree.map(jnp.asarray, p)
+    got, _ = tx.update(jax.tree.map(jnp.asarray, g), tx.init(jp), jp)
+    got = jax.device_get(got)["mtp"]
+    lr = float(learning_rate_schedule(o, cfg.train.steps)(0))
+    wd, mu = o.weight_decay, o.muon.momentum
+    assert lr == pytest.approx(o.lr) and o.muon.lr is None and o.muon.weight_decay is None
+
+    for depth in range(m.mtp.depth):
+        one = lambda tree: jax.tree.map(lambda x: x[depth].astype(np.float64), tree)
+        mp, mg = one(p["mtp"]), one(g["mtp"])
+        hf_p, hf_g = hf_matrices_of_mtp(mp, d), hf_matrices_of_mtp(mg, d)
+        hf_step = {}
+        for name, w in hf_p.items():  # torch.optim.Muon's first step (nesterov)
+            u = (1 - mu) * hf_g[name] + mu * ((1 - mu) * hf_g[name])
+            adjusted = lr * 0.2 * math.sqrt(max(w.shape))  # match_rms_adamw on HF's [out, in]
+            hf_step[name] = -lr * wd * w - adjusted * newton_schulz_np(u)
+        want = _mtp_ours(hf_step, mp)
+        mine = one(got)
+        close = lambda a, b, path: np.testing.assert_allclose(
+            a, b, atol=2e-6, err_msg=f"depth {depth} {path}"
+        )
+        close(mine["eh_proj"], want["eh_proj"], "eh_proj")
+        for part in ("attn", "mlp"):
+            for k, w in want["block"][part].items():
+                close(mine["block"][part][k], w, k)
+        for k in norms:  # AdamW's first step, not decayed
+            gk = mg[k]["scale"]
+            close(mine[k]["scale"], -lr * gk / (np.abs(gk) + o.eps), k)
+
+
+def test_prediction_modules_of_a_deepseek_model_are_muons_per_depth_and_expert():
+    """DeepSeek-V3's shape (MLA, MoE, MTP): a module's latent-attention projections and each of
+    its experts' matrices are Muon's, stacked on (mtp_depth[, expert]); its router AdamW's."""
+    cfg = tiny_config(
+        None, MLA, "model.n_kv_heads=4", "model.mtp={depth: 2}",
+        "model.moe={num_experts: 4, top_k: 2, num_shared_experts: 1}",
+    ).model  # fmt: skip
+    _, state = models.abstract_model(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
+    axes = models.logical_axes(state)["mtp"]
+    labels = muon_labels(axes)
+    assert all(labels["block"]["attn"][k] == "muon" for k in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo"))
+    mlp = labels["block"]["mlp"]
+    assert mlp["w_router"] == "adamw"
+    assert {mlp[k] for k in ("w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down")} == {
+        "muon"
+    }
+    assert muon.matrix_view(axes["block"]["mlp"]["w_up"]).n_stack == 2  # [depth, experts, d, f]
+    assert muon.matrix_view(axes["block"]["attn"]["wkv_b"]).n_stack == 1
 
 
 @pytest.mark.parametrize(
@@ -381,9 +506,17 @@ def one_device_run():
     "overrides",
     [
         # experts and heads split over devices, the state also over data (ZeRO-1)
-        ("mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "optimizer.shard_state=true"),
+        pytest.param(
+            ("mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "optimizer.shard_state=true"),
+            marks=pytest.mark.composes(
+                "expert+muon", "muon+zero1", "moe+zero1", "expert+zero1", "tensor+zero1"
+            ),
+        ),
         # the layers over pipeline stages, FSDP inside, master weights and state on the host
-        ("mesh.stage=2", "mesh.fsdp=2", "optimizer.offload=true", "optimizer.offload_params=true"),
+        pytest.param(
+            ("mesh.stage=2", "mesh.fsdp=2", "optimizer.offload=true", "optimizer.offload_params=true"),
+            marks=pytest.mark.composes("gpipe+muon", "muon+offload", "moe+offload", "gpipe+offload"),
+        ),
     ],
     ids=["data-expert-tensor-zero1", "stage-fsdp-offload"],
 )

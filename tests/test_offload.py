@@ -22,6 +22,7 @@ def run(tmp_path, name, *overrides):
     return train(cfg, devices=jax.devices()[:2])
 
 
+@pytest.mark.composes("lm+offload", "dense+offload", "fsdp+offload", "offload+adamw")
 def test_offloaded_optimizer_state_trains_identically_and_resumes(tmp_path):
     ref = run(tmp_path, "ref", "train.steps=4")
     first = run(tmp_path, "off", "train.steps=2", "checkpoint.every=2", *OFFLOAD)

@@ -144,6 +144,7 @@ def dense_single_device():
     return loss_and_grads(dense_cfg())
 
 
+@pytest.mark.composes("lm+gpipe", "dense+gpipe", "data+gpipe", "fsdp+gpipe")
 def test_gpipe_stage2_with_fsdp_equals_one_device(dense_single_device):
     """The cheap model-level check: also reads the compiled step for the stage shift."""
     cfg = replace(dense_cfg(), mesh=dict(stage=2, fsdp=2, data=2), pipeline=dict(microbatches=2))
@@ -157,8 +158,16 @@ def test_gpipe_stage2_with_fsdp_equals_one_device(dense_single_device):
     "mesh, pipeline",
     [
         (dict(stage=4, tensor=2), dict(microbatches=4)),
-        (dict(stage=2, data=2, tensor=2), dict(microbatches=2, schedule="circular", repeats=2)),
-        (dict(stage=4, fsdp=2), dict(microbatches=4, schedule="circular", repeats=2)),
+        pytest.param(
+            dict(stage=2, data=2, tensor=2),
+            dict(microbatches=2, schedule="circular", repeats=2),
+            marks=pytest.mark.composes("lm+circular", "dense+circular", "data+circular", "tensor+circular"),
+        ),
+        pytest.param(
+            dict(stage=4, fsdp=2),
+            dict(microbatches=4, schedule="circular", repeats=2),
+            marks=pytest.mark.composes("fsdp+circular"),
+        ),
     ],
     ids=["gpipe-s4-tensor", "circular-s2-r2-tensor", "circular-s4-r2-fsdp"],
 )
@@ -167,6 +176,7 @@ def test_pipelines_equal_one_device(dense_single_device, mesh, pipeline):
 
 
 @pytest.mark.slow
+@pytest.mark.composes("moe+gpipe", "expert+gpipe")
 def test_moe_in_stages_with_expert_parallelism_equals_one_device():
     """MoE layers inside the stages, experts over `expert`. Router losses are per
     microbatch, so the oracle splits its batch the same way (train.microbatches)."""

@@ -422,6 +422,7 @@ def four_layer_single_device():
     return loss_and_grads(_cfg(4))
 
 
+@pytest.mark.composes("lm+1f1b", "dense+1f1b", "fsdp+1f1b", "tensor+1f1b")
 @pytest.mark.parametrize("microbatches", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_1f1b_stage2_fsdp2_tensor2_equals_one_device(four_layer_single_device, microbatches):
     cfg = replace(
@@ -433,6 +434,7 @@ def test_1f1b_stage2_fsdp2_tensor2_equals_one_device(four_layer_single_device, m
 
 
 @pytest.mark.slow
+@pytest.mark.composes("lm+zero_bubble", "dense+zero_bubble", "tensor+zero_bubble")
 @pytest.mark.parametrize("microbatches", [2, 4])
 def test_zero_bubble_equals_one_device(four_layer_single_device, microbatches):
     cfg = replace(
@@ -444,6 +446,9 @@ def test_zero_bubble_equals_one_device(four_layer_single_device, microbatches):
 
 
 @pytest.mark.slow
+@pytest.mark.composes(
+    "lm+interleaved_1f1b", "dense+interleaved_1f1b", "fsdp+interleaved_1f1b", "tensor+interleaved_1f1b"
+)
 @pytest.mark.parametrize("microbatches", [2, 4])
 def test_interleaved_1f1b_8_layers_repeats2_equals_one_device(microbatches):
     ref = loss_and_grads(_cfg(8))
@@ -455,7 +460,18 @@ def test_interleaved_1f1b_8_layers_repeats2_equals_one_device(microbatches):
     assert_matches(loss_and_grads(cfg), ref)
 
 
-@pytest.mark.parametrize("schedule, dense_prefix", [("1f1b", 0), ("zero_bubble", 2)])
+@pytest.mark.composes("moe+fsdp", "moe+expert", "fsdp+expert")
+@pytest.mark.parametrize(
+    "schedule, dense_prefix",
+    [
+        pytest.param("1f1b", 0, marks=pytest.mark.composes("moe+1f1b", "expert+1f1b", "fsdp+1f1b")),
+        pytest.param(
+            "zero_bubble",
+            2,
+            marks=pytest.mark.composes("moe+zero_bubble", "expert+zero_bubble", "fsdp+zero_bubble"),
+        ),
+    ],
+)
 def test_moe_stages_with_expert_parallelism_equal_one_device(schedule, dense_prefix):
     """MoE layers inside the stages (stage 2 x expert 2 x fsdp 2, 2 microbatches; 2 MoE
     layers, after 2 dense ones with zero_bubble, which run as a gpipe forward): the loss and

@@ -70,6 +70,7 @@ def test_loss_scale_backs_off_grows_and_stops_at_its_bounds():
     assert float(update_loss_scale(init_loss_scale(big), f, t, f, big)["scale"]) == MAX_LOSS_SCALE
 
 
+@pytest.mark.composes("lm+fp16", "dense+fp16", "fp16+adamw")
 def test_fp16_tracks_bf16(bf16):
     """float16 compute at the default scale (2^15, no overflow on the tiny model): the
     loss stays within 0.01 of bf16's at every one of 50 steps (measured: 0.005)."""
@@ -102,6 +103,7 @@ def test_fp16_overflowing_at_the_initial_scale_recovers(bf16):
     assert report("fp16 from 2^24", fp16, bf16)[-1] < 0.15 and fp16[-1] < fp16[0] - 3.0
 
 
+@pytest.mark.composes("bf16+fp8", "lm+fp8", "dense+fp8", "fp8+adamw")
 def test_fp8_tracks_bf16(bf16):
     """model.fp8 (bf16 compute, e4m3 operands / e5m2 gradients, delayed scaling over 16
     steps): the loss stays within 0.04 of bf16's at every one of 50 steps (measured: 0.02
@@ -131,6 +133,7 @@ def test_fp8_program_runs_its_matmuls_in_e4m3_and_e5m2():
     assert len(e4m3) == 7 and len(e5m2) == 14, (len(e4m3), len(e5m2))
 
 
+@pytest.mark.composes("moe+fp8", "tensor+fp8", "expert+fp8", "fsdp+fp8")
 def test_fp8_expert_scales_are_mesh_wide():
     """Routed experts run inside the MoE layer's shard_map: the per-tensor amax is a pmax
     over the mesh, so the recorded amax of every weight (experts sharded over expert

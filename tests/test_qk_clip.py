@@ -191,9 +191,16 @@ def one_step(*overrides):
 
 @pytest.mark.parametrize(
     "overrides",
-    [("model.n_kv_heads=4",), ("model.n_kv_heads=2", "train.microbatches=2", "mesh.fsdp=2")],
+    [
+        ("model.n_kv_heads=4",),
+        pytest.param(
+            ("model.n_kv_heads=2", "train.microbatches=2", "mesh.fsdp=2"),
+            marks=pytest.mark.composes("fsdp+qk_clip"),
+        ),
+    ],
     ids=["mha", "gqa-microbatches-fsdp"],
 )
+@pytest.mark.composes("lm+qk_clip", "dense+qk_clip", "adamw+qk_clip")
 def test_a_step_clips_the_heads_the_forward_pass_found_over_tau(overrides):
     cfg, initial, batch, plain, _ = one_step(*overrides)
     logits = reference_max_logits(initial, batch["inputs"], cfg.model)
@@ -223,6 +230,7 @@ def test_a_step_clips_the_heads_the_forward_pass_found_over_tau(overrides):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.composes("mla+qk_clip", "muon+qk_clip")
 def test_a_step_clips_the_latent_attention_heads_over_tau():
     """MLA with Muon (MuonClip as Kimi K2 trains): the step's recorded maxima against the
     naive MLA forward, then the clip of the unclipped step's weights by them (no-RoPE query

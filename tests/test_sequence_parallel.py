@@ -26,6 +26,13 @@ def loss_and_grads(cfg):
 
 
 @pytest.mark.slow  # two compiles of the train program on 8 devices
+@pytest.mark.composes(
+    "lm+sequence_parallel",
+    "dense+sequence_parallel",
+    "data+sequence_parallel",
+    "fsdp+sequence_parallel",
+    "tensor+sequence_parallel",
+)
 def test_sequence_parallel_matches_one_device():
     ref_loss, ref_grads = loss_and_grads(small_config((), dict(data=1), "fsdp_tensor"))
     loss, grads = loss_and_grads(small_config((), dict(data=2, fsdp=2, tensor=2), "fsdp_tensor_sp"))

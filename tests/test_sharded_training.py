@@ -64,6 +64,20 @@ def test_microbatches_match_one_batch(single_device):
     )
 
 
+@pytest.mark.composes(
+    "lm+data",
+    "lm+fsdp",
+    "lm+tensor",
+    "dense+data",
+    "dense+fsdp",
+    "dense+tensor",
+    "data+fsdp",
+    "data+tensor",
+    "data+adamw",
+    "fsdp+tensor",
+    "fsdp+adamw",
+    "tensor+adamw",
+)
 def test_training_losses_match_across_meshes(tmp_path):
     """Five AdamW steps of the tiny model: (2,2,2) mesh vs one device."""
 

@@ -88,6 +88,7 @@ def test_memory_estimates_split_the_moments_over_data():
     assert footprint.lower_bound(zero1, sizes).state == int(4 * (2 + 2 / 8) * n)
 
 
+@pytest.mark.composes("data+zero1", "adamw+zero1", "lm+zero1", "dense+zero1")
 def test_zero1_matches_one_device_and_plain_data_parallelism(runs):
     one, dp, z = runs["one"], runs["dp"], runs["zero1"]
     np.testing.assert_allclose(z["losses"], one["losses"], rtol=LOSS_RTOL)
