@@ -46,10 +46,11 @@ from jaxtrain.config import validate
 from jaxtrain.models import lora
 from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh
 from jaxtrain.trainer.program import build_program
-from tests.conftest import REPO, tiny_config
+from tests.conftest import tiny_config
+from tests.test_muon import newton_schulz_np
+from tests.test_pairs import OVERRIDES as PAIR_OVERRIDES
 
 ROWS_N, SEQ, VOCAB = 8, 16, 128
-CHATML = f"{REPO}/tests/assets/chat/chatml"
 
 # float32, another op order than the program's: losses rtol 1e-5, gradients as
 # tests/test_mtp.py and tests/test_sharded_training.py (rtol 2e-4, atol 1e-6)
@@ -86,38 +87,16 @@ BASE = (
     "optimizer.lr=1.0",
     "optimizer.eps=1.0",
 )
+# each feature's overrides: tests/test_pairs.py's, but for MoE (one microbatch here: the oracle
+# recomputes one batch's router losses) and MTP (a loss weight other than 1 to check it)
 OVERRIDES: dict[str, tuple[str, ...]] = {
-    "lm": (),
-    "chat": ("data.source=tokens", "data.paths=[unused]"),
-    "dpo": ("train.objective=dpo", "data.source=tokens", "data.paths=[unused]", "dpo.beta=0.5"),
-    "grpo": (
-        "train.objective=grpo",
-        "data.source=prompts",
-        "data.paths=[unused]",
-        f"data.tokenizer={CHATML}",
-        "grpo.rewards=[unused:reward]",
-        "grpo.group_size=2",
-        "grpo.max_new_tokens=8",
-        "grpo.beta=0.1",
-    ),
+    **{f: PAIR_OVERRIDES[f] for f in (
+        "lm", "chat", "dpo", "grpo", "mla", "sinks", "attention_pattern", "qk_norm", "final_softcap",
+        "lora", "adamw", "muon", "bf16", "fp16", "fp8", "state_16bit",
+    )},
     "moe": ("model.moe={num_experts: 4, top_k: 2, expert_mlp_dim: 32}",),
-    "mla": (
-        "model.n_kv_heads=4",
-        "model.mla={kv_lora_rank: 16, qk_nope_head_dim: 8, qk_rope_head_dim: 8, v_head_dim: 8}",
-    ),
     "mtp": ("model.mtp={depth: 1, loss_weight: 0.3}",),
-    "sinks": ("model.attention_sinks=true",),
-    "attention_pattern": ("model.attention_pattern=[local,global]", "model.sliding_window=6"),
-    "qk_norm": ("model.qk_norm=head",),
-    "final_softcap": ("model.final_softcap=2.0",),  # small enough to bend the tiny model's logits
-    "lora": ("model.lora={rank: 4, alpha: 8}",),
-    "adamw": (),
-    "muon": ("optimizer.name=muon",),
-    "bf16": ("model.compute_dtype=bfloat16",),
-    "fp16": ("model.compute_dtype=float16",),
-    "fp8": ("model.fp8=true", "model.fp8_amax_history=4"),
-    "state_16bit": ("optimizer.state_dtype=bfloat16",),
-}
+}  # fmt: skip
 OBJECTIVES = ("lm", "chat", "dpo", "grpo")
 MODEL = ("moe", "mla", "mtp", "sinks", "attention_pattern", "qk_norm", "final_softcap", "lora")
 OPTIMIZERS = ("adamw", "muon")
@@ -413,17 +392,6 @@ def _role(path: tuple[str, ...], shape) -> tuple[str, bool, int, int]:
     return "adamw", decays, 0, 0
 
 
-def _newton_schulz(g, steps=5, coefficients=(3.4445, -4.775, 2.0315), eps=1e-7):
-    """tests/test_muon.py's float64 transcription of torch's iteration, on one matrix."""
-    a, b, c = coefficients
-    x = g.T if g.shape[0] > g.shape[1] else g
-    x = x / max(np.linalg.norm(x), eps)
-    for _ in range(steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if g.shape[0] > g.shape[1] else x
-
-
 def reference_first_update(params: dict, grads: dict, cfg) -> dict:
     """The first step's move of every trained parameter, in float64 numpy."""
     o = cfg.optimizer
@@ -445,7 +413,7 @@ def reference_first_update(params: dict, grads: dict, cfg) -> dict:
         lead = p.shape[:stack]
         n_rows = math.prod(p.shape[stack : stack + n_in])
         mats = u.reshape(*lead, n_rows, -1)
-        ortho = np.stack([_newton_schulz(x) for x in mats.reshape(-1, *mats.shape[-2:])])
+        ortho = np.stack([newton_schulz_np(x) for x in mats.reshape(-1, *mats.shape[-2:])])
         ratio = 0.2 * math.sqrt(max(mats.shape[-2:]))  # match_rms_adamw
         muon_lr = lr if m.lr is None else m.lr
         out[path] = -muon_lr * wd * p - muon_lr * ratio * ortho.reshape(p.shape)
