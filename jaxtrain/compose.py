@@ -225,7 +225,8 @@ PAIR_ROWS: dict[str, tuple[str, ...]] = {
         "adamw", "zero1", "chunked_loss",
     ),
     "lm-1f1b-dp-fsdp": (
-        "lm", "moe", "qk_norm", "data", "fsdp", "1f1b", "remat", "offload", "adamw", "zero1", "chunked_loss",
+        "lm", "moe", "qk_norm", "data", "fsdp", "1f1b", "remat", "offload", "bf16", "adamw", "zero1",
+        "chunked_loss",
     ),
     "lm-i1f1b-ep": (
         "lm", "dense", "sinks", "qk_norm", "expert", "interleaved_1f1b", "remat", "offload", "muon",
@@ -247,7 +248,52 @@ PAIR_ROWS: dict[str, tuple[str, ...]] = {
         "grpo", "moe", "sinks", "qk_norm", "final_softcap", "fsdp", "tensor", "sequence_parallel", "expert",
         "remat", "offload", "adamw", "zero1",
     ),
+    "chat-i1f1b-dp-tp": (
+        "chat", "moe", "mla", "final_softcap", "data", "tensor", "sequence_parallel", "interleaved_1f1b",
+        "bf16", "state_16bit", "adamw", "zero1",
+    ),
+    "lm-zb-tp": (
+        "lm", "dense", "qk_norm", "final_softcap", "tensor", "sequence_parallel", "zero_bubble", "offload",
+        "fp16", "state_16bit", "muon",
+    ),
+    "dpo-circ-tp-ep": (
+        "dpo", "moe", "tensor", "sequence_parallel", "expert", "circular", "remat", "offload", "adamw",
+        "zero1",
+    ),
+    "lm-gpipe-tp-ep": (
+        "lm", "moe", "tensor", "sequence_parallel", "expert", "gpipe", "offload", "bf16", "state_16bit",
+        "adamw", "qk_clip",
+    ),
+    "lm-fsdp-cp-ep": (
+        "lm", "moe", "fsdp", "context", "expert", "remat", "offload", "bf16", "fp8", "adamw", "zero1",
+        "chunked_loss",
+    ),
+    "lm-dp-tp-fp8": ("lm", "dense", "data", "tensor", "sequence_parallel", "fp8", "adamw"),
+    "lm-i1f1b-fp16": ("lm", "dense", "interleaved_1f1b", "fp16", "adamw"),
+    "lm-zb-bf16": ("lm", "dense", "zero_bubble", "bf16", "adamw"),
 }  # fmt: skip
+
+
+# tests/test_multiprocess_rows.py: each row trains on two processes (mesh.dcn_data=2 across them,
+# the rest of its mesh, 4 devices, inside each) against the same config in one process on the same
+# 8-device mesh (mesh.data=2 for dcn_data), so it tests multiprocess with each of its features
+PROCESS_ROWS: dict[str, tuple[str, ...]] = {
+    "chat-moe-mtp-tp-ep": (
+        "chat", "moe", "mtp", "sinks", "attention_pattern", "qk_norm", "tensor", "sequence_parallel",
+        "expert", "lora", "remat", "offload", "bf16", "state_16bit", "adamw", "zero1", "chunked_loss",
+    ),
+    "dpo-mla-gpipe-cp": ("dpo", "dense", "mla", "final_softcap", "context", "gpipe", "fp16", "muon"),
+    "lm-fp8-fsdp-tp": ("lm", "dense", "fsdp", "tensor", "fp8", "adamw"),
+    "lm-circ-fsdp": ("lm", "dense", "fsdp", "circular", "adamw", "qk_clip"),
+    "lm-1f1b-tp": ("lm", "dense", "tensor", "1f1b", "adamw"),
+    "lm-i1f1b-ep": ("lm", "moe", "expert", "interleaved_1f1b", "muon"),
+    "lm-zb-fsdp": ("lm", "dense", "fsdp", "zero_bubble", "adamw"),
+}  # fmt: skip
+
+
+def process_pairs(features: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The pairs a row of PROCESS_ROWS tests: multiprocess with each of its features."""
+    return [pair("multiprocess", f) for f in features]
 
 
 def row_pairs(features: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -257,11 +303,14 @@ def row_pairs(features: tuple[str, ...]) -> list[tuple[str, str]]:
 
 
 def _rows() -> dict[tuple[str, str], Tested]:
-    """Each pair of PAIR_ROWS under the first row that covers it."""
+    """Each pair of PAIR_ROWS, then of PROCESS_ROWS, under the first row that covers it."""
     out: dict[tuple[str, str], Tested] = {}
     for row, features in PAIR_ROWS.items():
         for p in row_pairs(features):
             out.setdefault(p, Tested(f"tests/test_pairs.py::test_row_equals_one_device[{row}]"))
+    for row, features in PROCESS_ROWS.items():
+        for p in process_pairs(features):
+            out.setdefault(p, Tested(f"tests/test_multiprocess_rows.py::test_two_processes_equal_one[{row}]"))
     return out
 
 
@@ -664,6 +713,7 @@ _LOW = "tests/test_feature_oracles.py::test_low_precision_tracks_float32"
 _ORACLE_ROWS: dict[str, str] = {
     f"{_ORACLES}[lm-moe-mla-mtp-sinks-softcap-muon]": (
         "lm+moe lm+mla lm+sinks lm+final_softcap sinks+muon final_softcap+muon moe+mtp mtp+final_softcap"
+        " moe+final_softcap mla+final_softcap"
     ),
     f"{_ORACLES}[chat-mla-mtp-sinks-softcap-adamw]": (
         "chat+mla chat+mtp chat+sinks chat+final_softcap mla+adamw mtp+adamw sinks+adamw"
@@ -688,11 +738,44 @@ _ORACLE_ROWS: dict[str, str] = {
         " attention_pattern+fp8 qk_norm+fp8 final_softcap+fp8 lora+fp8 fp8+muon fp8+state_16bit"
         " chat+state_16bit attention_pattern+state_16bit qk_norm+state_16bit lora+state_16bit"
     ),
+    f"{_ORACLES}[grpo-moe-pattern-qknorm-adamw]": ("grpo+attention_pattern"),
+    f"{_LOW}[lm-moe-mla-mtp-sinks-softcap-muon+fp16]": ("mla+fp16 mtp+fp16 fp16+muon"),
+    f"{_LOW}[chat-moe-sinks-pattern-qknorm-softcap-lora-muon+fp16]": ("chat+fp16 lora+fp16"),
+    f"{_LOW}[dpo-moe-sinks-pattern-qknorm-softcap-adamw+bf16+fp8]": ("dpo+bf16 dpo+fp8"),
+    f"{_LOW}[grpo-moe-pattern-qknorm-adamw+bf16+fp8]": ("grpo+bf16 grpo+fp8"),
+    f"{_LOW}[grpo-moe-pattern-qknorm-adamw+fp16+state16]": ("grpo+fp16 grpo+state_16bit"),
     f"{_LOW}[dpo-moe-sinks-pattern-qknorm-softcap-adamw+fp16+state16]": (
         "dpo+fp16 moe+fp16 sinks+fp16 attention_pattern+fp16 qk_norm+fp16 final_softcap+fp16"
         " fp16+state_16bit dpo+state_16bit"
     ),
 }
+# tests that run a few more pairs against a naive forward (tests/reference_llama.py), by hand or
+# against the same model with the feature written out (LoRA merged by hand)
+_QK_CLIP_CASE = _QK_CLIP_STEP + "[{}]"
+_ORACLE_ROWS.update({
+    _QK_CLIP_CASE.format("sinks-pattern-softcap"): (
+        "sinks+qk_clip attention_pattern+qk_clip final_softcap+qk_clip"
+    ),
+    _QK_CLIP_CASE.format("moe"): "moe+qk_clip",
+    "tests/test_qk_clip.py::test_a_step_on_packed_chat_rows_clips_by_each_documents_own_logits": (
+        "chat+qk_clip"
+    ),
+    _QK_CLIP_CASE.format("bf16"): "bf16+qk_clip",
+    _QK_CLIP_CASE.format("fp16"): "fp16+qk_clip",
+    _QK_CLIP_CASE.format("fp8"): "fp8+qk_clip",
+    _QK_CLIP_CASE.format("state16"): "state_16bit+qk_clip",
+    _MLA_CLIP: "dense+mla",
+    "tests/test_model.py::test_sinks_qk_norm_layer_pattern_and_softcap_match_the_reference": (
+        "dense+sinks sinks+qk_norm sinks+final_softcap qk_norm+final_softcap"
+    ),
+    "tests/test_mtp.py::test_loss_and_gradients_match_the_reference[mla]": "mla+mtp",
+    "tests/test_mtp.py::test_loss_and_gradients_match_the_reference[sinks-qknorm-pattern]": (
+        "mtp+sinks mtp+qk_norm mtp+attention_pattern"
+    ),
+    "tests/test_lora.py::test_adapters_beside_every_layer_feature_equal_the_weights_merged_by_hand": (
+        "moe+lora mtp+lora sinks+lora attention_pattern+lora qk_norm+lora final_softcap+lora"
+    ),
+})  # fmt: skip
 for _test, _pairs in _ORACLE_ROWS.items():
     for _a, _b in (p.split("+") for p in _pairs.split()):
         if _b in TABLE.get(_a, {}) or _a in TABLE.get(_b, {}):
@@ -838,4 +921,6 @@ def docs_markdown(example: Callable[[list[str]], Config]) -> str:
         others = [b for a, b in all_pairs() if a == f.name and isinstance(status(a, b), Untested)]
         if others:
             lines.append(f"- `{f.name}` with " + ", ".join(f"`{b}`" for b in others))
+    if not n["Untested"]:
+        lines.append("None: every pair is tested or refused (tests/test_compose.py holds it so).")
     return "\n".join(lines) + "\n"

@@ -48,12 +48,12 @@ class MTPLayer(nnx.Module):
         self.enorm = RMSNorm(cfg, rngs=rngs)
         self.hnorm = RMSNorm(cfg, rngs=rngs)
         self.eh_proj = param(rngs, (2 * d, d), EH_PROJ_AXES, std=cfg.init_std, dtype=cfg.param_dtype)
-        if cfg.moe is not None:
-            self.block = MoEBlock(cfg, rngs=rngs)
-        else:  # the kind the layer after the last would have in attention_pattern
-            pattern = cfg.attention_pattern
-            kind = pattern[cfg.n_layers % len(pattern)] if pattern else None
-            self.block = Block(cfg, rngs=rngs, kind=kind)
+        # the kind the layer after the last would have in attention_pattern, MoE or dense alike
+        # (the MoE block once took none: with a pattern, the window of every local layer)
+        pattern = cfg.attention_pattern
+        kind = pattern[cfg.n_layers % len(pattern)] if pattern else None
+        block = MoEBlock if cfg.moe is not None else Block
+        self.block = block(cfg, rngs=rngs, kind=kind)
         self.head_norm = RMSNorm(cfg, rngs=rngs)
         self.cfg = cfg
 

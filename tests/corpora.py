@@ -94,3 +94,27 @@ def encode_reference(tokenizer: str, docs: list[str]) -> list[list[int]]:
     tok = Tokenizer.from_file(tokenizer)
     eos = tok.token_to_id("</s>")
     return [tok.encode(d, add_special_tokens=False).ids + [eos] for d in docs]
+
+
+def chatml_token_dirs(tmp) -> dict:
+    """{"chat": ..., "dpo": ...}: token directories `jaxtrain tokenize` writes (chatml, ids < 320)
+    from the chat test asset's first 12 conversations and tests/assets/dpo/pairs.jsonl."""
+    import os
+
+    from jaxtrain.data.tokenize import run_tokenize
+    from tests.test_tokenize import parse
+
+    assets = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+    chatml = os.path.join(assets, "chat", "chatml")
+    with gzip.open(os.path.join(assets, "chat", "expected.json.gz"), "rt", encoding="utf-8") as f:
+        conversations = json.load(f)["conversations"][:12]
+    rows = tmp / "chat.jsonl"
+    rows.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    assert (
+        run_tokenize(parse(rows, "--chat", "--tokenizer", chatml, "--out", tmp / "chat", "--no-progress"))
+        == 0
+    )
+    pairs = os.path.join(assets, "dpo", "pairs.jsonl")
+    args = parse(pairs, "--preference", "--tokenizer", chatml, "--out", tmp / "pairs", "--no-progress")
+    assert run_tokenize(args) == 0
+    return {"chat": str(tmp / "chat"), "dpo": str(tmp / "pairs")}

@@ -65,10 +65,12 @@ MOVE_ATOL = 2e-5
 # the reference point is a difference of two sequences' (cancellation: 0.26 in bf16 + fp8); a
 # parameter left untrained or moved the wrong way is 1 or 2. Measured: losses <= 1.1e-4, gradient
 # norms <= 1.1e-3, fp16 + bf16 state moves <= 2.2e-3.
+# bf16 / fp8 moves: up to 0.37 measured on the norm scales of grpo-moe-pattern-qknorm-adamw (each
+# scale's gradient sums many per-token terms of both signs; GRPO's are small differences)
 LOW_TOL = {
-    "bf16": dict(loss=1e-2, grad_norm=5e-2, move=0.3),
+    "bf16": dict(loss=1e-2, grad_norm=5e-2, move=0.4),
     "fp16": dict(loss=1e-2, grad_norm=5e-2, move=5e-2),
-    "fp8": dict(loss=1e-2, grad_norm=5e-2, move=0.3),
+    "fp8": dict(loss=1e-2, grad_norm=5e-2, move=0.4),
     "state_16bit": dict(loss=1e-3, grad_norm=1e-3, move=1e-2),  # compensated bf16 state
 }
 
@@ -115,14 +117,21 @@ ROWS: dict[str, tuple[str, ...]] = {
     ),
     "dpo-mla-muon": ("dpo", "mla", "muon"),
     "grpo-mla-sinks-softcap-muon": ("grpo", "mla", "sinks", "final_softcap", "muon"),
+    "grpo-moe-pattern-qknorm-adamw": ("grpo", "moe", "attention_pattern", "qk_norm", "adamw"),
 }  # fmt: skip
 # 16-bit rows: (the float32 row, the 16-bit features switched on over it)
 _A, _C = "lm-moe-mla-mtp-sinks-softcap-muon", "chat-moe-sinks-pattern-qknorm-softcap-lora-muon"
 _D, _F = "dpo-moe-sinks-pattern-qknorm-softcap-adamw", "grpo-mla-sinks-softcap-muon"
+_G = "grpo-moe-pattern-qknorm-adamw"
 LOW_ROWS: dict[str, tuple[str, tuple[str, ...]]] = {
     f"{_A}+bf16+state16": (_A, ("bf16", "state_16bit")),
     f"{_C}+bf16+fp8+state16": (_C, ("bf16", "fp8", "state_16bit")),
     f"{_D}+fp16+state16": (_D, ("fp16", "state_16bit")),
+    f"{_A}+fp16": (_A, ("fp16",)),
+    f"{_C}+fp16": (_C, ("fp16",)),
+    f"{_D}+bf16+fp8": (_D, ("bf16", "fp8")),
+    f"{_G}+bf16+fp8": (_G, ("bf16", "fp8")),
+    f"{_G}+fp16+state16": (_G, ("fp16", "state_16bit")),
 }
 
 
@@ -440,13 +449,15 @@ def oracle_pairs(features) -> list[str]:
     """Objective x model feature, optimizer x model feature, objective x optimizer; and where
     the objective's oracle writes the meeting itself: the prediction modules' router losses
     joining the main layers' (moe+mtp), the softcap on the prediction modules' logits
-    (mtp+final_softcap)."""
+    (mtp+final_softcap) and on the main logits of a body with each model feature."""
     obj, opt = objective_of(features), next(f for f in features if f in OPTIMIZERS)
     model = [f for f in features if f in MODEL]
     pairs = [(obj, f) for f in model] + [(opt, f) for f in model] + [(obj, opt)]
     for a, b in (("moe", "mtp"), ("mtp", "final_softcap")):
         if a in features and b in features:
             pairs.append((a, b))
+    if "final_softcap" in features:  # the cap, by hand, on the head of whatever body the row has
+        pairs += [("final_softcap", f) for f in model if f not in ("final_softcap", "mtp")]
     return _pair_names(pairs)
 
 

@@ -408,3 +408,78 @@ def test_adapters_on_tensor_and_expert_meshes_equal_one_device_and_follow_the_ru
     assert pad(attn["wq_lora"]["b"], 4) == (None, None, "tensor", None)  # [L, r, heads, head_dim]
     assert pad(experts["w_gate_lora"]["a"], 4) == (None, "expert", "fsdp", None)  # [L, E, embed, r]
     assert pad(experts["w_gate_lora"]["b"], 4) == (None, "expert", None, "tensor")  # [L, E, r, mlp]
+
+
+def _merged_by_hand(whole: dict, scale: float) -> dict:
+    """Every adapted weight W replaced by W + scale * A B (A [*lead, *in, r], B [*lead, r, *out],
+    W [*lead, *in, *out]) and the adapters dropped: numpy, from the shapes alone."""
+    out = {}
+    for key, value in whole.items():
+        if key.endswith(lora.SUFFIX):
+            continue
+        if isinstance(value, dict):
+            out[key] = _merged_by_hand(value, scale)
+            continue
+        adapter = whole.get(key + lora.SUFFIX)
+        if adapter is None:
+            out[key] = np.asarray(value)
+            continue
+        a, b, w = (np.asarray(x, np.float64) for x in (adapter["a"], adapter["b"], value))
+        lead = a.ndim + b.ndim - 2 - w.ndim
+        n_in = a.ndim - 1 - lead
+        a2 = a.reshape(*a.shape[:lead], math.prod(a.shape[lead : lead + n_in]), a.shape[-1])
+        b2 = b.reshape(*b.shape[: lead + 1], -1)
+        out[key] = (w + scale * (a2 @ b2).reshape(w.shape)).astype(np.float32)
+    return out
+
+
+@pytest.mark.composes(
+    "moe+lora", "mtp+lora", "sinks+lora", "attention_pattern+lora", "qk_norm+lora", "final_softcap+lora"
+)
+def test_adapters_beside_every_layer_feature_equal_the_weights_merged_by_hand():
+    """An MoE model (adapters on the experts too) with prediction modules, sinks, a local/global
+    pattern, query/key norms and a final softcap: its loss (the main, the modules' and the
+    router losses) and every logit equal those of the same model without LoRA whose targeted
+    weights are W + (alpha / r) A B, merged here by hand, B drawn at random."""
+    from tests.conftest import program_on_mesh
+
+    common = (
+        "model.d_model=32",
+        "model.mlp_dim=64",
+        "model.vocab_size=128",
+        "model.n_layers=2",
+        "train.seq_len=16",
+        "train.loss_chunk=0",
+        "model.moe={num_experts: 4, top_k: 2, expert_mlp_dim: 32}",
+        "model.mtp={depth: 1}",
+        "model.attention_sinks=true",
+        "model.attention_pattern=[local, global]",
+        "model.sliding_window=6",
+        "model.qk_norm=head",
+        "model.final_softcap=2.0",
+    )
+    results = []
+    for cfg in (
+        tiny_config(None, *common, f"model.lora={{rank: 4, alpha: 8, targets: {TARGETS}}}"),
+        tiny_config(None, *common),
+    ):
+        with program_on_mesh(cfg) as (program, state, data):
+            batch = next(data)
+            if cfg.model.lora is not None:
+                base, adapters = jax.device_get((state.frozen, state.params))
+                rng = np.random.default_rng(0)
+                adapters = jax.tree_util.tree_map_with_path(
+                    lambda p, x: rng.normal(0, 0.05, x.shape).astype(x.dtype) if p[-1].key == "b" else x,
+                    adapters,
+                )
+                whole = lora.join(base, adapters)
+                assert "mtp" in adapters and "moe_blocks" in adapters  # the modules and the experts adapted
+            else:
+                whole = _merged_by_hand(whole, 8 / 4)
+            loss, _, _ = program.loss_and_grads(whole, batch_to_device(batch, program.batch_sharding))
+            model = models.merge(program.graphdef, program.abstract_params, whole)
+            logits = model(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+            results.append((float(loss), np.asarray(jax.device_get(logits))))
+    (loss, logits), (want_loss, want_logits) = results
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)

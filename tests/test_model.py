@@ -35,6 +35,42 @@ def test_logits_match_reference(kv_heads, tie):
     np.testing.assert_allclose(model(tok), reference_forward(params, tok, cfg), **F32_TOL)
 
 
+@pytest.mark.composes("dense+sinks", "sinks+qk_norm", "sinks+final_softcap", "qk_norm+final_softcap")
+def test_sinks_qk_norm_layer_pattern_and_softcap_match_the_reference():
+    """A dense model with every layer feature at once (GPT-OSS's sinks, Qwen3's query/key norms,
+    Gemma's local/global pattern and final softcap) on packed rows against the naive forward;
+    sinks and norm scales drawn at random (they start at 0 and 1, which would hide a scale
+    applied twice or a sink dropped)."""
+    cfg = dataclasses.replace(
+        SMALL,
+        n_layers=4,
+        attention_sinks=True,
+        qk_norm="head",
+        attention_pattern=("local", "global"),
+        sliding_window=5,
+        final_softcap=0.2,  # the tiny model's logits are a few tenths: this one bends them
+    )
+    model, params = build(cfg)
+    rng = np.random.default_rng(0)
+    for group in params["blocks"].values():
+        attn = group["attn"]
+        attn["sinks"] = jnp.asarray(rng.normal(size=attn["sinks"].shape), jnp.float32)
+        for norm in ("q_norm", "k_norm"):
+            shape = attn[norm]["scale"].shape
+            attn[norm]["scale"] = jnp.asarray(1 + 0.5 * rng.normal(size=shape), jnp.float32)
+    nnx.update(model, params)
+    tok = tokens(b=2, s=16)
+    segments = jnp.asarray([[1] * 9 + [2] * 7, [1] * 16], jnp.int32)
+    positions = jnp.asarray([list(range(9)) + list(range(7)), list(range(16))], jnp.int32)
+    got = model(tok, positions=positions, segment_ids=segments)
+    want = reference_forward(params, tok, cfg, positions=positions, segment_ids=segments)
+    np.testing.assert_allclose(got, want, **F32_TOL)
+    uncapped = reference_forward(
+        params, tok, dataclasses.replace(cfg, final_softcap=None), positions=positions, segment_ids=segments
+    )
+    assert np.abs(np.asarray(uncapped) - np.asarray(want)).max() > 0.05  # the cap matters here
+
+
 def test_param_count_matches_built_model():
     for cfg in (SMALL, dataclasses.replace(SMALL, tie_embeddings=True, head_dim=8)):
         _, params = build(cfg)

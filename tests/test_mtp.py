@@ -25,8 +25,9 @@ from jaxtrain.planning.flops import flops_per_token
 from jaxtrain.trainer import train
 from jaxtrain.trainer.batches import batch_to_device
 from jaxtrain.trainer.mtp import mtp_loss
+from tests import reference_llama as reference
 from tests.conftest import REPO, program_on_mesh, replace, tiny_config
-from tests.reference_llama import apply_rope, rms_norm
+from tests.reference_llama import rms_norm
 
 CFG = models.ModelConfig(
     vocab_size=61,
@@ -51,21 +52,6 @@ def assert_grads_close(grads, expected):
 # --- the reference, from the parameters alone -----------------------------------------------
 
 
-def ref_block(p, x, positions, mask, cfg):
-    """One pre-norm Llama block (the layout of models/blocks.py Block's parameters)."""
-    groups, hd = cfg.n_heads // cfg.n_kv_heads, cfg.resolved_head_dim
-    h = rms_norm(x, p["attn_norm"]["scale"], cfg.norm_eps)
-    q, k, v = (jnp.einsum("bsd,dhk->bshk", h, p["attn"][w]) for w in ("wq", "wk", "wv"))
-    q, k = apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta)
-    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-    scores = jnp.where(mask[:, None], jnp.einsum("bqhk,bthk->bhqt", q, k) / np.sqrt(hd), -1e30)
-    attn = jnp.einsum("bhqt,bthk->bqhk", jax.nn.softmax(scores), v)
-    x = x + jnp.einsum("bqhk,hkd->bqd", attn, p["attn"]["wo"])
-    h = rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps)
-    gate = h @ p["mlp"]["w_gate"]
-    return x + (jax.nn.silu(gate) * (h @ p["mlp"]["w_up"])) @ p["mlp"]["w_down"]
-
-
 def mean_ce(h, head, targets, mask):
     logp = jax.nn.log_softmax(h @ head, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
@@ -82,9 +68,11 @@ def ref_losses(params, batch, cfg, segmented=True):
     same = seg[:, :, None] == seg[:, None, :] if segmented else np.ones((b, s, s), bool)
     mask = np.tril(np.ones((s, s), bool))[None] & same
     x = params["embedding"][inputs]
-    for i in range(cfg.n_layers):
-        x = ref_block(jax.tree.map(lambda a, i=i: a[i], params["blocks"]), x, positions, mask, cfg)
+    for kind, p in reference.layers(params, cfg):
+        x = reference.block(p, x, positions, mask, cfg, kind)
     head = params["lm_head"]
+    pattern = cfg.attention_pattern  # a module's block: the kind of the layer after the last
+    module_kind = pattern[cfg.n_layers % len(pattern)] if pattern else None
     main = mean_ce(rms_norm(x, params["final_norm"]["scale"], cfg.norm_eps), head, targets, loss_mask)
     row = np.concatenate([inputs, targets[:, -1:]], axis=1)  # the row's tokens 0 .. s
     h, ahead = x, []
@@ -100,7 +88,8 @@ def ref_losses(params, batch, cfg, segmented=True):
                     m_k[r, t] = loss_mask[r, t + k] * (seg[r, t] == seg[r, t + k])
         e = rms_norm(params["embedding"][tok_k], p["enorm"]["scale"], cfg.norm_eps)
         hn = rms_norm(h, p["hnorm"]["scale"], cfg.norm_eps)
-        h = ref_block(p["block"], jnp.concatenate([e, hn], axis=-1) @ p["eh_proj"], positions, mask, cfg)
+        x_k = jnp.concatenate([e, hn], axis=-1) @ p["eh_proj"]
+        h = reference.block(p["block"], x_k, positions, mask, cfg, module_kind)
         ahead.append(mean_ce(rms_norm(h, p["head_norm"]["scale"], cfg.norm_eps), head, tgt_k, m_k))
     return main, ahead
 
@@ -157,27 +146,52 @@ def value_and_grads(cfg, chunk=0):
     return value, nnx.to_pure_dict(grads), nnx.to_pure_dict(params)
 
 
+# the layer features a module's block takes from the main layers (GPT-OSS's sinks, Qwen3's
+# query/key norms, a local/global pattern: the module's block is the next layer's kind, local)
+LAYER_FEATURES = dataclasses.replace(
+    CFG, attention_sinks=True, qk_norm="head", attention_pattern=("local", "global"), sliding_window=5
+)
+
+
+# DeepSeek-V3's modules: latent attention in the main layers and in each module's block
+LATENT = dataclasses.replace(
+    CFG,
+    n_kv_heads=4,
+    mla=models.MLAConfig(
+        q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5
+    ),
+)
+
+
 @functools.cache
-def reference_value_and_grads():
+def reference_value_and_grads(cfg=CFG):
     batch = packed_batch()
-    _, _, params = value_and_grads(CFG)
-    mean_ahead = lambda p: jnp.mean(jnp.stack(ref_losses(p, batch, CFG)[1]))
+    _, _, params = value_and_grads(cfg)
+    mean_ahead = lambda p: jnp.mean(jnp.stack(ref_losses(p, batch, cfg)[1]))
     return jax.device_get(jax.jit(jax.value_and_grad(mean_ahead))(params))
 
 
 @pytest.mark.parametrize(
-    "chunk",
+    "chunk,cfg",
     [
-        pytest.param(0, id="plain"),
-        pytest.param(4, id="chunked", marks=pytest.mark.composes("mtp+chunked_loss")),
+        pytest.param(0, CFG, id="plain"),
+        pytest.param(4, CFG, id="chunked", marks=pytest.mark.composes("mtp+chunked_loss")),
+        pytest.param(
+            0,
+            LAYER_FEATURES,
+            id="sinks-qknorm-pattern",
+            marks=pytest.mark.composes("mtp+sinks", "mtp+qk_norm", "mtp+attention_pattern"),
+        ),
+        pytest.param(0, LATENT, id="mla", marks=pytest.mark.composes("mla+mtp")),
     ],
 )
-def test_loss_and_gradients_match_the_reference(chunk):
-    value, grads, _ = value_and_grads(CFG, chunk)
-    ref_value, ref_grads = reference_value_and_grads()
+def test_loss_and_gradients_match_the_reference(chunk, cfg):
+    value, grads, _ = value_and_grads(cfg, chunk)
+    ref_value, ref_grads = reference_value_and_grads(cfg)
     np.testing.assert_allclose(value, ref_value, rtol=LOSS_RTOL)
     assert_grads_close(grads, ref_grads)
-    assert np.abs(grads["mtp"]["eh_proj"]).max() > 0 and np.abs(grads["blocks"]["attn"]["wq"]).max() > 0
+    assert np.abs(grads["mtp"]["eh_proj"]).max() > 0
+    assert all(np.abs(g).max() > 0 for g in jax.tree.leaves(grads["mtp"]["block"]["attn"]))  # sinks, norms
 
 
 @pytest.mark.composes("mtp+remat")
@@ -418,3 +432,20 @@ def test_deepseek_directory_without_the_modules_reads_without_them(tmp_path):
     hf = json.loads((local / "config.json").read_text())
     (local / "config.json").write_text(json.dumps({**hf, "num_nextn_predict_layers": 1}))
     assert from_hf(local).cfg.mtp is None
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_modules_block_is_the_kind_of_the_layer_after_the_last(moe):
+    """With a layer pattern the module's block attends as the next layer would: global after
+    (global, local) x 1 here, so no window; the MoE block took no kind before (issue #62), which
+    is a window on every layer."""
+    from jaxtrain.models.mtp import MTPLayer
+
+    cfg = dataclasses.replace(
+        CFG,
+        attention_pattern=("global", "local"),
+        sliding_window=4,
+        moe=models.MoEConfig(num_experts=4, top_k=2, expert_mlp_dim=16) if moe else None,
+    )
+    block = MTPLayer(cfg, rngs=nnx.Rngs(0)).block
+    assert block.attn.kind == "global" and block.attn.window is None

@@ -45,9 +45,13 @@ from tests.conftest import REPO, tiny_config
 
 # f32: the mesh changes the order of sums only (tests/test_sharded_training.py)
 LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-5, 2e-4, 1e-6
-# 16-bit compute or optimizer state on both sides: losses and grad norms relative; a move is
-# compared to its tensor's largest move (a 16-bit rounding flip moves one element by one step)
-LOW_LOSS_RTOL, LOW_MOVE_TOL = 2e-3, 2e-2
+# 16-bit compute or optimizer state on both sides: losses and grad norms relative; each tensor's
+# move by the relative Frobenius norm of its difference (a 16-bit rounding flip, or an expert
+# choice it tips, moves a few elements far). Measured: step-1 losses within 2e-5, step-2 grad
+# norms within 2.8e-3 (lm-zb-tp: fp16 compute, Muon), moves within 6.6e-2 (lm-fsdp-cp-ep, bf16
+# and fp8: the norm scales, whose gradients sum many small terms); a gradient that misses its
+# reduction over a mesh axis of 2 is off by 50% or more
+LOW_LOSS_RTOL, LOW_MOVE_TOL = 5e-3, 0.1
 # Muon: Newton-Schulz amplifies the f32 rounding of a gradient along its small singular directions
 # (qk_norm leaves wk's gradient one: the norm is blind to a row's scale); measured up to 2.5e-5 of
 # a tensor's largest move (1e-5 absolute at lr=1; tests/test_muon.py's mesh check: atol 1e-5)
@@ -243,9 +247,13 @@ def assert_same(got: dict, want: dict, low: bool, muon: bool = False) -> None:
     assert got["moved"].keys() == want["moved"].keys()
     for path, a in got["moved"].items():
         b = want["moved"][path]
-        if low or muon:
-            tol = LOW_MOVE_TOL if low else MUON_MOVE_TOL
-            np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(b).max() + GRAD_ATOL, err_msg=path)
+        if low:
+            error = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-9)
+            assert error <= LOW_MOVE_TOL, (path, error)
+        elif muon:
+            np.testing.assert_allclose(
+                a, b, rtol=0, atol=MUON_MOVE_TOL * np.abs(b).max() + GRAD_ATOL, err_msg=path
+            )
         else:
             np.testing.assert_allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL, err_msg=path)
 
@@ -282,22 +290,16 @@ def test_each_row_switches_on_exactly_its_features():
         assert not set(compose.active(config(features, oracle=True))) & set(compose.TRANSPARENT), row
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="unfinished (issue #62): rows with bf16/fp16 compute or bf16 state differ from one device "
-    "by 1.5-4% in a step-2 loss or grad norm at lr=1, and dpo/grpo rows are not yet run",
-)
-def test_the_rows_cover_every_accepted_pair_with_a_transparent_feature():
-    """Every pair that holds a transparent feature and that the table does not refuse is in a
-    row (multiprocess aside: its runs are separate processes, tests/test_*multiprocess*)."""
-    covered = {p for features in compose.PAIR_ROWS.values() for p in compose.row_pairs(features)}
-    want = {
+def test_every_accepted_pair_with_a_transparent_feature_is_tested():
+    """Every pair that holds a transparent feature or multiprocess, and that the table does not
+    refuse, names a test (a row here, a row of tests/test_multiprocess_rows.py, or a test of its
+    own); the rows are distinct and list each feature once."""
+    untested = [
         p
         for p in compose.all_pairs()
-        if set(p) & set(compose.TRANSPARENT)
-        and "multiprocess" not in p
-        and not isinstance(compose.status(*p), compose.Refused)
-    }
-    assert not want - covered, sorted(want - covered)
-    assert len(set(compose.PAIR_ROWS)) == len(compose.PAIR_ROWS)
-    assert all(len(set(f)) == len(f) for f in compose.PAIR_ROWS.values())
+        if set(p) & {*compose.TRANSPARENT, "multiprocess"}
+        and isinstance(compose.status(*p), compose.Untested)
+    ]
+    assert not untested, untested
+    for rows in (compose.PAIR_ROWS, compose.PROCESS_ROWS):
+        assert all(len(set(f)) == len(f) for f in rows.values())

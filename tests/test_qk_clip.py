@@ -15,7 +15,9 @@ from jaxtrain.config import ConfigError
 from jaxtrain.models import logit_stats
 from jaxtrain.trainer import qk_clip
 from jaxtrain.trainer.batches import batch_to_device
+from tests import reference_llama as reference
 from tests.conftest import program_on_mesh, tiny_config
+from tests.corpora import chatml_token_dirs
 from tests.reference_llama import apply_rope, rms_norm
 
 
@@ -108,29 +110,28 @@ def test_latent_attention_records_its_logits_with_yarns_scale():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
 
 
-def reference_max_logits(params, tokens, cfg):
-    """[layers, heads] largest causal logit of each head: the naive forward (reference_llama's
-    pieces), with the scores' maxima read per layer."""
+def stack(cfg) -> str:
+    return "moe_blocks" if cfg.moe is not None else "blocks"
+
+
+def reference_max_logits(params, tokens, cfg, segment_ids=None, positions=None):
+    """[layers, heads] largest visible logit of each head: tests/reference_llama.py's naive
+    forward (its windows, sinks and query/key norms), with the scores' maxima read per layer.
+    An MoE model has one layer here: its logits come before its experts."""
     b, s = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(s), (b, s))
-    groups = cfg.n_heads // cfg.n_kv_heads
-    causal = np.tril(np.ones((s, s), bool))
-    x = params["embedding"][tokens]
-    out = []
-    for layer in range(cfg.n_layers):
-        p = jax.tree.map(lambda a: a[layer], params["blocks"])
-        hn = rms_norm(x, p["attn_norm"]["scale"], cfg.norm_eps)
-        q, k, v = (jnp.einsum("bsd,dhk->bshk", hn, p["attn"][w]) for w in ("wq", "wk", "wv"))
-        q, k = apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta)
-        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-        scores = jnp.einsum("bqhk,bthk->bhqt", q, k) / np.sqrt(cfg.resolved_head_dim)
-        out.append(jnp.max(jnp.where(causal, scores, -jnp.inf), axis=(0, 2, 3)))
-        attn = jnp.einsum("bhqt,bthk->bqhk", jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1), v)
-        x = x + jnp.einsum("bqhk,hkd->bqd", attn, p["attn"]["wo"])
-        hn = rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps)
-        gate = hn @ p["mlp"]["w_gate"]
-        x = x + (gate * jax.nn.sigmoid(gate) * (hn @ p["mlp"]["w_up"])) @ p["mlp"]["w_down"]
+    positions = jnp.broadcast_to(jnp.arange(s), (b, s)) if positions is None else jnp.asarray(positions)
+    segment_ids = np.ones((b, s), np.int32) if segment_ids is None else np.asarray(segment_ids)
+    mask = reference.causal_mask(segment_ids)
+    x, out = params["embedding"][tokens], []
+    assert cfg.moe is None or cfg.n_layers == 1
+    for kind, p in reference.layers(params, cfg, stack(cfg)):
+        x = reference.block(p, x, positions, mask, cfg, kind, maxima=out, attention_only=cfg.moe is not None)
     return np.asarray(jnp.stack(out))
+
+
+def attention_by_layer(params, cfg) -> list[dict]:
+    """Each layer's attention parameters, in model order (over a pattern's stacks too)."""
+    return [p["attn"] for _, p in reference.layers(params, cfg, stack(cfg))]
 
 
 MLA = "model.mla={q_lora_rank: 16, kv_lora_rank: 16, qk_nope_head_dim: 8, qk_rope_head_dim: 4, v_head_dim: 8}"
@@ -189,37 +190,74 @@ def one_step(*overrides):
         return cfg, initial, batch, jax.device_get(state.params), jax.device_get(metrics)
 
 
+def tau_between_heads(logits) -> float:
+    """A tau in the widest gap between two heads' maxima in the middle half of them: about half
+    the heads over it, and none so close that a 16-bit rounding of its maximum crosses it."""
+    v = np.sort(np.ravel(logits))
+    i = max(range(v.size // 4, 3 * v.size // 4), key=lambda i: v[i + 1] - v[i])
+    return float((v[i] + v[i + 1]) / 2)
+
+
+_MHA = "model.n_kv_heads=4"
+_MOE = "model.moe={num_experts: 4, top_k: 2, expert_mlp_dim: 32}"
+# (overrides, the recorded maxima's tolerance against the float32 reference, the pairs)
+_CLIP_CASES = {
+    "mha": ((_MHA,), 1e-5, ()),
+    "gqa-microbatches-fsdp": (("model.n_kv_heads=2", "train.microbatches=2", "mesh.fsdp=2"), 1e-5, ("fsdp",)),
+    "sinks-pattern-softcap": (
+        (_MHA, "model.attention_sinks=true", "model.attention_pattern=[local,global]",
+         "model.sliding_window=6", "model.final_softcap=2.0"),
+        1e-5,
+        ("sinks", "attention_pattern", "final_softcap"),
+    ),
+    "moe": ((_MHA, "model.n_layers=1", _MOE), 1e-5, ("moe",)),
+    # 16-bit compute records the maxima of 16-bit queries and keys (bf16: 8 bits of mantissa)
+    "bf16": ((_MHA, "model.compute_dtype=bfloat16"), 2e-2, ("bf16",)),
+    "fp16": ((_MHA, "model.compute_dtype=float16"), 5e-3, ("fp16",)),
+    "fp8": ((_MHA, "model.fp8=true"), 5e-2, ("fp8",)),
+    "state16": ((_MHA, "optimizer.state_dtype=bfloat16"), 1e-5, ("state_16bit",)),
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "overrides",
+    "case",
     [
-        ("model.n_kv_heads=4",),
-        pytest.param(
-            ("model.n_kv_heads=2", "train.microbatches=2", "mesh.fsdp=2"),
-            marks=pytest.mark.composes("fsdp+qk_clip"),
-        ),
+        pytest.param(k, id=k, marks=pytest.mark.composes(*(f"{f}+qk_clip" for f in pairs)))
+        for k, (_, _, pairs) in _CLIP_CASES.items()
     ],
-    ids=["mha", "gqa-microbatches-fsdp"],
 )
 @pytest.mark.composes("lm+qk_clip", "dense+qk_clip", "adamw+qk_clip")
-def test_a_step_clips_the_heads_the_forward_pass_found_over_tau(overrides):
+def test_a_step_clips_the_heads_the_forward_pass_found_over_tau(case):
+    overrides, rtol, _ = _CLIP_CASES[case]
     cfg, initial, batch, plain, _ = one_step(*overrides)
     logits = reference_max_logits(initial, batch["inputs"], cfg.model)
-    tau = float(np.median(logits))  # about half the heads over it
+    tau = tau_between_heads(logits)
     assert (logits > tau).any() and (logits < tau).any()
     _, _, _, clipped, metrics = one_step(*overrides, f"optimizer.qk_clip.tau={tau}")
-    # the logged maximum is the forward pass's (f32; the reference's op order differs)
-    np.testing.assert_allclose(metrics["attention/max_logit"], logits.max(), rtol=1e-5)
+    assert_clipped(cfg, logits, tau, plain, clipped, metrics, rtol)
+
+
+def assert_clipped(cfg, logits, tau, plain, clipped, metrics, rtol):
+    """The logged maximum is the reference's; the step with QK-clip is the plain step with each
+    head's query and key weights scaled by the reference's maxima (over tau), nothing else."""
+    # the logged maximum is the forward pass's (f32: the reference's op order differs)
+    np.testing.assert_allclose(metrics["attention/max_logit"], logits.max(), rtol=rtol)
     g = np.where(logits > tau, tau / logits, 1.0)
     grouped = cfg.model.n_kv_heads != cfg.model.n_heads
     q_factor = g if grouped else np.sqrt(g)
-    attn_plain, attn_clipped = plain["blocks"]["attn"], clipped["blocks"]["attn"]
-    np.testing.assert_allclose(attn_clipped["wq"], attn_plain["wq"] * q_factor[:, None, :, None], rtol=2e-5)
-    if grouped:  # a key head serves several query heads: left as the update made it
-        np.testing.assert_array_equal(attn_clipped["wk"], attn_plain["wk"])
-    else:
-        np.testing.assert_allclose(
-            attn_clipped["wk"], attn_plain["wk"] * np.sqrt(g)[:, None, :, None], rtol=2e-5
-        )
+    layers_plain, layers_clipped = (
+        attention_by_layer(plain, cfg.model),
+        attention_by_layer(clipped, cfg.model),
+    )
+    tol = max(rtol, 2e-5)  # a clip by a 16-bit maximum
+    for layer, (a_plain, a_clipped) in enumerate(zip(layers_plain, layers_clipped, strict=True)):
+        want_q = a_plain["wq"] * q_factor[layer][None, :, None]
+        np.testing.assert_allclose(a_clipped["wq"], want_q, rtol=tol, err_msg=f"layer {layer} wq")
+        if grouped:  # a key head serves several query heads: left as the update made it
+            np.testing.assert_array_equal(a_clipped["wk"], a_plain["wk"])
+        else:
+            want_k = a_plain["wk"] * np.sqrt(g[layer])[None, :, None]
+            np.testing.assert_allclose(a_clipped["wk"], want_k, rtol=tol, err_msg=f"layer {layer} wk")
     # everything else is the unclipped step's (the clip comes after the update)
     rest = lambda p: [
         v
@@ -230,7 +268,28 @@ def test_a_step_clips_the_heads_the_forward_pass_found_over_tau(overrides):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.composes("mla+qk_clip", "muon+qk_clip")
+@pytest.mark.composes("chat+qk_clip")
+def test_a_step_on_packed_chat_rows_clips_by_each_documents_own_logits(tmp_path_factory):
+    """Chat data packed in windows (several conversations to a row, positions restarting at
+    each): the maxima are over each document's own keys, as the reference masks them."""
+    dirs = chatml_token_dirs(tmp_path_factory.mktemp("qk_clip_chat"))
+    overrides = (
+        _MHA, "model.vocab_size=320", "data.source=tokens", f"data.paths=[{dirs['chat']}]",
+        "data.packing=windows", "train.seq_len=64",
+    )  # fmt: skip
+    cfg, initial, batch, plain, _ = one_step(*overrides)
+    assert any(len(set(row) - {0}) > 1 for row in np.asarray(batch["segment_ids"]))  # rows pack documents
+    logits = reference_max_logits(
+        initial, batch["inputs"], cfg.model, batch["segment_ids"], batch["positions"]
+    )
+    unmasked = reference_max_logits(initial, batch["inputs"], cfg.model)
+    assert not np.allclose(logits, unmasked)  # the documents' boundaries matter here
+    tau = tau_between_heads(logits)
+    _, _, _, clipped, metrics = one_step(*overrides, f"optimizer.qk_clip.tau={tau}")
+    assert_clipped(cfg, logits, tau, plain, clipped, metrics, 1e-5)
+
+
+@pytest.mark.composes("mla+qk_clip", "muon+qk_clip", "dense+mla")
 def test_a_step_clips_the_latent_attention_heads_over_tau():
     """MLA with Muon (MuonClip as Kimi K2 trains): the step's recorded maxima against the
     naive MLA forward, then the clip of the unclipped step's weights by them (no-RoPE query

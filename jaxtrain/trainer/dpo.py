@@ -86,9 +86,22 @@ def sequence_logps(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> ja
 def pair_logps(
     model, micro: dict, fp8: dict | None, *, packs_documents: bool, pipeline, lora_key=None
 ) -> tuple:
-    """([pairs, 2] f32 log-probabilities of the chosen and rejected sequences, the model's aux)."""
+    """([pairs, 2] f32 log-probabilities of the chosen and rejected sequences, the model's aux).
+
+    Without a pipeline the rows are pair by pair (chosen, rejected, chosen, ...). A pipeline
+    splits its rows into microbatches by stride (row r in microbatch r % M,
+    sharding/microbatches.py), which would put every chosen sequence in one microbatch and every
+    rejected one in the other; MoE's router losses are means over microbatches, so which rows
+    share one changes the loss. There the rows are all chosen sequences, then all rejected ones:
+    microbatch m holds both sequences of pairs m, m + M, ..., as train.microbatches splits pairs
+    (found by tests/test_pairs.py's dpo-circ-tp-ep row)."""
     pairs, _, seq = micro["inputs"].shape
-    rows = {k: sharding.constrain(v.reshape(2 * pairs, seq), ("batch", "seq")) for k, v in micro.items()}
+    side_major = pipeline is not None
+
+    def to_rows(v):
+        return (v.swapaxes(0, 1) if side_major else v).reshape(2 * pairs, seq)
+
+    rows = {k: sharding.constrain(to_rows(v), ("batch", "seq")) for k, v in micro.items()}
     with jax.named_scope("forward"):
         x, aux = model.hidden(
             rows["inputs"],
@@ -100,6 +113,8 @@ def pair_logps(
         )
     with jax.named_scope("loss"):
         logps = sequence_logps(model.project(x), rows["targets"], rows["loss_mask"])
+    if side_major:
+        return logps.reshape(2, pairs).swapaxes(0, 1), aux
     return logps.reshape(pairs, 2), aux
 
 
