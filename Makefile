@@ -10,14 +10,27 @@ STAMP := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 ARGS ?=
 
-.PHONY: train test test-jax011 venv bench clean
+.PHONY: train test test-fast test-report test-jax011 venv bench clean
 train: $(STAMP)
 	$(VPY) -m jaxtrain train $(CONFIG) $(ARGS)
 
 # --max-worker-restart=0: xdist 3.8 can hang replacing a crashed worker under loadfile
 # (pytest-dev/pytest-xdist#784, #1313); a crash ends the run as a failure instead.
+# --durations=20 and build/test-results.xml: the time budget is watched on every run (make test-report).
+PYTEST := $(VPY) -m pytest -n auto --dist loadfile --max-worker-restart=0
 test: $(STAMP)
-	$(VPY) -m ruff check . && $(VPY) -m ruff format --check . && $(VPY) -m pytest -n auto --dist loadfile --max-worker-restart=0 $(ARGS)
+	$(VPY) -m ruff check . && $(VPY) -m ruff format --check . && \
+	$(PYTEST) --durations=20 --junitxml=build/test-results.xml $(ARGS)
+
+# The inner loop: the unit tier, without notebooks, multi-process runs, deviceless pod compiles
+# and the marked slow cases (docs/testing.md). make test stays the whole suite.
+FAST := not notebook and not multiprocess and not deviceless and not slow
+test-fast: $(STAMP)
+	$(PYTEST) -m "$(FAST)" --durations=10 --junitxml=build/test-fast-results.xml $(ARGS)
+
+# The last run's time per area against its budget, the ten slowest tests, every test over 60 s.
+test-report:
+	$(VPY) .ci/test_report.py $(or $(RESULTS),build/test-results.xml)
 
 # The GPU host runs jax 0.11.2 (CUDA 13); we pin 0.12.0.1. This runs the GPU-path tests (cuDNN
 # attention and the dispatcher, the GPU memory plan, the launch flags, deviceless H100

@@ -97,6 +97,22 @@ def pytest_configure(config):
     sys.unraisablehook = one_at_a_time
 
 
+# The tiers `make test-fast` leaves out (docs/testing.md), by file: what these run is their point
+NOTEBOOK_FILES = {"test_notebooks.py"}
+MULTIPROCESS_FILES = {"test_multiprocess.py", "test_grpo_multiprocess.py", "test_multiprocess_rows.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """`notebook` on the notebooks' tests and `multiprocess` on the files that launch several
+    processes (single tests elsewhere carry the marker themselves)."""
+    for item in items:
+        name = item.path.name
+        if name in NOTEBOOK_FILES:
+            item.add_marker(pytest.mark.notebook)
+        if name in MULTIPROCESS_FILES:
+            item.add_marker(pytest.mark.multiprocess)
+
+
 @pytest.fixture
 def repo_root():
     return REPO

@@ -272,6 +272,7 @@ def _choices(errs):
     return [(int(m.group(1)), m.group(2)) for m in found]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow  # four two-process runs: about two minutes on a loaded 2-core machine
 def test_two_processes_kill_9_resume_from_the_local_tier_then_without_process_1s_folder(tmp_path):
     """The issue's evidence: two processes (mesh.dcn_data=2), persistent every 10, local every
@@ -325,6 +326,7 @@ def test_two_processes_kill_9_resume_from_the_local_tier_then_without_process_1s
         assert tuple(r[k] for k in COMPARED) == ref[r["step"]], (r, ref[r["step"]])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow  # three two-process runs: about two minutes on a loaded 2-core machine
 def test_two_processes_sharded_state_corrupt_or_missing_local_step_falls_back_together(tmp_path):
     """fsdp=8 across both processes: each holds half of every array, so no process can stand

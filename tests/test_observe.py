@@ -250,6 +250,7 @@ def test_goodput_of_a_run_killed_once_charges_the_redone_steps(tmp_path):
     assert {r["_step"] for r in logged["history"] if "train/loss" in r} >= set(range(11, 25))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_slowed_process_is_named_in_a_two_process_run(tmp_path):
