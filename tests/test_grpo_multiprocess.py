@@ -11,14 +11,12 @@ import os
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from jaxtrain.trainer import train
 from tests.conftest import REPO, tiny_config
 from tests.test_checkpoint_kill import records
-from tests.test_multiprocess import COMMON, RTOL, assert_ok, launch, wait_all
-from tests.test_post_training_kill import flatten
+from tests.test_multiprocess import COMMON, RTOL, assert_ok, final_params, launch, wait_all
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -44,15 +42,6 @@ FLOATS = ("loss", "grad_norm", "grpo/reward", "grpo/reward_std", "grpo/kl", "grp
 
 def _rollouts(out_dir):
     return [json.loads(line) for line in open(os.path.join(out_dir, "rollouts.jsonl")).read().splitlines()]
-
-
-def _final(out_dir):
-    """The last checkpoint's parameters as host arrays (whichever devices wrote them)."""
-    path = os.path.join(out_dir, "checkpoints", str(STEPS), "state")
-    checkpointer = ocp.PyTreeCheckpointer()
-    tree = checkpointer.metadata(path).item_metadata.tree
-    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    return flatten(checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))["params"])
 
 
 @pytest.mark.composes("grpo+multiprocess")
@@ -81,7 +70,7 @@ def test_grpo_on_two_processes_equals_one_process(tmp_path):
     # Adam divides each gradient by its own RMS: an element whose gradient is near zero moves
     # a rounding difference of the gradient up to the learning rate (3e-3 x warmup); atol 1e-5
     # is under 2% of one step (seen: 2.4e-6 at most; 9 of 115,008 elements differ by > 1e-7)
-    want, got = _final(ref_dir), _final(two_dir)
+    want, got = final_params(ref_dir, STEPS), final_params(two_dir, STEPS)
     assert want.keys() == got.keys()
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=RTOL, atol=1e-5, err_msg=k)

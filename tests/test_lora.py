@@ -343,6 +343,17 @@ def _lora_moe_cfg(**mesh):
     return replace(cfg, mesh=mesh)
 
 
+def _with_random_b(state) -> dict:
+    """The whole parameter tree (host arrays) with each adapter's B drawn at random (a fresh B
+    is zero, which leaves A without gradient and the adapters without effect)."""
+    base, adapters = jax.device_get((state.frozen, state.params))
+    rng = np.random.default_rng(0)
+    adapters = jax.tree_util.tree_map_with_path(
+        lambda p, x: rng.normal(0, 0.05, x.shape).astype(x.dtype) if p[-1].key == "b" else x, adapters
+    )
+    return lora.join(base, adapters)
+
+
 def _adapter_loss_and_grads(cfg, whole=None):
     """(loss, adapter gradients, every parameter's PartitionSpec, the whole parameter tree) of one
     synthetic batch; `whole` None: the seed's base with B drawn at random (a fresh B is zero,
@@ -351,13 +362,7 @@ def _adapter_loss_and_grads(cfg, whole=None):
 
     with program_on_mesh(cfg) as (program, state, data):
         if whole is None:
-            base, adapters = jax.device_get((state.frozen, state.params))
-            rng = np.random.default_rng(0)
-            adapters = jax.tree_util.tree_map_with_path(
-                lambda p, x: rng.normal(0, 0.05, x.shape).astype(x.dtype) if p[-1].key == "b" else x,
-                adapters,
-            )
-            whole = lora.join(base, adapters)
+            whole = _with_random_b(state)
         loss, _, grads = program.loss_and_grads(whole, batch_to_device(next(data), program.batch_sharding))
         specs = jax.tree.map(lambda s: s.spec, program.param_shardings)
         return float(loss), jax.device_get(grads), specs, whole
@@ -466,14 +471,8 @@ def test_adapters_beside_every_layer_feature_equal_the_weights_merged_by_hand():
         with program_on_mesh(cfg) as (program, state, data):
             batch = next(data)
             if cfg.model.lora is not None:
-                base, adapters = jax.device_get((state.frozen, state.params))
-                rng = np.random.default_rng(0)
-                adapters = jax.tree_util.tree_map_with_path(
-                    lambda p, x: rng.normal(0, 0.05, x.shape).astype(x.dtype) if p[-1].key == "b" else x,
-                    adapters,
-                )
-                whole = lora.join(base, adapters)
-                assert "mtp" in adapters and "moe_blocks" in adapters  # the modules and the experts adapted
+                whole = _with_random_b(state)
+                assert "mtp" in state.params and "moe_blocks" in state.params  # modules and experts adapted
             else:
                 whole = _merged_by_hand(whole, 8 / 4)
             loss, _, _ = program.loss_and_grads(whole, batch_to_device(batch, program.batch_sharding))

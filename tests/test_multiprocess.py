@@ -79,6 +79,20 @@ def launch(out_dir, *extra, heartbeat=20):
     return procs
 
 
+def final_params(out_dir, step) -> dict:
+    """Checkpoint `step`'s parameters as host arrays, {path: array} (whichever processes wrote
+    its shards)."""
+    import orbax.checkpoint as ocp
+
+    from tests.test_post_training_kill import flatten
+
+    path = os.path.join(out_dir, "checkpoints", str(step), "state")
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(path).item_metadata.tree
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    return flatten(checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))["params"])
+
+
 def wait_all(procs, timeout=300):
     results = []
     deadline = time.monotonic() + timeout

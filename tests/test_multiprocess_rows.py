@@ -27,7 +27,6 @@ import sys
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from jaxtrain import compose, sharding
@@ -37,7 +36,7 @@ from jaxtrain.trainer.program import build_program
 from tests.conftest import REPO, child_env, tiny_config
 from tests.corpora import chatml_token_dirs
 from tests.test_checkpoint_kill import records
-from tests.test_multiprocess import assert_ok, free_port, wait_all
+from tests.test_multiprocess import assert_ok, final_params, free_port, wait_all
 from tests.test_pairs import (
     BASE,
     GRAD_ATOL,
@@ -132,15 +131,6 @@ def two_processes(tmp_path_factory, data):
     return dirs
 
 
-def _final(out_dir):
-    """The last checkpoint's parameters as host arrays (whichever processes wrote them)."""
-    path = os.path.join(out_dir, "checkpoints", str(STEPS), "state")
-    checkpointer = ocp.PyTreeCheckpointer()
-    tree = checkpointer.metadata(path).item_metadata.tree
-    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    return flatten(checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))["params"])
-
-
 def _seed_params(cfg) -> dict:
     """The weights train() starts from (the seed's), on cfg's mesh in this process."""
     mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[: math.prod(cfg.mesh.sizes().values())])
@@ -169,7 +159,7 @@ def test_two_processes_equal_one(row, two_processes, data, tmp_path):
                 g[key], w[key], rtol=LOW_LOSS_RTOL if low else RTOL, err_msg=f"step {g['step']} {key}"
             )
     start = _seed_params(cfg)
-    want, got = _final(tmp_path), _final(two_dir)
+    want, got = final_params(tmp_path, STEPS), final_params(two_dir, STEPS)
     assert want.keys() == got.keys() == start.keys()
     for k in want:
         moved, want_moved = got[k] - start[k], want[k] - start[k]

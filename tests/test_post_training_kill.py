@@ -8,7 +8,6 @@ gradient norm, learning rate, DPO's rewards) and the final checkpoint's adapters
 optimizer state must be equal bit for bit (as tests/test_checkpoint_kill.py holds pretraining
 to)."""
 
-import gzip
 import json
 import os
 import re
@@ -22,12 +21,11 @@ import orbax.checkpoint as ocp
 import pytest
 import yaml
 
-from jaxtrain.data.tokenize import run_tokenize
 from jaxtrain.interchange.convert import architecture_of, hf_to_ckpt
 from jaxtrain.trainer.dpo import METRICS as DPO_METRICS
 from tests.conftest import REPO
+from tests.corpora import chatml_token_dirs
 from tests.test_checkpoint_kill import env, finalized_steps, finish, records, wait_for
-from tests.test_tokenize import parse
 
 pytestmark = [
     pytest.mark.timeout(900),
@@ -87,17 +85,7 @@ def setup(tmp_path_factory):
     run_config["model"] = {**run_config["model"], **architecture_of(model)}
     (tmp / "config.yaml").write_text(yaml.safe_dump(run_config))
 
-    with gzip.open(ASSETS / "chat" / "expected.json.gz", "rt", encoding="utf-8") as f:
-        conversations = json.load(f)["conversations"][:12]
-    rows = tmp / "chat.jsonl"
-    rows.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
-    assert (
-        run_tokenize(parse(rows, "--chat", "--tokenizer", CHATML, "--out", tmp / "chat", "--no-progress"))
-        == 0
-    )
-    pairs = ASSETS / "dpo" / "pairs.jsonl"
-    args = parse(pairs, "--preference", "--tokenizer", CHATML, "--out", tmp / "pairs", "--no-progress")
-    assert run_tokenize(args) == 0
+    chatml_token_dirs(tmp)  # tmp / "chat" and tmp / "pairs"
     return tmp
 
 
