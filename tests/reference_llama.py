@@ -109,7 +109,9 @@ def layers(params, cfg, key="blocks"):
 
 
 def causal_mask(segment_ids):
+    """[b, q, k]: k at or before q, in q's document (jnp: the ids may be traced)."""
     s = segment_ids.shape[1]
+    segment_ids = jnp.asarray(segment_ids)
     return np.tril(np.ones((s, s), bool))[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])
 
 
@@ -121,7 +123,7 @@ def forward(params, tokens, cfg, positions=None, segment_ids=None, hidden=False)
         positions = jnp.broadcast_to(jnp.arange(s), (b, s))
     if segment_ids is None:
         segment_ids = jnp.ones((b, s), jnp.int32)
-    mask = causal_mask(np.asarray(segment_ids))
+    mask = causal_mask(segment_ids)
     x = params["embedding"][tokens]
     for kind, p in layers(params, cfg):
         x = block(p, x, positions, mask, cfg, kind)
