@@ -30,7 +30,7 @@ test-fast: $(STAMP)
 
 # The last run's time per area against its budget, the ten slowest tests, every test over 60 s.
 test-report:
-	$(VPY) .ci/test_report.py $(or $(RESULTS),build/test-results.xml)
+	$(VPY) .ci/test_report.py $(or $(RESULTS),build/test-results.xml) $(ARGS)
 
 # The GPU host runs jax 0.11.2 (CUDA 13); we pin 0.12.0.1. This runs the GPU-path tests (cuDNN
 # attention and the dispatcher, the GPU memory plan, the launch flags, deviceless H100

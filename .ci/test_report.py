@@ -2,9 +2,15 @@
 wall time per area against its budget (docs/testing.md), the ten slowest tests, and every test
 over 60 s. A report, not a failing test: timings on shared 2-core machines are noisy.
 
-    python .ci/test_report.py [build/test-results.xml]"""
+It also keeps `make test-fast` fast: tests/slow_tests.txt lists every test that took over
+FAST_LIMIT seconds (tests/conftest.py marks them `slow`, which test-fast leaves out). The report
+names the tests over the limit that the list misses; `--write-slow`, after a full `make test`,
+rewrites the list from the run.
+
+    python .ci/test_report.py [build/test-results.xml] [--write-slow]"""
 
 import collections
+import os
 import sys
 import xml.etree.ElementTree as ET
 
@@ -24,6 +30,14 @@ AREAS = {
 }  # fmt: skip
 OTHER_BUDGET = 990  # the rest: the budgets add up to 2400 worker seconds (20 minutes on 2 workers)
 SLOW = 60.0
+# A test of the unit tier (make test-fast) takes at most this long in a full run (setup included)
+FAST_LIMIT = 3.0
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SLOW_LIST = os.path.join(REPO, "tests", "slow_tests.txt")
+SLOW_LIST_HEADER = f"""\
+# Tests over {FAST_LIMIT:.0f} s of a full `make test` (setup included): marked slow, so `make test-fast`
+# leaves them out; `make test` runs them. Written by `make test-report ARGS=--write-slow`.
+"""
 
 
 def area(classname: str) -> str:
@@ -34,11 +48,20 @@ def area(classname: str) -> str:
     return "everything else"
 
 
-def main(path: str) -> int:
-    cases = []
+def listed_slow() -> set[str]:
+    if not os.path.exists(SLOW_LIST):
+        return set()
+    with open(SLOW_LIST) as f:
+        return {line.strip() for line in f if line.strip() and not line.startswith("#")}
+
+
+def main(path: str, write_slow: bool = False) -> int:
+    cases, spent = [], collections.Counter()
     for case in ET.parse(path).getroot().iter("testcase"):
         node = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
         cases.append((float(case.get("time", 0)), node, area(case.get("classname", ""))))
+        for prop in case.iter("property"):  # tests/conftest.py: what the test's process spent on programs
+            spent[prop.get("name")] += float(prop.get("value"))
     per_area = collections.defaultdict(float)
     for t, _, a in cases:
         per_area[a] += t
@@ -47,6 +70,12 @@ def main(path: str) -> int:
         f"{len(cases)} tests, {total:.0f} s of worker time "
         f"(two workers: about {total / 120:.1f} min of wall time)"
     )
+    if spent:
+        print(
+            f"in the test processes (subprocesses not counted): tracing {spent['trace_s']:.0f} s, "
+            f"lowering {spent['lower_s']:.0f} s, compiling {spent['compile_s']:.0f} s "
+            f"({spent['compiles']:.0f} programs, {spent['cache_hits']:.0f} of them from the cache)"
+        )
     print("\nper area (worker seconds, budget):")
     for a, t in sorted(per_area.items(), key=lambda kv: -kv[1]):
         budget = AREAS[a][1] if a in AREAS else OTHER_BUDGET
@@ -59,8 +88,24 @@ def main(path: str) -> int:
     print(f"\nover {SLOW:.0f} s: {len(slow)}")
     for t, node in sorted(slow, reverse=True):
         print(f"  {t:6.1f} s  {node}")
+    over = {n for t, n, _ in cases if t > FAST_LIMIT}
+    fast = [(t, n) for t, n, _ in cases if n not in over]
+    print(
+        f"\nthe unit tier (tests up to {FAST_LIMIT:.0f} s): {len(fast)} tests, "
+        f"{sum(t for t, _ in fast):.0f} s of worker time"
+    )
+    if write_slow:
+        with open(SLOW_LIST, "w") as f:
+            f.write(SLOW_LIST_HEADER + "".join(f"{n}\n" for n in sorted(over)))
+        print(f"wrote {len(over)} tests to {os.path.relpath(SLOW_LIST)}")
+    else:
+        missing = sorted(over - listed_slow())
+        print(f"over {FAST_LIMIT:.0f} s but not in tests/slow_tests.txt: {len(missing)}")
+        for node in missing:
+            print(f"  {node}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "build/test-results.xml"))
+    args = [a for a in sys.argv[1:] if a != "--write-slow"]
+    sys.exit(main(args[0] if args else "build/test-results.xml", write_slow="--write-slow" in sys.argv))

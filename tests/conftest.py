@@ -44,6 +44,7 @@ os.environ.setdefault("JAXTRAIN_RESULTS_DIR", "off")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+import collections  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import sys  # noqa: E402
@@ -95,6 +96,11 @@ def pytest_configure(config):
             hook(unraisable)
 
     sys.unraisablehook = one_at_a_time
+    # and count what each test spends making programs (pytest_runtest_protocol below)
+    import jax.monitoring
+
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+    jax.monitoring.register_event_listener(_on_event)
 
 
 # The tiers `make test-fast` leaves out (docs/testing.md), by file: what these run is their point
@@ -102,15 +108,71 @@ NOTEBOOK_FILES = {"test_notebooks.py"}
 MULTIPROCESS_FILES = {"test_multiprocess.py", "test_grpo_multiprocess.py", "test_multiprocess_rows.py"}
 
 
+# Tests that took over .ci/test_report.py's FAST_LIMIT seconds in a full run, one node id per line:
+# `slow` (left out of `make test-fast`), written by `make test-report ARGS=--write-slow`
+SLOW_LIST = os.path.join(REPO, "tests", "slow_tests.txt")
+
+
+def slow_node_ids(path: str = SLOW_LIST) -> set[str]:
+    with open(path) as f:
+        return {line.strip() for line in f if line.strip() and not line.startswith("#")}
+
+
 def pytest_collection_modifyitems(config, items):
-    """`notebook` on the notebooks' tests and `multiprocess` on the files that launch several
-    processes (single tests elsewhere carry the marker themselves)."""
+    """`notebook` on the notebooks' tests, `multiprocess` on the files that launch several
+    processes (single tests elsewhere carry the marker themselves) and `slow` on the tests
+    tests/slow_tests.txt lists (measured, not guessed: the unit tier is what runs quickly)."""
+    slow = slow_node_ids()
     for item in items:
         name = item.path.name
         if name in NOTEBOOK_FILES:
             item.add_marker(pytest.mark.notebook)
         if name in MULTIPROCESS_FILES:
             item.add_marker(pytest.mark.multiprocess)
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
+
+
+# What each test's own process spent making programs (CLI and worker subprocesses not counted),
+# from jax.monitoring: written into the JUnit file as each test's properties, summed by
+# `make test-report`. Tracing and lowering are Python; compiling is XLA (a cache hit skips it).
+_JAX_DURATIONS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+    "/jax/core/compile/backend_compile_duration": "compile_s",
+}
+_jax_spent: collections.Counter = collections.Counter()
+_JAX_BEFORE = pytest.StashKey[dict]()
+
+
+def _on_duration(event: str, seconds: float, **_) -> None:
+    key = _JAX_DURATIONS.get(event)
+    if key is not None:
+        _jax_spent[key] += seconds
+        _jax_spent[key.replace("_s", "s")] += 1
+
+
+def _on_event(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _jax_spent["cache_hits"] += 1
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    item.stash[_JAX_BEFORE] = dict(_jax_spent)
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Before the teardown report is made (JUnit takes a test's properties from it): what the
+    test's setup, call and teardown spent."""
+    if call.when == "teardown" and _JAX_BEFORE in item.stash:
+        before = item.stash[_JAX_BEFORE]
+        for key, value in _jax_spent.items():
+            if value - before.get(key, 0):
+                item.user_properties.append((key, round(value - before.get(key, 0), 3)))
+    return (yield)
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from jaxtrain import cli
 from jaxtrain.config import ConfigError
 from jaxtrain.planning.compile import parse_target
 from jaxtrain.sharding import targets
+from tests._deviceless_compiles import each_program_compiled_once
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
@@ -18,6 +19,16 @@ LLAMA2_70B = os.path.join(REPO, "configs", "llama2-70b.yaml")
 
 needs_tpu = pytest.mark.skipif(not targets.tpu_available(), reason="libtpu not installed")
 needs_cuda = pytest.mark.skipif(not targets.cuda_available(), reason="jax-cuda12-plugin not installed")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _each_program_compiled_once():
+    """The tiny v5p-8 step that the CLI compiles in test_tiny_compiles_for_tpu_v5p_8 (and its 1-
+    and 2-layer cost variants) is compiled once for the file: test_two_slices_put_data_parallelism_on_dcn
+    compiles the same single-slice program and test_uncharged_kernels_drop_exactly_the_attention_flops
+    the same charged variants (tests/_deviceless_compiles.py)."""
+    with each_program_compiled_once():
+        yield
 
 
 def run_compile(capsys, *args):

@@ -97,15 +97,31 @@ def loss_and_grads(cfg):
         return float(loss), jax.device_get(grads), jax.tree.map(lambda g: g.sharding.spec, grads)
 
 
+@pytest.fixture(scope="module")
+def one_device():
+    """name -> the one-device (loss, grads, specs) of its model, each computed once in this
+    file: gemma2's serves its sharded case and both kernel/ring cases."""
+    cache = {}
+
+    def get(name):
+        model = FAMILIES.get(name) or SHARDED[name]
+        key = next(n for n, m in {**FAMILIES, **SHARDED}.items() if m is model)
+        if key not in cache:
+            cache[key] = loss_and_grads(family_cfg(key, fsdp=1, tensor=1))
+        return cache[key]
+
+    return get
+
+
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=pytest.mark.composes(*SHARDED_PAIRS[n])) for n in SHARDED]
 )
-def test_sharded_step_equals_one_device(name):
+def test_sharded_step_equals_one_device(one_device, name):
     """fsdp=2 x tensor=2 (the MoE family: x expert=2): the loss and every gradient equal the
     single-device ones, the biases and QK-norm scales included, and those are split with
     their heads over tensor as the rules say."""
     mesh = dict(fsdp=2, tensor=2, expert=2 if "moe" in name else 1)
-    ref_loss, ref_grads, _ = loss_and_grads(family_cfg(name, fsdp=1, tensor=1))
+    ref_loss, ref_grads, _ = one_device(name)
     loss, grads, specs = loss_and_grads(family_cfg(name, **mesh))
     np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
     jax.tree.map(
@@ -124,14 +140,16 @@ def test_sharded_step_equals_one_device(name):
 
 
 def test_new_parameters_are_counted_and_never_decayed():
-    """param_count equals the built model's, and biases and QK-norm scales get no weight decay."""
+    """param_count equals the built model's, and biases and QK-norm scales get no weight decay.
+    The model is built abstractly (shapes and metadata, no values: nothing here reads one)."""
     from flax import nnx
 
     from jaxtrain import models
 
     for name in FAMILIES:
         cfg = family_cfg(name, fsdp=1).model
-        model = models.Transformer(cfg, rngs=nnx.Rngs(0))
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):  # as models.abstract_model
+            model = nnx.eval_shape(lambda cfg=cfg: models.Transformer(cfg, rngs=nnx.Rngs(0)))
         params = nnx.state(model, nnx.Param)
         assert sum(x.size for x in jax.tree.leaves(params)) == cfg.param_count(), name
         axes = jax.tree.leaves(
@@ -196,12 +214,12 @@ def test_gemma_settings_resolve_to_what_runs_them():
     ],
 )
 def test_gemma2_attention_on_the_kernels_and_the_ring_equals_xla_on_one_device(
-    mesh, attention_impl, context_impl
+    one_device, mesh, attention_impl, context_impl
 ):
     """Gemma 2's local layers (window 5 across the ring's chunks of 8), logit softcap and query
     scale through the Pallas kernel and ring attention: loss and every gradient equal XLA's
     attention on one device."""
-    ref_loss, ref_grads, _ = loss_and_grads(family_cfg("gemma2", fsdp=1))
+    ref_loss, ref_grads, _ = one_device("gemma2")
     cfg = family_cfg("gemma2", **mesh)
     cfg = replace(cfg, model=dict(attention_impl=attention_impl, context_impl=context_impl))
     loss, grads, _ = loss_and_grads(cfg)

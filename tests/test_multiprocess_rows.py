@@ -29,10 +29,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import compose, sharding
-from jaxtrain.planning.resolve import axis_rules, resolve_for_mesh
+from jaxtrain import compose
 from jaxtrain.trainer import train
-from jaxtrain.trainer.program import build_program
 from tests.conftest import REPO, child_env, tiny_config
 from tests.corpora import chatml_token_dirs
 from tests.test_checkpoint_kill import records
@@ -131,13 +129,11 @@ def two_processes(tmp_path_factory, data):
     return dirs
 
 
-def _seed_params(cfg) -> dict:
-    """The weights train() starts from (the seed's), on cfg's mesh in this process."""
-    mesh = sharding.make_mesh(cfg.mesh.sizes(), jax.devices()[: math.prod(cfg.mesh.sizes().values())])
-    cfg = resolve_for_mesh(cfg, mesh)
-    rules = axis_rules(cfg)
-    with jax.set_mesh(mesh), sharding.axis_rules(rules):
-        return flatten(jax.device_get(build_program(cfg, mesh, rules).init().params))
+def _seed_params(result) -> dict:
+    """The weights train() started from (the seed's): its own program's init, run again on its
+    mesh (no second program to trace)."""
+    with jax.set_mesh(result.mesh):
+        return flatten(jax.device_get(result.program.init().params))
 
 
 @pytest.mark.parametrize("row", [_param(r) for r in compose.PROCESS_ROWS])
@@ -148,7 +144,7 @@ def test_two_processes_equal_one(row, two_processes, data, tmp_path):
     assert not errors, errors[0].read_text()[-3000:]
     cfg = tiny_config(tmp_path, *row_overrides(row, data), "mesh.data=2")
     assert math.prod(cfg.mesh.sizes().values()) == 8
-    train(cfg, devices=jax.devices())
+    result = train(cfg, devices=jax.devices())
     low = bool(LOW_PRECISION & set(features))
 
     want, got = records(tmp_path), records(two_dir)  # metrics.jsonl: process 0 only
@@ -158,8 +154,9 @@ def test_two_processes_equal_one(row, two_processes, data, tmp_path):
             np.testing.assert_allclose(
                 g[key], w[key], rtol=LOW_LOSS_RTOL if low else RTOL, err_msg=f"step {g['step']} {key}"
             )
-    start = _seed_params(cfg)
-    want, got = final_params(tmp_path, STEPS), final_params(two_dir, STEPS)
+    start = _seed_params(result)
+    # this run's final weights as it holds them; the two processes' from the checkpoint they wrote
+    want, got = flatten(jax.device_get(result.state.params)), final_params(two_dir, STEPS)
     assert want.keys() == got.keys() == start.keys()
     for k in want:
         moved, want_moved = got[k] - start[k], want[k] - start[k]

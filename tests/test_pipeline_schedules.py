@@ -445,13 +445,19 @@ def test_zero_bubble_equals_one_device(four_layer_single_device, microbatches):
     assert_matches(loss_and_grads(cfg), four_layer_single_device)
 
 
+@pytest.fixture(scope="module")
+def eight_layer_single_device():
+    """The one-device oracle of both interleaved cases, computed once."""
+    return loss_and_grads(_cfg(8))
+
+
 @pytest.mark.slow
 @pytest.mark.composes(
     "lm+interleaved_1f1b", "dense+interleaved_1f1b", "fsdp+interleaved_1f1b", "tensor+interleaved_1f1b"
 )
 @pytest.mark.parametrize("microbatches", [2, 4])
-def test_interleaved_1f1b_8_layers_repeats2_equals_one_device(microbatches):
-    ref = loss_and_grads(_cfg(8))
+def test_interleaved_1f1b_8_layers_repeats2_equals_one_device(eight_layer_single_device, microbatches):
+    ref = eight_layer_single_device
     cfg = replace(
         _cfg(8),
         mesh=dict(stage=2, fsdp=2, tensor=2),

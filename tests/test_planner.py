@@ -18,9 +18,19 @@ from jaxtrain.planning.footprint import REMAT_BY_COST, estimate, pipeline_inputs
 from jaxtrain.planning.planner import MESH_ORDER, Candidate, apply, plan, write_config
 from jaxtrain.planning.resolve import Placement, placement_of_devices, resolve
 from jaxtrain.sharding import targets
+from tests._deviceless_compiles import each_program_compiled_once
 
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
 MiB = 2**20
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _each_program_compiled_once():
+    """A program the planner compiles is not compiled again by the test that checks its verdict
+    (test_a_compiled_rejection_is_true: the rejected row, and the pick where there is one),
+    tests/_deviceless_compiles.py."""
+    with each_program_compiled_once():
+        yield
 
 
 def _auto(cfg, **train):
@@ -204,8 +214,10 @@ def test_pick_compiles_and_fits_and_a_memory_rejection_really_does_not_fit():
 def test_a_compiled_rejection_is_true():
     """With the analytic check out of the way (headroom 100), the compiler has the verdict on
     the fastest candidates; a row rejected as `compiled X GiB does not fit` really does not
-    fit by a fresh compile of that candidate, and the pick really does (tiny model,
-    deviceless v5p-8, device memory stated as 12 MiB)."""
+    fit by a fresh compile_report of that candidate, and the pick really does (tiny model,
+    deviceless v5p-8, device memory stated as 12 MiB). The report's config, program and
+    lowering are made afresh; the device compiler's run on the lowered program, identical to
+    the one the planner compiled, is not repeated (tests/_deviceless_compiles.py)."""
     cfg = tiny_config()
     target = dataclasses.replace(parse_target("tpu:v5p-8"), hbm_bytes=12 * MiB)
     p = plan(cfg, target, top=1, headroom=100.0, charge_kernels=False)

@@ -46,9 +46,22 @@ def report(name, losses, bf16):
     return diff
 
 
+# Rows of 64 tokens, not the tiny config's 128, for the runs that compare precisions step by
+# step: the steps were most of these runs' time, and the row length is not what they compare.
+# The overflow test keeps 128 (its bound on how far the loss falls in 50 steps is measured there).
+ROWS = "train.seq_len=64"
+
+
 @pytest.fixture(scope="module")
 def bf16():
+    """bfloat16's 50 losses on the tiny config as it is."""
     return np.array([m["loss"] for m in run_steps("model.compute_dtype=bfloat16")[1]])
+
+
+@pytest.fixture(scope="module")
+def bf16_rows64():
+    """bfloat16's 50 losses with rows of 64 tokens (ROWS)."""
+    return np.array([m["loss"] for m in run_steps("model.compute_dtype=bfloat16", ROWS)[1]])
 
 
 def test_loss_scale_backs_off_grows_and_stops_at_its_bounds():
@@ -71,20 +84,21 @@ def test_loss_scale_backs_off_grows_and_stops_at_its_bounds():
 
 
 @pytest.mark.composes("lm+bf16", "dense+bf16", "bf16+adamw", "data+bf16", "fsdp+bf16", "circular+bf16")
-def test_bf16_tracks_float32_on_one_device_and_on_meshes(bf16):
+def test_bf16_tracks_float32_on_one_device_and_on_meshes(bf16_rows64):
     """bfloat16 compute (float32 master weights and Adam state, the presets' setting) against
-    float32 compute: within 0.02 of its loss at every one of 50 steps (measured 0.005). The
-    same 10-step bf16 run on data x fsdp, and a 4-layer one on a circular pipeline over fsdp,
-    equal their one-device bf16 runs to bf16's rounding of differently ordered sums: within
-    1e-3 relative at every step (measured 5e-5 on data x fsdp; a 10-step run, since the
-    learning-rate schedule follows train.steps)."""
-    _, m32 = run_steps()
+    float32 compute, 64-token rows: within 0.02 of its loss at every one of 50 steps
+    (measured 0.0056; 0.005 with the tiny config's 128). The same 10-step bf16 run on data x
+    fsdp, and a 4-layer one on a circular pipeline over fsdp, equal their one-device bf16
+    runs to bf16's rounding of differently ordered sums: within
+    1e-3 relative at every step (measured 8e-5 on data x fsdp, 6e-5 on the pipeline; a 10-step
+    run, since the learning-rate schedule follows train.steps)."""
+    _, m32 = run_steps(ROWS)
     f32 = np.array([r["loss"] for r in m32])
-    assert report("bf16 vs float32", bf16, f32).max() < 0.02
+    assert report("bf16 vs float32", bf16_rows64, f32).max() < 0.02
     circular = ("mesh.stage=2", "pipeline.schedule=circular", "pipeline.repeats=2", "train.microbatches=2")
     meshes = (((), ("mesh.data=2", "mesh.fsdp=2")), (("model.n_layers=4",), (*circular, "mesh.fsdp=2")))
     for model, mesh in meshes:
-        bf16_10 = ("model.compute_dtype=bfloat16", *model)
+        bf16_10 = ("model.compute_dtype=bfloat16", ROWS, *model)
         one = np.array([r["loss"] for r in run_steps(*bf16_10, steps=10)[1]])
         losses = np.array([r["loss"] for r in run_steps(*bf16_10, *mesh, steps=10)[1]])
         rel = np.abs(losses - one) / np.abs(one)
@@ -93,13 +107,14 @@ def test_bf16_tracks_float32_on_one_device_and_on_meshes(bf16):
 
 
 @pytest.mark.composes("lm+fp16", "dense+fp16", "fp16+adamw")
-def test_fp16_tracks_bf16(bf16):
-    """float16 compute at the default scale (2^15, no overflow on the tiny model): the
-    loss stays within 0.01 of bf16's at every one of 50 steps (measured: 0.005)."""
-    _, m = run_steps("model.compute_dtype=float16")
+def test_fp16_tracks_bf16(bf16_rows64):
+    """float16 compute at the default scale (2^15, no overflow on the tiny model), 64-token
+    rows: the loss stays within 0.01 of bf16's at every one of 50 steps (measured: 0.0056;
+    0.005 with 128-token rows)."""
+    _, m = run_steps("model.compute_dtype=float16", ROWS)
     fp16 = np.array([r["loss"] for r in m])
     assert all(r["loss_scale"] == 2.0**15 and r["loss_scale_skipped"] == 0 for r in m)
-    assert report("fp16", fp16, bf16).max() < 0.01
+    assert report("fp16", fp16, bf16_rows64).max() < 0.01
 
 
 def test_fp16_overflowing_at_the_initial_scale_recovers(bf16):
@@ -126,14 +141,14 @@ def test_fp16_overflowing_at_the_initial_scale_recovers(bf16):
 
 
 @pytest.mark.composes("bf16+fp8", "lm+fp8", "dense+fp8", "fp8+adamw")
-def test_fp8_tracks_bf16(bf16):
+def test_fp8_tracks_bf16(bf16_rows64):
     """model.fp8 (bf16 compute, e4m3 operands / e5m2 gradients, delayed scaling over 16
-    steps): the loss stays within 0.04 of bf16's at every one of 50 steps (measured: 0.02
-    with history 16 and with 1024); the scales have moved off their initial 1, the master
-    weights are still float32."""
-    state, m = run_steps("model.compute_dtype=bfloat16", "model.fp8=true", "model.fp8_amax_history=16")
+    steps), 64-token rows: the loss stays within 0.04 of bf16's at every one of 50 steps
+    (measured: 0.011; with 128-token rows 0.008 to 0.02, with history 16 and with 1024); the
+    scales have moved off their initial 1, the master weights are still float32."""
+    state, m = run_steps("model.compute_dtype=bfloat16", "model.fp8=true", "model.fp8_amax_history=16", ROWS)
     fp8 = np.array([r["loss"] for r in m])
-    diff = report("fp8", fp8, bf16)
+    diff = report("fp8", fp8, bf16_rows64)
     assert diff.max() < 0.04 and all(r["skipped"] == 0 for r in m)
     site = state.fp8["blocks"]["mlp"]["w_down"]
     assert site["input_amax_history"].shape == (2, 16) and np.all(site["input_amax_history"] > 0)
