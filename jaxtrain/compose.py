@@ -118,6 +118,10 @@ _GRPO = (
     "grpo.max_new_tokens=16",
 )
 _MLA = "model.mla={kv_lora_rank: 16, qk_nope_head_dim: 16, qk_rope_head_dim: 8, v_head_dim: 16}"
+_LINEAR = (
+    "model.layer_types=[linear_attention, full_attention]",
+    "model.linear_attention={num_key_heads: 2, num_value_heads: 4, key_head_dim: 16, value_head_dim: 16}",
+)
 # chat's directory: tests/test_compose.py writes one with a chat manifest and puts its path here
 CHAT_DIR = "CHAT_DIR"
 
@@ -139,6 +143,8 @@ FEATURES: tuple[Feature, ...] = (
             ("model.attention_pattern=[local, global]", "model.sliding_window=16")),
     Feature("qk_norm", lambda c: c.model.qk_norm != "none", ("model.qk_norm=head",)),
     Feature("final_softcap", lambda c: c.model.final_softcap is not None, ("model.final_softcap=30.0",)),
+    # gated DeltaNet layers among the attention ones (model.layer_types; models/linear_attention.py)
+    Feature("linear_attention", lambda c: c.model.has_linear_attention, _LINEAR),
     # mesh axes (within a slice or host; across them: multiprocess)
     Feature("data", _mesh_axis("data"), ("mesh.data=2",)),
     Feature("fsdp", _mesh_axis("fsdp"), ("mesh.fsdp=2",)),
@@ -271,6 +277,10 @@ PAIR_ROWS: dict[str, tuple[str, ...]] = {
     "lm-dp-tp-fp8": ("lm", "dense", "data", "tensor", "sequence_parallel", "fp8", "adamw"),
     "lm-i1f1b-fp16": ("lm", "dense", "interleaved_1f1b", "fp16", "adamw"),
     "lm-zb-bf16": ("lm", "dense", "zero_bubble", "bf16", "adamw"),
+    "lm-linear-dp-tp-ep": (
+        "lm", "dense", "linear_attention", "qk_norm", "data", "tensor", "sequence_parallel", "expert",
+        "remat", "offload", "adamw", "zero1", "chunked_loss",
+    ),
 }  # fmt: skip
 
 
@@ -288,6 +298,7 @@ PROCESS_ROWS: dict[str, tuple[str, ...]] = {
     "lm-1f1b-tp": ("lm", "dense", "tensor", "1f1b", "adamw"),
     "lm-i1f1b-ep": ("lm", "moe", "expert", "interleaved_1f1b", "muon"),
     "lm-zb-fsdp": ("lm", "dense", "fsdp", "zero_bubble", "adamw"),
+    "lm-linear-fsdp-tp": ("lm", "dense", "linear_attention", "fsdp", "tensor", "adamw"),
 }  # fmt: skip
 
 
@@ -358,6 +369,18 @@ _QK_CLIP_OBJECTIVE = Refused(
 # run config); the table says the same line
 
 
+_LINEAR_LAYERS = "with linear_attention layers (model.layer_types)"
+
+
+def _linear_not(key: str) -> Refused:
+    return Refused(
+        f"model.{key}={{model.{key}!r}} {_LINEAR_LAYERS}: not supported yet; expected model.{key} off"
+    )
+
+
+_LINEAR_STAGES = Refused(f"mesh.stage={{mesh.stage!r}} {_LINEAR_LAYERS}: expected 1 (no pipeline stages)")
+
+
 def _mla_not(key: str) -> Refused:
     return Refused(f"model.{key}={{model.{key}!r}} with model.mla: not supported with latent attention")
 
@@ -418,6 +441,8 @@ _TWO_PROCESSES = "tests/test_multiprocess.py::test_two_processes_train_as_one_me
 _LORA_PEFT = "tests/test_lora.py::test_losses_and_final_adapters_equal_torch_peft"
 _MUON_MOE_MESH = "tests/test_muon.py::test_muon_on_expert_pipeline_zero1_and_offload_meshes_equals_one_device"
 _REMAT = "tests/test_model.py::test_every_remat_policy_gives_the_gradients_of_none"
+_HYBRID_REF = "tests/test_hybrid_layers.py::test_hybrid_matches_plain_jnp_reference"
+_HYBRID_MESH = "tests/test_hybrid_layers.py::test_sharded_step_equals_one_device"
 
 # the LM objective on the dense model (the defaults) with each of these, against an oracle
 # without it (one device, no pipeline, float32 or bf16, one process) or by hand / torch + peft
@@ -651,6 +676,28 @@ TABLE: dict[str, dict[str, Tested | Refused]] = {
         # 40 s rendezvous timeout), plain lm on stage=2 x context=2 alike
         **_each(TICK_SCHEDULES, _TICK_CONTEXT),
     },
+    # gated DeltaNet layers (model.layer_types), all their pairs here (models/config.py and
+    # config._validate_linear_attention refuse theirs); the objectives, optimizers and 16-bit
+    # numbers: _ORACLE_ROWS below; the transparent features: PAIR_ROWS' lm-linear-dp-tp-ep
+    "linear_attention": {
+        **_tests(f"{_HYBRID_REF}[plain]", "lm", "dense", "qk_norm"),
+        "sinks": Tested(f"{_HYBRID_REF}[sinks]"),
+        **_tests(_HYBRID_MESH, "data", "fsdp", "tensor"),
+        "grpo": Refused(
+            f"train.objective={{train.objective!r}} {_LINEAR_LAYERS}: expected lm or dpo (no decode yet)"
+        ),
+        **{k: _linear_not(k) for k in ("moe", "mla", "mtp", "lora", "fp8")},
+        "attention_pattern": Refused(
+            "model.layer_types with model.attention_pattern={model.attention_pattern}: not supported "
+            "together yet; expected attention_pattern []"
+        ),
+        "context": Refused(
+            f"mesh.context={{mesh.context!r}} {_LINEAR_LAYERS}: expected 1 (the state is not passed "
+            "between shards yet)"
+        ),
+        **_each(SCHEDULES, _LINEAR_STAGES),
+        "qk_clip": Tested("tests/test_hybrid_layers.py::test_qk_clip_scales_the_full_layers_heads_over_tau"),
+    },
     # the pipeline schedules
     **{s: {"fp8": _FP8_STAGES} for s in ("gpipe", "circular")},
     **{s: {"lora": _TICK_LORA, "fp8": _FP8_STAGES, "qk_clip": _TICK_QK_CLIP} for s in TICK_SCHEDULES},
@@ -744,6 +791,14 @@ _ORACLE_ROWS: dict[str, str] = {
     f"{_LOW}[dpo-moe-sinks-pattern-qknorm-softcap-adamw+bf16+fp8]": ("dpo+bf16 dpo+fp8"),
     f"{_LOW}[grpo-moe-pattern-qknorm-adamw+bf16+fp8]": ("grpo+bf16 grpo+fp8"),
     f"{_LOW}[grpo-moe-pattern-qknorm-adamw+fp16+state16]": ("grpo+fp16 grpo+state_16bit"),
+    f"{_ORACLES}[chat-linear-sinks-softcap-muon]": (
+        "chat+linear_attention linear_attention+muon final_softcap+linear_attention"
+    ),
+    f"{_ORACLES}[dpo-linear-qknorm-adamw]": ("dpo+linear_attention linear_attention+adamw"),
+    f"{_LOW}[chat-linear-sinks-softcap-muon+bf16+state16]": (
+        "linear_attention+bf16 linear_attention+state_16bit"
+    ),
+    f"{_LOW}[dpo-linear-qknorm-adamw+fp16]": ("linear_attention+fp16"),
     f"{_LOW}[dpo-moe-sinks-pattern-qknorm-softcap-adamw+fp16+state16]": (
         "dpo+fp16 moe+fp16 sinks+fp16 attention_pattern+fp16 qk_norm+fp16 final_softcap+fp16"
         " fp16+state_16bit dpo+state_16bit"

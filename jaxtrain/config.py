@@ -597,6 +597,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _validate_mesh(cfg)
     _validate_pipeline(cfg)
     _validate_context(cfg)
+    _validate_linear_attention(cfg)
     _validate_train(cfg)
     _validate_dpo(cfg)
     _validate_grpo(cfg)
@@ -691,6 +692,34 @@ def _validate_context(cfg: Config) -> None:
                 f"train.seq_len a multiple of {2 * m.context * tile}, or the Triton kernel "
                 "(attention_impl pallas, gpu_flash_kernel triton)"
             )
+
+
+def _validate_linear_attention(cfg: Config) -> None:
+    """What the gated DeltaNet layers (model.layer_types: linear_attention) do not run with
+    yet, refused in one line; their key heads split over mesh.tensor as whole groups."""
+    model, m = cfg.model, cfg.mesh
+    if not model.has_linear_attention:
+        return
+    la = model.linear_attention
+    refused = {
+        "mesh.stage": (m.stage not in (0, 1), m.stage, "1 (no pipeline stages)"),
+        "mesh.context": (
+            m.context not in (0, 1),
+            m.context,
+            "1 (the state is not passed between shards yet)",
+        ),
+        "train.objective": (cfg.train.objective == "grpo", cfg.train.objective, "lm or dpo (no decode yet)"),
+    }
+    for key, (on, value, expected) in refused.items():
+        if on:
+            raise ConfigError(
+                f"{key}={value!r} with linear_attention layers (model.layer_types): expected {expected}"
+            )
+    if m.tensor > 0 and la.num_key_heads % m.tensor:
+        raise ConfigError(
+            f"model.linear_attention.num_key_heads={la.num_key_heads}: expected a multiple of "
+            f"mesh.tensor={m.tensor}"
+        )
 
 
 def _validate_train(cfg: Config) -> None:

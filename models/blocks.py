@@ -18,12 +18,19 @@ from jaxtrain.models.layers import (
     norm_after,
     norm_before,
 )
+from jaxtrain.models.linear_attention import GatedDeltaNet
 from jaxtrain.models.mla import LatentAttention
 from jaxtrain.sharding import constrain
 
 
 def attention_layer(cfg: ModelConfig, *, rngs: nnx.Rngs, kind: str | None = None):
-    """A block's attention: models/layers.py Attention (GQA), or with `model.mla` latent attention."""
+    """A block's token mixer: models/layers.py Attention (GQA), or with `model.mla` latent
+    attention; a `linear_attention` layer of `model.layer_types` gated DeltaNet
+    (models/linear_attention.py), a `full_attention` one the attention of a layer without a kind."""
+    if kind == "linear_attention":
+        return GatedDeltaNet(cfg, rngs=rngs)
+    if kind == "full_attention":
+        kind = None
     if cfg.mla is not None:
         return LatentAttention(cfg, rngs=rngs, kind=kind)
     return Attention(cfg, rngs=rngs, kind=kind)
@@ -33,7 +40,7 @@ class Block(nnx.Module):
     """Decoder block: x + attn(norm(x)), then + mlp(norm(x)) (pre-norms); with
     `model.norm_placement: post`, x + norm(attn(x)), then + norm(mlp(x)); with `both`,
     x + post_norm(attn(norm(x))), then the same around the MLP (Gemma). `kind`: the layer's
-    kind in `model.attention_pattern` (None without one)."""
+    kind in `model.attention_pattern` or `model.layer_types` (None without one)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, kind: str | None = None):
         self.attn_norm = RMSNorm(cfg, rngs=rngs)
@@ -61,15 +68,16 @@ def post_norm(block, sublayer: str) -> RMSNorm | None:
 
 
 class PatternGroup(nnx.Module):
-    """One repeat of `model.attention_pattern`: a Block per kind (`layer_0`, ...), so that the
-    layer scan runs over groups and each layer keeps its static window and RoPE base.
+    """One repeat of `model.attention_pattern` (or of `model.layer_types`): a Block per kind
+    (`layer_0`, ...), so that the layer scan runs over groups and each layer keeps its static
+    window and RoPE base (or its token mixer).
     `block`: the class of its blocks (models/transformer.py MoEPatternGroup: MoE blocks)."""
 
     block = Block
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.n_layers = cfg.layers_per_group
-        for i, kind in enumerate(cfg.attention_pattern):
+        for i, kind in enumerate(cfg.scan_pattern):
             setattr(self, f"layer_{i}", self.block(cfg, rngs=rngs, kind=kind))
 
     def blocks(self) -> list[Block]:

@@ -64,6 +64,9 @@ QK_NORMS = ("none", "head", "projection")
 NORM_PLACEMENTS = ("pre", "post", "both")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_KINDS = ("local", "global")
+# `model.layer_types` (Hugging Face's name): each layer's token mixer, linear attention (gated
+# DeltaNet, models/linear_attention.py) or full attention (the model's attention)
+LAYER_TYPES = ("linear_attention", "full_attention")
 MOE_SCORINGS = ("softmax", "sigmoid")
 MOE_DISPATCHES = ("capacity", "dropless")
 MOE_EXCHANGES = ("auto", "padded", "ragged")
@@ -380,6 +383,47 @@ class MLAConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet (models/linear_attention.py; Qwen3.5 / Qwen3.6, Qwen3-Next), the layers
+    `model.layer_types` marks `linear_attention`; named after Hugging Face's `linear_num_key_heads`
+    etc. Value head h reads key head h // (num_value_heads / num_key_heads), as GQA."""
+
+    num_key_heads: int = 2  # linear_num_key_heads: q and k heads
+    num_value_heads: int = 4  # linear_num_value_heads: a multiple of num_key_heads
+    key_head_dim: int = 32  # linear_key_head_dim
+    value_head_dim: int = 32  # linear_value_head_dim
+    conv_kernel: int = 4  # linear_conv_kernel_dim: the causal depthwise conv over q | k | v
+
+    def validate(self) -> None:
+        for key in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+            if getattr(self, key) < 1:
+                raise ValueError(
+                    f"model.linear_attention.{key}={getattr(self, key)}: expected a positive integer"
+                )
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(
+                f"model.linear_attention.num_value_heads={self.num_value_heads}: expected a multiple of "
+                f"model.linear_attention.num_key_heads={self.num_key_heads}"
+            )
+
+    @property
+    def values_per_key(self) -> int:
+        """Value heads per key head (r)."""
+        return self.num_value_heads // self.num_key_heads
+
+    @property
+    def group_width(self) -> int:
+        """One key head's group of q | k | v channels: 2 key_head_dim + r value_head_dim."""
+        return 2 * self.key_head_dim + self.values_per_key * self.value_head_dim
+
+    def param_count(self, cfg: ModelConfig) -> int:
+        """One layer's parameters (models/linear_attention.py)."""
+        d, hk, hv, dv = cfg.d_model, self.num_key_heads, self.num_value_heads, self.value_head_dim
+        channels = hk * self.group_width
+        return d * channels + 2 * d * hv * dv + 2 * d * hv + channels * self.conv_kernel + 2 * hv + dv
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A decoder-only Llama-style transformer (RMSNorm, RoPE, GQA, SwiGLU), with the variants
     of the families models/hf.py reads (q/k/v biases, QK-norm, post-norms)."""
@@ -447,6 +491,20 @@ class ModelConfig:
     # have that base and no scaling (Gemma 3: 10000 unscaled; its global layers 1e6, x8).
     attention_pattern: tuple[str, ...] = ()
     local_rope_theta: float | None = None  # own unscaled RoPE base of local layers; None: shared
+    # each layer's token mixer, LAYER_TYPES (Hugging Face's `layer_types`): linear_attention
+    # (gated DeltaNet, `linear_attention`) or full_attention (the attention above); layer i is
+    # layer_types[i % len], so the whole per-layer list (as HF's configs have it) or one repeat
+    # (Qwen3.5: three linear, one full). The layers scan in groups of its shortest repeat.
+    # Empty: every layer full attention.
+    layer_types: tuple[str, ...] = ()
+    linear_attention: LinearAttentionConfig | None = None  # the linear_attention layers' shape
+    # full attention's output gate (Qwen3.5, Qwen3-Next): each head's query projection has a
+    # second head_dim of gate, and the attention output is multiplied by its sigmoid before the
+    # output projection (`wq_gate`)
+    attention_output_gate: bool = False
+    # RoPE on the first partial_rotary_factor x head_dim values of each head only, the rest
+    # unrotated (Qwen3.5: 0.25); its frequencies are those of a head that wide
+    partial_rotary_factor: float = 1.0
     tie_embeddings: bool = False  # the output head is the embedding table's transpose
     init_std: float = 0.02  # normal init of weights (output projections: / sqrt(2 x n_layers))
     param_dtype: str = "float32"  # master weights (and optimizer state)
@@ -505,6 +563,8 @@ class ModelConfig:
         object.__setattr__(self, "remat_custom", tuple(sorted(pairs)))
         if isinstance(self.attention_pattern, (list, tuple)):  # YAML gives a list
             object.__setattr__(self, "attention_pattern", tuple(self.attention_pattern))
+        if isinstance(self.layer_types, (list, tuple)):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
 
     @property
     def unrolled_layers(self) -> bool:
@@ -612,6 +672,7 @@ class ModelConfig:
         if self.context_impl not in CONTEXT_IMPLS:
             raise ValueError(f"model.context_impl={self.context_impl!r}: expected one of {CONTEXT_IMPLS}")
         self._validate_gemma_features()
+        self._validate_hybrid_features()
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             raise ValueError("model.rope_theta, model.norm_eps and model.init_std must be positive")
         if self.fp8_amax_history < 1:
@@ -640,6 +701,76 @@ class ModelConfig:
                     f"model.lora.dropout={self.lora.dropout} with model.lora.targets {experts} on an MoE "
                     "model: expert adapters are folded into the expert weights, which has no input "
                     "dropout; expected dropout 0, or attention targets only"
+                )
+
+    def _validate_hybrid_features(self) -> None:
+        """The Qwen3.5 / Qwen3-Next hybrids' keys (layer_types, linear_attention, the attention
+        output gate, partial RoPE), and what they do not run with yet, refused in one line."""
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(
+                f"model.partial_rotary_factor={self.partial_rotary_factor}: expected a number in (0, 1]"
+            )
+        rotary = self.rotary_dim
+        if self.partial_rotary_factor != 1 and (rotary < 2 or rotary % 2):
+            raise ValueError(
+                f"model.partial_rotary_factor={self.partial_rotary_factor}: rotates {rotary} of head_dim "
+                f"{self.resolved_head_dim} values; expected an even number >= 2"
+            )
+        if self.mla is not None and (self.attention_output_gate or self.partial_rotary_factor != 1):
+            raise ValueError(
+                "model.attention_output_gate / partial_rotary_factor with model.mla: not supported with "
+                "latent attention; expected false / 1.0"
+            )
+        if self.attention_output_gate and self.fp8:
+            raise ValueError(
+                "model.attention_output_gate=true with model.fp8=true: the gate projection has no fp8 "
+                "state yet; expected model.fp8 false"
+            )
+        types = self.layer_types
+        if not types:
+            if self.linear_attention is not None:
+                raise ValueError(
+                    "model.linear_attention is set but model.layer_types is empty: expected layer_types "
+                    "with linear_attention layers, or model.linear_attention null"
+                )
+            return
+        if any(t not in LAYER_TYPES for t in types):
+            raise ValueError(f"model.layer_types={list(types)}: expected kinds from {LAYER_TYPES}")
+        if self.n_layers % len(types):
+            raise ValueError(
+                f"model.layer_types has {len(types)} entries: expected model.n_layers={self.n_layers} "
+                "of them, or a repeat whose length divides it"
+            )
+        if self.attention_pattern:
+            raise ValueError(
+                f"model.layer_types with model.attention_pattern={list(self.attention_pattern)}: not "
+                "supported together yet; expected attention_pattern []"
+            )
+        if "linear_attention" not in types:
+            if self.linear_attention is not None:
+                raise ValueError(
+                    "model.linear_attention is set but model.layer_types has no linear_attention layer; "
+                    "expected model.linear_attention null"
+                )
+            return
+        if self.linear_attention is None:
+            raise ValueError(
+                "model.layer_types has linear_attention layers: expected model.linear_attention "
+                "{num_key_heads, num_value_heads, key_head_dim, value_head_dim, conv_kernel}"
+            )
+        self.linear_attention.validate()
+        refused = {
+            "moe": self.moe is not None,  # the Qwen3.5 MoE's gated shared expert is not built yet
+            "mla": self.mla is not None,
+            "fp8": self.fp8,
+            "lora": self.lora is not None,
+            "mtp": self.mtp is not None,
+        }
+        for key, on in refused.items():
+            if on:
+                raise ValueError(
+                    f"model.{key}={getattr(self, key)!r} with linear_attention layers (model.layer_types): "
+                    f"not supported yet; expected model.{key} off"
                 )
 
     def _validate_yarn(self) -> None:
@@ -740,9 +871,38 @@ class ModelConfig:
 
     @property
     def layers_per_group(self) -> int:
-        """Layers in one scanned element of the dense stack: the whole attention pattern
-        (models/blocks.py PatternGroup), else 1."""
-        return max(1, len(self.attention_pattern))
+        """Layers in one scanned element of the dense stack: the whole attention pattern, or
+        layer_types' shortest repeat (models/blocks.py PatternGroup), else 1."""
+        return max(1, len(self.scan_pattern))
+
+    @property
+    def scan_pattern(self) -> tuple[str, ...]:
+        """The layer kinds of one scanned group (models/blocks.py PatternGroup): attention_pattern,
+        else the shortest repeat of layer_types (() when every layer is the same: full attention)."""
+        if self.attention_pattern:
+            return self.attention_pattern
+        types = self.layer_types
+        if not types or "linear_attention" not in types:
+            return ()
+        n = len(types)
+        return next(types[:p] for p in range(1, n + 1) if not n % p and types == types[:p] * (n // p))
+
+    @property
+    def has_linear_attention(self) -> bool:
+        """Some layer is gated DeltaNet (`layer_types`)."""
+        return "linear_attention" in self.layer_types
+
+    @property
+    def rotary_dim(self) -> int:
+        """The values of each head RoPE rotates (partial_rotary_factor of head_dim, as
+        transformers' int(head_dim * factor))."""
+        return int(self.resolved_head_dim * self.partial_rotary_factor)
+
+    @property
+    def layer_kinds_by_type(self) -> tuple[str, ...]:
+        """Each layer's `layer_types` kind (full_attention for all without them)."""
+        types = self.layer_types or ("full_attention",)
+        return tuple(types[i % len(types)] for i in range(self.n_layers))
 
     @property
     def layer_kinds(self) -> tuple[str | None, ...]:
@@ -759,6 +919,8 @@ class ModelConfig:
         extra = (d if self.attention_out_bias else 0) + (self.n_heads if self.attention_sinks else 0)
         attn += extra  # the output bias and the sinks
         attn += {"none": 0, "head": 2 * hd, "projection": hd * (self.n_heads + self.n_kv_heads)}[self.qk_norm]
+        if self.attention_output_gate:
+            attn += d * hd * self.n_heads
         if self.mla is not None:  # no q/k/v biases or QK-norm with it (MLAConfig.validate)
             attn = self.mla.param_count(self) + extra
         mlp = 3 * d * self.mlp_dim
@@ -766,6 +928,9 @@ class ModelConfig:
         embed = self.vocab_size * d
         head = 0 if self.tie_embeddings else self.vocab_size * d
         total = L * per_layer + d + head + (embed if include_embedding else 0)
+        if self.has_linear_attention:  # those layers' token mixer in place of attention
+            n_linear = sum(kind == "linear_attention" for kind in self.layer_kinds_by_type)
+            total += n_linear * (self.linear_attention.param_count(self) - attn)
         total += self.adapter_param_count()
         if self.moe is not None:
             m, f = self.moe, self.moe.mlp_dim(self)

@@ -199,7 +199,7 @@ def _attention(attn, x, cache, step: _Step, layer=None):
             softcap=cfg.attention_softcap,
             sinks=_sinks(attn),
         )
-        return attn.output(out), _kept_slots(step, k, v)
+        return attn.output(out, gate=attn.output_gate(x)), _kept_slots(step, k, v)
     # decode: write the new token's k/v into its slot of this layer, attend over the layer's
     # cache, and put the layer back (a dynamic update of the carried cache: in place).
     k_cache, v_cache = _written_slots(step, cache, layer, k, v)
@@ -217,7 +217,7 @@ def _attention(attn, x, cache, step: _Step, layer=None):
     cache = tuple(
         jax.lax.dynamic_update_index_in_dim(c, t, layer, 0) for c, t in zip(cache, (k_cache, v_cache))
     )
-    return attn.output(out), cache
+    return attn.output(out, gate=attn.output_gate(x)), cache
 
 
 def _block(block, x, cache, step: _Step, layer=None):
@@ -280,9 +280,19 @@ def _run_layers(model: Transformer, x, cache, step: _Step):
     return x, tuple(constrain(t, CACHE_AXES) for t in cache)
 
 
+def _refuse_unsupported(cfg) -> None:
+    """Model features the cache path does not run yet, refused rather than decoded wrongly."""
+    if cfg.has_linear_attention:
+        raise ValueError(
+            "generation with linear_attention layers (model.layer_types): their recurrent state is "
+            "not in the decode cache yet"
+        )
+
+
 def prefill(model: Transformer, tokens, prompt_lengths, cache_len: int) -> tuple[jax.Array, KVCache]:
     """Right-padded prompts int [b, P] (row i: its first prompt_lengths[i] tokens) ->
     (logits at each row's last prompt token [b, vocab], the cache of cache_len slots)."""
+    _refuse_unsupported(model.cfg)
     b, p = tokens.shape if tokens.ndim == 2 else (0, 0)
     if tokens.ndim != 2 or prompt_lengths.shape != (b,) or cache_len < 1:
         raise ValueError(
@@ -302,6 +312,7 @@ def prefill(model: Transformer, tokens, prompt_lengths, cache_len: int) -> tuple
 
 def decode_step(model: Transformer, tokens, positions, cache: KVCache) -> tuple[jax.Array, KVCache]:
     """One token per row, int [b] at positions [b] -> (its logits [b, vocab], the updated cache)."""
+    _refuse_unsupported(model.cfg)
     b, cache_len = cache.positions.shape
     if tokens.shape != (b,) or positions.shape != (b,):
         raise ValueError(
@@ -432,6 +443,7 @@ def _checked(model, tokens, max_new_tokens, temperature, top_k, top_p, seed, eos
     if not isinstance(model, Transformer):
         raise ValueError(f"model: expected a models.Transformer, got {type(model).__name__}")
     cfg = model.cfg
+    _refuse_unsupported(cfg)
     if not isinstance(tokens, jax.Array):
         tokens = np.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):

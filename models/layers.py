@@ -191,6 +191,15 @@ def rope(
     return out.astype(x.dtype)
 
 
+def partial_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, *, rotary_dim: int, **kwargs):
+    """`rope` on the first `rotary_dim` values of each head, the rest passed through
+    (`model.partial_rotary_factor`; transformers' q_rot / q_pass)."""
+    if rotary_dim == x.shape[-1]:
+        return rope(x, positions, inv_freq, **kwargs)
+    rotated = rope(x[..., :rotary_dim], positions, inv_freq, **kwargs)
+    return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
+
+
 class Attention(nnx.Module):
     """GQA self-attention with RoPE. `kind` (model.attention_pattern): local layers attend
     within `sliding_window` with their own RoPE base, global ones to every earlier key; None
@@ -211,6 +220,8 @@ class Attention(nnx.Module):
         lora.adapter(self, "wk", cfg, rngs, inputs=[(d, "embed")], outputs=kv)
         lora.adapter(self, "wv", cfg, rngs, inputs=[(d, "embed")], outputs=kv)
         lora.adapter(self, "wo", cfg, rngs, inputs=q, outputs=[(d, "embed")])
+        if cfg.attention_output_gate:  # the second half of each head's HF q_proj rows
+            self.wq_gate = p((d, cfg.n_heads, hd), ("embed", "heads", "head_dim"), cfg.init_std)
         if cfg.qkv_bias:  # split with their heads; "bias": never weight-decayed
             self.bq = p((cfg.n_heads, hd), ("heads", "bias"), 0)
             self.bk = p((cfg.n_kv_heads, hd), ("kv_heads", "bias"), 0)
@@ -251,7 +262,7 @@ class Attention(nnx.Module):
             softcap=cfg.attention_softcap,
             **sinks,
         )
-        return self.output(out, fp8)
+        return self.output(out, fp8, gate=self.output_gate(x))
 
     @property
     def window(self) -> int | None:
@@ -279,9 +290,12 @@ class Attention(nnx.Module):
             q, k, v = (t + b[...].astype(dtype) for t, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         if cfg.qk_norm != "none":  # before RoPE, as Qwen3 and OLMo 2 do
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = rope_frequencies(self.cfg, self.kind)
+        inv_freq = rope_frequencies(self.cfg, self.kind, dim=cfg.rotary_dim)
         rotate = functools.partial(
-            rope, factor=rope_attention_factor(cfg, self.kind), interleave=cfg.rope_interleave
+            partial_rope,
+            rotary_dim=cfg.rotary_dim,
+            factor=rope_attention_factor(cfg, self.kind),
+            interleave=cfg.rope_interleave,
         )
         q = constrain(rotate(q, positions, inv_freq), ("batch", "seq", "act_heads", None))
         k = constrain(rotate(k, positions, inv_freq), ("batch", "seq", "act_kv_heads", None))
@@ -289,9 +303,21 @@ class Attention(nnx.Module):
         # Activation checkpoint names (model.remat policies); no effect outside jax.checkpoint.
         return tuple(checkpoint_name(t, "qkv_proj") for t in (q, k, v))
 
-    def output(self, out, fp8=None):
-        """Attention output [b, s, heads, hd] -> [b, s, d]."""
+    def output_gate(self, x, fp8=None):
+        """`model.attention_output_gate`: the gate logits [b, s, heads, hd] of x [b, s, d]
+        (None without the gate)."""
+        if not self.cfg.attention_output_gate:
+            return None
+        w = matmul_weight(self.wq_gate[...], ("embed", "heads", "head_dim"), self.cfg)
+        gate = weight_matmul("bsd,dhk->bshk", x, w, self.cfg, None)
+        return checkpoint_name(constrain(gate, ("batch", "seq", "act_heads", None)), "qkv_proj")
+
+    def output(self, out, fp8=None, gate=None):
+        """Attention output [b, s, heads, hd] -> [b, s, d]; `gate` (`output_gate`): the output
+        is multiplied by its sigmoid first (in the output's dtype, as transformers)."""
         out = constrain(out, ("batch", "seq", "act_heads", None))  # named `context` by attend()
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate.astype(out.dtype))
         wo = matmul_weight(self.wo[...], ("heads", "head_dim", "embed"), self.cfg)
         y = weight_matmul("bshk,hkd->bsd", out, wo, self.cfg, None if fp8 is None else fp8["wo"])
         y = lora.add(self, "wo", out, y)

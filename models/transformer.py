@@ -65,7 +65,7 @@ class Transformer(nnx.Module):
         # layer. Two scans (two compiled layer bodies) whatever the depth; dense models
         # keep exactly one stack, `blocks`.
         n_dense = cfg.n_layers if cfg.moe is None else cfg.moe.first_dense_layers
-        if n_dense and cfg.attention_pattern:  # scanned in groups of one pattern each
+        if n_dense and cfg.scan_pattern:  # scanned in groups of one pattern each
             self.blocks = _stack(PatternGroup, n_dense // cfg.layers_per_group, cfg, rngs)
         elif n_dense:
             self.blocks = _stack(Block, n_dense, cfg, rngs)

@@ -94,13 +94,15 @@ BASE = (
 OVERRIDES: dict[str, tuple[str, ...]] = {
     **{f: PAIR_OVERRIDES[f] for f in (
         "lm", "chat", "dpo", "grpo", "mla", "sinks", "attention_pattern", "qk_norm", "final_softcap",
-        "lora", "adamw", "muon", "bf16", "fp16", "fp8", "state_16bit",
+        "linear_attention", "lora", "adamw", "muon", "bf16", "fp16", "fp8", "state_16bit",
     )},
     "moe": ("model.moe={num_experts: 4, top_k: 2, expert_mlp_dim: 32}",),
     "mtp": ("model.mtp={depth: 1, loss_weight: 0.3}",),
 }  # fmt: skip
 OBJECTIVES = ("lm", "chat", "dpo", "grpo")
-MODEL = ("moe", "mla", "mtp", "sinks", "attention_pattern", "qk_norm", "final_softcap", "lora")
+MODEL = (
+    "moe", "mla", "mtp", "sinks", "attention_pattern", "qk_norm", "final_softcap", "linear_attention", "lora",
+)  # fmt: skip
 OPTIMIZERS = ("adamw", "muon")
 LOW = ("bf16", "fp16", "fp8", "state_16bit")
 
@@ -118,11 +120,15 @@ ROWS: dict[str, tuple[str, ...]] = {
     "dpo-mla-muon": ("dpo", "mla", "muon"),
     "grpo-mla-sinks-softcap-muon": ("grpo", "mla", "sinks", "final_softcap", "muon"),
     "grpo-moe-pattern-qknorm-adamw": ("grpo", "moe", "attention_pattern", "qk_norm", "adamw"),
+    # gated DeltaNet layers (model.layer_types: one linear, one full attention layer)
+    "chat-linear-sinks-softcap-muon": ("chat", "linear_attention", "sinks", "final_softcap", "muon"),
+    "dpo-linear-qknorm-adamw": ("dpo", "linear_attention", "qk_norm", "adamw"),
 }  # fmt: skip
 # 16-bit rows: (the float32 row, the 16-bit features switched on over it)
 _A, _C = "lm-moe-mla-mtp-sinks-softcap-muon", "chat-moe-sinks-pattern-qknorm-softcap-lora-muon"
 _D, _F = "dpo-moe-sinks-pattern-qknorm-softcap-adamw", "grpo-mla-sinks-softcap-muon"
 _G = "grpo-moe-pattern-qknorm-adamw"
+_L, _M = "chat-linear-sinks-softcap-muon", "dpo-linear-qknorm-adamw"
 LOW_ROWS: dict[str, tuple[str, tuple[str, ...]]] = {
     f"{_A}+bf16+state16": (_A, ("bf16", "state_16bit")),
     f"{_C}+bf16+fp8+state16": (_C, ("bf16", "fp8", "state_16bit")),
@@ -132,6 +138,8 @@ LOW_ROWS: dict[str, tuple[str, tuple[str, ...]]] = {
     f"{_D}+bf16+fp8": (_D, ("bf16", "fp8")),
     f"{_G}+bf16+fp8": (_G, ("bf16", "fp8")),
     f"{_G}+fp16+state16": (_G, ("fp16", "state_16bit")),
+    f"{_L}+bf16+state16": (_L, ("bf16", "state_16bit")),
+    f"{_M}+fp16": (_M, ("fp16",)),
 }
 
 
@@ -381,6 +389,11 @@ _MUON_NAMES = {
     "w_up",
     "w_down",
     "eh_proj",
+    # gated DeltaNet's projections from and to the residual stream (in_proj_a / b, one scalar per
+    # value head, and the conv weight, which reads no embedding, stay AdamW's)
+    "in_proj_qkv",
+    "in_proj_z",
+    "out_proj",
 }
 _EXPERT_NAMES = {"w_gate", "w_up", "w_down"}
 
@@ -393,11 +406,12 @@ def _role(path: tuple[str, ...], shape) -> tuple[str, bool, int, int]:
     dims (heads, head_dim), the others one; everything else (embedding, head, routers, norms,
     sinks, LoRA adapters) to AdamW."""
     name = path[-1]
-    decays = name not in ("scale", "sinks") and "bias" not in name
+    # (gated DeltaNet's output norm `norm`, its decay rate A_log and its dt_bias: none either)
+    decays = name not in ("scale", "sinks", "norm", "A_log") and "bias" not in name
     in_lora = any(p.endswith("_lora") for p in path)
     if name in _MUON_NAMES and not in_lora:
         stack = 2 if name in _EXPERT_NAMES and len(shape) == 4 else 1
-        return "muon", decays, stack, 2 if name == "wo" else 1
+        return "muon", decays, stack, 2 if name in ("wo", "out_proj") else 1
     return "adamw", decays, 0, 0
 
 

@@ -102,6 +102,10 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "attention_pattern": ("model.attention_pattern=[local,global]", "model.sliding_window=6"),
     "qk_norm": ("model.qk_norm=head",),
     "final_softcap": ("model.final_softcap=2.0",),  # small enough to bend the tiny model's logits
+    "linear_attention": (
+        "model.layer_types=[linear_attention, full_attention]",
+        "model.linear_attention={num_key_heads: 2, num_value_heads: 4, key_head_dim: 8, value_head_dim: 8}",
+    ),
     "lora": ("model.lora={rank: 4, alpha: 8}",),
     "bf16": ("model.compute_dtype=bfloat16",),
     "fp16": ("model.compute_dtype=float16",),

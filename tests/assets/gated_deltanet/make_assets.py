@@ -15,7 +15,10 @@ What it holds (float32; names prefixed by case):
 - norm_*: Qwen3_5RMSNormGated with a random weight;
 - q35_*: a whole Qwen3_5GatedDeltaNet layer (no cache) with random weights: its parameters,
   input and output;
-- next_*: the same for Qwen3NextGatedDeltaNet (in_proj_qkvz / in_proj_ba).
+- next_*: the same for Qwen3NextGatedDeltaNet (in_proj_qkvz / in_proj_ba);
+- attn_*: a whole Qwen3NextAttention (the full-attention layer of both families: q_proj with
+  its output gate, (1 + w) QK-norm, partial RoPE 0.25 of head_dim 16, 4 query heads over 2
+  key/value heads, sdpa causal) at positions 0..139, with its rotary embedding.
 """
 
 import os
@@ -110,6 +113,33 @@ def layer(rng, out, prefix, config_cls, layer_cls):
     out.update({f"{prefix}_x": np.asarray(x, np.float32), f"{prefix}_out": n(y)})
 
 
+def attention(rng, out):
+    config = Qwen3NextConfig(
+        hidden_size=D,
+        num_hidden_layers=1,
+        layer_types=["full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        partial_rotary_factor=0.25,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+    )
+    config._attn_implementation = "sdpa"
+    module = qnext.Qwen3NextAttention(config, layer_idx=0).eval()
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            scale = 0.3 if name.endswith("norm.weight") else 1 / np.sqrt(p.shape[-1])
+            p.copy_(t(scale * rng.standard_normal(p.shape)))
+            out[f"attn_{name}"] = n(p)
+    x = rng.standard_normal((B, S, D))
+    rotary = qnext.Qwen3NextRotaryEmbedding(config)
+    with torch.no_grad():
+        cos_sin = rotary(t(x), torch.arange(S)[None])
+        y, _ = module(t(x), position_embeddings=cos_sin, attention_mask=None)
+    out.update({"attn_x": np.asarray(x, np.float32), "attn_out": n(y)})
+
+
 def main():
     torch.manual_seed(0)
     rng = np.random.default_rng(64)
@@ -119,6 +149,7 @@ def main():
     norm(rng, out)
     layer(rng, out, "q35", Qwen3_5TextConfig, q35.Qwen3_5GatedDeltaNet)
     layer(rng, out, "next", Qwen3NextConfig, qnext.Qwen3NextGatedDeltaNet)
+    attention(rng, out)
     out["transformers_version"] = np.array(transformers.__version__)
     out["torch_version"] = np.array(torch.__version__)
     np.savez_compressed(os.path.join(HERE, "hf_reference.npz"), **out)

@@ -1,0 +1,144 @@
+"""Gated DeltaNet layers (Qwen3.5 / Qwen3.6, Qwen3-Next), the `linear_attention` layers of
+`model.layer_types`, on the gated delta rule of models/gated_deltanet.py.
+
+Parameters of one layer (D = d_model; hk, hv key and value heads, dk, dv their widths,
+r = hv // hk, K the conv kernel; `model.linear_attention`). Every head dim is the key-head
+group: key head j with its r value heads (value head h reads key head h // r), so that heads
+split over `tensor` as whole groups and the rule runs on each shard without a collective:
+
+    in_proj_qkv  [D, hk, 2 dk + r dv]  ("embed", "kv_heads", "head_dim")  per group: q, k, its r v heads
+    in_proj_z    [D, hk, r dv]         ("embed", "kv_heads", "head_dim")  the norm's gate
+    in_proj_b    [D, hk, r]            ("embed", "kv_heads", None)        beta = sigmoid(b)
+    in_proj_a    [D, hk, r]            ("embed", "kv_heads", None)        the decay's input
+    conv_weight  [hk, 2 dk + r dv, K]  ("kv_heads", "head_dim", None)     depthwise, over q | k | v
+    A_log        [hk, r]               ("kv_heads", "bias")               never weight-decayed
+    dt_bias      [hk, r]               ("kv_heads", "bias")
+    norm         [dv]                  ("norm",)                          plain w (init 1), shared by heads
+    out_proj     [hk, r dv, D]         ("kv_heads", "head_dim", "embed")
+
+Hugging Face's Qwen3.5 layout (`in_proj_qkv` rows: every q head, every k head, every v head)
+is these rows regrouped (`from_qwen3_5`); Qwen3-Next's through
+`gated_deltanet.qwen3_next_projections_as_qwen3_5` first.
+
+The forward is transformers': projections, the causal conv with SiLU, L2-normalised q and k,
+g = -exp(A_log) softplus(a + dt_bias), the delta rule in float32 by 64-token chunks
+(`chunked_gated_delta_rule`), the gated RMSNorm with epsilon `model.norm_eps`, out_proj. Packed
+documents (`segment_ids`) reset the rule's state and the conv window at each boundary, so a
+packed row equals its documents run alone. Activation checkpoints: the projections are
+`qkv_proj`, the rule's output `context`, the output `out_proj` (model.remat).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxtrain.models import gated_deltanet as gdn
+from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.layers import matmul_weight, param, weight_matmul
+from jaxtrain.pallas_kernels.remat_names import ATTENTION_RESIDUALS
+from jaxtrain.sharding import constrain
+
+_GROUP_AXES = ("embed", "kv_heads", "head_dim")
+_GATE_AXES = ("embed", "kv_heads", None)
+_ACT_AXES = ("batch", "seq", "act_kv_heads", None)
+
+
+class GatedDeltaNet(nnx.Module):
+    """One gated DeltaNet layer: x [b, s, D] -> [b, s, D] (the interface of layers.Attention's
+    __call__; no `project` / `output`: generation refuses these layers)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        la = cfg.linear_attention
+        d, hk, r, dv, kernel = (
+            cfg.d_model,
+            la.num_key_heads,
+            la.values_per_key,
+            la.value_head_dim,
+            la.conv_kernel,
+        )
+        width = la.group_width
+        p = lambda shape, axes, std: param(rngs, shape, axes, std=std, dtype=cfg.param_dtype)  # noqa: E731
+        self.in_proj_qkv = p((d, hk, width), _GROUP_AXES, cfg.init_std)
+        self.in_proj_z = p((d, hk, r * dv), _GROUP_AXES, cfg.init_std)
+        self.in_proj_b = p((d, hk, r), _GATE_AXES, cfg.init_std)
+        self.in_proj_a = p((d, hk, r), _GATE_AXES, cfg.init_std)
+        # torch's Conv1d init (uniform over +-1/sqrt(K)) has this std
+        self.conv_weight = p((hk, width, kernel), ("kv_heads", "head_dim", None), (3 * kernel) ** -0.5)
+        # as transformers: A = uniform(0, 16) (log taken), dt_bias ones
+        a = jax.random.uniform(rngs.params(), (hk, r), jnp.float32, 1e-3, 16.0)
+        self.A_log = nnx.Param(
+            jnp.log(a).astype(cfg.param_dtype), out_sharding=("kv_heads", "bias"), eager_sharding=False
+        )
+        self.dt_bias = param(rngs, (hk, r), ("kv_heads", "bias"), std=None, dtype=cfg.param_dtype)
+        self.norm = param(rngs, (dv,), ("norm",), std=None, dtype=cfg.param_dtype)
+        self.out_proj = p(
+            (hk, r * dv, d), ("kv_heads", "head_dim", "embed"), cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        )
+        self.cfg = cfg
+
+    def __call__(self, x, positions, segment_ids, fp8=None):
+        """x [b, s, D] (positions unused: no RoPE); `segment_ids` [b, s] or None (one document
+        per row). `fp8` must be None (model.fp8 is refused with these layers)."""
+        cfg, la = self.cfg, self.cfg.linear_attention
+        b, s, _ = x.shape
+        hk, hv, r = la.num_key_heads, la.num_value_heads, la.values_per_key
+        dk, dv = la.key_head_dim, la.value_head_dim
+
+        def project(w, axes):
+            y = weight_matmul("bsd,dhc->bshc", x, matmul_weight(w[...], axes, cfg), cfg, None)
+            return checkpoint_name(constrain(y, _ACT_AXES), "qkv_proj")
+
+        qkv = project(self.in_proj_qkv, _GROUP_AXES)
+        z = project(self.in_proj_z, _GROUP_AXES).reshape(b, s, hv, dv)
+        beta_in = project(self.in_proj_b, _GATE_AXES).reshape(b, s, hv)
+        a = project(self.in_proj_a, _GATE_AXES).reshape(b, s, hv)
+        conv_w = self.conv_weight[...].astype(qkv.dtype)
+        mixed, _ = gdn.causal_conv1d(
+            qkv.reshape(b, s, -1), conv_w.reshape(-1, conv_w.shape[-1]), segment_ids=segment_ids
+        )
+        mixed = mixed.reshape(b, s, hk, -1)
+        q, k = mixed[..., :dk], mixed[..., dk : 2 * dk]
+        v = mixed[..., 2 * dk :].reshape(b, s, hv, dv)  # value head j * r + i of key head j
+        g, beta = gdn.decay_and_beta(a, beta_in, self.A_log[...].reshape(hv), self.dt_bias[...].reshape(hv))
+        core, _ = gdn.chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids)
+        core = checkpoint_name(core, ATTENTION_RESIDUALS)
+        out = gdn.gated_rms_norm(core, z, self.norm[...].astype(core.dtype), eps=cfg.norm_eps)
+        out = constrain(out.reshape(b, s, hk, r * dv), _ACT_AXES)
+        wo = matmul_weight(self.out_proj[...], ("kv_heads", "head_dim", "embed"), cfg)
+        return checkpoint_name(weight_matmul("bshc,hcd->bsd", out, wo, cfg, None), "out_proj")
+
+
+def from_qwen3_5(weights: dict, cfg: ModelConfig) -> dict:
+    """A Hugging Face Qwen3.5 gated-DeltaNet layer's tensors (`in_proj_qkv.weight`,
+    `in_proj_z.weight`, `in_proj_b.weight`, `in_proj_a.weight`, `conv1d.weight`, `A_log`,
+    `dt_bias`, `norm.weight`, `out_proj.weight`; torch's [out, in]) -> this module's parameters
+    by name (numpy, float32): the same values regrouped per key head (module docstring)."""
+    la = cfg.linear_attention
+    hk, r, dk, dv = la.num_key_heads, la.values_per_key, la.key_head_dim, la.value_head_dim
+    w = {k: np.asarray(v, np.float32) for k, v in weights.items()}
+    d = cfg.d_model
+    expected = {"in_proj_qkv.weight": (hk * la.group_width, d), "out_proj.weight": (d, hk * r * dv)}
+    for key, shape in expected.items():
+        if w[key].shape != shape:
+            raise ValueError(f"{key} {w[key].shape}: expected {shape} for model.linear_attention {la}")
+
+    def grouped(rows):  # [2 hk dk + hv dv, ...] (q heads, k heads, v heads) -> [hk, width, ...]
+        q, k, v = np.split(rows, [hk * dk, 2 * hk * dk])
+        per = lambda t, n: t.reshape(hk, n, *rows.shape[1:])  # noqa: E731
+        return np.concatenate([per(q, dk), per(k, dk), per(v, r * dv)], axis=1)
+
+    return {
+        "in_proj_qkv": np.moveaxis(grouped(w["in_proj_qkv.weight"]), -1, 0),
+        "in_proj_z": w["in_proj_z.weight"].T.reshape(d, hk, r * dv),
+        "in_proj_b": w["in_proj_b.weight"].T.reshape(d, hk, r),
+        "in_proj_a": w["in_proj_a.weight"].T.reshape(d, hk, r),
+        "conv_weight": grouped(w["conv1d.weight"][:, 0]),
+        "A_log": w["A_log"].reshape(hk, r),
+        "dt_bias": w["dt_bias"].reshape(hk, r),
+        "norm": w["norm.weight"],
+        "out_proj": w["out_proj.weight"].T.reshape(hk, r * dv, d),
+    }
