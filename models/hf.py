@@ -8,7 +8,8 @@ Qwen3MoeForCausalLM (QK-norm, every layer MoE), Olmo2ForCausalLM (post-norms, QK
 over whole projections), Gemma 2 and 3, DeepseekV3ForCausalLM (also Kimi K2 and Moonlight:
 latent attention, YaRN, group-limited sigmoid routing, shared experts, dense first layers)
 and GptOssForCausalLM (sinks, q/k/v/o biases, sliding and full layers, experts with biases
-and the clamped SwiGLU, MXFP4 experts dequantized)
+and the clamped SwiGLU, MXFP4 experts dequantized), Qwen3_5ForCausalLM and the text model of
+Qwen3_5ForConditionalGeneration (gated DeltaNet and gated full attention: models/hf_qwen3_5.py)
 and returns a ready NNX `Transformer`; writes one that
 `transformers` loads with the same logits. What each family adds is a ModelConfig
 feature (`qkv_bias`, `qk_norm`, `norm_placement`), never a branch on the family. No
@@ -53,7 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.models import hf_fp8
+from jaxtrain.models import hf_fp8, hf_qwen3_5
+from jaxtrain.models import linear_attention as linear
 from jaxtrain.models.config import MLAConfig, ModelConfig, MoEConfig, MTPConfig
 from jaxtrain.models.params import abstract_model, merge
 from jaxtrain.models.transformer import Transformer
@@ -72,6 +74,9 @@ _FAMILIES = {
     "Gemma3ForCausalLM": ((False, "head", "both"), "gemma3_text", None),
     "DeepseekV3ForCausalLM": ((False, "none", "pre"), "deepseek_v3", "deepseek"),
     "GptOssForCausalLM": ((True, "none", "pre"), "gpt_oss", "gpt_oss"),
+    # Qwen3.5 / 3.6 dense hybrids (models/hf_qwen3_5.py): gated DeltaNet and gated full attention
+    "Qwen3_5ForCausalLM": ((False, "head", "pre"), hf_qwen3_5.MODEL_TYPE, None),
+    "Qwen3_5ForConditionalGeneration": ((False, "head", "pre"), "qwen3_5", None),
 }
 # Latent attention (model.mla), group-limited sigmoid routing with shared experts and dense first
 # layers: DeepSeek-V3, Kimi K2, Moonlight (`_deepseek_settings`, `_deepseek_names`).
@@ -150,13 +155,19 @@ def _yarn_settings(hf: dict, params: dict) -> dict:
 
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
-    """ModelConfig from a parsed HF `config.json`."""
+    """ModelConfig from a parsed HF `config.json` (of a ConditionalGeneration class, the text
+    model's: models/hf_qwen3_5.py)."""
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise HFConversionError(
             f"architecture {arch!r} is not supported; expected one of {SUPPORTED_ARCHITECTURES}"
         )
+    if arch in hf_qwen3_5.ARCHITECTURES:
+        try:
+            hf = hf_qwen3_5.text_config(hf)
+        except ValueError as e:
+            raise HFConversionError(str(e)) from None
     for flag in ("attention_bias", "mlp_bias"):
         # (Qwen2's q/k/v biases are not a flag: the class always has them; GPT-OSS's all four)
         if hf.get(flag) and not (flag == "attention_bias" and arch == _GPT_OSS):
@@ -200,6 +211,8 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
         fields.update(_deepseek_settings(hf))
     elif arch == _GPT_OSS:
         fields.update(_gpt_oss_settings(hf))
+    elif arch in hf_qwen3_5.ARCHITECTURES:
+        fields.update(hf_qwen3_5.settings(hf))
     elif moe_layout is not None:
         fields["moe"] = _moe_from_hf(hf, moe_layout)
     fields.update(overrides)
@@ -365,6 +378,8 @@ def _architecture_for(cfg: ModelConfig) -> str:
     """The HF class whose features `cfg` has (Mistral for a dense model with a window)."""
     if cfg.mla is not None:
         return _DEEPSEEK
+    if cfg.layer_types or cfg.attention_output_gate or cfg.partial_rotary_factor != 1:
+        return hf_qwen3_5.CAUSAL_LM  # its features (or a refusal that names them)
     features = (cfg.qkv_bias, cfg.qk_norm, cfg.norm_placement)
     for arch, (needs, _, moe_layout) in _FAMILIES.items():
         if arch == _DEEPSEEK:
@@ -382,21 +397,23 @@ def _architecture_for(cfg: ModelConfig) -> str:
 def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
     """An HF `config.json` dict for `cfg`: the class with its features (Mistral for a dense
     pre-norm model with a sliding window), or `architecture`, which must have them."""
-    hybrid = {
-        "layer_types": bool(cfg.layer_types),
-        "attention_output_gate": cfg.attention_output_gate,
-        "partial_rotary_factor": cfg.partial_rotary_factor != 1,
-    }
-    for key, on in hybrid.items():
-        if on:  # the Qwen3.5 / Qwen3-Next families are not read or written yet (issue 64)
-            raise HFConversionError(
-                f"model.{key}={getattr(cfg, key)!r}: does not convert to Hugging Face yet"
-            )
     arch = architecture or _architecture_for(cfg)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise HFConversionError(
             f"architecture {arch!r} is not supported; expected one of {SUPPORTED_ARCHITECTURES}"
         )
+    hybrid = cfg.layer_types or cfg.attention_output_gate or cfg.partial_rotary_factor != 1
+    if arch in hf_qwen3_5.ARCHITECTURES or hybrid:
+        if arch not in hf_qwen3_5.ARCHITECTURES:
+            raise HFConversionError(
+                f"architecture {arch!r}: model.layer_types, attention_output_gate and "
+                f"partial_rotary_factor convert as {hf_qwen3_5.CAUSAL_LM!r} only"
+            )
+        try:
+            hf_qwen3_5.check_exportable(cfg, arch)
+        except ValueError as e:
+            raise HFConversionError(str(e)) from None
+        return hf_qwen3_5.hf_config(cfg, _hf_rope(cfg))
     if arch == _DEEPSEEK or cfg.mla is not None:
         return _deepseek_hf_config(cfg, arch)
     (needs, model_type, moe_layout) = _FAMILIES[arch]
@@ -696,11 +713,15 @@ _EXPERT_PARAMS = (("mlp", "w_gate"), ("mlp", "w_up"), ("mlp", "w_down"))
 _SHARED_EXPERT = ("shared_gate", "shared_up", "shared_down")  # the fused shared experts' weights
 
 
-def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ...], str]]:
+def _hf_names(
+    cfg: ModelConfig, model: str = "model."
+) -> Iterator[tuple[tuple[str, ...], tuple[int, ...], str]]:
     """(our param path, index into the stacked array, HF tensor name) for every tensor.
-    The index is () for unstacked params, (layer,) or (layer, expert) for stacked ones."""
-    yield ("embedding",), (), "model.embed_tokens.weight"
-    yield ("final_norm", "scale"), (), "model.norm.weight"
+    The index is () for unstacked params, (layer,) or (layer, expert) for stacked ones.
+    `model`: the text model's prefix (`model.language_model.` in a Qwen3.5 ConditionalGeneration
+    checkpoint). A gated q_proj is named twice, for wq and wq_gate (each half of it)."""
+    yield ("embedding",), (), f"{model}embed_tokens.weight"
+    yield ("final_norm", "scale"), (), f"{model}norm.weight"
     if not cfg.tie_embeddings:
         yield ("lm_head",), (), "lm_head.weight"
     if cfg.mla is not None:
@@ -733,6 +754,10 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ..
         common[("attn", "bo")] = "self_attn.o_proj.bias"
     if cfg.attention_sinks:
         common[("attn", "sinks")] = "self_attn.sinks"
+    if cfg.attention_output_gate:
+        common[("attn", "wq_gate")] = "self_attn.q_proj.weight"
+    attention = [k for k in common if k[0] == "attn"]
+    deltanet = {("attn", ours): f"linear_attn.{theirs}" for ours, theirs in linear.QWEN3_5_NAMES.items()}
     dense = {
         ("mlp", "w_gate"): "mlp.gate_proj.weight",
         ("mlp", "w_up"): "mlp.up_proj.weight",
@@ -749,11 +774,16 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[int, ..
         experts = dict(zip(_EXPERT_PARAMS, ("w1.weight", "w3.weight", "w2.weight")))
     stack = "blocks" if cfg.moe is None else "moe_blocks"
     period = cfg.layers_per_group  # PatternGroup: layer i is layer_{i % period} of group i // period
+    kinds = cfg.layer_kinds_by_type
     for layer in range(cfg.n_layers):
-        prefix = f"model.layers.{layer}."
-        where = (stack, f"layer_{layer % period}") if cfg.attention_pattern else (stack,)
+        prefix = f"{model}layers.{layer}."
+        where = (stack, f"layer_{layer % period}") if cfg.scan_pattern else (stack,)
         index = (layer // period,)
-        for ours, theirs in common.items():
+        mixer = deltanet if kinds[layer] == "linear_attention" else {}
+        for ours, theirs in {
+            **{k: v for k, v in common.items() if not (mixer and k in attention)},
+            **mixer,
+        }.items():
             yield (*where, *ours), index, prefix + theirs
         if cfg.moe is None:
             for ours, theirs in dense.items():
@@ -987,6 +1017,10 @@ def _to_ours(path: tuple[str, ...], w: np.ndarray, cfg: ModelConfig) -> np.ndarr
         return w if path[-1] == "scale" else w.T.reshape(mla_shape)
     d, hd = cfg.d_model, cfg.resolved_head_dim
     name = path[-1]
+    if name in linear.QWEN3_5_NAMES and path[-2] == "attn":
+        return linear.qwen3_5_tensor_to_ours(name, w, cfg)
+    if name in ("wq", "wq_gate") and cfg.attention_output_gate:
+        return hf_qwen3_5.gated_query_to_ours(w, cfg, part=int(name == "wq_gate"))
     if name == "wq":
         return w.T.reshape(d, cfg.n_heads, hd)
     if name in ("wk", "wv"):
@@ -1002,8 +1036,10 @@ def _to_ours(path: tuple[str, ...], w: np.ndarray, cfg: ModelConfig) -> np.ndarr
     return w  # embedding [V, D] and norm scales keep their layout
 
 
-def _to_hf(path: tuple[str, ...], w: np.ndarray) -> np.ndarray:
+def _to_hf(path: tuple[str, ...], w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     name = path[-1]
+    if name in linear.QWEN3_5_NAMES and path[-2] == "attn":
+        return linear.qwen3_5_tensor_to_hf(name, w, cfg)
     if name in ("wq", "wk", "wv", "wq_b", "wkv_b"):
         return w.reshape(w.shape[0], -1).T
     if name == "wo":
@@ -1099,7 +1135,10 @@ def _shape_of(path: tuple[str, ...], cfg: ModelConfig) -> tuple[int, ...]:
     if path[-1] == "scale" and path[-2] in ("q_norm", "k_norm"):
         heads = cfg.n_heads if path[-2] == "q_norm" else cfg.n_kv_heads
         return (heads, hd) if cfg.qk_norm == "projection" else (hd,)
+    if path[-1] in linear.QWEN3_5_NAMES and path[-2] == "attn":
+        return linear.param_shapes(cfg)[path[-1]]
     return {
+        "wq_gate": (d, cfg.n_heads, hd),
         "w_router": (d, cfg.moe.num_experts if cfg.moe is not None else 0),
         "router_bias": (cfg.moe.num_experts if cfg.moe is not None else 0,),
         "shared_gate": (d, fs),
@@ -1139,6 +1178,10 @@ def param_sources(path: str | Path, cfg: ModelConfig) -> dict[tuple[str, ...], P
     """Every parameter's `ParamSource`, keyed by its path in our nested params; nothing is read
     yet (only the safetensors headers), so a converter can hold one slice at a time."""
     reader = _SafetensorsDir(Path(path))
+    model = next(
+        (p for p in hf_qwen3_5.TEXT_PREFIXES[::-1] if f"{p}embed_tokens.weight" in reader.weight_map),
+        "model.",
+    )
     # the stacked layers (or pattern groups) of each stack, and the experts of MoE layers
     n_dense = cfg.n_layers if cfg.moe is None else cfg.moe.first_dense_layers
     layers = {"blocks": n_dense // cfg.layers_per_group}
@@ -1149,10 +1192,10 @@ def param_sources(path: str | Path, cfg: ModelConfig) -> dict[tuple[str, ...], P
     experts = (cfg.moe.num_experts,) if cfg.moe is not None else ()
     shapes: dict = {}
     parts: dict = {}
-    for ours, index, theirs in _hf_names(cfg):
+    for ours, index, theirs in _hf_names(cfg, model):
         expected = _shape_of(ours, cfg)
         # HF's shape of `expected`: `_to_hf` of a zero-stride stand-in (no memory)
-        reader.check(theirs, _to_hf(ours, np.broadcast_to(np.float32(0), expected)).shape)
+        reader.check(theirs, _hf_shape(ours, expected, cfg))
         stacked = () if not index else (layers[ours[0]], *(experts if len(index) == 2 else ()))
         shapes.setdefault(ours, (*stacked, *expected))
         read = functools.partial(_read_converted, reader, ours, theirs, cfg, expected)
@@ -1160,6 +1203,13 @@ def param_sources(path: str | Path, cfg: ModelConfig) -> dict[tuple[str, ...], P
     if _has_gpt_oss_experts(cfg):
         _gpt_oss_expert_sources(reader, cfg, shapes, parts)
     return {p: ParamSource(shapes[p], tuple(parts[p])) for p in parts}
+
+
+def _hf_shape(ours: tuple[str, ...], expected: tuple[int, ...], cfg: ModelConfig) -> tuple[int, ...]:
+    """The HF tensor's shape for our parameter of shape `expected`."""
+    if ours[-1] in ("wq", "wq_gate") and cfg.attention_output_gate:  # both halves of one q_proj
+        return (2 * cfg.n_heads * cfg.resolved_head_dim, cfg.d_model)
+    return _to_hf(ours, np.broadcast_to(np.float32(0), expected), cfg).shape
 
 
 def _read_converted(reader, ours: tuple[str, ...], theirs: str, cfg: ModelConfig, expected) -> np.ndarray:
@@ -1209,18 +1259,27 @@ def from_hf(path: str | Path, **config_overrides):
 def params_to_hf_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, float32 numpy tensor) pairs, one at a time."""
     for ours, index, theirs in _hf_names(cfg):
+        if ours[-1] == "wq_gate":
+            continue  # written with wq: one q_proj
         node = params
         for key in ours:
             node = node[key]
         w = np.asarray(node[index] if index else node, dtype=np.float32)
-        yield theirs, np.ascontiguousarray(_to_hf(ours, w))
+        if ours[-1] == "wq" and cfg.attention_output_gate:
+            gate = params
+            for key in (*ours[:-1], "wq_gate"):
+                gate = gate[key]
+            gate = np.asarray(gate[index] if index else gate, dtype=np.float32)
+            yield theirs, np.ascontiguousarray(hf_qwen3_5.gated_query_to_hf(w, gate))
+            continue
+        yield theirs, np.ascontiguousarray(_to_hf(ours, w, cfg))
     if cfg.mla is not None and cfg.mtp is not None:  # DeepSeek-V3's copies in each prediction layer
         # a tied head is the table itself in HF's [vocab, d_model] layout
         shared = {k: ("embedding",) if cfg.tie_embeddings else v for k, v in _MTP_SHARED.items()}
         for i in range(cfg.mtp.depth):
             for theirs, ours in shared.items():
                 w = np.asarray(params[ours[0]], dtype=np.float32)
-                yield f"model.layers.{cfg.n_layers + i}.{theirs}", np.ascontiguousarray(_to_hf(ours, w))
+                yield f"model.layers.{cfg.n_layers + i}.{theirs}", np.ascontiguousarray(_to_hf(ours, w, cfg))
     if _has_gpt_oss_experts(cfg):
         yield from _gpt_oss_expert_tensors(params, cfg)
 

@@ -112,33 +112,95 @@ class GatedDeltaNet(nnx.Module):
         return checkpoint_name(weight_matmul("bshc,hcd->bsd", out, wo, cfg, None), "out_proj")
 
 
+# our parameter -> its tensor in a Hugging Face Qwen3.5 `linear_attn` module
+QWEN3_5_NAMES = {
+    "in_proj_qkv": "in_proj_qkv.weight",
+    "in_proj_z": "in_proj_z.weight",
+    "in_proj_b": "in_proj_b.weight",
+    "in_proj_a": "in_proj_a.weight",
+    "conv_weight": "conv1d.weight",
+    "A_log": "A_log",
+    "dt_bias": "dt_bias",
+    "norm": "norm.weight",
+    "out_proj": "out_proj.weight",
+}
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape in one layer (module docstring)."""
+    la, d = cfg.linear_attention, cfg.d_model
+    hk, r, dv = la.num_key_heads, la.values_per_key, la.value_head_dim
+    return {
+        "in_proj_qkv": (d, hk, la.group_width),
+        "in_proj_z": (d, hk, r * dv),
+        "in_proj_b": (d, hk, r),
+        "in_proj_a": (d, hk, r),
+        "conv_weight": (hk, la.group_width, la.conv_kernel),
+        "A_log": (hk, r),
+        "dt_bias": (hk, r),
+        "norm": (dv,),
+        "out_proj": (hk, r * dv, d),
+    }
+
+
+def _grouped(rows: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """[2 hk dk + hv dv, ...] (every q head, every k head, every v head) -> [hk, width, ...]."""
+    la = cfg.linear_attention
+    hk, dk = la.num_key_heads, la.key_head_dim
+    q, k, v = np.split(rows, [hk * dk, 2 * hk * dk])
+    per = lambda t: t.reshape(hk, -1, *rows.shape[1:])  # noqa: E731
+    return np.concatenate([per(q), per(k), per(v)], axis=1)
+
+
+def _ungrouped(groups: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """`_grouped`'s inverse: [hk, width, ...] -> [2 hk dk + hv dv, ...]."""
+    dk = cfg.linear_attention.key_head_dim
+    q, k, v = np.split(groups, [dk, 2 * dk], axis=1)
+    flat = lambda t: t.reshape(-1, *groups.shape[2:])  # noqa: E731
+    return np.concatenate([flat(q), flat(k), flat(v)])
+
+
+def qwen3_5_tensor_to_ours(name: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """Our parameter `name` (a key of QWEN3_5_NAMES) from its Hugging Face tensor (torch's
+    [out, in] for the projections, conv1d [channels, 1, K]): the same values regrouped per
+    key head (module docstring)."""
+    shape = param_shapes(cfg)[name]
+    if name == "in_proj_qkv":
+        return np.moveaxis(_grouped(w, cfg), -1, 0)
+    if name == "conv_weight":
+        return _grouped(w[:, 0], cfg)
+    if name in ("in_proj_z", "in_proj_b", "in_proj_a"):
+        return w.T.reshape(shape)
+    if name == "out_proj":
+        return w.T.reshape(shape)
+    return w.reshape(shape)  # A_log, dt_bias [hv] -> [hk, r]; norm [dv]
+
+
+def qwen3_5_tensor_to_hf(name: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """`qwen3_5_tensor_to_ours`' inverse."""
+    if name == "in_proj_qkv":
+        return _ungrouped(np.moveaxis(w, 0, -1), cfg)
+    if name == "conv_weight":
+        return _ungrouped(w, cfg)[:, None, :]
+    if name in ("in_proj_z", "in_proj_b", "in_proj_a"):
+        return w.reshape(w.shape[0], -1).T
+    if name == "out_proj":
+        return w.reshape(-1, w.shape[-1]).T
+    return w.reshape(-1)
+
+
 def from_qwen3_5(weights: dict, cfg: ModelConfig) -> dict:
     """A Hugging Face Qwen3.5 gated-DeltaNet layer's tensors (`in_proj_qkv.weight`,
     `in_proj_z.weight`, `in_proj_b.weight`, `in_proj_a.weight`, `conv1d.weight`, `A_log`,
     `dt_bias`, `norm.weight`, `out_proj.weight`; torch's [out, in]) -> this module's parameters
     by name (numpy, float32): the same values regrouped per key head (module docstring)."""
     la = cfg.linear_attention
-    hk, r, dk, dv = la.num_key_heads, la.values_per_key, la.key_head_dim, la.value_head_dim
     w = {k: np.asarray(v, np.float32) for k, v in weights.items()}
-    d = cfg.d_model
-    expected = {"in_proj_qkv.weight": (hk * la.group_width, d), "out_proj.weight": (d, hk * r * dv)}
+    expected = {
+        "in_proj_qkv.weight": (la.num_key_heads * la.group_width, cfg.d_model),
+        "out_proj.weight": (cfg.d_model, la.num_value_heads * la.value_head_dim),
+    }
     for key, shape in expected.items():
         if w[key].shape != shape:
             raise ValueError(f"{key} {w[key].shape}: expected {shape} for model.linear_attention {la}")
-
-    def grouped(rows):  # [2 hk dk + hv dv, ...] (q heads, k heads, v heads) -> [hk, width, ...]
-        q, k, v = np.split(rows, [hk * dk, 2 * hk * dk])
-        per = lambda t, n: t.reshape(hk, n, *rows.shape[1:])  # noqa: E731
-        return np.concatenate([per(q, dk), per(k, dk), per(v, r * dv)], axis=1)
-
-    return {
-        "in_proj_qkv": np.moveaxis(grouped(w["in_proj_qkv.weight"]), -1, 0),
-        "in_proj_z": w["in_proj_z.weight"].T.reshape(d, hk, r * dv),
-        "in_proj_b": w["in_proj_b.weight"].T.reshape(d, hk, r),
-        "in_proj_a": w["in_proj_a.weight"].T.reshape(d, hk, r),
-        "conv_weight": grouped(w["conv1d.weight"][:, 0]),
-        "A_log": w["A_log"].reshape(hk, r),
-        "dt_bias": w["dt_bias"].reshape(hk, r),
-        "norm": w["norm.weight"],
-        "out_proj": w["out_proj.weight"].T.reshape(hk, r * dv, d),
-    }
+    return {ours: qwen3_5_tensor_to_ours(ours, w[theirs], cfg) for ours, theirs in QWEN3_5_NAMES.items()}

@@ -20,6 +20,7 @@ partial RoPE, QK-norm and (1 + w) norms, against independent oracles:
 """
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -471,17 +472,23 @@ def test_the_cli_refuses_to_decode_linear_layers_in_one_line(capsys):
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    "overrides, refused",
     [
-        {},
-        dict(layer_types=(), linear_attention=None),
-        dict(layer_types=(), linear_attention=None, partial_rotary_factor=1.0),
+        ({}, None),
+        (dict(attention_output_gate=False), "model.attention_output_gate=False"),
+        (dict(norm_scale_offset=0.0), "model.norm_scale_offset=0.0"),
+        (dict(qk_norm="none"), "model.qk_norm='none'"),
     ],
 )
-def test_hugging_face_export_refuses_the_new_keys(overrides):
+def test_hugging_face_export_is_qwen3_5_or_names_the_key(overrides, refused):
+    """These layers export as Qwen3_5ForCausalLM (its logits and tensors against transformers:
+    tests/test_hf.py, tests/test_hf_qwen3_5.py); a hybrid the class does not compute is refused."""
     from jaxtrain.models import hf
 
-    with pytest.raises(hf.HFConversionError, match="does not convert to Hugging Face yet"):
+    if refused is None:
+        assert hf.hf_config(hybrid_config())["architectures"] == ["Qwen3_5ForCausalLM"]
+        return
+    with pytest.raises(hf.HFConversionError, match=re.escape(refused)):
         hf.hf_config(hybrid_config(**overrides))
 
 

@@ -39,6 +39,8 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
+from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 OUT = Path(__file__).parent / "hf"
 TOKENS = np.random.default_rng(0).integers(0, 128, size=(2, 16))
@@ -296,6 +298,60 @@ MODELS["deepseek_v3_plain_q"] = lambda: DeepseekV3ForCausalLM(
 )
 
 
+# Qwen3.5 (Qwen/Qwen3.5-27B's text config, scaled down): three gated-DeltaNet layers to one full
+# attention layer, the full layers' q_proj carrying an output gate, a quarter of each head
+# rotated (rope_parameters' partial_rotary_factor, with the Hub's interleaved M-RoPE sections:
+# equal to plain RoPE on text), (1 + w) norms, QK-norm; dk != dv and two value heads per key
+# head. 80 tokens: the model's 64-token chunks of the delta rule meet a boundary.
+QWEN3_5_TEXT = dict(
+    **{**COMMON, "num_hidden_layers": 4, "rms_norm_eps": 1e-6},
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    },
+    tie_word_embeddings=False,
+)
+MODELS["qwen3_5_hybrid"] = lambda: Qwen3_5ForCausalLM(Qwen3_5TextConfig(**QWEN3_5_TEXT))
+# The Hub's Qwen3.5 checkpoints are Qwen3_5ForConditionalGeneration (a vision tower beside the
+# text model, text under model.language_model.*); a tiny tower here, tied embeddings as the
+# small Hub models have them. Its logits are the text model's on text alone.
+MODELS["qwen3_5_vl_text"] = lambda: Qwen3_5ForConditionalGeneration(
+    Qwen3_5Config(
+        text_config={**QWEN3_5_TEXT, "tie_word_embeddings": True},
+        vision_config=dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=32,
+            num_heads=2,
+            patch_size=4,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            out_hidden_size=64,
+            num_position_embeddings=16,
+        ),
+        tie_word_embeddings=True,
+    )
+)
+# where a model needs longer rows than TOKENS (and the directory it goes to, when not hf/)
+TOKENS_FOR = {
+    "qwen3_5_hybrid": np.random.default_rng(1).integers(0, 128, size=(2, 80)),
+    "qwen3_5_vl_text": np.random.default_rng(1).integers(0, 128, size=(2, 80)),
+}
+OUT_FOR = {"qwen3_5_vl_text": Path(__file__).parent / "hf_multimodal"}
+
+
 def main(names=None):
     print("transformers", transformers.__version__, "torch", torch.__version__)
     for name, build in MODELS.items():
@@ -315,10 +371,11 @@ def main(names=None):
             for n, b in model.named_buffers():  # DeepSeek-V3's selection bias (zeros at init)
                 if n.endswith("e_score_correction_bias"):
                     b.copy_(0.3 * torch.randn_like(b))
-            logits = model(torch.tensor(TOKENS)).logits.float().numpy()
-        d = OUT / name
+            tokens = TOKENS_FOR.get(name, TOKENS)
+            logits = model(torch.tensor(tokens)).logits.float().numpy()
+        d = OUT_FOR.get(name, OUT) / name
         model.save_pretrained(d, safe_serialization=True)
-        np.save(d / "tokens.npy", TOKENS.astype(np.int32))
+        np.save(d / "tokens.npy", tokens.astype(np.int32))
         np.save(d / "logits.npy", logits.astype(np.float32))
         print(name, "logits", logits.shape, "max |logit|", float(np.abs(logits).max()))
 

@@ -1,0 +1,136 @@
+"""Qwen3.5 checkpoints in and out (models/hf_qwen3_5.py), against transformers 5.25
+(tests/assets/make_hf_assets.py wrote the assets):
+
+- tests/assets/hf/qwen3_5_hybrid (Qwen3_5ForCausalLM) joins tests/test_hf.py's checkpoints:
+  logits within LOGIT_ATOL of transformers', and an export that holds transformers' own
+  tensors and config;
+- here, the layout the Hub publishes (Qwen3_5ForConditionalGeneration: the text model under
+  model.language_model., a vision tower beside it, tied embeddings from the top-level config):
+  the text model's logits, its streamed conversion (`convert hf-to-ckpt`) and its export as
+  Qwen3_5ForCausalLM with the source's text tensors, nothing else;
+- the config mapping by hand, transformers' defaults where a key is absent;
+- fine-tuning from the converted checkpoint: the first loss is the HF logits' cross-entropy;
+- what the export refuses, one line naming the key.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from jaxtrain.models.config import LinearAttentionConfig
+from jaxtrain.models.hf import HFConversionError, config_from_hf, from_hf, hf_config, to_hf
+from tests.conftest import tiny_config
+from tests.test_hf import LOGIT_ATOL
+
+ASSETS = Path(__file__).parent / "assets"
+CAUSAL = ASSETS / "hf" / "qwen3_5_hybrid"
+VL = ASSETS / "hf_multimodal" / "qwen3_5_vl_text"
+
+
+def _config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def test_config_mapping_by_hand():
+    cfg = config_from_hf(_config(CAUSAL))
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert cfg.linear_attention == LinearAttentionConfig(
+        num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=8, conv_kernel=4
+    )
+    assert (cfg.attention_output_gate, cfg.partial_rotary_factor, cfg.norm_scale_offset) == (True, 0.25, 1.0)
+    assert (cfg.qk_norm, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling) == ("head", 32, 1e7, None)
+    # transformers' defaults: layer_types from full_attention_interval (4), a quarter rotated
+    bare = {k: v for k, v in _config(CAUSAL).items() if k != "layer_types"}
+    bare["num_hidden_layers"] = 8
+    bare["full_attention_interval"] = 2
+    bare["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e7}
+    cfg = config_from_hf(bare)
+    assert cfg.layer_kinds_by_type == ("linear_attention", "full_attention") * 4
+    assert cfg.partial_rotary_factor == 0.25
+    del bare["full_attention_interval"]
+    assert config_from_hf(bare).layer_kinds_by_type == (("linear_attention",) * 3 + ("full_attention",)) * 2
+    # a ConditionalGeneration config is its text_config, tied by the top-level key
+    vl = _config(VL)
+    assert config_from_hf(vl) == dataclasses.replace(config_from_hf(_config(CAUSAL)), tie_embeddings=True)
+    with pytest.raises(HFConversionError, match="no text_config"):
+        config_from_hf({k: v for k, v in vl.items() if k != "text_config"})
+
+
+@pytest.mark.composes("lm+linear_attention")
+def test_conditional_generation_checkpoint_opens_as_its_text_model(tmp_path):
+    """The Hub's layout: the text model's logits are transformers' (Qwen3_5ForConditionalGeneration
+    on text), its streamed conversion is the same model, and it exports as Qwen3_5ForCausalLM
+    with exactly the source's text tensors (the vision tower is not part of the model)."""
+    from jaxtrain.interchange.convert import hf_to_ckpt, load_params
+
+    model = from_hf(VL)
+    tokens = jax.numpy.asarray(np.load(VL / "tokens.npy"))
+    logits = np.asarray(model(tokens))
+    assert np.max(np.abs(logits - np.load(VL / "logits.npy"))) <= LOGIT_ATOL
+
+    cfg = hf_to_ckpt(VL, tmp_path / "ckpt")
+    assert cfg == model.cfg
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+    streamed = load_params(tmp_path / "ckpt", cfg, abstract)
+    jax.tree.map(np.testing.assert_array_equal, streamed, params)
+
+    out = to_hf(model, tmp_path / "hf")
+    assert _config(out)["architectures"] == ["Qwen3_5ForCausalLM"]
+    source = load_file(str(VL / "model.safetensors"))
+    text = {k.replace("model.language_model.", "model."): v for k, v in source.items() if "visual" not in k}
+    written = {k: v for f in out.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert set(written) == set(text)  # tied: no lm_head, as the source
+    for key, value in text.items():
+        np.testing.assert_array_equal(written[key], value, err_msg=key)
+    np.testing.assert_array_equal(np.asarray(from_hf(out)(tokens)), logits)
+
+
+@pytest.mark.composes("lm+linear_attention")
+def test_training_starts_from_a_converted_qwen3_5_checkpoint(tmp_path):
+    """`convert hf-to-ckpt` then `train.init_from` on the hybrid: the first loss is the HF
+    model's cross-entropy on the first batch, and the trained checkpoint exports to the class."""
+    from jaxtrain.data import make_data_iterator
+    from jaxtrain.interchange.convert import ckpt_to_hf, hf_to_ckpt
+    from jaxtrain.trainer import train
+
+    model_cfg = hf_to_ckpt(CAUSAL, tmp_path / "ckpt")
+    cfg = tiny_config(
+        tmp_path / "run", "train.steps=1", "train.seq_len=16", "checkpoint.every=1", "train.loss_chunk=0"
+    )
+    cfg = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(model_cfg, attention_impl="auto", remat="auto"),
+        train=dataclasses.replace(cfg.train, init_from=str(tmp_path / "ckpt")),
+    )
+    first = train(cfg, devices=jax.devices()[:1]).metrics[0]["loss"]
+    data = make_data_iterator(
+        cfg.data, vocab_size=128, seq_len=16, global_batch_size=cfg.train.global_batch_size, seed=cfg.seed
+    )
+    batch = next(data)
+    logits = from_hf(CAUSAL)(batch["inputs"])
+    expected = float(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean())
+    assert abs(first - expected) < 1e-4
+    out = ckpt_to_hf(tmp_path / "run", tmp_path / "hf")
+    assert _config(out)["architectures"] == ["Qwen3_5ForCausalLM"]
+    assert _config(out)["layer_types"] == list(model_cfg.layer_kinds_by_type)
+
+
+def test_export_names_what_qwen3_5_cannot_hold():
+    cfg = config_from_hf(_config(CAUSAL))
+    with pytest.raises(HFConversionError, match=r"model.attention_sinks=True \(expected False\)"):
+        hf_config(dataclasses.replace(cfg, attention_sinks=True))
+    with pytest.raises(HFConversionError, match="holds the text model only"):
+        hf_config(cfg, "Qwen3_5ForConditionalGeneration")
+    with pytest.raises(HFConversionError, match="convert as 'Qwen3_5ForCausalLM' only"):
+        hf_config(cfg, "Qwen3ForCausalLM")
+    # without the output gate a Qwen3.5 is not what the class computes
+    with pytest.raises(HFConversionError, match=r"model.attention_output_gate=False \(expected True\)"):
+        hf_config(dataclasses.replace(cfg, attention_output_gate=False))
