@@ -19,15 +19,14 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
 from jaxtrain.models.config import LinearAttentionConfig
 from jaxtrain.models.hf import HFConversionError, config_from_hf, from_hf, hf_config, to_hf
-from tests.conftest import tiny_config
 from tests.test_hf import LOGIT_ATOL
+from tests.test_model_families import train_from_converted
 
 ASSETS = Path(__file__).parent / "assets"
 CAUSAL = ASSETS / "hf" / "qwen3_5_hybrid"
@@ -97,30 +96,10 @@ def test_conditional_generation_checkpoint_opens_as_its_text_model(tmp_path):
 def test_training_starts_from_a_converted_qwen3_5_checkpoint(tmp_path):
     """`convert hf-to-ckpt` then `train.init_from` on the hybrid: the first loss is the HF
     model's cross-entropy on the first batch, and the trained checkpoint exports to the class."""
-    from jaxtrain.data import make_data_iterator
-    from jaxtrain.interchange.convert import ckpt_to_hf, hf_to_ckpt
-    from jaxtrain.trainer import train
-
-    model_cfg = hf_to_ckpt(CAUSAL, tmp_path / "ckpt")
-    cfg = tiny_config(
-        tmp_path / "run", "train.steps=1", "train.seq_len=16", "checkpoint.every=1", "train.loss_chunk=0"
-    )
-    cfg = dataclasses.replace(
-        cfg,
-        model=dataclasses.replace(model_cfg, attention_impl="auto", remat="auto"),
-        train=dataclasses.replace(cfg.train, init_from=str(tmp_path / "ckpt")),
-    )
-    first = train(cfg, devices=jax.devices()[:1]).metrics[0]["loss"]
-    data = make_data_iterator(
-        cfg.data, vocab_size=128, seq_len=16, global_batch_size=cfg.train.global_batch_size, seed=cfg.seed
-    )
-    batch = next(data)
-    logits = from_hf(CAUSAL)(batch["inputs"])
-    expected = float(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean())
+    first, expected, out = train_from_converted(CAUSAL, tmp_path)
     assert abs(first - expected) < 1e-4
-    out = ckpt_to_hf(tmp_path / "run", tmp_path / "hf")
     assert _config(out)["architectures"] == ["Qwen3_5ForCausalLM"]
-    assert _config(out)["layer_types"] == list(model_cfg.layer_kinds_by_type)
+    assert _config(out)["layer_types"] == _config(CAUSAL)["layer_types"]
 
 
 def test_export_names_what_qwen3_5_cannot_hold():

@@ -290,11 +290,9 @@ def test_gemma_boundary_reads_its_own_keys_and_refuses_what_does_not_tile():
         hf_config(dataclasses.replace(gemma2, embedding_scale=1.0))
 
 
-@pytest.mark.composes("lm+attention_pattern", "lm+qk_norm")
-def test_training_starts_from_a_converted_gemma3_checkpoint(tmp_path):
-    """`convert hf-to-ckpt` then `train.init_from` on Gemma 3 (pattern groups, post-norms,
-    QK-norm): the first loss is the converted model's cross-entropy on the first batch, and
-    the trained checkpoint exports to the same class."""
+def train_from_converted(asset: Path, tmp_path: Path):
+    """`convert hf-to-ckpt` of `asset`, one step with `train.init_from` on it, `convert ckpt-to-hf`:
+    (the first loss, the HF model's cross-entropy on that batch, the exported directory)."""
     import optax
 
     from jaxtrain.data import make_data_iterator
@@ -302,7 +300,6 @@ def test_training_starts_from_a_converted_gemma3_checkpoint(tmp_path):
     from jaxtrain.models.hf import from_hf
     from jaxtrain.trainer import train
 
-    asset = ASSETS / "gemma3_pattern"
     model_cfg = hf_to_ckpt(asset, tmp_path / "ckpt")
     cfg = tiny_config(
         tmp_path / "run", "train.steps=1", "train.seq_len=16", "checkpoint.every=1", "train.loss_chunk=0"
@@ -319,8 +316,16 @@ def test_training_starts_from_a_converted_gemma3_checkpoint(tmp_path):
     batch = next(data)
     logits = from_hf(asset)(batch["inputs"])
     expected = float(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean())
+    return first, expected, ckpt_to_hf(tmp_path / "run", tmp_path / "hf")
+
+
+@pytest.mark.composes("lm+attention_pattern", "lm+qk_norm")
+def test_training_starts_from_a_converted_gemma3_checkpoint(tmp_path):
+    """`convert hf-to-ckpt` then `train.init_from` on Gemma 3 (pattern groups, post-norms,
+    QK-norm): the first loss is the converted model's cross-entropy on the first batch, and
+    the trained checkpoint exports to the same class."""
+    first, expected, out = train_from_converted(ASSETS / "gemma3_pattern", tmp_path)
     assert abs(first - expected) < 1e-4
-    out = ckpt_to_hf(tmp_path / "run", tmp_path / "hf")
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
 
 
