@@ -390,11 +390,6 @@ def _compile(args) -> int:
             deviceless.config_for_target(cfg, target)
         if args.mode == "decode" and (args.batch is None or args.max_len is None):
             raise ConfigError("--mode decode: expected --batch B and --max-len L")
-        if args.mode == "decode" and cfg.model.has_linear_attention:
-            raise ConfigError(
-                "--mode decode with linear_attention layers (model.layer_types): their recurrent state "
-                "is not in the decode cache yet"
-            )
         if args.mode == "decode":
             result = compile_decode_report(
                 cfg, target, batch=args.batch, max_len=args.max_len, prompt_len=args.prompt_len

@@ -13,6 +13,7 @@ _PUBLIC = {
     "MoEConfig": "config",
     "MLAConfig": "config",
     "MTPConfig": "config",
+    "LinearAttentionConfig": "config",
     "Transformer": "transformer",
     "attend": "attention",
     "abstract_model": "params",

@@ -17,7 +17,10 @@ nothing in v) in the compute dtype, named `CACHE_AXES` for the sharding rules
 `[batch, cache_len]` (-1: empty). Position p lives in slot p % cache_len. cache_len is
 prompt + max_new_tokens, or the sliding window W when that is shorter: a ring buffer of
 exactly the keys a query may see (q - k < W, Mistral's rule, as in the training path); the
-stored positions mask the rest.
+stored positions mask the rest. Gated DeltaNet layers (`model.layer_types`) keep no keys:
+`KVCache.conv` and `.state` hold each one's last conv inputs and its delta rule's state, the
+same size at any length (models/linear_attention.py `prefill` / `decode`); k and v then stack
+the full-attention layers only.
 
 Prefill runs the model's own attention (`attend`: the Pallas kernel on GPU/TPU) over
 the padded prompts and keeps each row's last cache_len real positions; a decode step
@@ -55,6 +58,7 @@ from flax import nnx
 from jaxtrain.models.attention import attend, sink_softmax
 from jaxtrain.models.blocks import PatternGroup, post_norm
 from jaxtrain.models.layers import norm_after, norm_before
+from jaxtrain.models.linear_attention import CONV_STATE_AXES, STATE_AXES, GatedDeltaNet, state_shapes
 from jaxtrain.models.masks import softcapped
 from jaxtrain.models.transformer import MoEGroup, Transformer
 from jaxtrain.sharding import axis_rules, constrain, current_rules
@@ -64,20 +68,38 @@ CACHE_POSITION_AXES = ("batch", None)
 
 
 class KVCache(NamedTuple):
-    k: jax.Array  # [layers, batch, kv_heads, cache_len, head_dim]
+    k: jax.Array  # [attention layers, batch, kv_heads, cache_len, head_dim]
     v: jax.Array
     positions: jax.Array  # int32 [batch, cache_len]: the position each slot holds; -1 empty
+    # gated DeltaNet layers (model.layer_types; models/linear_attention.py state_shapes), else
+    # None: each one's conv window [layers, batch, kernel - 1, hk, width] and its rule's state
+    # [layers, batch, hv, dk, dv] (float32), the same size at every step
+    conv: jax.Array | None = None
+    state: jax.Array | None = None
 
 
 def cache_shapes(cfg, batch: int, cache_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shapes of `KVCache.k` and `.v` that generation keeps for a model of `cfg`: per layer,
-    row and slot, every kv head's key and value; with `model.mla` one row of the latent and
-    the shared RoPE key (kv_lora_rank + qk_rope_head_dim values) in k, nothing in v."""
+    """The shapes of `KVCache.k` and `.v` that generation keeps for a model of `cfg`: per
+    attention layer (the full_attention ones of `model.layer_types`), row and slot, every kv
+    head's key and value; with `model.mla` one row of the latent and the shared RoPE key
+    (kv_lora_rank + qk_rope_head_dim values) in k, nothing in v. The DeltaNet layers' state:
+    `linear_state_shapes`."""
+    layers = _attention_layers(cfg)
     if cfg.mla is not None:
-        row = (cfg.n_layers, batch, 1, cache_len)
+        row = (layers, batch, 1, cache_len)
         return (*row, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim), (*row, 0)
-    shape = (cfg.n_layers, batch, cfg.n_kv_heads, cache_len, cfg.resolved_head_dim)
+    shape = (layers, batch, cfg.n_kv_heads, cache_len, cfg.resolved_head_dim)
     return shape, shape
+
+
+def linear_state_shapes(cfg, batch: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The shapes of `KVCache.conv` and `.state` (None without gated DeltaNet layers)."""
+    n = cfg.layer_kinds_by_type.count("linear_attention")
+    return state_shapes(cfg, n, batch) if n else None
+
+
+def _attention_layers(cfg) -> int:
+    return cfg.n_layers - cfg.layer_kinds_by_type.count("linear_attention")
 
 
 def cache_length(cfg, total_len: int) -> int:
@@ -95,6 +117,7 @@ class _Step(NamedTuple):
     slot_positions: jax.Array  # [b, cache_len] position each slot holds after this step (-1 empty)
     source: jax.Array | None  # prefill: [b, cache_len] index into the prompt each slot takes
     write: jax.Array | None  # decode: [b, cache_len] the slot each row's new token goes to
+    lengths: jax.Array | None = None  # prefill: [b] each row's prompt length
 
 
 def _cached_attention(q, k, v, q_positions, kv_positions, window, scale=None, softcap=None, sinks=None):
@@ -220,10 +243,23 @@ def _attention(attn, x, cache, step: _Step, layer=None):
     return attn.output(out, gate=attn.output_gate(x)), cache
 
 
+def _linear_attention(attn: GatedDeltaNet, x, cache, step: _Step, layer=None):
+    """`_attention` for a gated DeltaNet layer: prefill -> (output, this layer's (conv window,
+    state) after each row's prompt); decode: `cache` is the whole (conv, state) [layers, ...]
+    -> (output, the cache with layer `layer`'s state advanced by one token)."""
+    if step.write is None:
+        return attn.prefill(x, step.lengths)
+    conv, state = (jax.lax.dynamic_index_in_dim(c, layer, 0, False) for c in cache)
+    out, new = attn.decode(x, conv, state)
+    return out, tuple(jax.lax.dynamic_update_index_in_dim(c, t, layer, 0) for c, t in zip(cache, new))
+
+
 def _block(block, x, cache, step: _Step, layer=None):
-    """One decoder block (blocks.Block or moe.MoEBlock: the same residual layout) with its cache."""
+    """One decoder block (blocks.Block or moe.MoEBlock: the same residual layout) with its cache
+    (a DeltaNet layer's: its (conv, state))."""
     cfg = block.attn.cfg
-    h, cache = _attention(block.attn, norm_before(block.attn_norm, x, cfg), cache, step, layer)
+    mixer = _linear_attention if isinstance(block.attn, GatedDeltaNet) else _attention
+    h, cache = mixer(block.attn, norm_before(block.attn_norm, x, cfg), cache, step, layer)
     x = x + norm_after(block.attn_norm, h, cfg, post_norm(block, "attn"))
     y = block.mlp(norm_before(block.mlp_norm, x, cfg))
     y = y[0] if isinstance(y, tuple) else y  # MoE: (output, router statistics)
@@ -241,18 +277,33 @@ def _stacks(model: Transformer):
     return out
 
 
+_LINEAR = "linear_attention"
+
+
+def _kind_index(kinds: tuple, j: int) -> int:
+    """Block j of a scanned element: its index among the element's DeltaNet blocks, or among
+    its attention blocks (local and global alike)."""
+    return sum((k == _LINEAR) == (kinds[j] == _LINEAR) for k in kinds[:j])
+
+
 def _run_layers(model: Transformer, x, cache, step: _Step):
-    """x through every layer -> (x, the cache (k, v) [layers, ...]). Prefill (`cache` None)
-    builds the cache as the scan's output; decode carries `cache` through the scan and
-    updates it layer by layer in place, so a donated cache is never copied whole."""
-    new_k, new_v, start = [], [], 0
+    """x through every layer -> (x, the cache (k, v, conv, state), each [layers of its kind, ...];
+    conv and state None without DeltaNet layers). Prefill (`cache` None) builds the cache as
+    the scan's output; decode carries `cache` through the scan and updates it layer by layer
+    in place, so a donated cache is never copied whole. The attention layers' k/v and the
+    DeltaNet layers' state are indexed among the layers of their kind, in layer order."""
+    made_by_stack, start = [], (0, 0)  # (attention, DeltaNet) layers before the stack
+    axes = (CACHE_AXES, CACHE_AXES, CONV_STATE_AXES, STATE_AXES)
     if cache is not None:
-        cache = tuple(constrain(t, CACHE_AXES) for t in cache)
+        cache = tuple(None if t is None else constrain(t, a) for t, a in zip(cache, axes))
     for stack, per in _stacks(model):
         graphdef, state = nnx.split(stack)
         n = jax.tree.leaves(state)[0].shape[0]
+        kinds = tuple(model.cfg.scan_pattern) if per == model.cfg.layers_per_group else ()
+        kinds = kinds or ("attention",) * per
+        counts = (per - kinds.count(_LINEAR), kinds.count(_LINEAR))  # per element, as `start`
 
-        def body(carry, xs, graphdef=graphdef, start=start, per=per):
+        def body(carry, xs, graphdef=graphdef, start=start, kinds=kinds, counts=counts):
             x, c = carry
             layer_state, g = xs  # g: the scanned element's index
             layer = nnx.merge(graphdef, layer_state)
@@ -260,39 +311,45 @@ def _run_layers(model: Transformer, x, cache, step: _Step):
                 blocks = [*(getattr(layer, f"dense_{i}") for i in range(layer.n_dense)), layer.moe]
             else:
                 blocks = layer.blocks() if isinstance(layer, PatternGroup) else [layer]
-            ks, vs = [], []
+            made = {True: [], False: []}
             for j, block in enumerate(blocks):
+                linear = kinds[j] == _LINEAR
                 if c is None:
-                    x, (k, v) = _block(block, x, None, step)
-                    ks.append(k)
-                    vs.append(v)
+                    x, new = _block(block, x, None, step)
+                    made[linear].append(new)
                 else:
-                    x, c = _block(block, x, c, step, start + g * per + j)
-            return (x, c), (None if c is not None else (jnp.stack(ks), jnp.stack(vs)))
+                    index = start[linear] + g * counts[linear] + _kind_index(kinds, j)
+                    mine = c[2:] if linear else c[:2]
+                    x, mine = _block(block, x, mine, step, index)
+                    c = (*c[:2], *mine) if linear else (*mine, *c[2:])
+            if c is not None:
+                return (x, c), None
+            return (x, c), {key: tuple(map(jnp.stack, zip(*v))) for key, v in made.items() if v}
 
         (x, cache), made = jax.lax.scan(body, (x, cache), (state, jnp.arange(n)))
         if made is not None:
-            new_k.append(made[0].reshape(n * per, *made[0].shape[2:]))
-            new_v.append(made[1].reshape(n * per, *made[1].shape[2:]))
-        start += n * per
+            made_by_stack.append(
+                {key: tuple(t.reshape(n * t.shape[1], *t.shape[2:]) for t in v) for key, v in made.items()}
+            )
+        start = tuple(s0 + n * c for s0, c in zip(start, counts))
     if cache is None:
-        cache = tuple(jnp.concatenate(t) if len(t) > 1 else t[0] for t in (new_k, new_v))
-    return x, tuple(constrain(t, CACHE_AXES) for t in cache)
-
-
-def _refuse_unsupported(cfg) -> None:
-    """Model features the cache path does not run yet, refused rather than decoded wrongly."""
-    if cfg.has_linear_attention:
-        raise ValueError(
-            "generation with linear_attention layers (model.layer_types): their recurrent state is "
-            "not in the decode cache yet"
-        )
+        parts = []
+        for linear in (False, True):
+            pieces = [m[linear] for m in made_by_stack if linear in m]
+            joined = (
+                [jnp.concatenate(t) if len(t) > 1 else t[0] for t in zip(*pieces)] if pieces else [None, None]
+            )
+            parts.extend(joined)
+        cache = tuple(parts)
+        if cache[0] is None:  # every layer DeltaNet: no attention cache
+            k_shape, v_shape = cache_shapes(model.cfg, x.shape[0], step.slot_positions.shape[1])
+            cache = (jnp.zeros(k_shape, x.dtype), jnp.zeros(v_shape, x.dtype), *cache[2:])
+    return x, tuple(None if t is None else constrain(t, a) for t, a in zip(cache, axes))
 
 
 def prefill(model: Transformer, tokens, prompt_lengths, cache_len: int) -> tuple[jax.Array, KVCache]:
     """Right-padded prompts int [b, P] (row i: its first prompt_lengths[i] tokens) ->
     (logits at each row's last prompt token [b, vocab], the cache of cache_len slots)."""
-    _refuse_unsupported(model.cfg)
     b, p = tokens.shape if tokens.ndim == 2 else (0, 0)
     if tokens.ndim != 2 or prompt_lengths.shape != (b,) or cache_len < 1:
         raise ValueError(
@@ -304,15 +361,16 @@ def prefill(model: Transformer, tokens, prompt_lengths, cache_len: int) -> tuple
     # Slot s holds the latest real position p <= last with p = s (mod cache_len); < 0: none.
     held = last - jnp.mod(last - jnp.arange(cache_len)[None], cache_len)
     slot_positions = constrain(jnp.where(held >= 0, held, -1).astype(jnp.int32), CACHE_POSITION_AXES)
-    step = _Step(positions, slot_positions, source=jnp.clip(held, 0, p - 1), write=None)
-    x, (k, v) = _run_layers(model, model.embed(tokens), None, step)
+    step = _Step(
+        positions, slot_positions, source=jnp.clip(held, 0, p - 1), write=None, lengths=prompt_lengths
+    )
+    x, (k, v, conv, state) = _run_layers(model, model.embed(tokens), None, step)
     x_last = jnp.take_along_axis(x, last[:, :, None], axis=1)  # [b, 1, d]
-    return model.unembed(x_last)[:, 0], KVCache(k, v, slot_positions)
+    return model.unembed(x_last)[:, 0], KVCache(k, v, slot_positions, conv, state)
 
 
 def decode_step(model: Transformer, tokens, positions, cache: KVCache) -> tuple[jax.Array, KVCache]:
     """One token per row, int [b] at positions [b] -> (its logits [b, vocab], the updated cache)."""
-    _refuse_unsupported(model.cfg)
     b, cache_len = cache.positions.shape
     if tokens.shape != (b,) or positions.shape != (b,):
         raise ValueError(
@@ -322,8 +380,9 @@ def decode_step(model: Transformer, tokens, positions, cache: KVCache) -> tuple[
     write = jnp.arange(cache_len)[None] == (positions % cache_len)[:, None]
     slot_positions = constrain(jnp.where(write, positions[:, None], cache.positions), CACHE_POSITION_AXES)
     step = _Step(positions[:, None], slot_positions, source=None, write=write)
-    x, (k, v) = _run_layers(model, model.embed(tokens[:, None]), (cache.k, cache.v), step)
-    return model.unembed(x)[:, 0], KVCache(k, v, slot_positions)
+    carried = (cache.k, cache.v, cache.conv, cache.state)
+    x, (k, v, conv, state) = _run_layers(model, model.embed(tokens[:, None]), carried, step)
+    return model.unembed(x)[:, 0], KVCache(k, v, slot_positions, conv, state)
 
 
 def sample(logits, key, temperature, top_k: int | None = None, top_p=None) -> jax.Array:
@@ -443,7 +502,6 @@ def _checked(model, tokens, max_new_tokens, temperature, top_k, top_p, seed, eos
     if not isinstance(model, Transformer):
         raise ValueError(f"model: expected a models.Transformer, got {type(model).__name__}")
     cfg = model.cfg
-    _refuse_unsupported(cfg)
     if not isinstance(tokens, jax.Array):
         tokens = np.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):

@@ -45,11 +45,14 @@ from jaxtrain.sharding import constrain
 _GROUP_AXES = ("embed", "kv_heads", "head_dim")
 _GATE_AXES = ("embed", "kv_heads", None)
 _ACT_AXES = ("batch", "seq", "act_kv_heads", None)
+# the decode state (models/generation.py), stacked over layers: heads split as the layer's
+CONV_STATE_AXES = ("layers", "batch", None, "act_kv_heads", None)
+STATE_AXES = ("layers", "batch", "act_kv_heads", None, None)
 
 
 class GatedDeltaNet(nnx.Module):
     """One gated DeltaNet layer: x [b, s, D] -> [b, s, D] (the interface of layers.Attention's
-    __call__; no `project` / `output`: generation refuses these layers)."""
+    __call__; generation runs `prefill` and `decode` instead of `project` / `output`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         la = cfg.linear_attention
@@ -83,10 +86,47 @@ class GatedDeltaNet(nnx.Module):
     def __call__(self, x, positions, segment_ids, fp8=None):
         """x [b, s, D] (positions unused: no RoPE); `segment_ids` [b, s] or None (one document
         per row). `fp8` must be None (model.fp8 is refused with these layers)."""
+        out, _, _ = self._mix(*self._inputs(x), segment_ids=segment_ids)
+        return out
+
+    def prefill(self, x, lengths):
+        """Right-padded prompts x [b, s, D], row i's first lengths[i] tokens real -> (out
+        [b, s, D], the decode state after each row's last real token: (conv_state
+        [b, kernel - 1, hk, width] in x's dtype, state [b, hv, dk, dv] float32)). Padding
+        tokens neither decay nor write the state (g = beta = 0)."""
+        qkv, z, beta_in, a = self._inputs(x)
+        b, s = x.shape[:2]
+        valid = jnp.arange(s)[None] < lengths[:, None]
+        out, _, state = self._mix(qkv, z, beta_in, a, valid=valid)
+        # the conv window: the last kernel - 1 real inputs of each row (zeros before its start)
+        taps = (
+            lengths[:, None]
+            - (self.cfg.linear_attention.conv_kernel - 1)
+            + jnp.arange(self.cfg.linear_attention.conv_kernel - 1)
+        )
+        window = jnp.take_along_axis(qkv, jnp.clip(taps, 0, s - 1)[:, :, None, None], axis=1)
+        conv_state = jnp.where((taps >= 0)[:, :, None, None], window, 0).astype(qkv.dtype)
+        return out, (constrain(conv_state, CONV_STATE_AXES[1:]), constrain(state, STATE_AXES[1:]))
+
+    def decode(self, x, conv_state, state):
+        """One token per row x [b, 1, D] after `prefill`'s (or the last decode's) state ->
+        (out [b, 1, D], the next (conv_state, state)): the rule's recurrence for one token."""
+        b = x.shape[0]
+        flat = conv_state.reshape(b, conv_state.shape[1], -1)
+        out, conv_state, state = self._mix(*self._inputs(x), conv_state=flat, state=state, recurrent=True)
+        conv_state = conv_state.reshape(b, -1, self.cfg.linear_attention.num_key_heads, self._width)
+        return out, (constrain(conv_state, CONV_STATE_AXES[1:]), constrain(state, STATE_AXES[1:]))
+
+    @property
+    def _width(self) -> int:
+        return self.cfg.linear_attention.group_width
+
+    def _inputs(self, x):
+        """x [b, s, D] -> the projections: qkv [b, s, hk, width] (before the conv), z
+        [b, s, hv, dv], beta's and the decay's inputs [b, s, hv]."""
         cfg, la = self.cfg, self.cfg.linear_attention
         b, s, _ = x.shape
-        hk, hv, r = la.num_key_heads, la.num_value_heads, la.values_per_key
-        dk, dv = la.key_head_dim, la.value_head_dim
+        hv, dv = la.num_value_heads, la.value_head_dim
 
         def project(w, axes):
             y = weight_matmul("bsd,dhc->bshc", x, matmul_weight(w[...], axes, cfg), cfg, None)
@@ -96,20 +136,58 @@ class GatedDeltaNet(nnx.Module):
         z = project(self.in_proj_z, _GROUP_AXES).reshape(b, s, hv, dv)
         beta_in = project(self.in_proj_b, _GATE_AXES).reshape(b, s, hv)
         a = project(self.in_proj_a, _GATE_AXES).reshape(b, s, hv)
+        return qkv, z, beta_in, a
+
+    def _mix(
+        self,
+        qkv,
+        z,
+        beta_in,
+        a,
+        *,
+        segment_ids=None,
+        conv_state=None,
+        state=None,
+        valid=None,
+        recurrent=False,
+    ):
+        """The conv, the gated delta rule (by chunks, or token by token when `recurrent`) from
+        `state`, the gated norm and out_proj -> (out [b, s, D], the conv state [b, kernel - 1,
+        channels], the rule's final state). `valid` [b, s]: False tokens leave the state as it is."""
+        cfg, la = self.cfg, self.cfg.linear_attention
+        b, s = qkv.shape[:2]
+        hk, hv, r = la.num_key_heads, la.num_value_heads, la.values_per_key
+        dk, dv = la.key_head_dim, la.value_head_dim
         conv_w = self.conv_weight[...].astype(qkv.dtype)
-        mixed, _ = gdn.causal_conv1d(
-            qkv.reshape(b, s, -1), conv_w.reshape(-1, conv_w.shape[-1]), segment_ids=segment_ids
+        mixed, conv_state = gdn.causal_conv1d(
+            qkv.reshape(b, s, -1),
+            conv_w.reshape(-1, conv_w.shape[-1]),
+            segment_ids=segment_ids,
+            conv_state=conv_state,
         )
         mixed = mixed.reshape(b, s, hk, -1)
         q, k = mixed[..., :dk], mixed[..., dk : 2 * dk]
         v = mixed[..., 2 * dk :].reshape(b, s, hv, dv)  # value head j * r + i of key head j
         g, beta = gdn.decay_and_beta(a, beta_in, self.A_log[...].reshape(hv), self.dt_bias[...].reshape(hv))
-        core, _ = gdn.chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids)
+        if valid is not None:
+            g, beta = jnp.where(valid[..., None], g, 0), jnp.where(valid[..., None], beta, 0)
+        rule = gdn.recurrent_gated_delta_rule if recurrent else gdn.chunked_gated_delta_rule
+        core, state = rule(q, k, v, g, beta, initial_state=state, segment_ids=segment_ids)
         core = checkpoint_name(core, ATTENTION_RESIDUALS)
         out = gdn.gated_rms_norm(core, z, self.norm[...].astype(core.dtype), eps=cfg.norm_eps)
         out = constrain(out.reshape(b, s, hk, r * dv), _ACT_AXES)
         wo = matmul_weight(self.out_proj[...], ("kv_heads", "head_dim", "embed"), cfg)
-        return checkpoint_name(weight_matmul("bshc,hcd->bsd", out, wo, cfg, None), "out_proj")
+        out = checkpoint_name(weight_matmul("bshc,hcd->bsd", out, wo, cfg, None), "out_proj")
+        return out, conv_state, state
+
+
+def state_shapes(cfg: ModelConfig, layers: int, batch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The decode state generation keeps for `layers` such layers: the conv window
+    [layers, batch, kernel - 1, hk, width] (compute dtype) and the rule's state
+    [layers, batch, hv, dk, dv] (float32). Neither grows with the sequence."""
+    la = cfg.linear_attention
+    conv = (layers, batch, la.conv_kernel - 1, la.num_key_heads, la.group_width)
+    return conv, (layers, batch, la.num_value_heads, la.key_head_dim, la.value_head_dim)
 
 
 # our parameter -> its tensor in a Hugging Face Qwen3.5 `linear_attn` module

@@ -49,6 +49,20 @@ CONFIGS = {
     "post-norm-qk-bias": dataclasses.replace(
         DENSE, norm_placement="post", qk_norm="projection", qkv_bias=True
     ),
+    # Qwen3.5's layers: gated DeltaNet (its conv window and state in the cache) between gated,
+    # partially rotated full-attention layers with (1 + w) norms
+    "hybrid-deltanet": dataclasses.replace(
+        DENSE,
+        n_layers=4,
+        layer_types=("linear_attention", "full_attention"),
+        linear_attention=models.LinearAttentionConfig(
+            num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8
+        ),
+        attention_output_gate=True,
+        partial_rotary_factor=0.5,
+        qk_norm="head",
+        norm_scale_offset=1.0,
+    ),
 }
 PROMPT = np.random.default_rng(0).integers(0, 97, size=(2, 5)).astype(np.int32)
 LENGTHS = np.array([5, 2], np.int32)  # right-padded: row 1's last 3 tokens are padding
@@ -175,7 +189,7 @@ def _sharded(model, mesh, rules):
     return models.merge(graphdef, state, params)
 
 
-@pytest.mark.parametrize("name", ["dense-gqa-llama3", "moe-dropless"])
+@pytest.mark.parametrize("name", ["dense-gqa-llama3", "moe-dropless", "hybrid-deltanet"])
 def test_tensor2_data2_equals_one_device(name):
     model = build(name)
     kw = dict(max_new_tokens=STEPS, prompt_lengths=LENGTHS)
@@ -191,6 +205,9 @@ def test_tensor2_data2_equals_one_device(name):
     # The cache's logical axes put batch over data and kv heads over tensor.
     assert cache.k.sharding.spec == P(None, "data", "tensor")
     assert cache.positions.sharding.spec == P("data")
+    if cache.state is not None:  # DeltaNet: batch over data, key-head groups over tensor
+        assert cache.conv.sharding.spec == P(None, "data", None, "tensor")
+        assert cache.state.sharding.spec == P(None, "data", "tensor")
 
 
 def test_generation_traces_again_under_other_axis_rules():

@@ -16,9 +16,12 @@ partial RoPE, QK-norm and (1 + w) norms, against independent oracles:
 - a QK-clip step against the unclipped step scaled by the full layers' maxima the plain-jnp
   forward finds (the linear layers untouched);
 - the KV-cache decode of the gated, partially rotated attention against the full forward;
-- the refusals at the config's door, in generation, the CLI and the HF export, one line each.
+- decode: the DeltaNet state carried from a prefill that crosses a chunk, decode steps against
+  the full forward, `jaxtrain generate` and `compile --mode decode` (the state beside the cache);
+- the refusals at the config's door and in the HF export, one line each.
 """
 
+import json
 import os
 import re
 
@@ -35,6 +38,7 @@ from jaxtrain.models.config import LinearAttentionConfig, ModelConfig
 from jaxtrain.models.layers import Attention
 from jaxtrain.models.linear_attention import GatedDeltaNet, from_qwen3_5
 from jaxtrain.models.transformer import Transformer
+from jaxtrain.sharding import targets
 from jaxtrain.trainer.batches import batch_to_device
 from tests.conftest import program_on_mesh, tiny_config
 from tests.reference_llama import causal_mask, rms_norm, rotate_half
@@ -447,28 +451,71 @@ def test_refused_in_one_line(overrides, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_generation_refuses_linear_layers():
-    model = Transformer(hybrid_config(), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="generation with linear_attention layers"):
-        generation.generate(model, np.zeros((1, 4), np.int32), max_new_tokens=2)
+def test_decode_carries_the_deltanet_state_across_chunks():
+    """Right-padded prompts of 70 (past a 64-token chunk of the rule), 5 and 66 tokens through
+    two hybrid groups: prefill's last logits and three decode steps' equal the full forward's
+    at those positions (the padding leaves the state as the prompt's end left it; the conv
+    window is the prompt's last inputs)."""
+    cfg = hybrid_config(n_layers=8)
+    model, _ = random_model(cfg, seed=3)
+    tokens = jax.random.randint(jax.random.key(6), (3, 75), 0, cfg.vocab_size)
+    full = np.asarray(jax.jit(lambda t: model(t))(tokens))
+    lengths = np.array([70, 5, 66])
+    rows = np.arange(3)
+    logits, cache = nnx.jit(generation.prefill, static_argnums=3)(
+        model, tokens[:, :70], jnp.asarray(lengths), 80
+    )
+    assert cache.k.shape[0] == 2 and cache.state.shape == (6, 3, 4, 8, 8)  # 2 full, 6 DeltaNet
+    close(logits, full[rows, lengths - 1], MODEL_TOL)
+    step = nnx.jit(generation.decode_step)
+    for t in range(3):
+        logits, cache = step(model, tokens[rows, lengths + t], jnp.asarray(lengths + t), cache)
+        close(logits, full[rows, lengths + t], MODEL_TOL)
 
 
-def test_the_cli_refuses_to_decode_linear_layers_in_one_line(capsys):
-    """`jaxtrain generate` and `jaxtrain compile --mode decode`: exit 2 with one line, before
-    anything compiles."""
+@pytest.mark.deviceless
+@pytest.mark.skipif(not targets.cuda_available(), reason="jax-cuda12-plugin not installed")
+def test_decode_compiles_for_h100_with_the_state_beside_the_cache(capsys):
+    """`compile --mode decode` on fsdp=4 x tensor=2: the KV cache holds the full layers only (1
+    of 4), the DeltaNet layers' conv windows and states are a fixed size per row, both split as
+    the cache and donated to the decode step."""
     from jaxtrain import cli
 
     tiny = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml")
-    args = [tiny, *_TRAIN, "logging.progress=false"]
-    assert cli.main(["generate", *args, "--random-init", "--prompt", "hi", "--max-new-tokens", "2"]) == 2
-    assert "do not generate yet" in capsys.readouterr().err
-    assert (
-        cli.main(
-            ["compile", *args, "--target", "gpu:h100", "--mode", "decode", "--batch", "1", "--max-len", "8"]
-        )
-        == 2
-    )
-    assert "--mode decode with linear_attention layers" in capsys.readouterr().err
+    args = [tiny, *_TRAIN, "mesh.fsdp=4", "mesh.tensor=2", "--target", "gpu:h100", "--mode", "decode"]
+    assert cli.main(["compile", *args, "--batch", "8", "--max-len", "512", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    kv = 2 * 1 * 8 * 2 * 512 * 16 * 4  # k and v, 1 full layer, 8 rows, 2 kv heads, 512, head_dim 16
+    conv, state = 3 * 8 * 3 * 2 * (2 * 8 + 2 * 8) * 4, 3 * 8 * 4 * 8 * 8 * 4  # 3 DeltaNet layers
+    assert (r["kv_cache_bytes"], r["linear_state_bytes"]) == (kv, conv + state)
+    # rows over fsdp, key-head groups over tensor, as the cache's kv heads
+    assert r["linear_state_bytes_per_device"] == (conv + state) // 8
+    assert r["kv_cache_bytes_per_device"] == r["kv_cache_bytes_per_device_compiled"] == kv // 8
+    assert r["fits"] and r["decode"]["memory"]["alias"] >= (kv + conv + state) // 8
+
+
+def test_the_cli_generates_from_a_hybrid(capsys):
+    """`jaxtrain generate --random-init` on the hybrid: text comes out on one device and on
+    data x tensor, the same tokens."""
+    from jaxtrain import cli
+
+    tiny = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml")
+    train = [o for o in _TRAIN if not o.startswith("model.vocab_size")]  # the byte tokenizer's 257
+    args = [
+        tiny,
+        *train,
+        "logging.progress=false",
+        "--random-init",
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "4",
+    ]
+    outs = []
+    for mesh in ([], ["mesh.tensor=2", "mesh.data=2"]):
+        assert cli.main(["generate", *args, *mesh]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0].strip()
 
 
 @pytest.mark.parametrize(

@@ -172,12 +172,6 @@ def open_source(
     replaces the source's); reads no weights. Raises GenerateError, ConfigError or
     HFConversionError naming what is wrong. Close the Source after use."""
     src = _open_source(source, overrides, random_init)
-    if src.cfg.model.has_linear_attention:
-        src.close()
-        raise GenerateError(
-            f"{source}: linear_attention layers (model.layer_types) do not generate yet (their "
-            "recurrent state is not in the decode cache)"
-        )
     if tokenizer is not None:
         src.tokenizer = tokenizer
     return src

@@ -22,9 +22,17 @@ from jax.sharding import NamedSharding
 from jaxtrain import models, sharding
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.models.config import DTYPE_BYTES, FLASH_ATTENTION_IMPLS
-from jaxtrain.models.generation import CACHE_AXES, CACHE_POSITION_AXES, KVCache, cache_length, cache_shapes
+from jaxtrain.models.generation import (
+    CACHE_AXES,
+    CACHE_POSITION_AXES,
+    KVCache,
+    cache_length,
+    cache_shapes,
+    linear_state_shapes,
+)
 from jaxtrain.models.generation import decode_step as decode_fn
 from jaxtrain.models.generation import prefill as prefill_fn
+from jaxtrain.models.linear_attention import CONV_STATE_AXES, STATE_AXES
 from jaxtrain.planning.compile import (
     Target,
     _first_line,
@@ -53,6 +61,16 @@ def kv_cache_bytes_per_token(model_cfg) -> int:
     (kv_lora_rank + qk_rope_head_dim) x itemsize (models.generation.cache_shapes)."""
     itemsize = DTYPE_BYTES[model_cfg.compute_dtype]
     return sum(math.prod(s) * itemsize for s in cache_shapes(model_cfg, 1, 1))
+
+
+def linear_state_bytes_per_sequence(model_cfg) -> int:
+    """Bytes one sequence's gated DeltaNet layers hold in decode, whatever its length (the conv
+    window in the compute dtype, the rule's state in float32); 0 without those layers."""
+    shapes = linear_state_shapes(model_cfg, 1)
+    if shapes is None:
+        return 0
+    conv, state = shapes
+    return math.prod(conv) * DTYPE_BYTES[model_cfg.compute_dtype] + math.prod(state) * 4
 
 
 def _per_device_bytes(shape, dtype, sharding) -> int:
@@ -149,10 +167,16 @@ def _compile_programs(report: dict, cfg: Config, mesh, target: Target, batch: in
     named = lambda axes, shape: NamedSharding(mesh, sharding.logical_to_spec(axes, rules, mesh, shape))
     arg = lambda shape, dtype, axes: jax.ShapeDtypeStruct(shape, dtype, sharding=named(axes, shape))
     k_shape, v_shape = cache_shapes(m, batch, cache_len)
+    linear = linear_state_shapes(m, batch)
     cache = KVCache(
         arg(k_shape, m.compute_dtype, CACHE_AXES),
         arg(v_shape, m.compute_dtype, CACHE_AXES),
         arg((batch, cache_len), "int32", CACHE_POSITION_AXES),
+        *(
+            ()
+            if linear is None
+            else (arg(linear[0], m.compute_dtype, CONV_STATE_AXES), arg(linear[1], "float32", STATE_AXES))
+        ),
     )
     out_shardings = (
         named(("batch", "act_vocab"), (batch, m.vocab_size)),
@@ -180,6 +204,11 @@ def _compile_programs(report: dict, cfg: Config, mesh, target: Target, batch: in
     report["kv_cache_spec"] = str(cache.k.sharding.spec)
     report["kv_cache_shards"] = shards
     report["kv_cache_bytes_per_device"] = report["kv_cache_bytes"] // shards
+    if linear is not None:  # gated DeltaNet layers: a fixed state per sequence
+        report["linear_state_bytes"] = batch * linear_state_bytes_per_sequence(m)
+        report["linear_state_bytes_per_device"] = sum(
+            _per_device_bytes(a.shape, a.dtype, a.sharding) for a in (cache.conv, cache.state)
+        )
     report["param_bytes_per_device"] = sum(
         _per_device_bytes(p.shape, p.dtype, p.sharding) for p in jax.tree.leaves(params)
     )

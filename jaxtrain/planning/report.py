@@ -239,6 +239,12 @@ def format_decode_report(r: dict) -> str:
         f"{_gib(r.get('kv_cache_bytes_per_device_compiled'))})",
         f"params/dev  {_gib(r['param_bytes_per_device'])}",
     ]
+    if "linear_state_bytes" in r:  # gated DeltaNet layers: their state, the same at any length
+        lines.insert(
+            -1,
+            f"deltanet    {_gib(r['linear_state_bytes'])} of conv windows and states in all, "
+            f"{_gib(r['linear_state_bytes_per_device'])}/device, at any length",
+        )
     for name in ("prefill", "decode"):
         e = r[name]
         mem = e.get("memory") or {}

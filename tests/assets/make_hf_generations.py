@@ -39,6 +39,7 @@ NAMES = (
     "gpt_oss",
     "gpt_oss_yarn",
     "deepseek_v3_yarn",
+    "qwen3_5_hybrid",  # transformers' cached decode: the DeltaNet conv window and state
     # not deepseek_v3_plain_q: transformers 5.24's batched cached generate leaves its own
     # no-cache greedy on row 1 at step 8 (top-2 margin 0.015; one row at a time they agree);
     # tests/test_deepseek.py checks jaxtrain's latent cache against the full forward instead
