@@ -36,6 +36,12 @@ assistant's tokens that the loss then counts alone (jaxtrain/data/chat.py).
 or converted checkpoint or an HF directory on the configured mesh and streams the text
 (jaxtrain/interchange/generate.py); exit 2 on a bad source, prompt, tokenizer or option.
 
+`jaxtrain eval SOURCE [overrides] --tasks T1,T2 [--include-path DIR] [--num-fewshot N]
+[--limit N] [--batch-size N|auto] [--apply-chat-template] [--output-path DIR] [--log-samples]
+[--max-len N]` runs lm-evaluation-harness tasks on the same sources and meshes, answering as
+lm-eval's `hf` backend does (jaxtrain/evaluation.py): lm-eval's table on stdout, its result and
+sample files under the output path; exit 2 on a bad source, task or option.
+
 Each command imports its room when it runs (the function-local imports below), so that
 `--help`, config errors and `tokenize` never pay for JAX, Flax or Orbax.
 """
@@ -67,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     _convert_parser(sub)
     add_tokenize_parser(sub)
     _generate_parser(sub)
+    _eval_parser(sub)
     return p
 
 
@@ -220,6 +227,44 @@ def _generate_parser(sub) -> None:
     )
 
 
+def _eval_parser(sub) -> None:
+    e = sub.add_parser(
+        "eval",
+        help="run lm-evaluation-harness tasks on a run config, a training or converted checkpoint or an "
+        "HF directory, on its mesh; lm-eval's table, result and sample files",
+    )
+    e.add_argument("source", help="as for `jaxtrain generate`: run config, checkpoint or HF directory")
+    e.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. mesh.tensor=2")
+    e.add_argument("--tasks", required=True, help="comma-separated lm-eval task (or group) names")
+    e.add_argument("--include-path", default=None, help="a folder of task YAMLs of your own")
+    e.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt")
+    e.add_argument(
+        "--limit", default=None, help="documents per task: a count, or a fraction of them (< 1); for tests"
+    )
+    e.add_argument(
+        "--batch-size", default="1", help="requests per batch, or auto (about 16k tokens per batch)"
+    )
+    e.add_argument(
+        "--apply-chat-template", action="store_true", help="render prompts with the tokenizer's chat template"
+    )
+    e.add_argument("--output-path", default=None, help="where lm-eval writes results_*.json (and samples)")
+    e.add_argument(
+        "--log-samples",
+        action="store_true",
+        help="also write each request and answer (samples_<task>_*.jsonl)",
+    )
+    e.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="context positions (default: the run's train.seq_len, an HF model's max_position_embeddings)",
+    )
+    e.add_argument(
+        "--tokenizer", default=None, help="byte | tokenizer.json (default: the run's, or the directory's)"
+    )
+    e.add_argument("--seed", type=int, default=1234, help="sampling and few-shot seed (lm-eval's default)")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line, with dotted overrides before or after the options alike
     (`jaxtrain compile CFG --target gpu:h100 --hosts 2 train.global_batch_size=64`):
@@ -246,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         "convert": lambda: _convert(args),
         "tokenize": lambda: run_tokenize(args),
         "generate": lambda: _generate(args),
+        "eval": lambda: _eval(args),
     }
     try:
         return commands[args.command]()
@@ -524,6 +570,45 @@ def _generate(args) -> int:
     finally:
         if src is not None:
             src.close()
+    return 0
+
+
+def _eval(args) -> int:
+    """`jaxtrain eval`: the source on its mesh (simulated on a CPU host), lm-eval's tasks on it,
+    lm-eval's table on stdout and its files under --output-path (jaxtrain/evaluation.py)."""
+    from jaxtrain.data import DataError
+    from jaxtrain.interchange import generate
+    from jaxtrain.models.hf import HFConversionError
+    from jaxtrain.recovery.checkpoint import CheckpointError
+
+    try:
+        host.configure_host(generate.plan_devices(args.source, args.overrides))  # before the backend starts
+        # lm-eval and its datasets: imported for this command only
+        from lm_eval.utils import make_table
+
+        from jaxtrain import evaluation
+
+        results = evaluation.run(
+            args.source,
+            args.overrides,
+            tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
+            include_path=args.include_path,
+            num_fewshot=args.num_fewshot,
+            limit=evaluation.parse_limit(args.limit),
+            batch_size=args.batch_size,
+            apply_chat_template=args.apply_chat_template,
+            output_path=args.output_path,
+            log_samples=args.log_samples,
+            max_length=args.max_len,
+            tokenizer=args.tokenizer,
+            seed=args.seed,
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    except (generate.GenerateError, ConfigError, DataError, HFConversionError, CheckpointError) as e:
+        return _fail(str(e))
+    print(make_table(results))
+    if "groups" in results:
+        print(make_table(results, "groups"))
     return 0
 
 

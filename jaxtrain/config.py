@@ -307,9 +307,17 @@ class EvalConfig:
     data.paths (tokens), a held-out synthetic stream (synthetic); text needs `paths`."""
 
     every: int = 0  # evaluate every N steps and after the last one; 0: never
-    batches: int = 8  # eval batches per evaluation (the same ones every time)
+    batches: int = 8  # eval batches per evaluation (the same ones every time); 0: tasks only
     batch_size: int | None = None  # rows per eval batch; null: train.global_batch_size
     paths: tuple[str, ...] = ()  # held-out data (see above); empty: the data's own eval split
+    # lm-evaluation-harness tasks at the same steps, on the training mesh and weights
+    # (jaxtrain/evaluation.py; needs the `eval` extra): each metric logged as
+    # eval_<task>/<metric> (lm-eval's filter appended when it is not `none`)
+    tasks: tuple[str, ...] = ()  # lm-eval task or group names; empty: none
+    include_path: str | None = None  # a folder of task YAMLs of your own
+    limit: float | None = None  # documents per task: a count, or a fraction (< 1); null: all
+    num_fewshot: int | None = None  # few-shot examples per prompt; null: each task's own
+    task_batch_size: int = 8  # requests per batch (eval.batch_size is the held-out loss's)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -759,10 +767,11 @@ def _validate_dpo(cfg: Config) -> None:
             f"train.objective=dpo with data.source={cfg.data.source!r}: DPO trains on preference pairs; "
             "expected data.source=tokens with directories written by `jaxtrain tokenize --preference`"
         )
-    if cfg.eval.every:
+    if cfg.eval.every and not cfg.eval.tasks:
         raise ConfigError(
             f"eval.every={cfg.eval.every} with train.objective=dpo: held-out evaluation measures the LM "
-            "loss; expected eval.every=0 (the dpo/* training metrics track the preference fit)"
+            "loss; expected eval.every=0 (the dpo/* training metrics track the preference fit), or "
+            "eval.tasks (benchmarks, which run without the held-out loss)"
         )
 
 
@@ -832,10 +841,11 @@ def _validate_grpo(cfg: Config) -> None:
             f"grpo.max_prompt_len={prompt_len} + grpo.max_new_tokens={g.max_new_tokens}: expected at least "
             f"one prompt token and a sum <= train.seq_len={t.seq_len}"
         )
-    if cfg.eval.every:
+    if cfg.eval.every and not cfg.eval.tasks:
         raise ConfigError(
             f"eval.every={cfg.eval.every} with train.objective=grpo: held-out evaluation measures the LM "
-            "loss; expected eval.every=0 (the grpo/* metrics track the rewards)"
+            "loss; expected eval.every=0 (the grpo/* metrics track the rewards), or eval.tasks "
+            "(benchmarks, which run without the held-out loss)"
         )
 
 
@@ -923,12 +933,23 @@ def _validate_muon(m: MuonConfig) -> None:
         )
 
 
+def held_out_eval(cfg: Config) -> bool:
+    """Whether evaluations measure the held-out loss: eval.every set, eval.batches > 0 and an LM
+    objective (DPO and GRPO runs evaluate eval.tasks alone)."""
+    return bool(cfg.eval.every) and cfg.eval.batches > 0 and cfg.train.objective not in ("dpo", "grpo")
+
+
 def _validate_eval(cfg: Config) -> None:
     e, d = cfg.eval, cfg.data
     if e.every < 0:
         raise ConfigError(f"eval.every={e.every}: expected >= 0 (0 turns evaluation off)")
-    if e.batches < 1:
-        raise ConfigError(f"eval.batches={e.batches}: expected a positive integer")
+    if e.batches < 0 or (e.batches == 0 and not e.tasks):
+        raise ConfigError(
+            f"eval.batches={e.batches}: expected a positive integer (0: no held-out loss, with eval.tasks)"
+        )
+    _validate_eval_tasks(cfg)
+    if not held_out_eval(cfg):
+        return
     if e.batch_size is not None and (e.batch_size < 1 or e.batch_size % cfg.train.microbatches):
         raise ConfigError(
             f"eval.batch_size={e.batch_size}: expected a positive multiple of "
@@ -943,6 +964,39 @@ def _validate_eval(cfg: Config) -> None:
         raise ConfigError(
             f"eval.paths={list(e.paths)}: data.source=synthetic evaluates on a held-out synthetic "
             "stream; eval.paths is for the text and tokens sources"
+        )
+
+
+def _validate_eval_tasks(cfg: Config) -> None:
+    e = cfg.eval
+    if not e.tasks:
+        return
+    if any(not isinstance(t, str) or not t.strip() for t in e.tasks):
+        raise ConfigError(f"eval.tasks={list(e.tasks)}: expected lm-eval task names")
+    if e.limit is not None and not (e.limit > 0 and (e.limit < 1 or e.limit == int(e.limit))):
+        raise ConfigError(f"eval.limit={e.limit}: expected a positive count or a fraction in (0, 1)")
+    if e.num_fewshot is not None and e.num_fewshot < 0:
+        raise ConfigError(f"eval.num_fewshot={e.num_fewshot}: expected an integer >= 0")
+    if e.task_batch_size < 1:
+        raise ConfigError(f"eval.task_batch_size={e.task_batch_size}: expected a positive integer")
+    for axis in ("context", "stage"):
+        if getattr(cfg.mesh, axis) != 1:
+            raise ConfigError(
+                f"eval.tasks with mesh.{axis}={getattr(cfg.mesh, axis)}: task evaluation runs the "
+                f"generation paths, which need mesh.{axis}=1"
+            )
+    # not run yet: lm-eval answering in every process of a multi-host mesh, and parameters that
+    # live in host memory between steps
+    processes = cfg.distributed.num_processes or 1
+    if processes > 1 or cfg.mesh.dcn_data > 1 or cfg.mesh.dcn_fsdp > 1:
+        raise ConfigError(
+            "eval.tasks with several processes (distributed.num_processes / mesh.dcn_*): not supported "
+            "yet; expected one process (or `jaxtrain eval` on a checkpoint)"
+        )
+    if cfg.optimizer.offload_params:
+        raise ConfigError(
+            "eval.tasks with optimizer.offload_params=true: not supported yet; expected "
+            "offload_params false (or `jaxtrain eval` on a checkpoint)"
         )
 
 

@@ -315,15 +315,22 @@ class Tokenizer:
             self._hf = tokenizers.Tokenizer.from_str(tok.json_bytes.decode("utf-8"))
             self.eos_id = tok.eos_id
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, special_tokens: bool | None = None) -> list[int]:
+        """`special_tokens`: apply the tokenizer's post-processor (BOS, ...); None: as the
+        source's prompts are encoded."""
         if self._hf is None:
             return list(text.encode("utf-8"))
-        return list(self._hf.encode(text, add_special_tokens=self.special_tokens).ids)
+        add = self.special_tokens if special_tokens is None else special_tokens
+        return list(self._hf.encode(text, add_special_tokens=add).ids)
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         if self._hf is None:
             return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-        return self._hf.decode(ids, skip_special_tokens=True)
+        return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, text: str) -> int | None:
+        """The id of a token's text (a special token such as '<s>'), or None."""
+        return None if self._hf is None else self._hf.token_to_id(text)
 
     def continuation(self, prompt: list[int], new: list[int]) -> str:
         """The text `new` adds after `prompt` (decoded together: word-initial spaces and

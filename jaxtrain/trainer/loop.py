@@ -10,6 +10,8 @@ Evaluation (`eval.*`, trainer/evaluate.py): every `eval.every` steps and after t
 the held-out loss over the same `eval.batches` batches, through `TrainProgram.eval_step`
 (jitted with the state's shardings, nothing donated); recorded as its own metrics line
 `{"step", "eval_loss", "eval_perplexity", "eval_tokens", "eval_time_s"}` after the step's.
+With `eval.tasks`, lm-eval's benchmarks on the training weights join that line
+(`eval_<task>/<metric>`, `eval_tasks_time_s`); DPO and GRPO runs evaluate them alone.
 
 `output_dir`, `checkpoint.dir`, `data.paths`, `eval.paths` and `train.init_from` may be
 URLs (`gs://bucket/run`, any `etils.epath` scheme); process 0 alone writes the shared
@@ -45,7 +47,7 @@ from jax._src import distributed as jax_distributed
 from jax.experimental import multihost_utils
 
 from jaxtrain import host, sharding
-from jaxtrain.config import Config, to_dict
+from jaxtrain.config import Config, held_out_eval, to_dict
 from jaxtrain.data import make_data_iterator, make_eval_iterator, storage
 from jaxtrain.data.prompts import PromptIterator
 from jaxtrain.interchange.convert import load_params
@@ -70,7 +72,7 @@ from jaxtrain.recovery.distributed import describe_topology
 from jaxtrain.recovery.faults import FaultMonitor
 from jaxtrain.recovery.local import LocalCheckpointer
 from jaxtrain.trainer.batches import BatchFeeder
-from jaxtrain.trainer.evaluate import Evaluator
+from jaxtrain.trainer.evaluate import Evaluations, Evaluator, TaskEvaluator
 from jaxtrain.trainer.program import TrainProgram, build_program, pipeline_schedule
 from jaxtrain.trainer.rollout import RolloutFeeder
 from jaxtrain.trainer.step import TrainState
@@ -393,7 +395,7 @@ class _Run:
     goodput_file: goodput.GoodputFile
     stragglers: StragglerReport
     profile: ProfileWindow
-    evaluator: Evaluator | None = None  # `eval.every` > 0
+    evaluator: Evaluations | None = None  # `eval.every` > 0
     base_fingerprint: str | None = None  # model.lora: the frozen base's (checkpoint meta)
     local: LocalCheckpointer | None = None  # the local tier (`checkpoint.local_dir`)
 
@@ -505,8 +507,12 @@ def _setup(cfg: Config, devices, clock: goodput.GoodputClock, notes: tuple[str, 
         else:
             feeder = BatchFeeder(cfg, data, mesh, program.batch_sharding)
         evaluator = None
-        if eval_data is not None:
-            evaluator = Evaluator(cfg, eval_data, feeder, program, writer.log)
+        held_out = Evaluator(cfg, eval_data, feeder, program, writer.log) if eval_data is not None else None
+        tasks = None
+        if cfg.eval.every and cfg.eval.tasks:
+            tasks = TaskEvaluator(cfg, mesh, rules, program, writer.log)
+        if held_out is not None or tasks is not None:
+            evaluator = Evaluations(cfg.eval.every, held_out, tasks)
             writer.log(evaluator.describe())
         run = None
         try:
@@ -567,7 +573,7 @@ def _open_data(cfg: Config):
         pairs=cfg.train.objective == "dpo",
         **data_args,
     )
-    if not cfg.eval.every:
+    if not held_out_eval(cfg):
         return data, None
     eval_rows = cfg.eval.batch_size or cfg.train.global_batch_size
     return data, make_eval_iterator(cfg.data, cfg.eval.paths, global_batch_size=eval_rows, **data_args)
