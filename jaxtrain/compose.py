@@ -683,9 +683,6 @@ TABLE: dict[str, dict[str, Tested | Refused]] = {
         **_tests(f"{_HYBRID_REF}[plain]", "lm", "dense", "qk_norm"),
         "sinks": Tested(f"{_HYBRID_REF}[sinks]"),
         **_tests(_HYBRID_MESH, "data", "fsdp", "tensor"),
-        "grpo": Refused(
-            f"train.objective={{train.objective!r}} {_LINEAR_LAYERS}: expected lm or dpo (no decode yet)"
-        ),
         **{k: _linear_not(k) for k in ("moe", "mla", "mtp", "lora", "fp8")},
         "attention_pattern": Refused(
             "model.layer_types with model.attention_pattern={model.attention_pattern}: not supported "
@@ -795,6 +792,7 @@ _ORACLE_ROWS: dict[str, str] = {
         "chat+linear_attention linear_attention+muon final_softcap+linear_attention"
     ),
     f"{_ORACLES}[dpo-linear-qknorm-adamw]": ("dpo+linear_attention linear_attention+adamw"),
+    f"{_ORACLES}[grpo-linear-sinks-muon]": ("grpo+linear_attention"),
     f"{_LOW}[chat-linear-sinks-softcap-muon+bf16+state16]": (
         "linear_attention+bf16 linear_attention+state_16bit"
     ),

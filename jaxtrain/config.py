@@ -716,7 +716,6 @@ def _validate_linear_attention(cfg: Config) -> None:
             m.context,
             "1 (the state is not passed between shards yet)",
         ),
-        "train.objective": (cfg.train.objective == "grpo", cfg.train.objective, "lm or dpo (no decode yet)"),
     }
     for key, (on, value, expected) in refused.items():
         if on:

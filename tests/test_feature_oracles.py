@@ -123,6 +123,7 @@ ROWS: dict[str, tuple[str, ...]] = {
     # gated DeltaNet layers (model.layer_types: one linear, one full attention layer)
     "chat-linear-sinks-softcap-muon": ("chat", "linear_attention", "sinks", "final_softcap", "muon"),
     "dpo-linear-qknorm-adamw": ("dpo", "linear_attention", "qk_norm", "adamw"),
+    "grpo-linear-sinks-muon": ("grpo", "linear_attention", "sinks", "muon"),
 }  # fmt: skip
 # 16-bit rows: (the float32 row, the 16-bit features switched on over it)
 _A, _C = "lm-moe-mla-mtp-sinks-softcap-muon", "chat-moe-sinks-pattern-qknorm-softcap-lora-muon"

@@ -3,6 +3,7 @@ hand-computed cases; the prompts loader and the rewards; an end-to-end CLI run."
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -377,12 +378,14 @@ def test_grpo_kill_9_inside_a_reused_rollout_then_rerun_is_bit_identical(tmp_pat
 # --- the sampler: the tempered policy, and the old log-probs it records ----------------------
 
 
-def test_sampled_tokens_follow_the_tempered_policy():
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "deltanet"])
+def test_sampled_tokens_follow_the_tempered_policy(hybrid):
     """Over 2048 sampled tokens, the mean negative log-prob of what was drawn (under
     softmax(logits / T) of the full forward) equals the mean entropy of those distributions:
     E[-log p(x)] = H(p) when x ~ p. The gap is tested against 4 standard errors of the
     per-token differences; sampling at a different temperature (T' = 0.5 while the check
-    uses 1.0) is caught by the same test, so the check can fail."""
+    uses 1.0) is caught by the same test, so the check can fail. `deltanet`: Qwen3.5's layers,
+    the rollout's decode carrying their conv window and state (GRPO's sampler on a hybrid)."""
     from flax import nnx
 
     from jaxtrain import models
@@ -391,6 +394,17 @@ def test_sampled_tokens_follow_the_tempered_policy():
     cfg = models.ModelConfig(
         vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=64, init_std=0.2
     )
+    if hybrid:
+        cfg = dataclasses.replace(
+            cfg,
+            layer_types=("linear_attention", "full_attention"),
+            linear_attention=models.LinearAttentionConfig(
+                num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8
+            ),
+            attention_output_gate=True,
+            partial_rotary_factor=0.5,
+            qk_norm="head",
+        )
     model = models.Transformer(cfg, rngs=nnx.Rngs(0))
     rows, prompt, new = 128, 4, 16
     tokens = np.random.default_rng(1).integers(0, 61, (rows, prompt)).astype(np.int32)
