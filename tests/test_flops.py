@@ -30,6 +30,25 @@ def test_latent_attention_counts_qk_and_v_widths_apart():
     assert flops_per_token(cfg, 256) == 6 * n + attn / 2
 
 
+def test_deltanet_layers_count_their_recurrence_not_attention():
+    """Qwen3.5's hybrid: the seq-long attention term counts the full layers only (1 of 4); each
+    DeltaNet layer adds its rule, 3 x 2 x dk x dv per value head forward (x3 with the backward),
+    at any length; their projections are parameters (param_count, checked in test_hybrid_layers)."""
+    from jaxtrain.models.config import LinearAttentionConfig
+
+    la = LinearAttentionConfig(num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=8)
+    cfg = ModelConfig(
+        vocab_size=1000, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, mlp_dim=128, head_dim=16,
+        layer_types=("linear_attention",) * 3 + ("full_attention",), linear_attention=la,
+    )  # fmt: skip
+    n = cfg.active_param_count(include_embedding=False)
+    attn = 12 * 1 * 256 * 4 * 16
+    rule = 3 * 3 * 4 * (3 * 2 * 16 * 8)  # x3 backward, 3 layers, 4 value heads
+    assert flops_per_token(cfg, 256, causal=False) == 6 * n + attn + rule
+    assert flops_per_token(cfg, 256) == 6 * n + attn / 2 + rule
+    assert flops_per_token(cfg, 512) - flops_per_token(cfg, 256) == attn / 2  # the full layer alone
+
+
 def test_tied_embedding_counts_once_as_output_projection():
     untied = ModelConfig(vocab_size=1000, d_model=64, n_layers=1, n_heads=4, n_kv_heads=4, mlp_dim=64)
     tied = ModelConfig(

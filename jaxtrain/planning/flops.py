@@ -13,6 +13,11 @@ prediction (model.mtp) adds its modules' parameters to N, the shared output head
 once more per module, and a layer of attention per module. Latent attention
 (model.mla) scores with a query/key width unlike its value width: its QK^T and PV
 matmuls count apart (`ModelConfig.attention_widths`; DeepSeek-V3: 192 and 128).
+Gated DeltaNet layers (`model.layer_types`, Qwen3.5) have no seq-long attention: their
+projections are in N, and the delta rule counts as its recurrence does, per token and value
+head a read of the state by k, its rank-one write and its read by q (3 x 2 x dk x dv forward,
+x3 with the backward), whatever the sequence length; the attention term counts the
+full-attention layers only.
 """
 
 from __future__ import annotations
@@ -37,12 +42,17 @@ __all__ = [
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
     n = cfg.active_param_count(include_embedding=cfg.tie_embeddings)
-    layers = cfg.n_layers
+    linear = cfg.layer_kinds_by_type.count("linear_attention")
+    layers = cfg.n_layers - linear
     if cfg.mtp is not None:  # each prediction module's block attends, its logits use the head again
         layers += cfg.mtp.depth
         n += cfg.mtp.depth * cfg.d_model * cfg.vocab_size
     attn = 6 * layers * seq_len * cfg.n_heads * sum(cfg.attention_widths)
-    return 6 * n + (attn / 2 if causal else attn)
+    rule = 0
+    if linear:
+        la = cfg.linear_attention
+        rule = 3 * linear * la.num_value_heads * 3 * 2 * la.key_head_dim * la.value_head_dim
+    return 6 * n + (attn / 2 if causal else attn) + rule
 
 
 @functools.cache
