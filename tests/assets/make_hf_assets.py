@@ -302,7 +302,7 @@ MODELS["deepseek_v3_plain_q"] = lambda: DeepseekV3ForCausalLM(
 # attention layer, the full layers' q_proj carrying an output gate, a quarter of each head
 # rotated (rope_parameters' partial_rotary_factor, with the Hub's interleaved M-RoPE sections:
 # equal to plain RoPE on text), (1 + w) norms, QK-norm; dk != dv and two value heads per key
-# head. 80 tokens: the model's 64-token chunks of the delta rule meet a boundary.
+# head. 140 tokens: longer than two of the delta rule's 64-token chunks.
 QWEN3_5_TEXT = dict(
     **{**COMMON, "num_hidden_layers": 4, "rms_norm_eps": 1e-6},
     num_attention_heads=4,
@@ -346,8 +346,8 @@ MODELS["qwen3_5_vl_text"] = lambda: Qwen3_5ForConditionalGeneration(
 )
 # where a model needs longer rows than TOKENS (and the directory it goes to, when not hf/)
 TOKENS_FOR = {
-    "qwen3_5_hybrid": np.random.default_rng(1).integers(0, 128, size=(2, 80)),
-    "qwen3_5_vl_text": np.random.default_rng(1).integers(0, 128, size=(2, 80)),
+    "qwen3_5_hybrid": np.random.default_rng(1).integers(0, 128, size=(2, 140)),
+    "qwen3_5_vl_text": np.random.default_rng(1).integers(0, 128, size=(2, 140)),
 }
 OUT_FOR = {"qwen3_5_vl_text": Path(__file__).parent / "hf_multimodal"}
 
