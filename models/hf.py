@@ -1292,10 +1292,12 @@ def write_hf_dir(
     architecture: str | None = None,
     max_shard_bytes: int = 2 * 2**30,
     config_updates: dict | None = None,
+    config: dict | None = None,
 ) -> Path:
     """Write (name, tensor) pairs (any dtype: float32, bfloat16, e4m3 with its scales) as HF
     safetensors shards plus `model.safetensors.index.json` and `config.json` (with
-    `config_updates`: torch_dtype, quantization_config). Holds at most one shard in memory, so
+    `config_updates`: torch_dtype, quantization_config; `config`: the whole config.json instead
+    of `hf_config`'s, e.g. a wrapper class's). Holds at most one shard in memory, so
     a 7B model converts without a second full copy."""
     from jaxtrain.models.safetensors_io import write_file
 
@@ -1329,7 +1331,7 @@ def write_hf_dir(
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=2) + "\n"
     )
-    config = {**hf_config(cfg, architecture), **(config_updates or {})}
+    config = {**(config or hf_config(cfg, architecture)), **(config_updates or {})}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 

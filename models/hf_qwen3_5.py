@@ -7,8 +7,13 @@ Two classes hold the same text model:
                                    the text config under `text_config`, its tensors under
                                    `model.language_model.`, beside a vision tower (`model.visual.`)
                                    and multi-token-prediction layers (`mtp.`)
-Reading either gives the text model; the vision tower and the MTP layers are not read (their
-tensors stay in the source directory). Writing gives Qwen3_5ForCausalLM, which transformers
+Reading either gives the text model; the vision tower and the MTP layers are not part of it.
+`jaxtrain convert hf-to-ckpt` carries them (`CARRIED_PREFIXES`) into the converted checkpoint's
+`carried/` (their tensors as stored, bit for bit, and the wrapper's config.json), and
+`ckpt-to-hf` of that checkpoint, or of a run trained from it (train.init_from), writes the
+wrapper again: the text model's tensors under `model.language_model.`, the carried ones
+unchanged, the config the source's with the text config written from the model
+(`wrapper_config`). `to_hf` of a model in memory writes Qwen3_5ForCausalLM, which transformers
 also loads from a ConditionalGeneration checkpoint's text tensors.
 
 What the text config says, as ModelConfig features:
@@ -41,6 +46,38 @@ MODEL_TYPE = "qwen3_5_text"
 # where the text model's tensors are in each class's checkpoints (lm_head.weight in both)
 TEXT_PREFIXES = ("model.", "model.language_model.")
 _DEFAULT_PARTIAL_ROTARY = 0.25  # transformers' Qwen3_5TextConfig default when the key is absent
+# a ConditionalGeneration checkpoint's tensors that are not the text model: carried, not read
+CARRIED_PREFIXES = ("model.visual.", "mtp.")
+
+
+def carried_names(arch: str | None, names) -> list[str]:
+    """The tensors among `names` that conversion carries for a checkpoint of class `arch`."""
+    if arch != CONDITIONAL_GENERATION:
+        return []
+    return sorted(n for n in names if n.startswith(CARRIED_PREFIXES))
+
+
+def wrapper_name(name: str) -> str:
+    """A text-model tensor's name in the ConditionalGeneration layout."""
+    return name if not name.startswith("model.") else "model.language_model." + name[len("model.") :]
+
+
+def wrapper_config(source: dict, text: dict) -> dict:
+    """The ConditionalGeneration config.json: `source` (the carried one) with its text config
+    written from `text` (`hf_config`'s, of the model as trained) and the tie it implies."""
+    old = dict(source.get("text_config") or {})
+    text = {k: v for k, v in text.items() if k != "architectures"}
+    # what the model does not hold stays the source's: the vision model's M-RoPE sections and
+    # the context the checkpoint was published for
+    text["rope_parameters"] = {**(old.get("rope_parameters") or {}), **text["rope_parameters"]}
+    if "max_position_embeddings" in old:
+        text["max_position_embeddings"] = old["max_position_embeddings"]
+    return {
+        **source,
+        "architectures": [CONDITIONAL_GENERATION],
+        "text_config": {**old, **text},
+        "tie_word_embeddings": text["tie_word_embeddings"],
+    }
 
 
 def text_config(hf: dict) -> dict:

@@ -6,10 +6,12 @@
   tensors and config;
 - here, the layout the Hub publishes (Qwen3_5ForConditionalGeneration: the text model under
   model.language_model., a vision tower beside it, tied embeddings from the top-level config):
-  the text model's logits, its streamed conversion (`convert hf-to-ckpt`) and its export as
-  Qwen3_5ForCausalLM with the source's text tensors, nothing else;
+  the text model's logits, its streamed conversion (`convert hf-to-ckpt`), which carries the
+  vision tower back out (`ckpt-to-hf`, also of a run fine-tuned from it) bit for bit, and
+  `to_hf` as Qwen3_5ForCausalLM with the source's text tensors, nothing else;
 - the config mapping by hand, transformers' defaults where a key is absent;
-- fine-tuning from the converted checkpoint: the first loss is the HF logits' cross-entropy;
+- fine-tuning from the converted checkpoint: the first loss is the HF logits' cross-entropy,
+  and the export is the wrapper again;
 - what the export refuses, one line naming the key.
 """
 
@@ -65,9 +67,10 @@ def test_config_mapping_by_hand():
 @pytest.mark.composes("lm+linear_attention")
 def test_conditional_generation_checkpoint_opens_as_its_text_model(tmp_path):
     """The Hub's layout: the text model's logits are transformers' (Qwen3_5ForConditionalGeneration
-    on text), its streamed conversion is the same model, and it exports as Qwen3_5ForCausalLM
-    with exactly the source's text tensors (the vision tower is not part of the model)."""
-    from jaxtrain.interchange.convert import hf_to_ckpt, load_params
+    on text); its streamed conversion is the same model and converts back to the source's
+    tensors, vision tower included (carried); `to_hf` of the model in memory writes
+    Qwen3_5ForCausalLM with exactly the source's text tensors."""
+    from jaxtrain.interchange.convert import ckpt_to_hf, hf_to_ckpt, load_params
 
     model = from_hf(VL)
     tokens = jax.numpy.asarray(np.load(VL / "tokens.npy"))
@@ -76,6 +79,12 @@ def test_conditional_generation_checkpoint_opens_as_its_text_model(tmp_path):
 
     cfg = hf_to_ckpt(VL, tmp_path / "ckpt")
     assert cfg == model.cfg
+    # ... and back: the wrapper, every tensor as the source holds it (text and vision tower)
+    back = ckpt_to_hf(tmp_path / "ckpt", tmp_path / "back")
+    assert _config(back)["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    source = load_file(str(VL / "model.safetensors"))
+    again = {k: v for f in back.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert set(again) == set(source) and all(np.array_equal(again[k], v) for k, v in source.items())
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
     streamed = load_params(tmp_path / "ckpt", cfg, abstract)
@@ -93,13 +102,24 @@ def test_conditional_generation_checkpoint_opens_as_its_text_model(tmp_path):
 
 
 @pytest.mark.composes("lm+linear_attention")
-def test_training_starts_from_a_converted_qwen3_5_checkpoint(tmp_path):
-    """`convert hf-to-ckpt` then `train.init_from` on the hybrid: the first loss is the HF
-    model's cross-entropy on the first batch, and the trained checkpoint exports to the class."""
-    first, expected, out = train_from_converted(CAUSAL, tmp_path)
+def test_training_starts_from_a_converted_qwen3_5_checkpoint_and_exports_the_wrapper(tmp_path):
+    """The Hub's layout through a fine-tune: `convert hf-to-ckpt` carries the vision tower,
+    `train.init_from` starts from the text model (the first loss is the HF logits'
+    cross-entropy on the first batch), and `ckpt-to-hf` of the run writes the wrapper again:
+    the same class and config, the vision tower bit for bit, the text model's tensors renamed
+    back under model.language_model."""
+    first, expected, out = train_from_converted(VL, tmp_path)
     assert abs(first - expected) < 1e-4
-    assert _config(out)["architectures"] == ["Qwen3_5ForCausalLM"]
-    assert _config(out)["layer_types"] == _config(CAUSAL)["layer_types"]
+    source = _config(VL)
+    written = _config(out)
+    assert written["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    assert {**written, "text_config": None} == {**source, "text_config": None}
+    assert {k: v for k, v in written["text_config"].items() if k != "dtype"} == source["text_config"]
+    theirs = load_file(str(VL / "model.safetensors"))
+    ours = {k: v for f in out.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert set(ours) == set(theirs)
+    visual = [k for k in theirs if k.startswith("model.visual.")]
+    assert visual and all(np.array_equal(ours[k], theirs[k]) for k in visual)
 
 
 def test_export_names_what_qwen3_5_cannot_hold():

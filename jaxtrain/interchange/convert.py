@@ -4,6 +4,9 @@ A converted checkpoint is a directory holding
   model.yaml      the ModelConfig (architecture only; dtypes and impls are the run's choice)
   params/         the parameter tree, an Orbax (OCDBT) PyTree, float32
   tokenizer.json  the HF directory's tokenizer, when it had one (`jaxtrain generate`)
+  carried/        what is not the model but must go back out with it: a Qwen3.5
+                  ConditionalGeneration's vision tower and MTP layers as stored, and its
+                  config.json (models/hf_qwen3_5.py); `ckpt-to-hf` writes the wrapper again
 `ckpt-to-hf` and `train.init_from` also take a training run's checkpoints (a step
 directory, a checkpoint.dir or an output_dir: `resolve_checkpoint`); the model
 config then comes from the checkpoint's saved config, and only the parameters
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
+import json
 import os
 import shutil
 import tempfile
@@ -33,11 +38,13 @@ from etils import epath
 from jaxtrain.config import ConfigError, _build
 from jaxtrain.data import storage
 from jaxtrain.interchange.stream_ckpt import save_streamed
-from jaxtrain.models import hf_fp8, lora
+from jaxtrain.models import hf_fp8, hf_qwen3_5, lora
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.hf import (
     HFConversionError,
+    _SafetensorsDir,
     config_from_hf_dir,
+    hf_config,
     param_sources,
     params_to_hf_tensors,
     write_hf_dir,
@@ -146,7 +153,53 @@ def hf_to_ckpt(hf_dir: str | Path, out_dir: str | Path, *, force: bool = False) 
         tokenizer = epath.Path(local_hf) / "tokenizer.json"
         if tokenizer.is_file():  # `jaxtrain generate OUT_DIR` reads it
             _copy_file(tokenizer, out / "tokenizer.json")
+        _carry(Path(local_hf), out)
     return cfg
+
+
+CARRIED = "carried"
+
+
+def _carry(hf_dir: Path, out: epath.Path) -> None:
+    """The HF directory's tensors that are not the model (models/hf_qwen3_5.py carried_names)
+    into OUT/carried/, as stored, with its config.json; nothing when there are none."""
+    from jaxtrain.models.hf import read_hf_config
+    from jaxtrain.models.safetensors_io import SafetensorsFile, write_file
+
+    config = read_hf_config(hf_dir)
+    reader = _SafetensorsDir(hf_dir)
+    names = hf_qwen3_5.carried_names((config.get("architectures") or [None])[0], reader.weight_map)
+    if not names:
+        return
+    files = {}
+
+    def tensors():
+        for name in names:
+            f = reader.weight_map[name]
+            files.setdefault(f, SafetensorsFile(hf_dir / f))
+            yield name, files[f].read(name)
+
+    with tempfile.TemporaryDirectory(prefix="jaxtrain-carried-") as tmp:
+        write_file(Path(tmp) / "model.safetensors", tensors(), metadata={"format": "pt"})
+        (out / CARRIED).mkdir(parents=True, exist_ok=True)
+        _copy_file(epath.Path(tmp) / "model.safetensors", out / CARRIED / "model.safetensors")
+    (out / CARRIED / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _carried_dir(src: CheckpointSource) -> epath.Path | None:
+    """carried/ of a converted checkpoint, or of the one a training run started from."""
+    if src.step is None:
+        where = src.path
+    else:
+        try:
+            base = src.reader.read_meta(src.step)["config"]["train"].get("init_from")
+        except Exception:  # noqa: BLE001 - no readable meta: nothing carried
+            return None
+        if not base:
+            return None
+        where = _path(base)
+    carried = where / CARRIED
+    return carried if (carried / "config.json").is_file() else None
 
 
 @dataclasses.dataclass
@@ -325,6 +378,7 @@ def ckpt_to_hf(
             raise HFConversionError(f"--adapter: {source} is not a LoRA run (its model.lora is null)")
         params = src.restore_params()
         base_dir = lora_base_of(src) if cfg.lora is not None else None
+        carried = _carried_dir(src) if architecture in (None, hf_qwen3_5.CONDITIONAL_GENERATION) else None
     if cfg.lora is not None:
         if adapter:
             from jaxtrain.interchange.peft import write_adapter
@@ -338,13 +392,23 @@ def ckpt_to_hf(
         cfg = dataclasses.replace(cfg, lora=None)
 
     def write(directory):
+        tensors = params_to_hf_tensors(params, cfg)
+        config = None
+        if carried is not None:  # the wrapper again: the text model renamed, the rest as it came
+            config = hf_qwen3_5.wrapper_config(
+                json.loads((carried / "config.json").read_text()), hf_config(cfg, hf_qwen3_5.CAUSAL_LM)
+            )
+            tensors = itertools.chain(
+                ((hf_qwen3_5.wrapper_name(n), t) for n, t in tensors), _carried_tensors(carried)
+            )
         return write_hf_dir(
-            hf_fp8.export_tensors(params_to_hf_tensors(params, cfg), dtype, fp8_block),
+            hf_fp8.export_tensors(tensors, dtype, fp8_block),
             cfg,
             directory,
             architecture=architecture,
             max_shard_bytes=max_shard_bytes,
             config_updates=hf_fp8.export_config(dtype, fp8_block),
+            config=config,
         )
 
     if storage.is_local(out_dir):
@@ -356,6 +420,15 @@ def ckpt_to_hf(
         for f in sorted(epath.Path(tmp).iterdir()):
             _copy_file(f, out / f.name)
     return out
+
+
+def _carried_tensors(carried: epath.Path):
+    from jaxtrain.models.safetensors_io import SafetensorsFile
+
+    with _local_dir(carried) as local:
+        f = SafetensorsFile(Path(local) / "model.safetensors")
+        for name in f.keys():
+            yield name, f.read(name)
 
 
 def load_params(
