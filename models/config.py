@@ -155,6 +155,12 @@ class MoEConfig:
     top_k: int = 2  # routed experts each token goes to
     expert_mlp_dim: int | None = None  # per expert; None: model.mlp_dim
     num_shared_experts: int = 0  # always-on experts (DeepSeek-MoE), one fused SwiGLU of width n * F
+    # the shared experts' fused width, when not n * F (Qwen3-Next / Qwen3.5-MoE's
+    # shared_expert_intermediate_size); null: num_shared_experts x the expert width
+    shared_expert_mlp_dim: int | None = None
+    # the shared experts' output scaled per token by sigmoid(x . w) (Qwen2-MoE, Qwen3-Next,
+    # Qwen3.5-MoE's shared_expert_gate; parameter `shared_expert_gate` [d_model])
+    shared_expert_gate: bool = False
     scoring: str = "softmax"  # softmax (Mixtral, GShard, Switch) | sigmoid (DeepSeek-V3)
     normalize_top_k: bool = True  # renormalise the k selected weights to sum to 1
     # Group-limited routing (DeepSeek-V3's n_group / topk_group): the experts form num_groups
@@ -222,6 +228,17 @@ class MoEConfig:
             )
         if self.num_shared_experts < 0:
             raise ValueError(f"model.moe.num_shared_experts={self.num_shared_experts}: expected >= 0")
+        if self.shared_expert_mlp_dim is not None and self.shared_expert_mlp_dim < 1:
+            raise ValueError(
+                f"model.moe.shared_expert_mlp_dim={self.shared_expert_mlp_dim}: expected a positive "
+                "integer or null"
+            )
+        for key in ("shared_expert_mlp_dim", "shared_expert_gate"):
+            if getattr(self, key) not in (None, False) and not self.num_shared_experts:
+                raise ValueError(
+                    f"model.moe.{key}={getattr(self, key)!r} with model.moe.num_shared_experts=0: "
+                    "expected shared experts (num_shared_experts >= 1)"
+                )
         for key, allowed in (
             ("expert_activation", EXPERT_ACTIVATIONS),
             ("scoring", MOE_SCORINGS),
@@ -269,27 +286,35 @@ class MoEConfig:
                 f"model.moe.every={self.every}: expected a divisor of model.n_layers - "
                 f"model.moe.first_dense_layers = {cfg.n_layers - self.first_dense_layers}"
             )
-        if cfg.attention_pattern:
+        if cfg.scan_pattern:
             self._validate_with_pattern(cfg)
 
+    def shared_mlp_dim(self, cfg: ModelConfig) -> int:
+        """The shared experts' fused SwiGLU width (0 without them)."""
+        if not self.num_shared_experts:
+            return 0
+        return self.shared_expert_mlp_dim or self.num_shared_experts * self.mlp_dim(cfg)
+
     def _validate_with_pattern(self, cfg: ModelConfig) -> None:
-        """MoE layers with model.attention_pattern (GPT-OSS: sliding and full alternating):
-        the MoE stack scans in groups of one pattern (models/transformer.py MoEPatternGroup),
-        so every layer after the dense prefix is MoE and the prefix is whole patterns."""
-        n = len(cfg.attention_pattern)
+        """MoE layers with model.attention_pattern (GPT-OSS: sliding and full alternating) or
+        the layer kinds of model.layer_types (Qwen3.5-MoE): the MoE stack scans in groups of one
+        pattern (models/transformer.py MoEPatternGroup), so every layer after the dense prefix is
+        MoE and the prefix is whole patterns."""
+        key = "attention_pattern" if cfg.attention_pattern else "layer_types"
+        n = len(cfg.scan_pattern)
         if self.every != 1:
             raise ValueError(
-                f"model.moe.every={self.every} with model.attention_pattern={list(cfg.attention_pattern)}: "
+                f"model.moe.every={self.every} with model.{key}={list(getattr(cfg, key))}: "
                 "expected 1 (every layer after the dense ones MoE)"
             )
         if self.first_dense_layers % n:
             raise ValueError(
-                f"model.moe.first_dense_layers={self.first_dense_layers} with model.attention_pattern="
-                f"{list(cfg.attention_pattern)}: expected a multiple of the pattern's length {n}"
+                f"model.moe.first_dense_layers={self.first_dense_layers} with model.{key}="
+                f"{list(getattr(cfg, key))}: expected a multiple of the pattern's length {n}"
             )
         if self.score_bias:
             raise ValueError(
-                "model.moe.score_bias=true with model.attention_pattern: not supported yet (the "
+                f"model.moe.score_bias=true with model.{key}: not supported yet (the "
                 "balancing update reads one load row per stacked layer); expected false"
             )
 
@@ -760,7 +785,6 @@ class ModelConfig:
             )
         self.linear_attention.validate()
         refused = {
-            "moe": self.moe is not None,  # the Qwen3.5 MoE's gated shared expert is not built yet
             "mla": self.mla is not None,
             "fp8": self.fp8,
             "lora": self.lora is not None,
@@ -939,7 +963,8 @@ class ModelConfig:
                 + (m.num_experts if m.score_bias else 0)
                 + (m.num_experts if m.router_logit_bias else 0)
                 + (m.num_experts * (2 * f + d) if m.expert_bias else 0)
-                + 3 * d * f * m.num_shared_experts
+                + 3 * d * m.shared_mlp_dim(self)
+                + (d if m.shared_expert_gate else 0)
             )
             total += m.num_moe_layers(self) * (moe_mlp - mlp)
         return total + self.mtp_param_count()

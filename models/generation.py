@@ -270,10 +270,10 @@ def _block(block, x, cache, step: _Step, layer=None):
 def _stacks(model: Transformer):
     """(stacked layers, decoder blocks per scanned element), in layer order."""
     cfg = model.cfg
-    per = cfg.layers_per_group if cfg.moe is None or cfg.attention_pattern else 1
+    per = cfg.layers_per_group if cfg.moe is None or cfg.scan_pattern else 1
     out = [(model.blocks, per)] if hasattr(model, "blocks") else []
     if cfg.moe is not None:  # MoEPatternGroup (a PatternGroup) or groups of moe.every blocks
-        out.append((model.moe_blocks, cfg.layers_per_group if cfg.attention_pattern else cfg.moe.every))
+        out.append((model.moe_blocks, cfg.layers_per_group if cfg.scan_pattern else cfg.moe.every))
     return out
 
 

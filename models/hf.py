@@ -8,8 +8,9 @@ Qwen3MoeForCausalLM (QK-norm, every layer MoE), Olmo2ForCausalLM (post-norms, QK
 over whole projections), Gemma 2 and 3, DeepseekV3ForCausalLM (also Kimi K2 and Moonlight:
 latent attention, YaRN, group-limited sigmoid routing, shared experts, dense first layers)
 and GptOssForCausalLM (sinks, q/k/v/o biases, sliding and full layers, experts with biases
-and the clamped SwiGLU, MXFP4 experts dequantized), Qwen3_5ForCausalLM and the text model of
-Qwen3_5ForConditionalGeneration (gated DeltaNet and gated full attention: models/hf_qwen3_5.py)
+and the clamped SwiGLU, MXFP4 experts dequantized), Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+and the text model of their ConditionalGeneration wrappers (gated DeltaNet, gated full
+attention, MoE with a gated shared expert: models/hf_qwen3_5.py)
 and returns a ready NNX `Transformer`; writes one that
 `transformers` loads with the same logits. What each family adds is a ModelConfig
 feature (`qkv_bias`, `qk_norm`, `norm_placement`), never a branch on the family. No
@@ -77,6 +78,8 @@ _FAMILIES = {
     # Qwen3.5 / 3.6 dense hybrids (models/hf_qwen3_5.py): gated DeltaNet and gated full attention
     "Qwen3_5ForCausalLM": ((False, "head", "pre"), hf_qwen3_5.MODEL_TYPE, None),
     "Qwen3_5ForConditionalGeneration": ((False, "head", "pre"), "qwen3_5", None),
+    "Qwen3_5MoeForCausalLM": ((False, "head", "pre"), hf_qwen3_5.MOE_MODEL_TYPE, "qwen3_5"),
+    "Qwen3_5MoeForConditionalGeneration": ((False, "head", "pre"), "qwen3_5_moe", "qwen3_5"),
 }
 # Latent attention (model.mla), group-limited sigmoid routing with shared experts and dense first
 # layers: DeepSeek-V3, Kimi K2, Moonlight (`_deepseek_settings`, `_deepseek_names`).
@@ -193,7 +196,7 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
         n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-        mlp_dim=hf["intermediate_size"],
+        mlp_dim=hf.get("intermediate_size") or hf["moe_intermediate_size"],  # (MoE: no dense layer)
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),
@@ -213,6 +216,8 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
         fields.update(_gpt_oss_settings(hf))
     elif arch in hf_qwen3_5.ARCHITECTURES:
         fields.update(hf_qwen3_5.settings(hf))
+        if moe_layout is not None:
+            fields["moe"] = hf_qwen3_5.moe_settings(hf)
     elif moe_layout is not None:
         fields["moe"] = _moe_from_hf(hf, moe_layout)
     fields.update(overrides)
@@ -379,7 +384,7 @@ def _architecture_for(cfg: ModelConfig) -> str:
     if cfg.mla is not None:
         return _DEEPSEEK
     if cfg.layer_types or cfg.attention_output_gate or cfg.partial_rotary_factor != 1:
-        return hf_qwen3_5.CAUSAL_LM  # its features (or a refusal that names them)
+        return hf_qwen3_5.causal_lm_for(cfg)  # its features (or a refusal that names them)
     features = (cfg.qkv_bias, cfg.qk_norm, cfg.norm_placement)
     for arch, (needs, _, moe_layout) in _FAMILIES.items():
         if arch == _DEEPSEEK:
@@ -407,7 +412,7 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
         if arch not in hf_qwen3_5.ARCHITECTURES:
             raise HFConversionError(
                 f"architecture {arch!r}: model.layer_types, attention_output_gate and "
-                f"partial_rotary_factor convert as {hf_qwen3_5.CAUSAL_LM!r} only"
+                f"partial_rotary_factor convert as {hf_qwen3_5.causal_lm_for(cfg)!r} only"
             )
         try:
             hf_qwen3_5.check_exportable(cfg, arch)
@@ -756,6 +761,14 @@ def _hf_names(
         common[("attn", "sinks")] = "self_attn.sinks"
     if cfg.attention_output_gate:
         common[("attn", "wq_gate")] = "self_attn.q_proj.weight"
+    shared = {}  # Qwen3.5-MoE's gated shared expert
+    if cfg.moe is not None and cfg.moe.num_shared_experts:
+        shared = {
+            ("mlp", ours): f"mlp.shared_expert.{theirs}.weight"
+            for ours, theirs in zip(_SHARED_EXPERT, ("gate_proj", "up_proj", "down_proj"))
+        }
+        if cfg.moe.shared_expert_gate:
+            shared[("mlp", "shared_expert_gate")] = "mlp.shared_expert_gate.weight"
     attention = [k for k in common if k[0] == "attn"]
     deltanet = {("attn", ours): f"linear_attn.{theirs}" for ours, theirs in linear.QWEN3_5_NAMES.items()}
     dense = {
@@ -790,6 +803,8 @@ def _hf_names(
                 yield (*where, *ours), index, prefix + theirs
             continue
         yield (*where, "mlp", "w_router"), index, prefix + router
+        for ours, theirs in shared.items():
+            yield (*where, *ours), index, prefix + theirs
         if gpt_oss:
             yield (*where, "mlp", "b_router"), index, prefix + "mlp.router.bias"
         for e in range(cfg.moe.num_experts if experts else 0):
@@ -1031,6 +1046,8 @@ def _to_ours(path: tuple[str, ...], w: np.ndarray, cfg: ModelConfig) -> np.ndarr
         return w.T
     if name in ("bq", "bk", "bv"):
         return w.reshape(cfg.n_heads if name == "bq" else cfg.n_kv_heads, hd)
+    if name == "shared_expert_gate":  # [1, D] -> [D]
+        return w.reshape(-1)
     if name == "scale" and path[-2] in ("q_norm", "k_norm") and cfg.qk_norm == "projection":
         return w.reshape(cfg.n_heads if path[-2] == "q_norm" else cfg.n_kv_heads, hd)
     return w  # embedding [V, D] and norm scales keep their layout
@@ -1049,6 +1066,8 @@ def _to_hf(path: tuple[str, ...], w: np.ndarray, cfg: ModelConfig) -> np.ndarray
         return w.T
     if name in ("bq", "bk", "bv") or (name == "scale" and path[-2] in ("q_norm", "k_norm")):
         return w.reshape(-1)  # [heads, hd] -> [heads * hd]; a per-head norm's [hd] stays
+    if name == "shared_expert_gate":
+        return w.reshape(1, -1)
     return w
 
 
@@ -1131,7 +1150,7 @@ def _shape_of(path: tuple[str, ...], cfg: ModelConfig) -> tuple[int, ...]:
     # prediction modules' blocks (`mtp`) are MoE layers on MoE models
     moe_layer = cfg.moe is not None and path[0] in ("moe_blocks", "mtp")
     f = cfg.moe.mlp_dim(cfg) if moe_layer else cfg.mlp_dim
-    fs = 0 if cfg.moe is None else f * cfg.moe.num_shared_experts
+    fs = 0 if cfg.moe is None else cfg.moe.shared_mlp_dim(cfg)
     if path[-1] == "scale" and path[-2] in ("q_norm", "k_norm"):
         heads = cfg.n_heads if path[-2] == "q_norm" else cfg.n_kv_heads
         return (heads, hd) if cfg.qk_norm == "projection" else (hd,)
@@ -1139,6 +1158,7 @@ def _shape_of(path: tuple[str, ...], cfg: ModelConfig) -> tuple[int, ...]:
         return linear.param_shapes(cfg)[path[-1]]
     return {
         "wq_gate": (d, cfg.n_heads, hd),
+        "shared_expert_gate": (d,),
         "w_router": (d, cfg.moe.num_experts if cfg.moe is not None else 0),
         "router_bias": (cfg.moe.num_experts if cfg.moe is not None else 0,),
         "shared_gate": (d, fs),

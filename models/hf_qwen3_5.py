@@ -1,4 +1,4 @@
-"""Qwen3.5 / Qwen3.6 dense hybrids in Hugging Face's layout (models/hf.py reads and writes them).
+"""Qwen3.5 / Qwen3.6 hybrids, dense and MoE, in Hugging Face's layout (models/hf.py reads and writes them).
 
 Two classes hold the same text model:
   Qwen3_5ForCausalLM               config.json is the text config (model_type qwen3_5_text);
@@ -29,20 +29,43 @@ What the text config says, as ModelConfig features:
   rope_parameters.mrope_section / mrope_interleaved: the vision model's three position axes;
   on text all three are the token's position and M-RoPE is plain RoPE, so they are not read.
 The DeltaNet layers' tensors convert one by one (models/linear_attention.py
-`qwen3_5_tensor_to_ours`). The MoE members (Qwen3_5MoeForCausalLM, Qwen3-Next) are not read
-yet: model.moe with linear-attention layers is refused (models/config.py).
+`qwen3_5_tensor_to_ours`). The MoE members (Qwen3_5MoeForCausalLM and its wrapper: every MLP
+softmax top-k, renormalised, beside one shared expert of shared_expert_intermediate_size whose
+output sigmoid(x . shared_expert_gate) scales; experts stored one by one) are `moe_settings`.
+Qwen3-Next (Qwen3NextForCausalLM: in_proj_qkvz / in_proj_ba) is not read yet.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from jaxtrain.models.config import LinearAttentionConfig, ModelConfig
+from jaxtrain.models.config import LinearAttentionConfig, ModelConfig, MoEConfig
+
+# MoE keys that say how the layer runs, not what it computes: a model keeps its own on export
+_MOE_RUNTIME = (
+    "dispatch",
+    "capacity_factor",
+    "exchange",
+    "grouped_matmul",
+    "receive_factor",
+    "dispatch_per_shard",
+    "z_loss_weight",
+    "aux_loss_weight",
+    "score_bias_rate",
+)
 
 CAUSAL_LM = "Qwen3_5ForCausalLM"
 CONDITIONAL_GENERATION = "Qwen3_5ForConditionalGeneration"
-ARCHITECTURES = (CAUSAL_LM, CONDITIONAL_GENERATION)
+# the MoE members (Qwen3.5-35B-A3B, 122B-A10B, 397B-A17B): the same layers, every MLP an MoE
+# with a gated shared expert (`moe_settings`)
+MOE_CAUSAL_LM = "Qwen3_5MoeForCausalLM"
+MOE_CONDITIONAL_GENERATION = "Qwen3_5MoeForConditionalGeneration"
+CONDITIONAL_GENERATIONS = (CONDITIONAL_GENERATION, MOE_CONDITIONAL_GENERATION)
+ARCHITECTURES = (CAUSAL_LM, CONDITIONAL_GENERATION, MOE_CAUSAL_LM, MOE_CONDITIONAL_GENERATION)
 MODEL_TYPE = "qwen3_5_text"
+MOE_MODEL_TYPE = "qwen3_5_moe_text"
 # where the text model's tensors are in each class's checkpoints (lm_head.weight in both)
 TEXT_PREFIXES = ("model.", "model.language_model.")
 _DEFAULT_PARTIAL_ROTARY = 0.25  # transformers' Qwen3_5TextConfig default when the key is absent
@@ -52,7 +75,7 @@ CARRIED_PREFIXES = ("model.visual.", "mtp.")
 
 def carried_names(arch: str | None, names) -> list[str]:
     """The tensors among `names` that conversion carries for a checkpoint of class `arch`."""
-    if arch != CONDITIONAL_GENERATION:
+    if arch not in CONDITIONAL_GENERATIONS:
         return []
     return sorted(n for n in names if n.startswith(CARRIED_PREFIXES))
 
@@ -74,7 +97,7 @@ def wrapper_config(source: dict, text: dict) -> dict:
         text["max_position_embeddings"] = old["max_position_embeddings"]
     return {
         **source,
-        "architectures": [CONDITIONAL_GENERATION],
+        "architectures": source.get("architectures") or [CONDITIONAL_GENERATION],
         "text_config": {**old, **text},
         "tie_word_embeddings": text["tie_word_embeddings"],
     }
@@ -84,11 +107,11 @@ def text_config(hf: dict) -> dict:
     """The text model's config.json keys: a ConditionalGeneration config's `text_config` (its
     own tie_word_embeddings, which the class ties by, over the text config's), else `hf`."""
     archs = hf.get("architectures") or [None]
-    if archs[0] != CONDITIONAL_GENERATION:
+    if archs[0] not in CONDITIONAL_GENERATIONS:
         return hf
     text = dict(hf.get("text_config") or {})
     if not text:
-        raise ValueError(f"config.json of {CONDITIONAL_GENERATION} has no text_config")
+        raise ValueError(f"config.json of {archs[0]} has no text_config")
     tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     return {**text, "architectures": archs, "tie_word_embeddings": tie}
 
@@ -118,13 +141,64 @@ def settings(hf: dict) -> dict:
     }
 
 
+def moe_settings(hf: dict) -> MoEConfig:
+    """Qwen3.5-MoE's MLPs: every layer softmax top-k, renormalised, dropless, beside one shared
+    expert of shared_expert_intermediate_size scaled by its sigmoid gate."""
+    k = hf["num_experts_per_tok"]
+    return MoEConfig(
+        num_experts=hf["num_experts"],
+        top_k=k,
+        expert_mlp_dim=hf["moe_intermediate_size"],
+        scoring="softmax",
+        normalize_top_k=True,
+        dispatch="dropless",
+        num_shared_experts=1,
+        shared_expert_mlp_dim=hf["shared_expert_intermediate_size"],
+        shared_expert_gate=True,
+        # HF sums its load-balancing loss over the k choices; ours averages (1.0 = balanced).
+        aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)) * k,
+        z_loss_weight=0.0,  # transformers adds no router z-loss
+    )
+
+
+def causal_lm_for(cfg: ModelConfig) -> str:
+    return CAUSAL_LM if cfg.moe is None else MOE_CAUSAL_LM
+
+
 def check_exportable(cfg: ModelConfig, arch: str) -> None:
-    """Refuse, naming the key, a model Qwen3_5ForCausalLM cannot hold."""
-    if arch == CONDITIONAL_GENERATION:
+    """Refuse, naming the key, a model Qwen3_5ForCausalLM (Qwen3_5MoeForCausalLM) cannot hold."""
+    want = causal_lm_for(cfg)
+    if arch in CONDITIONAL_GENERATIONS:
         raise ValueError(
-            f"architecture {arch!r}: jaxtrain holds the text model only; write {CAUSAL_LM!r} (transformers "
-            "loads it, and its tensors are the text model's of a ConditionalGeneration checkpoint)"
+            f"architecture {arch!r}: jaxtrain holds the text model only; write {want!r} (transformers "
+            "loads it, and its tensors are the text model's of a ConditionalGeneration checkpoint; "
+            "`jaxtrain convert ckpt-to-hf` of a checkpoint converted from the wrapper writes it again)"
         )
+    if arch != want:
+        raise ValueError(
+            f"architecture {arch!r} with model.moe={'set' if cfg.moe else 'null'}: expected {want!r}"
+        )
+    if cfg.moe is not None:
+        m = cfg.moe
+        theirs = dataclasses.replace(
+            moe_settings(
+                {
+                    "num_experts": m.num_experts,
+                    "num_experts_per_tok": m.top_k,
+                    "moe_intermediate_size": m.mlp_dim(cfg),
+                    "shared_expert_intermediate_size": m.shared_mlp_dim(cfg),
+                    "router_aux_loss_coef": m.aux_loss_weight / m.top_k,
+                }
+            ),
+            **{k: getattr(m, k) for k in _MOE_RUNTIME},
+        )
+        wrong = [
+            f"model.moe.{f.name}={getattr(m, f.name)!r} (expected {getattr(theirs, f.name)!r})"
+            for f in dataclasses.fields(m)
+            if getattr(m, f.name) != getattr(theirs, f.name)
+        ]
+        if wrong:
+            raise ValueError(f"architecture {arch!r}: " + "; ".join(wrong))
     wanted = {
         "attention_output_gate": True,
         "norm_scale_offset": 1.0,
@@ -142,7 +216,6 @@ def check_exportable(cfg: ModelConfig, arch: str) -> None:
         "final_softcap": None,
         "embedding_scale": 1.0,
         "attention_scale": None,
-        "moe": None,
         "mla": None,
     }
     wrong = [
@@ -155,14 +228,26 @@ def check_exportable(cfg: ModelConfig, arch: str) -> None:
 
 
 def hf_config(cfg: ModelConfig, rope: dict) -> dict:
-    """config.json of Qwen3_5ForCausalLM for `cfg` (`check_exportable` first)."""
+    """config.json of Qwen3_5ForCausalLM or Qwen3_5MoeForCausalLM for `cfg` (`check_exportable`
+    first)."""
     la = cfg.linear_attention or LinearAttentionConfig()
+    if cfg.moe is None:
+        mlp = {"intermediate_size": cfg.mlp_dim}
+    else:
+        m = cfg.moe
+        mlp = {
+            "num_experts": m.num_experts,
+            "num_experts_per_tok": m.top_k,
+            "moe_intermediate_size": m.mlp_dim(cfg),
+            "shared_expert_intermediate_size": m.shared_mlp_dim(cfg),
+            "router_aux_loss_coef": m.aux_loss_weight / m.top_k,
+        }
     return {
-        "architectures": [CAUSAL_LM],
-        "model_type": MODEL_TYPE,
+        "architectures": [causal_lm_for(cfg)],
+        "model_type": MODEL_TYPE if cfg.moe is None else MOE_MODEL_TYPE,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.mlp_dim,
+        **mlp,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,

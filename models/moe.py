@@ -131,10 +131,12 @@ class MoE(nnx.Module):
         }.items():  # one adapter per expert, folded into its weight (models/lora.py)
             lora.adapter(self, name, cfg, rngs, inputs=[fan_in], outputs=[fan_out], lead=[(e, "expert")])
         if m.num_shared_experts:
-            fs = m.num_shared_experts * f
+            fs = m.shared_mlp_dim(cfg)
             self.shared_gate = p((d, fs), ("embed", "mlp"), cfg.init_std)
             self.shared_up = p((d, fs), ("embed", "mlp"), cfg.init_std)
             self.shared_down = p((fs, d), ("mlp", "embed"), out_std)
+        if m.shared_expert_gate:  # a logit per token for the shared experts' sigmoid scale
+            self.shared_expert_gate = p((d,), ("embed",), cfg.init_std)
         self.moe = m
         self.cfg = cfg
         self.dtype = jnp.dtype(cfg.compute_dtype)
@@ -162,9 +164,13 @@ class MoE(nnx.Module):
         )
         if self.moe.num_shared_experts:
             shared = None if fp8 is None else fp8["shared"]
-            y = y + swiglu(
+            y_shared = swiglu(
                 x, self.shared_gate[...], self.shared_up[...], self.shared_down[...], self.cfg, shared
             )
+            if self.moe.shared_expert_gate:
+                logit = jnp.einsum("bsd,d->bs", x, self.shared_expert_gate[...].astype(x.dtype))
+                y_shared = jax.nn.sigmoid(logit)[..., None].astype(y_shared.dtype) * y_shared
+            y = y + y_shared
         return y, stats
 
 

@@ -69,7 +69,7 @@ class Transformer(nnx.Module):
             self.blocks = _stack(PatternGroup, n_dense // cfg.layers_per_group, cfg, rngs)
         elif n_dense:
             self.blocks = _stack(Block, n_dense, cfg, rngs)
-        if cfg.moe is not None and cfg.attention_pattern:  # every layer MoE, pattern by pattern
+        if cfg.moe is not None and cfg.scan_pattern:  # every layer MoE, pattern by pattern
             n_moe = cfg.moe.num_moe_layers(cfg)
             self.moe_blocks = _stack(MoEPatternGroup, n_moe // cfg.layers_per_group, cfg, rngs)
         elif cfg.moe is not None:
@@ -200,7 +200,7 @@ class Transformer(nnx.Module):
         if cfg.moe is not None:
             x, stats = run(self.moe_blocks, x, meta.get("moe_blocks"), stack_keys[1])
             stats = take_max_logits("moe_blocks", stats)
-            if cfg.attention_pattern:  # [groups, layers per group, ...] -> [layers, ...]
+            if cfg.scan_pattern:  # [groups, layers per group, ...] -> [layers, ...]
                 stats = jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), stats)
             if pipeline is None:
                 stats = jax.tree.map(lambda v: v[:, None], stats)  # [layers, 1 microbatch, ...]
@@ -328,7 +328,7 @@ class Transformer(nnx.Module):
         if aux_weights is None:
             return out
         loss, stats = out
-        if cfg.attention_pattern:  # [groups, M, layers per group, ...] -> [layers, M, ...]
+        if cfg.scan_pattern:  # [groups, M, layers per group, ...] -> [layers, M, ...]
             stats = jax.tree.map(
                 lambda v: jnp.moveaxis(v, 2, 1).reshape(-1, *v.shape[1:2], *v.shape[3:]), stats
             )
@@ -430,9 +430,10 @@ class MoEGroup(nnx.Module):
 
 
 class MoEPatternGroup(PatternGroup):
-    """One repeat of `model.attention_pattern` on MoE layers (GPT-OSS: sliding and full
-    alternating): an MoEBlock per kind (`layer_0`, ...); returns (x, each layer's router
-    statistics stacked [pattern length, ...])."""
+    """One repeat of `model.attention_pattern` (GPT-OSS: sliding and full alternating) or of
+    `model.layer_types` (Qwen3.5-MoE: DeltaNet and full attention) on MoE layers: an MoEBlock
+    per kind (`layer_0`, ...); returns (x, each layer's router statistics stacked [pattern
+    length, ...])."""
 
     block = MoEBlock
 

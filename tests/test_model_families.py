@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from jaxtrain import sharding
+from jaxtrain.models.config import LinearAttentionConfig
 from jaxtrain.models.hf import HFConversionError, config_from_hf, hf_config
 from jaxtrain.sharding.context import permute_batch
 from jaxtrain.trainer.batches import batch_to_device
@@ -65,6 +66,29 @@ SHARDED = {
     # sinks, the output bias, MoE layers in pattern groups, the trained router and expert
     # biases (split with their experts over expert, the gate/up ones over tensor), clamped SwiGLU
     "gpt-oss-moe": FAMILIES["gpt-oss-moe"],
+    # Qwen3.5-MoE: gated DeltaNet and gated full attention layers, every MLP an MoE (experts
+    # over expert) beside a shared expert of its own width scaled by its sigmoid gate
+    "qwen3.5-moe": dict(
+        layer_types=("linear_attention", "full_attention"),
+        linear_attention=LinearAttentionConfig(
+            num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=8
+        ),
+        attention_output_gate=True,
+        partial_rotary_factor=0.25,
+        qk_norm="head",
+        norm_scale_offset=1.0,
+        head_dim=16,
+        n_kv_heads=2,
+        moe=dict(
+            num_experts=4,
+            top_k=2,
+            expert_mlp_dim=32,
+            dispatch="dropless",
+            num_shared_experts=1,
+            shared_expert_mlp_dim=48,
+            shared_expert_gate=True,
+        ),
+    ),
 }
 # the feature pairs each mesh case runs against one device (jaxtrain/compose.py)
 SHARDED_PAIRS = {
@@ -77,6 +101,7 @@ SHARDED_PAIRS = {
         "sinks+fsdp", "sinks+tensor", "sinks+expert",
         "attention_pattern+fsdp", "attention_pattern+tensor", "attention_pattern+expert",
     ),
+    "qwen3.5-moe": ("moe+linear_attention",),
 }  # fmt: skip
 
 

@@ -378,7 +378,7 @@ def ckpt_to_hf(
             raise HFConversionError(f"--adapter: {source} is not a LoRA run (its model.lora is null)")
         params = src.restore_params()
         base_dir = lora_base_of(src) if cfg.lora is not None else None
-        carried = _carried_dir(src) if architecture in (None, hf_qwen3_5.CONDITIONAL_GENERATION) else None
+        carried = _carried_dir(src) if architecture in (None, *hf_qwen3_5.CONDITIONAL_GENERATIONS) else None
     if cfg.lora is not None:
         if adapter:
             from jaxtrain.interchange.peft import write_adapter
@@ -396,7 +396,8 @@ def ckpt_to_hf(
         config = None
         if carried is not None:  # the wrapper again: the text model renamed, the rest as it came
             config = hf_qwen3_5.wrapper_config(
-                json.loads((carried / "config.json").read_text()), hf_config(cfg, hf_qwen3_5.CAUSAL_LM)
+                json.loads((carried / "config.json").read_text()),
+                hf_config(cfg, hf_qwen3_5.causal_lm_for(cfg)),
             )
             tensors = itertools.chain(
                 ((hf_qwen3_5.wrapper_name(n), t) for n, t in tensors), _carried_tensors(carried)

@@ -40,6 +40,8 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
+from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 OUT = Path(__file__).parent / "hf"
@@ -344,10 +346,24 @@ MODELS["qwen3_5_vl_text"] = lambda: Qwen3_5ForConditionalGeneration(
         tie_word_embeddings=True,
     )
 )
+# Qwen3.5-MoE (Qwen/Qwen3.5-35B-A3B's text config, scaled down): the same layers, every MLP
+# an MoE of 4 experts (top 2, renormalised) beside a shared expert of its own width whose
+# output a per-token sigmoid gate scales
+MODELS["qwen3_5_moe_hybrid"] = lambda: Qwen3_5MoeForCausalLM(
+    Qwen3_5MoeTextConfig(
+        **{k: v for k, v in QWEN3_5_TEXT.items() if k != "intermediate_size"},
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        router_aux_loss_coef=0.001,
+    )
+)
 # where a model needs longer rows than TOKENS (and the directory it goes to, when not hf/)
 TOKENS_FOR = {
     "qwen3_5_hybrid": np.random.default_rng(1).integers(0, 128, size=(2, 140)),
     "qwen3_5_vl_text": np.random.default_rng(1).integers(0, 128, size=(2, 140)),
+    "qwen3_5_moe_hybrid": np.random.default_rng(1).integers(0, 128, size=(2, 140)),
 }
 OUT_FOR = {"qwen3_5_vl_text": Path(__file__).parent / "hf_multimodal"}
 
