@@ -9,8 +9,8 @@ over whole projections), Gemma 2 and 3, DeepseekV3ForCausalLM (also Kimi K2 and 
 latent attention, YaRN, group-limited sigmoid routing, shared experts, dense first layers)
 and GptOssForCausalLM (sinks, q/k/v/o biases, sliding and full layers, experts with biases
 and the clamped SwiGLU, MXFP4 experts dequantized), Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
-and the text model of their ConditionalGeneration wrappers (gated DeltaNet, gated full
-attention, MoE with a gated shared expert: models/hf_qwen3_5.py)
+and the text model of their ConditionalGeneration wrappers, Qwen3NextForCausalLM (gated DeltaNet,
+gated full attention, MoE with a gated shared expert: models/hf_qwen3_5.py)
 and returns a ready NNX `Transformer`; writes one that
 `transformers` loads with the same logits. What each family adds is a ModelConfig
 feature (`qkv_bias`, `qk_norm`, `norm_placement`), never a branch on the family. No
@@ -80,6 +80,7 @@ _FAMILIES = {
     "Qwen3_5ForConditionalGeneration": ((False, "head", "pre"), "qwen3_5", None),
     "Qwen3_5MoeForCausalLM": ((False, "head", "pre"), hf_qwen3_5.MOE_MODEL_TYPE, "qwen3_5"),
     "Qwen3_5MoeForConditionalGeneration": ((False, "head", "pre"), "qwen3_5_moe", "qwen3_5"),
+    "Qwen3NextForCausalLM": ((False, "head", "pre"), "qwen3_next", "qwen3_5"),
 }
 # Latent attention (model.mla), group-limited sigmoid routing with shared experts and dense first
 # layers: DeepSeek-V3, Kimi K2, Moonlight (`_deepseek_settings`, `_deepseek_names`).
@@ -217,7 +218,10 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     elif arch in hf_qwen3_5.ARCHITECTURES:
         fields.update(hf_qwen3_5.settings(hf))
         if moe_layout is not None:
-            fields["moe"] = hf_qwen3_5.moe_settings(hf)
+            try:
+                fields["moe"] = hf_qwen3_5.moe_settings(hf)
+            except ValueError as e:
+                raise HFConversionError(str(e)) from None
     elif moe_layout is not None:
         fields["moe"] = _moe_from_hf(hf, moe_layout)
     fields.update(overrides)
@@ -418,7 +422,7 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
             hf_qwen3_5.check_exportable(cfg, arch)
         except ValueError as e:
             raise HFConversionError(str(e)) from None
-        return hf_qwen3_5.hf_config(cfg, _hf_rope(cfg))
+        return hf_qwen3_5.hf_config(cfg, _hf_rope(cfg), arch)
     if arch == _DEEPSEEK or cfg.mla is not None:
         return _deepseek_hf_config(cfg, arch)
     (needs, model_type, moe_layout) = _FAMILIES[arch]
@@ -719,7 +723,7 @@ _SHARED_EXPERT = ("shared_gate", "shared_up", "shared_down")  # the fused shared
 
 
 def _hf_names(
-    cfg: ModelConfig, model: str = "model."
+    cfg: ModelConfig, model: str = "model.", arch: str | None = None
 ) -> Iterator[tuple[tuple[str, ...], tuple[int, ...], str]]:
     """(our param path, index into the stacked array, HF tensor name) for every tensor.
     The index is () for unstacked params, (layer,) or (layer, expert) for stacked ones.
@@ -771,6 +775,9 @@ def _hf_names(
             shared[("mlp", "shared_expert_gate")] = "mlp.shared_expert_gate.weight"
     attention = [k for k in common if k[0] == "attn"]
     deltanet = {("attn", ours): f"linear_attn.{theirs}" for ours, theirs in linear.QWEN3_5_NAMES.items()}
+    if arch == hf_qwen3_5.QWEN3_NEXT:  # two of ours from each fused tensor
+        for theirs, pair in linear.QWEN3_NEXT_FUSED.items():
+            deltanet.update({("attn", ours): f"linear_attn.{theirs}" for ours in pair})
     dense = {
         ("mlp", "w_gate"): "mlp.gate_proj.weight",
         ("mlp", "w_up"): "mlp.up_proj.weight",
@@ -1033,6 +1040,9 @@ def _to_ours(path: tuple[str, ...], w: np.ndarray, cfg: ModelConfig) -> np.ndarr
     d, hd = cfg.d_model, cfg.resolved_head_dim
     name = path[-1]
     if name in linear.QWEN3_5_NAMES and path[-2] == "attn":
+        fused = [t for t, pair in linear.QWEN3_NEXT_FUSED.items() if name in pair]
+        if fused and w.shape[0] == linear.qwen3_next_rows(fused[0], cfg):  # Qwen3-Next's
+            return linear.qwen3_next_split(fused[0], w, cfg)[name]
         return linear.qwen3_5_tensor_to_ours(name, w, cfg)
     if name in ("wq", "wq_gate") and cfg.attention_output_gate:
         return hf_qwen3_5.gated_query_to_ours(w, cfg, part=int(name == "wq_gate"))
@@ -1198,6 +1208,8 @@ def param_sources(path: str | Path, cfg: ModelConfig) -> dict[tuple[str, ...], P
     """Every parameter's `ParamSource`, keyed by its path in our nested params; nothing is read
     yet (only the safetensors headers), so a converter can hold one slice at a time."""
     reader = _SafetensorsDir(Path(path))
+    config = Path(path) / "config.json"
+    arch = (json.loads(config.read_text()).get("architectures") or [None])[0] if config.is_file() else None
     model = next(
         (p for p in hf_qwen3_5.TEXT_PREFIXES[::-1] if f"{p}embed_tokens.weight" in reader.weight_map),
         "model.",
@@ -1212,10 +1224,10 @@ def param_sources(path: str | Path, cfg: ModelConfig) -> dict[tuple[str, ...], P
     experts = (cfg.moe.num_experts,) if cfg.moe is not None else ()
     shapes: dict = {}
     parts: dict = {}
-    for ours, index, theirs in _hf_names(cfg, model):
+    for ours, index, theirs in _hf_names(cfg, model, arch):
         expected = _shape_of(ours, cfg)
         # HF's shape of `expected`: `_to_hf` of a zero-stride stand-in (no memory)
-        reader.check(theirs, _hf_shape(ours, expected, cfg))
+        reader.check(theirs, _hf_shape(ours, expected, cfg, theirs))
         stacked = () if not index else (layers[ours[0]], *(experts if len(index) == 2 else ()))
         shapes.setdefault(ours, (*stacked, *expected))
         read = functools.partial(_read_converted, reader, ours, theirs, cfg, expected)
@@ -1225,10 +1237,15 @@ def param_sources(path: str | Path, cfg: ModelConfig) -> dict[tuple[str, ...], P
     return {p: ParamSource(shapes[p], tuple(parts[p])) for p in parts}
 
 
-def _hf_shape(ours: tuple[str, ...], expected: tuple[int, ...], cfg: ModelConfig) -> tuple[int, ...]:
+def _hf_shape(
+    ours: tuple[str, ...], expected: tuple[int, ...], cfg: ModelConfig, theirs: str
+) -> tuple[int, ...]:
     """The HF tensor's shape for our parameter of shape `expected`."""
     if ours[-1] in ("wq", "wq_gate") and cfg.attention_output_gate:  # both halves of one q_proj
         return (2 * cfg.n_heads * cfg.resolved_head_dim, cfg.d_model)
+    fused = ".".join(theirs.rsplit(".", 2)[-2:])
+    if fused in linear.QWEN3_NEXT_FUSED:  # Qwen3-Next: two of ours in one tensor
+        return (linear.qwen3_next_rows(fused, cfg), cfg.d_model)
     return _to_hf(ours, np.broadcast_to(np.float32(0), expected), cfg).shape
 
 
@@ -1276,15 +1293,26 @@ def from_hf(path: str | Path, **config_overrides):
     return merge(graphdef, abstract, params)
 
 
-def params_to_hf_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, float32 numpy tensor) pairs, one at a time."""
-    for ours, index, theirs in _hf_names(cfg):
+def params_to_hf_tensors(
+    params: dict, cfg: ModelConfig, architecture: str | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, float32 numpy tensor) pairs, one at a time (`architecture`: the class's tensor
+    layout where two share a config, Qwen3-Next's fused DeltaNet projections)."""
+    pending: dict[str, dict] = {}  # a fused tensor's parts until the last one comes
+    for ours, index, theirs in _hf_names(cfg, arch=architecture):
         if ours[-1] == "wq_gate":
             continue  # written with wq: one q_proj
         node = params
         for key in ours:
             node = node[key]
         w = np.asarray(node[index] if index else node, dtype=np.float32)
+        fused = ".".join(theirs.rsplit(".", 2)[-2:])
+        if fused in linear.QWEN3_NEXT_FUSED:
+            parts = pending.setdefault(theirs, {})
+            parts[ours[-1]] = w
+            if len(parts) == 2:
+                yield theirs, np.ascontiguousarray(linear.qwen3_next_join(fused, pending.pop(theirs)))
+            continue
         if ours[-1] == "wq" and cfg.attention_output_gate:
             gate = params
             for key in (*ours[:-1], "wq_gate"):
@@ -1362,7 +1390,7 @@ def to_hf(
     """Write `model` as an HF checkpoint directory (config.json + f32 safetensors shards)."""
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     return write_hf_dir(
-        params_to_hf_tensors(params, model.cfg),
+        params_to_hf_tensors(params, model.cfg, architecture),
         model.cfg,
         path,
         architecture=architecture,

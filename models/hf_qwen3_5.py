@@ -63,7 +63,12 @@ CONDITIONAL_GENERATION = "Qwen3_5ForConditionalGeneration"
 MOE_CAUSAL_LM = "Qwen3_5MoeForCausalLM"
 MOE_CONDITIONAL_GENERATION = "Qwen3_5MoeForConditionalGeneration"
 CONDITIONAL_GENERATIONS = (CONDITIONAL_GENERATION, MOE_CONDITIONAL_GENERATION)
-ARCHITECTURES = (CAUSAL_LM, CONDITIONAL_GENERATION, MOE_CAUSAL_LM, MOE_CONDITIONAL_GENERATION)
+# Qwen3-Next (80B-A3B), the family's first: the same layers and MoE, its DeltaNet projections
+# fused per key-head group (in_proj_qkvz, in_proj_ba: models/linear_attention.py
+# QWEN3_NEXT_FUSED), norm_topk_prob a key; written only when asked for by name (its features
+# are Qwen3.5-MoE's)
+QWEN3_NEXT = "Qwen3NextForCausalLM"
+ARCHITECTURES = (CAUSAL_LM, CONDITIONAL_GENERATION, MOE_CAUSAL_LM, MOE_CONDITIONAL_GENERATION, QWEN3_NEXT)
 MODEL_TYPE = "qwen3_5_text"
 MOE_MODEL_TYPE = "qwen3_5_moe_text"
 # where the text model's tensors are in each class's checkpoints (lm_head.weight in both)
@@ -145,12 +150,17 @@ def moe_settings(hf: dict) -> MoEConfig:
     """Qwen3.5-MoE's MLPs: every layer softmax top-k, renormalised, dropless, beside one shared
     expert of shared_expert_intermediate_size scaled by its sigmoid gate."""
     k = hf["num_experts_per_tok"]
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:  # Qwen3-Next's keys
+        raise ValueError(
+            f"config.json mlp_only_layers={hf.get('mlp_only_layers')} decoder_sparse_step="
+            f"{hf.get('decoder_sparse_step')}: only every layer MoE (mlp_only_layers=[], step 1) converts"
+        )
     return MoEConfig(
         num_experts=hf["num_experts"],
         top_k=k,
         expert_mlp_dim=hf["moe_intermediate_size"],
         scoring="softmax",
-        normalize_top_k=True,
+        normalize_top_k=bool(hf.get("norm_topk_prob", True)),
         dispatch="dropless",
         num_shared_experts=1,
         shared_expert_mlp_dim=hf["shared_expert_intermediate_size"],
@@ -174,7 +184,7 @@ def check_exportable(cfg: ModelConfig, arch: str) -> None:
             "loads it, and its tensors are the text model's of a ConditionalGeneration checkpoint; "
             "`jaxtrain convert ckpt-to-hf` of a checkpoint converted from the wrapper writes it again)"
         )
-    if arch != want:
+    if arch != want and not (arch == QWEN3_NEXT and cfg.moe is not None):
         raise ValueError(
             f"architecture {arch!r} with model.moe={'set' if cfg.moe else 'null'}: expected {want!r}"
         )
@@ -188,6 +198,8 @@ def check_exportable(cfg: ModelConfig, arch: str) -> None:
                     "moe_intermediate_size": m.mlp_dim(cfg),
                     "shared_expert_intermediate_size": m.shared_mlp_dim(cfg),
                     "router_aux_loss_coef": m.aux_loss_weight / m.top_k,
+                    # Qwen3.5-MoE always renormalises; Qwen3-Next as norm_topk_prob says
+                    "norm_topk_prob": m.normalize_top_k if arch == QWEN3_NEXT else True,
                 }
             ),
             **{k: getattr(m, k) for k in _MOE_RUNTIME},
@@ -227,9 +239,22 @@ def check_exportable(cfg: ModelConfig, arch: str) -> None:
         raise ValueError(f"architecture {arch!r}: " + "; ".join(wrong))
 
 
-def hf_config(cfg: ModelConfig, rope: dict) -> dict:
-    """config.json of Qwen3_5ForCausalLM or Qwen3_5MoeForCausalLM for `cfg` (`check_exportable`
-    first)."""
+def hf_config(cfg: ModelConfig, rope: dict, arch: str | None = None) -> dict:
+    """config.json of Qwen3_5ForCausalLM or Qwen3_5MoeForCausalLM (or Qwen3NextForCausalLM, as
+    `arch`) for `cfg` (`check_exportable` first)."""
+    if arch == QWEN3_NEXT:
+        m = cfg.moe
+        out = hf_config(cfg, rope)
+        return {
+            **out,
+            "architectures": [QWEN3_NEXT],
+            "model_type": "qwen3_next",
+            "intermediate_size": cfg.mlp_dim,  # the width of mlp_only_layers, of which there are none
+            "norm_topk_prob": m.normalize_top_k,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "partial_rotary_factor": cfg.partial_rotary_factor,
+        }
     la = cfg.linear_attention or LinearAttentionConfig()
     if cfg.moe is None:
         mlp = {"intermediate_size": cfg.mlp_dim}

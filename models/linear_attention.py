@@ -204,6 +204,38 @@ QWEN3_5_NAMES = {
 }
 
 
+# Qwen3-Next's fused tensors (rows per key-head group: q, k, v, z; and b, a) -> ours, in order
+QWEN3_NEXT_FUSED = {
+    "in_proj_qkvz.weight": ("in_proj_qkv", "in_proj_z"),
+    "in_proj_ba.weight": ("in_proj_b", "in_proj_a"),
+}
+
+
+def qwen3_next_rows(theirs: str, cfg: ModelConfig) -> int:
+    """Rows of a Qwen3-Next fused tensor (QWEN3_NEXT_FUSED's keys)."""
+    la = cfg.linear_attention
+    if theirs == "in_proj_qkvz.weight":
+        return la.num_key_heads * (la.group_width + la.values_per_key * la.value_head_dim)
+    return 2 * la.num_value_heads
+
+
+def qwen3_next_split(theirs: str, w: np.ndarray, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """A Qwen3-Next fused tensor [rows, D] -> our parameters by name: each key head's rows
+    are its group's (q | k | v, then z; b, then a), so a split per group is our layout."""
+    la, d = cfg.linear_attention, w.shape[-1]
+    first, second = QWEN3_NEXT_FUSED[theirs]
+    groups = w.reshape(la.num_key_heads, -1, d)
+    cut = la.group_width if theirs == "in_proj_qkvz.weight" else la.values_per_key
+    return {first: np.moveaxis(groups[:, :cut], -1, 0), second: np.moveaxis(groups[:, cut:], -1, 0)}
+
+
+def qwen3_next_join(theirs: str, parts: dict[str, np.ndarray]) -> np.ndarray:
+    """`qwen3_next_split`'s inverse: our two parameters [D, hk, ...] -> the fused [rows, D]."""
+    first, second = (np.moveaxis(parts[n], 0, -1) for n in QWEN3_NEXT_FUSED[theirs])
+    joined = np.concatenate([first, second], axis=1)
+    return joined.reshape(-1, joined.shape[-1])
+
+
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Each parameter's shape in one layer (module docstring)."""
     la, d = cfg.linear_attention, cfg.d_model

@@ -130,6 +130,15 @@ def test_export_names_what_qwen3_5_cannot_hold():
         hf_config(cfg, "Qwen3_5ForConditionalGeneration")
     with pytest.raises(HFConversionError, match="convert as 'Qwen3_5ForCausalLM' only"):
         hf_config(cfg, "Qwen3ForCausalLM")
+    # Qwen3-Next's router keeps its weights unrenormalised (norm_topk_prob false): Qwen3.5-MoE
+    # cannot hold that, Qwen3NextForCausalLM (asked for by name) can; partly dense is refused
+    qwen3_next = _config(ASSETS / "hf" / "qwen3_next_moe")
+    nxt = config_from_hf(qwen3_next)
+    with pytest.raises(HFConversionError, match=r"model.moe.normalize_top_k=False \(expected True\)"):
+        hf_config(nxt)
+    assert config_from_hf(hf_config(nxt, "Qwen3NextForCausalLM")) == nxt
+    with pytest.raises(HFConversionError, match=r"mlp_only_layers=\[0\]"):
+        config_from_hf({**qwen3_next, "mlp_only_layers": [0]})
     # without the output gate a Qwen3.5 is not what the class computes
     with pytest.raises(HFConversionError, match=r"model.attention_output_gate=False \(expected True\)"):
         hf_config(dataclasses.replace(cfg, attention_output_gate=False))

@@ -392,7 +392,7 @@ def ckpt_to_hf(
         cfg = dataclasses.replace(cfg, lora=None)
 
     def write(directory):
-        tensors = params_to_hf_tensors(params, cfg)
+        tensors = params_to_hf_tensors(params, cfg, architecture)
         config = None
         if carried is not None:  # the wrapper again: the text model renamed, the rest as it came
             config = hf_qwen3_5.wrapper_config(

@@ -40,9 +40,10 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
-from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+from transformers.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
 OUT = Path(__file__).parent / "hf"
 TOKENS = np.random.default_rng(0).integers(0, 128, size=(2, 16))
@@ -359,11 +360,27 @@ MODELS["qwen3_5_moe_hybrid"] = lambda: Qwen3_5MoeForCausalLM(
         router_aux_loss_coef=0.001,
     )
 )
+# Qwen3-Next (Qwen/Qwen3-Next-80B-A3B's layout, scaled down): the Qwen3.5-MoE layers with the
+# DeltaNet projections fused per key-head group (in_proj_qkvz, in_proj_ba); norm_topk_prob
+# false, so the routed weights are not renormalised
+MODELS["qwen3_next_moe"] = lambda: Qwen3NextForCausalLM(
+    Qwen3NextConfig(
+        **{k: v for k, v in QWEN3_5_TEXT.items() if k != "rope_parameters"},
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
+        router_aux_loss_coef=0.001,
+    )
+)
 # where a model needs longer rows than TOKENS (and the directory it goes to, when not hf/)
 TOKENS_FOR = {
     "qwen3_5_hybrid": np.random.default_rng(1).integers(0, 128, size=(2, 140)),
     "qwen3_5_vl_text": np.random.default_rng(1).integers(0, 128, size=(2, 140)),
     "qwen3_5_moe_hybrid": np.random.default_rng(1).integers(0, 128, size=(2, 140)),
+    "qwen3_next_moe": np.random.default_rng(1).integers(0, 128, size=(2, 140)),
 }
 OUT_FOR = {"qwen3_5_vl_text": Path(__file__).parent / "hf_multimodal"}
 

@@ -41,13 +41,14 @@ NAMES = (
     "deepseek_v3_yarn",
     "qwen3_5_hybrid",  # transformers' cached decode: the DeltaNet conv window and state
     "qwen3_5_moe_hybrid",
+    "qwen3_next_moe",
     # not deepseek_v3_plain_q: transformers 5.24's batched cached generate leaves its own
     # no-cache greedy on row 1 at step 8 (top-2 margin 0.015; one row at a time they agree);
     # tests/test_deepseek.py checks jaxtrain's latent cache against the full forward instead
 )
 PROMPT_LEN = 6
 # longer prompts where the state is the point: the DeltaNet prefill crosses two 64-token chunks
-PROMPT_LEN_FOR = {"qwen3_5_hybrid": 130, "qwen3_5_moe_hybrid": 130}
+PROMPT_LEN_FOR = {"qwen3_5_hybrid": 130, "qwen3_5_moe_hybrid": 130, "qwen3_next_moe": 130}
 NEW_TOKENS = 20  # 26 positions in all: more than 5x Mistral's window of 5
 
 
