@@ -306,7 +306,10 @@ def test_two_processes_kill_9_resume_from_the_local_tier_then_without_process_1s
     first = json.load(open(out / "goodput.json"))["attempts"][0]
     at_last = first["last_logged"][1]
     since = lambda s: sum(at_last[k] - first["at_save"][str(s)][k] for k in LOOP_BUCKETS)  # noqa: E731
-    assert first["seconds"]["lost"] == pytest.approx(since(step), rel=1e-9, abs=1e-12)
+    # (nothing when the kill came after the resumed step was logged and before the next one:
+    # observe/goodput.py charge_restart; that race once made this test flaky)
+    expected = since(step) if first["last_logged"][0] > step else 0.0
+    assert first["seconds"]["lost"] == pytest.approx(expected, rel=1e-9, abs=1e-12)
     assert first["seconds"]["lost"] < since(10)
 
     # a replaced host: process 1's shards are gone, but with dcn_data=2 the state is replicated
