@@ -380,6 +380,10 @@ def _extrapolated_cost(
         c2 = compiled_cost(_compile_step(_variant(cfg, prefix + 2 * unit), mesh, rules, opts))
     if not c1 or not c2:
         return None
+    if any(c.get("optimal_seconds", 0) < 0 for c in (c1, c2)):
+        # XLA's cost analysis can answer a negative time (seen with gated DeltaNet's chunked
+        # rule on TPU: -3 s for a tiny model): no estimate rather than a negative one
+        return None
     n = cfg.train.microbatches
     out = {}
     for key in ("flops", "optimal_seconds", "bytes accessed"):
@@ -522,6 +526,12 @@ def _step_estimate(
     if cost and cost.get("flops"):
         report["xla_flops_over_model_flops"] = cost["flops"] / analytic
     if not (cost and cost.get("optimal_seconds")):
+        if cost is None and cfg.model.has_linear_attention:
+            report["notes"].append(
+                "no XLA step-time estimate: XLA's cost analysis gave the cost variants a negative "
+                "time (gated DeltaNet's chunked rule: a blockwise triangular solve among its ops); "
+                "the memory figures are the compiled program's"
+            )
         return
     # Honesty check: the FLOPs the hardware must do (model + remat recompute) vs what XLA
     # counted. Short (the unrolled variants can CSE the recompute away:
