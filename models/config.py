@@ -451,7 +451,7 @@ class LinearAttentionConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A decoder-only Llama-style transformer (RMSNorm, RoPE, GQA, SwiGLU), with the variants
-    of the families models/hf.py reads (q/k/v biases, QK-norm, post-norms)."""
+    of the families models/hf/ reads (q/k/v biases, QK-norm, post-norms)."""
 
     vocab_size: int = 512  # token ids are 0 .. vocab_size - 1
     d_model: int = 128  # the residual stream's width

@@ -27,7 +27,7 @@ overrides it.
 
 `model.attention_sinks` and `model.attention_out_bias` are layers.Attention's (GPT-OSS): one
 learned logit per head in every softmax's denominator, carrying no value, and a bias on the
-output projection. No published MLA checkpoint has either (models/hf.py does not export them);
+output projection. No published MLA checkpoint has either (models/hf/deepseek.py does not export them);
 they exist so that a config asking for them gets them, in training and in the latent-cache
 decode alike (models/generation.py), never a model silently without them.
 """

@@ -32,7 +32,7 @@ from jaxtrain.models.hf import (
     load_hf_params,
     params_to_hf_tensors,
 )
-from jaxtrain.models.hf_fp8 import dequantize_blocks
+from jaxtrain.models.hf.fp8 import dequantize_blocks
 
 ASSET = Path(__file__).parent / "assets" / "fp8" / "deepseek_v3_fp8"
 HF_ASSETS = Path(__file__).parent / "assets" / "hf"

@@ -1,4 +1,4 @@
-"""Qwen3.5 checkpoints in and out (models/hf_qwen3_5.py), against transformers 5.25
+"""Qwen3.5 checkpoints in and out (models/hf/qwen3_5.py), against transformers 5.25
 (tests/assets/make_hf_assets.py wrote the assets):
 
 - tests/assets/hf/qwen3_5_hybrid (Qwen3_5ForCausalLM) joins tests/test_hf.py's checkpoints:

@@ -250,7 +250,7 @@ MLA = "model.mla={q_lora_rank: 12, kv_lora_rank: 10, qk_nope_head_dim: 6, qk_rop
 
 
 def hf_matrices_of_mla(attn: dict, h: int) -> dict:
-    """HF's [out, in] tensors of one layer's latent attention, written out (models/hf.py's
+    """HF's [out, in] tensors of one layer's latent attention, written out (models/hf/deepseek.py's
     DeepSeek-V3 mapping, independently): q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj,
     o_proj."""
     flat = lambda w: w.reshape(w.shape[0], -1)  # [in, heads, width] -> [in, heads * width]

@@ -189,7 +189,7 @@ def test_model_files_hold_no_platform_branch():
     asks = {"default_backend", "platform", "device_kind", "devices", "local_devices", "backends"}
     names = {"cpu", "tpu", "gpu", "cuda", "rocm"}
     found = []
-    for path in sorted((Path(REPO) / "models").glob("*.py")):
+    for path in sorted((Path(REPO) / "models").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in asks:
                 found.append(f"{path.name}:{node.lineno} .{node.attr}")

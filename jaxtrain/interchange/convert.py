@@ -6,7 +6,7 @@ A converted checkpoint is a directory holding
   tokenizer.json  the HF directory's tokenizer, when it had one (`jaxtrain generate`)
   carried/        what is not the model but must go back out with it: a Qwen3.5
                   ConditionalGeneration's vision tower and MTP layers as stored, and its
-                  config.json (models/hf_qwen3_5.py); `ckpt-to-hf` writes the wrapper again
+                  config.json (models/hf/qwen3_5.py); `ckpt-to-hf` writes the wrapper again
 `ckpt-to-hf` and `train.init_from` also take a training run's checkpoints (a step
 directory, a checkpoint.dir or an output_dir: `resolve_checkpoint`); the model
 config then comes from the checkpoint's saved config, and only the parameters
@@ -38,7 +38,7 @@ from etils import epath
 from jaxtrain.config import ConfigError, _build
 from jaxtrain.data import storage
 from jaxtrain.interchange.stream_ckpt import save_streamed
-from jaxtrain.models import hf_fp8, hf_qwen3_5, lora
+from jaxtrain.models import lora
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.hf import (
     HFConversionError,
@@ -49,6 +49,8 @@ from jaxtrain.models.hf import (
     params_to_hf_tensors,
     write_hf_dir,
 )
+from jaxtrain.models.hf import fp8 as hf_fp8
+from jaxtrain.models.hf import qwen3_5 as hf_qwen3_5
 from jaxtrain.recovery.checkpoint import Checkpointer
 
 # Fields that describe how a model runs, not what it is: a run may change them freely.
@@ -161,7 +163,7 @@ CARRIED = "carried"
 
 
 def _carry(hf_dir: Path, out: epath.Path) -> None:
-    """The HF directory's tensors that are not the model (models/hf_qwen3_5.py carried_names)
+    """The HF directory's tensors that are not the model (models/hf/qwen3_5.py carried_names)
     into OUT/carried/, as stored, with its config.json; nothing when there are none."""
     from jaxtrain.models.hf import read_hf_config
     from jaxtrain.models.safetensors_io import SafetensorsFile, write_file
@@ -361,7 +363,7 @@ def ckpt_to_hf(
 
     `dtype`: float32 (default), bfloat16, or fp8-block: DeepSeek-V3's published layout (its
     projections e4m3 with a float32 `weight_scale_inv` per `fp8_block` block, DeepSeek's rule
-    amax / 448: models/hf_fp8.py; the rest bfloat16), for latent-attention models only."""
+    amax / 448: models/hf/fp8.py; the rest bfloat16), for latent-attention models only."""
     if dtype not in hf_fp8.EXPORT_DTYPES:
         raise HFConversionError(f"--dtype {dtype!r}: expected one of {hf_fp8.EXPORT_DTYPES}")
     if adapter and dtype != "float32":

@@ -4,10 +4,10 @@ loads (adapter_config.json + adapter_model.safetensors, float32).
 
 Names and layouts: PEFT keys a targeted HF Linear's matrices as
 `base_model.model.<its HF weight name without .weight>.lora_A.weight` [r, in] and
-`....lora_B.weight` [out, r]; the HF names are models/hf.py's (`q_proj` for wq, ...). Ours
+`....lora_B.weight` [out, r]; the HF names are models/hf/'s (`q_proj` for wq, ...). Ours
 are the same matrices in the weight's own layout (models/lora.py): a [*in, r] is lora_A
 transposed with `in` unflattened, b [r, *out] is lora_B transposed. HF's q/k projections
-already use the rotate-half RoPE layout our wq/wk have (models/hf.py), so an adapter on them
+already use the rotate-half RoPE layout our wq/wk have (models/hf/), so an adapter on them
 needs no permutation either. Expert adapters of MoE layers have no PEFT form here (transformers
 5 fuses the experts into one parameter), and are refused.
 """

@@ -5,7 +5,7 @@ saving (2.7 TB) is not an option. Each parameter becomes a leaf that Orbax saves
 usual layout (OCDBT, zarr, `_METADATA`: `StandardCheckpointer` and `train.init_from` restore
 it as if `save` had been given numpy arrays), but whose data a custom TypeHandler writes
 slice by slice: the TensorStore array is created with one shard per stacked slice (one layer,
-or one layer's expert) and each slice is read from the HF directory (models/hf.py
+or one layer's expert) and each slice is read from the HF directory (models/hf/loader.py
 `param_sources`: read, dequantized, converted), written, and dropped before the next. Leaves
 are written one after another, so the host holds one slice (and TensorStore's copy of it)
 at a time, whatever the model's size.
@@ -75,7 +75,7 @@ class _StreamedHandler(type_handlers.NumpyHandler):
 def save_streamed(
     directory: str | Path, sources: dict[tuple[str, ...], ParamSource], dtype=np.float32
 ) -> None:
-    """Write `sources` (models/hf.py `param_sources`) as the Orbax PyTree checkpoint
+    """Write `sources` (models/hf/loader.py `param_sources`) as the Orbax PyTree checkpoint
     `directory` (replaced if it exists), nested by their paths, in `dtype`."""
     tree: dict = {}
     for path, source in sources.items():

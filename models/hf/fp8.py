@@ -29,7 +29,7 @@ E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = 448.0
 SCALE_SUFFIX = "_scale_inv"
 DEFAULT_BLOCK = (128, 128)
-# quant_method values that import: block FP8 (here), MXFP4 (GPT-OSS's experts: models/hf.py)
+# quant_method values that import: block FP8 (here), MXFP4 (GPT-OSS's experts: models/hf/gpt_oss.py)
 IMPORTABLE = ("fp8", "mxfp4")
 
 

@@ -1,4 +1,4 @@
-"""Qwen3.5 / Qwen3.6 hybrids, dense and MoE, in Hugging Face's layout (models/hf.py reads and writes them).
+"""Qwen3.5 / Qwen3.6 hybrids, dense and MoE, in Hugging Face's layout (models/hf/ reads and writes them).
 
 Two classes hold the same text model:
   Qwen3_5ForCausalLM               config.json is the text config (model_type qwen3_5_text);
