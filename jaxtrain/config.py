@@ -947,7 +947,7 @@ def _validate_eval(cfg: Config) -> None:
             f"eval.batches={e.batches}: expected a positive integer (0: no held-out loss, with eval.tasks)"
         )
     _validate_eval_tasks(cfg)
-    if not held_out_eval(cfg):
+    if e.batches == 0:  # tasks alone: no held-out batches to check
         return
     if e.batch_size is not None and (e.batch_size < 1 or e.batch_size % cfg.train.microbatches):
         raise ConfigError(
