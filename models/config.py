@@ -923,6 +923,11 @@ class ModelConfig:
         return int(self.resolved_head_dim * self.partial_rotary_factor)
 
     @property
+    def n_linear_layers(self) -> int:
+        """Layers whose token mixer is gated DeltaNet (`layer_types`' linear_attention ones)."""
+        return self.layer_kinds_by_type.count("linear_attention") if self.has_linear_attention else 0
+
+    @property
     def layer_kinds_by_type(self) -> tuple[str, ...]:
         """Each layer's `layer_types` kind (full_attention for all without them)."""
         types = self.layer_types or ("full_attention",)
@@ -953,8 +958,7 @@ class ModelConfig:
         head = 0 if self.tie_embeddings else self.vocab_size * d
         total = L * per_layer + d + head + (embed if include_embedding else 0)
         if self.has_linear_attention:  # those layers' token mixer in place of attention
-            n_linear = sum(kind == "linear_attention" for kind in self.layer_kinds_by_type)
-            total += n_linear * (self.linear_attention.param_count(self) - attn)
+            total += self.n_linear_layers * (self.linear_attention.param_count(self) - attn)
         total += self.adapter_param_count()
         if self.moe is not None:
             m, f = self.moe, self.moe.mlp_dim(self)

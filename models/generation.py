@@ -84,7 +84,7 @@ def cache_shapes(cfg, batch: int, cache_len: int) -> tuple[tuple[int, ...], tupl
     head's key and value; with `model.mla` one row of the latent and the shared RoPE key
     (kv_lora_rank + qk_rope_head_dim values) in k, nothing in v. The DeltaNet layers' state:
     `linear_state_shapes`."""
-    layers = _attention_layers(cfg)
+    layers = cfg.n_layers - cfg.n_linear_layers
     if cfg.mla is not None:
         row = (layers, batch, 1, cache_len)
         return (*row, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim), (*row, 0)
@@ -94,12 +94,8 @@ def cache_shapes(cfg, batch: int, cache_len: int) -> tuple[tuple[int, ...], tupl
 
 def linear_state_shapes(cfg, batch: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """The shapes of `KVCache.conv` and `.state` (None without gated DeltaNet layers)."""
-    n = cfg.layer_kinds_by_type.count("linear_attention")
+    n = cfg.n_linear_layers
     return state_shapes(cfg, n, batch) if n else None
-
-
-def _attention_layers(cfg) -> int:
-    return cfg.n_layers - cfg.layer_kinds_by_type.count("linear_attention")
 
 
 def cache_length(cfg, total_len: int) -> int:

@@ -211,6 +211,12 @@ QWEN3_NEXT_FUSED = {
 }
 
 
+def qwen3_next_fused(hf_name: str) -> str | None:
+    """The QWEN3_NEXT_FUSED key a full HF tensor name ends with (`...linear_attn.in_proj_ba.weight`
+    -> `in_proj_ba.weight`), or None."""
+    return next((t for t in QWEN3_NEXT_FUSED if hf_name.endswith("." + t)), None)
+
+
 def qwen3_next_rows(theirs: str, cfg: ModelConfig) -> int:
     """Rows of a Qwen3-Next fused tensor (QWEN3_NEXT_FUSED's keys)."""
     la = cfg.linear_attention

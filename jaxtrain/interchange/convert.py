@@ -166,23 +166,16 @@ def _carry(hf_dir: Path, out: epath.Path) -> None:
     """The HF directory's tensors that are not the model (models/hf/qwen3_5.py carried_names)
     into OUT/carried/, as stored, with its config.json; nothing when there are none."""
     from jaxtrain.models.hf import read_hf_config
-    from jaxtrain.models.safetensors_io import SafetensorsFile, write_file
+    from jaxtrain.models.safetensors_io import write_file
 
     config = read_hf_config(hf_dir)
     reader = _SafetensorsDir(hf_dir)
     names = hf_qwen3_5.carried_names((config.get("architectures") or [None])[0], reader.weight_map)
     if not names:
         return
-    files = {}
-
-    def tensors():
-        for name in names:
-            f = reader.weight_map[name]
-            files.setdefault(f, SafetensorsFile(hf_dir / f))
-            yield name, files[f].read(name)
-
     with tempfile.TemporaryDirectory(prefix="jaxtrain-carried-") as tmp:
-        write_file(Path(tmp) / "model.safetensors", tensors(), metadata={"format": "pt"})
+        tensors = ((name, reader.raw(name)) for name in names)
+        write_file(Path(tmp) / "model.safetensors", tensors, metadata={"format": "pt"})
         (out / CARRIED).mkdir(parents=True, exist_ok=True)
         _copy_file(epath.Path(tmp) / "model.safetensors", out / CARRIED / "model.safetensors")
     (out / CARRIED / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -194,8 +187,8 @@ def _carried_dir(src: CheckpointSource) -> epath.Path | None:
         where = src.path
     else:
         try:
-            base = src.reader.read_meta(src.step)["config"]["train"].get("init_from")
-        except Exception:  # noqa: BLE001 - no readable meta: nothing carried
+            base = _init_from(src)
+        except HFConversionError:  # no readable meta: nothing carried
             return None
         if not base:
             return None
@@ -324,14 +317,19 @@ def resolve_checkpoint(path: str | Path) -> CheckpointSource:
     raise HFConversionError(f"{path}: not a checkpoint; {EXPECTED_SOURCES}")
 
 
-def lora_base_of(src: CheckpointSource) -> str:
-    """The train.init_from a LoRA run's checkpoint was trained on (its base's weights)."""
+def _init_from(src: CheckpointSource) -> str | None:
+    """The train.init_from a training checkpoint's run started from (None: a random init)."""
     try:
-        base = src.reader.read_meta(src.step)["config"]["train"].get("init_from")
+        return src.reader.read_meta(src.step)["config"]["train"].get("init_from")
     except Exception as e:  # noqa: BLE001 - a missing/unreadable meta item surfaces as many types
         raise HFConversionError(
             f"checkpoint {src}: its saved config is unreadable ({type(e).__name__})"
         ) from e
+
+
+def lora_base_of(src: CheckpointSource) -> str:
+    """The train.init_from a LoRA run's checkpoint was trained on (its base's weights)."""
+    base = _init_from(src)
     if not base:
         raise HFConversionError(
             f"checkpoint {src}: a LoRA run without train.init_from (a random base); only adapters on "

@@ -42,7 +42,7 @@ __all__ = [
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
     n = cfg.active_param_count(include_embedding=cfg.tie_embeddings)
-    linear = cfg.layer_kinds_by_type.count("linear_attention")
+    linear = cfg.n_linear_layers
     layers = cfg.n_layers - linear
     if cfg.mtp is not None:  # each prediction module's block attends, its logits use the head again
         layers += cfg.mtp.depth

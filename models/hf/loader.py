@@ -94,6 +94,10 @@ class _SafetensorsDir:
                     f"(weight_block_size {list(self.fp8_block)} over {list(shape)})"
                 )
 
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor `name` as stored (no dequantization): what a converter carries unread."""
+        return self._files[self.weight_map[name]].read(name)
+
     def get(self, name: str) -> np.ndarray:
         if name not in self.weight_map:
             raise HFConversionError(f"{self.path}: tensor {name!r} is missing")

@@ -213,7 +213,7 @@ def _hf_shape(
     """The HF tensor's shape for our parameter of shape `expected`."""
     if ours[-1] in ("wq", "wq_gate") and cfg.attention_output_gate:  # both halves of one q_proj
         return (2 * cfg.n_heads * cfg.resolved_head_dim, cfg.d_model)
-    fused = ".".join(theirs.rsplit(".", 2)[-2:])
-    if fused in linear.QWEN3_NEXT_FUSED:  # Qwen3-Next: two of ours in one tensor
+    fused = linear.qwen3_next_fused(theirs)
+    if fused:  # Qwen3-Next: two of ours in one tensor
         return (linear.qwen3_next_rows(fused, cfg), cfg.d_model)
     return _to_hf(ours, np.broadcast_to(np.float32(0), expected), cfg).shape

@@ -33,8 +33,8 @@ def params_to_hf_tensors(
         for key in ours:
             node = node[key]
         w = np.asarray(node[index] if index else node, dtype=np.float32)
-        fused = ".".join(theirs.rsplit(".", 2)[-2:])
-        if fused in linear.QWEN3_NEXT_FUSED:
+        fused = linear.qwen3_next_fused(theirs)
+        if fused:
             parts = pending.setdefault(theirs, {})
             parts[ours[-1]] = w
             if len(parts) == 2:
