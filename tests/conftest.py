@@ -72,6 +72,31 @@ def child_env(*drop: str, devices: int | None = None) -> dict:
     return env
 
 
+def assert_adam_weights_close(got, want, *, atol, rtol=0.0, step_bound, outliers=5e-3, err_msg=""):
+    """`got` equals `want` (weights after a few Adam steps on two ways of summing the same
+    gradients) within atol + rtol*|want|, but for at most a fraction `outliers` of the elements,
+    which may differ by up to `step_bound` (the learning rates summed over the steps).
+
+    Adam divides each gradient element by its own RMS, so an element whose gradient is at
+    rounding level (a token seen once, a weight the loss barely reaches) moves by up to the
+    learning rate in either direction depending on the last bits of its sum: another CPU, or
+    another order of summation, puts a few such elements (at most an embedding row) further
+    than any fixed tolerance, yet never more than the steps could move them. A wrong gradient
+    moves far more elements, and the per-step losses and gradient norms the callers check
+    first catch it."""
+    import numpy as np
+
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    diff = np.abs(got - want)
+    over = diff > atol + rtol * np.abs(want)
+    allowed = max(1, int(outliers * diff.size))
+    assert int(over.sum()) <= allowed, (
+        f"{err_msg}: {int(over.sum())} of {diff.size} elements differ by more than atol {atol} "
+        f"(allowed {allowed}); largest {diff.max():.3g}"
+    )
+    assert diff.max() <= step_bound, f"{err_msg}: an element moved {diff.max():.3g} > {step_bound:.3g}"
+
+
 def tiny_config(tmp_path=None, *overrides: str):
     """configs/tiny.yaml with quiet logging, written under tmp_path."""
     base = ["logging.progress=false", "logging.tensorboard=false"]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxtrain.trainer import train
-from tests.conftest import REPO, tiny_config
+from tests.conftest import REPO, assert_adam_weights_close, tiny_config
 from tests.test_checkpoint_kill import records
 from tests.test_multiprocess import COMMON, RTOL, assert_ok, final_params, launch, wait_all
 
@@ -68,9 +68,11 @@ def test_grpo_on_two_processes_equals_one_process(tmp_path):
         np.testing.assert_allclose(*old_logprobs, rtol=RTOL, atol=1e-6)  # seen: 4.8e-7
 
     # Adam divides each gradient by its own RMS: an element whose gradient is near zero moves
-    # a rounding difference of the gradient up to the learning rate (3e-3 x warmup); atol 1e-5
-    # is under 2% of one step (seen: 2.4e-6 at most; 9 of 115,008 elements differ by > 1e-7)
+    # a rounding difference of the gradient up to the learning rate (3e-3 x warmup). Seen: 2.4e-6
+    # at most on one host (9 of 115,008 elements > 1e-7); on an AMD EPYC host one embedding row
+    # (74 of 20,480 elements, 5.8e-5) beyond 1e-5: assert_adam_weights_close allows 0.5%
     want, got = final_params(ref_dir, STEPS), final_params(two_dir, STEPS)
     assert want.keys() == got.keys()
+    lr = tiny_config(None, *COMMON, *GRPO).optimizer.lr
     for k in want:
-        np.testing.assert_allclose(got[k], want[k], rtol=RTOL, atol=1e-5, err_msg=k)
+        assert_adam_weights_close(got[k], want[k], rtol=RTOL, atol=1e-5, step_bound=lr * STEPS, err_msg=k)
