@@ -34,6 +34,12 @@ SLOW = 60.0
 FAST_LIMIT = 3.0
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOW_LIST = os.path.join(REPO, "tests", "slow_tests.txt")
+FILE_TIMES = os.path.join(REPO, "tests", "file_times.txt")
+FILE_TIMES_HEADER = """\
+# Worker seconds per test file in the last full `make test`: tests/conftest.py hands the longest
+# files to the xdist workers first, so that no long file starts last and runs alone at the end.
+# Written by `make test-report ARGS=--write-slow`; a file not listed goes last, in its place.
+"""
 SLOW_LIST_HEADER = f"""\
 # Tests over {FAST_LIMIT:.0f} s of a full `make test` (setup included): marked slow, so `make test-fast`
 # leaves them out; `make test` runs them. Written by `make test-report ARGS=--write-slow`.
@@ -98,6 +104,12 @@ def main(path: str, write_slow: bool = False) -> int:
         with open(SLOW_LIST, "w") as f:
             f.write(SLOW_LIST_HEADER + "".join(f"{n}\n" for n in sorted(over)))
         print(f"wrote {len(over)} tests to {os.path.relpath(SLOW_LIST)}")
+        per_file = collections.Counter()
+        for t, node, _ in cases:
+            per_file[node.split("::", 1)[0]] += t
+        with open(FILE_TIMES, "w") as f:
+            f.write(FILE_TIMES_HEADER + "".join(f"{t:.1f} {n}\n" for n, t in per_file.most_common()))
+        print(f"wrote {len(per_file)} files' times to {os.path.relpath(FILE_TIMES)}")
     else:
         missing = sorted(over - listed_slow())
         print(f"over {FAST_LIMIT:.0f} s but not in tests/slow_tests.txt: {len(missing)}")

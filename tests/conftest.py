@@ -143,10 +143,43 @@ def slow_node_ids(path: str = SLOW_LIST) -> set[str]:
         return {line.strip() for line in f if line.strip() and not line.startswith("#")}
 
 
+# Worker seconds per test file in the last full run (`make test-report ARGS=--write-slow`)
+FILE_TIMES = os.path.join(REPO, "tests", "file_times.txt")
+
+
+def file_seconds(path: str = FILE_TIMES) -> dict[str, float]:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        rows = [line.split() for line in f if line.strip() and not line.startswith("#")]
+    return {name: float(seconds) for seconds, name in rows}
+
+
+def longest_files_first(items: list) -> None:
+    """Reorder `items` in place, whole files together, the longest file (tests/file_times.txt)
+    first. xdist's --dist loadfile hands files to the workers in collection order, so a long
+    file collected late (a multi-process fixture of minutes) ran alone at the end while the
+    other worker idled. Longest-first keeps the two workers' ends together; files not listed
+    (new ones) keep their order after the listed ones. Deterministic, as xdist requires of
+    every worker's collection."""
+    seconds = file_seconds()
+    first_seen: dict[str, int] = {}
+    for item in items:
+        first_seen.setdefault(item.nodeid.split("::", 1)[0], len(first_seen))
+
+    def key(item):
+        name = item.nodeid.split("::", 1)[0]
+        return (-seconds.get(name, 0.0), first_seen[name])
+
+    items.sort(key=key)  # stable: the tests of a file keep their order
+
+
 def pytest_collection_modifyitems(config, items):
     """`notebook` on the notebooks' tests, `multiprocess` on the files that launch several
     processes (single tests elsewhere carry the marker themselves) and `slow` on the tests
-    tests/slow_tests.txt lists (measured, not guessed: the unit tier is what runs quickly)."""
+    tests/slow_tests.txt lists (measured, not guessed: the unit tier is what runs quickly);
+    then the files longest first (longest_files_first)."""
+    longest_files_first(items)
     slow = slow_node_ids()
     for item in items:
         name = item.path.name
