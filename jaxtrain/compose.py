@@ -684,7 +684,10 @@ TABLE: dict[str, dict[str, Tested | Refused]] = {
         "sinks": Tested(f"{_HYBRID_REF}[sinks]"),
         **_tests(_HYBRID_MESH, "data", "fsdp", "tensor"),
         "moe": Tested("tests/test_model_families.py::test_sharded_step_equals_one_device[qwen3.5-moe]"),
-        **{k: _linear_not(k) for k in ("mla", "mtp", "lora", "fp8")},
+        **{k: _linear_not(k) for k in ("mla", "mtp", "fp8")},
+        "lora": Tested(
+            "tests/test_lora.py::test_peft_adapter_on_the_hybrids_deltanet_and_gated_query_gives_peft_logits"
+        ),
         "attention_pattern": Refused(
             "model.layer_types with model.attention_pattern={model.attention_pattern}: not supported "
             "together yet; expected attention_pattern []"

@@ -207,30 +207,30 @@ def _named(out):
     return checkpoint_name(out, ATTENTION_RESIDUALS)
 
 
-def _batch_and_head_axes(q, rules, mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The mesh axes the active rules give the `batch` and `act_heads` dims of `q`."""
+def _batch_and_head_axes(q, rules, mesh, heads="act_heads") -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The mesh axes the active rules give the `batch` and `heads` (logical) dims of `q`."""
 
     def axes(logical, dim):
         spec = sharding.logical_to_spec((logical,), rules, mesh, shape=q.shape[dim : dim + 1])
         return sharding.axes_tuple(spec[0] if spec else None)
 
-    return axes("batch", 0), axes("act_heads", 2)
+    return axes("batch", 0), axes(heads, 2)
 
 
-def _shards(q):
+def kernel_shards(q, heads: str = "act_heads"):
     """(mesh or None, batch axes, head axes) for a kernel run per shard: batch and heads split
-    as the active rules split the `batch` / `act_heads` activations, so no collective is
-    needed around it."""
+    as the active rules split the `batch` / `heads` activations (the gated DeltaNet layers':
+    `act_kv_heads`), so no collective is needed around it."""
     mesh = jax.sharding.get_abstract_mesh()
     rules = sharding.current_rules()
     if mesh.empty or rules is None:
         return None, (), ()
-    return mesh, *_batch_and_head_axes(q, rules, mesh)
+    return mesh, *_batch_and_head_axes(q, rules, mesh, heads)
 
 
 def _cudnn_attention(q, k, v, *, segment_ids, causal, sliding_window, scale=None, gpu_kernel="triton"):
     """cuDNN per shard; the flash kernel (`gpu_kernel`) for rows packing several documents."""
-    mesh, batch_axes, head_axes = _shards(q)
+    mesh, batch_axes, head_axes = kernel_shards(q)
     flash = dict(
         mesh=None,
         batch_axes=(),
@@ -262,8 +262,8 @@ def _cudnn_attention(q, k, v, *, segment_ids, causal, sliding_window, scale=None
 def _pallas_attention(
     q, k, v, *, segment_ids, causal, sliding_window, scale=None, softcap=None, gpu_kernel="triton", sinks=None
 ):
-    """The flash kernel per shard (`_shards`)."""
-    mesh, batch_axes, head_axes = _shards(q)
+    """The flash kernel per shard (`kernel_shards`)."""
+    mesh, batch_axes, head_axes = kernel_shards(q)
     return sharded_flash_attention(
         q,
         k,

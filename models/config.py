@@ -67,6 +67,8 @@ LAYER_KINDS = ("local", "global")
 # `model.layer_types` (Hugging Face's name): each layer's token mixer, linear attention (gated
 # DeltaNet, models/linear_attention.py) or full attention (the model's attention)
 LAYER_TYPES = ("linear_attention", "full_attention")
+# `model.linear_attention.impl`: the gated delta rule in XLA or as the Pallas kernels
+LINEAR_ATTENTION_IMPLS = ("auto", "xla", "pallas")
 MOE_SCORINGS = ("softmax", "sigmoid")
 MOE_DISPATCHES = ("capacity", "dropless")
 MOE_EXCHANGES = ("auto", "padded", "ragged")
@@ -76,8 +78,12 @@ MOE_GROUPED_MATMULS = ("auto", "ragged_dot", "megablox", "triton", "mosaic")
 # [-swiglu_limit, swiglu_limit])
 EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
 # `model.lora.targets`: the matmul weights an adapter may sit on (models/lora.py); on an MoE
-# layer w_gate / w_up / w_down are its experts' (one adapter per expert)
-LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# layer w_gate / w_up / w_down are its experts' (one adapter per expert). With
+# model.attention_output_gate, wq's adapter spans HF's whole q_proj (query and gate rows), as
+# PEFT's one adapter on q_proj does. The gated DeltaNet layers' projections keep their Hugging
+# Face / PEFT module names (models/linear_attention.py)
+LINEAR_LORA_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", *LINEAR_LORA_TARGETS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -418,6 +424,11 @@ class LinearAttentionConfig:
     key_head_dim: int = 32  # linear_key_head_dim
     value_head_dim: int = 32  # linear_value_head_dim
     conv_kernel: int = 4  # linear_conv_kernel_dim: the causal depthwise conv over q | k | v
+    # the chunked delta rule's implementation, LINEAR_ATTENTION_IMPLS: xla (plain jnp,
+    # models/gated_deltanet.py) | pallas (the Pallas kernels, pallas_kernels/gated_delta.py, per
+    # shard; interpreted on CPU) | auto (planning/resolve.py: xla everywhere for now, the
+    # kernel not yet run or timed on a device). Decode's token-by-token rule is always jnp.
+    impl: str = "auto"
 
     def validate(self) -> None:
         for key in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
@@ -425,6 +436,10 @@ class LinearAttentionConfig:
                 raise ValueError(
                     f"model.linear_attention.{key}={getattr(self, key)}: expected a positive integer"
                 )
+        if self.impl not in LINEAR_ATTENTION_IMPLS:
+            raise ValueError(
+                f"model.linear_attention.impl={self.impl!r}: expected one of {LINEAR_ATTENTION_IMPLS}"
+            )
         if self.num_value_heads % self.num_key_heads:
             raise ValueError(
                 f"model.linear_attention.num_value_heads={self.num_value_heads}: expected a multiple of "
@@ -720,6 +735,13 @@ class ModelConfig:
                 )
         if self.lora is not None:
             self.lora.validate()
+            linear = [t for t in self.lora.targets if t in LINEAR_LORA_TARGETS]
+            if linear and not self.has_linear_attention:
+                raise ValueError(
+                    f"model.lora.targets {linear}: gated DeltaNet projections, but model.layer_types has "
+                    "no linear_attention layer; expected targets from "
+                    f"{[t for t in LORA_TARGETS if t not in LINEAR_LORA_TARGETS]}"
+                )
             experts = [t for t in self.lora.targets if t in ("w_gate", "w_up", "w_down")]
             if self.moe is not None and experts and self.lora.dropout:
                 raise ValueError(
@@ -787,7 +809,6 @@ class ModelConfig:
         refused = {
             "mla": self.mla is not None,
             "fp8": self.fp8,
-            "lora": self.lora is not None,
             "mtp": self.mtp is not None,
         }
         for key, on in refused.items():
@@ -992,12 +1013,28 @@ class ModelConfig:
             return 0
         d, hd, r, t = self.d_model, self.resolved_head_dim, self.lora.rank, self.lora.targets
         qo, kv = self.n_heads * hd, self.n_kv_heads * hd
-        attn = sum(r * (d + n) for name, n in (("wq", qo), ("wk", kv), ("wv", kv), ("wo", qo)) if name in t)
+        q_out = 2 * qo if self.attention_output_gate else qo  # the gate's rows too (LORA_TARGETS)
+        attn = sum(
+            r * (d + n) for name, n in (("wq", q_out), ("wk", kv), ("wv", kv), ("wo", qo)) if name in t
+        )
+        linear = 0
+        if self.has_linear_attention:
+            la = self.linear_attention
+            hk, hv, dv = la.num_key_heads, la.num_value_heads, la.value_head_dim
+            sizes = {
+                "in_proj_qkv": hk * la.group_width,
+                "in_proj_z": hv * dv,
+                "in_proj_b": hv,
+                "in_proj_a": hv,
+            }
+            linear = sum(r * (d + n) for name, n in {**sizes, "out_proj": hv * dv}.items() if name in t)
         mlp_targets = sum(name in t for name in ("w_gate", "w_up", "w_down"))
         n_moe = 0 if self.moe is None else self.moe.num_moe_layers(self)
         dense = self.n_layers - n_moe
         per_expert = 0 if self.moe is None else self.moe.num_experts * r * (d + self.moe.mlp_dim(self))
-        return self.n_layers * attn + mlp_targets * (dense * r * (d + self.mlp_dim) + n_moe * per_expert)
+        n_linear = self.n_linear_layers
+        mixers = (self.n_layers - n_linear) * attn + n_linear * linear
+        return mixers + mlp_targets * (dense * r * (d + self.mlp_dim) + n_moe * per_expert)
 
     def active_param_count(self, *, include_embedding: bool = True) -> int:
         """Parameters one token uses (MoE: top_k routed + shared experts; dense: all)."""

@@ -216,7 +216,10 @@ class Attention(nnx.Module):
             (cfg.n_heads, hd, d), ("heads", "head_dim", "embed"), cfg.init_std / (2 * cfg.n_layers) ** 0.5
         )
         q, kv = [(cfg.n_heads, "heads"), (hd, "head_dim")], [(cfg.n_kv_heads, "kv_heads"), (hd, "head_dim")]
-        lora.adapter(self, "wq", cfg, rngs, inputs=[(d, "embed")], outputs=q)
+        # with the output gate, wq's adapter is PEFT's on the whole HF q_proj: per head the
+        # query's hd rows, then the gate's (models/lora.py)
+        q_rows = [(cfg.n_heads, "heads"), (2 * hd if cfg.attention_output_gate else hd, "head_dim")]
+        lora.adapter(self, "wq", cfg, rngs, inputs=[(d, "embed")], outputs=q_rows)
         lora.adapter(self, "wk", cfg, rngs, inputs=[(d, "embed")], outputs=kv)
         lora.adapter(self, "wv", cfg, rngs, inputs=[(d, "embed")], outputs=kv)
         lora.adapter(self, "wo", cfg, rngs, inputs=q, outputs=[(d, "embed")])
@@ -240,7 +243,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, segment_ids, fp8=None):
         cfg = self.cfg
-        q, k, v = self.project(x, positions, fp8)
+        q_update = lora.update(self, "wq", x)  # once: one dropout mask for the query and the gate
+        q, k, v = self.project(x, positions, fp8, q_update=q_update)
         if logit_stats.enabled():  # QK-clip (optimizer.qk_clip): each head's largest logit
             scale = cfg.attention_scale if cfg.attention_scale is not None else cfg.resolved_head_dim**-0.5
             stats = logit_stats.max_logits(q, k, scale=scale, segment_ids=segment_ids, window=self.window)
@@ -262,29 +266,26 @@ class Attention(nnx.Module):
             softcap=cfg.attention_softcap,
             **sinks,
         )
-        return self.output(out, fp8, gate=self.output_gate(x))
+        return self.output(out, fp8, gate=self.output_gate(x, q_update=q_update))
 
     @property
     def window(self) -> int | None:
         """The keys a query sees at most (None: all earlier ones)."""
         return None if self.kind == "global" else self.cfg.sliding_window
 
-    def project(self, x, positions, fp8=None):
+    def project(self, x, positions, fp8=None, q_update=None):
         """x [b, s, d] -> q [b, s, heads, hd], k and v [b, s, kv_heads, hd], RoPE applied
         (shared with the KV-cache decode in models/generation.py). `fp8`: this layer's
-        fp8 state (models/fp8.py); None: matmuls in the compute dtype."""
+        fp8 state (models/fp8.py); None: matmuls in the compute dtype. `q_update`: wq's
+        adapter output (`lora.update`) when the caller shares it with `output_gate`; None:
+        computed here."""
         cfg = self.cfg
-        proj = lambda w, axes, name: lora.add(
-            self,
-            name,
-            x,
-            weight_matmul(
-                "bsd,dhk->bshk", x, matmul_weight(w[...], axes, cfg), cfg, None if fp8 is None else fp8[name]
-            ),
+        proj = lambda w, axes, name: weight_matmul(
+            "bsd,dhk->bshk", x, matmul_weight(w[...], axes, cfg), cfg, None if fp8 is None else fp8[name]
         )
-        q = proj(self.wq, ("embed", "heads", "head_dim"), "wq")
-        k = proj(self.wk, ("embed", "kv_heads", "head_dim"), "wk")
-        v = proj(self.wv, ("embed", "kv_heads", "head_dim"), "wv")
+        q = _plus(proj(self.wq, ("embed", "heads", "head_dim"), "wq"), self._query_share(x, q_update, part=0))
+        k = lora.add(self, "wk", x, proj(self.wk, ("embed", "kv_heads", "head_dim"), "wk"))
+        v = lora.add(self, "wv", x, proj(self.wv, ("embed", "kv_heads", "head_dim"), "wv"))
         if cfg.qkv_bias:
             dtype = jnp.dtype(cfg.compute_dtype)
             q, k, v = (t + b[...].astype(dtype) for t, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
@@ -303,14 +304,23 @@ class Attention(nnx.Module):
         # Activation checkpoint names (model.remat policies); no effect outside jax.checkpoint.
         return tuple(checkpoint_name(t, "qkv_proj") for t in (q, k, v))
 
-    def output_gate(self, x, fp8=None):
+    def output_gate(self, x, fp8=None, q_update=None):
         """`model.attention_output_gate`: the gate logits [b, s, heads, hd] of x [b, s, d]
-        (None without the gate)."""
+        (None without the gate); `q_update` as `project`'s."""
         if not self.cfg.attention_output_gate:
             return None
         w = matmul_weight(self.wq_gate[...], ("embed", "heads", "head_dim"), self.cfg)
         gate = weight_matmul("bsd,dhk->bshk", x, w, self.cfg, None)
+        gate = _plus(gate, self._query_share(x, q_update, part=1))
         return checkpoint_name(constrain(gate, ("batch", "seq", "act_heads", None)), "qkv_proj")
+
+    def _query_share(self, x, q_update, part: int):
+        """The share of wq's adapter output for the query (`part` 0) or the gate (1); without
+        the output gate the query takes it all. None: no adapter (or adapters off)."""
+        u = lora.update(self, "wq", x) if q_update is None else q_update
+        if u is None or not self.cfg.attention_output_gate:
+            return u if part == 0 else None
+        return lora.halves(u, part)
 
     def output(self, out, fp8=None, gate=None):
         """Attention output [b, s, heads, hd] -> [b, s, d]; `gate` (`output_gate`): the output
@@ -324,6 +334,11 @@ class Attention(nnx.Module):
         if self.cfg.attention_out_bias:
             y = y + self.bo[...].astype(y.dtype)
         return checkpoint_name(y, "out_proj")
+
+
+def _plus(y: jax.Array, u: jax.Array | None) -> jax.Array:
+    """y + an adapter's update in y's dtype (None: y)."""
+    return y if u is None else y + u.astype(y.dtype)
 
 
 class MLP(nnx.Module):

@@ -20,15 +20,23 @@ Hugging Face's Qwen3.5 layout (`in_proj_qkv` rows: every q head, every k head, e
 is these rows regrouped (`from_qwen3_5`); Qwen3-Next's through
 `gated_deltanet.qwen3_next_projections_as_qwen3_5` first.
 
+LoRA (models/lora.py): `model.lora.targets` names the five projections by these (HF / PEFT)
+names; each adapter keeps its weight's layout (in_proj_qkv's b [r, hk, width] is PEFT's
+lora_B rows regrouped per key head, as the weight's are: jaxtrain/interchange/peft.py).
+
 The forward is transformers': projections, the causal conv with SiLU, L2-normalised q and k,
 g = -exp(A_log) softplus(a + dt_bias), the delta rule in float32 by 64-token chunks
-(`chunked_gated_delta_rule`), the gated RMSNorm with epsilon `model.norm_eps`, out_proj. Packed
-documents (`segment_ids`) reset the rule's state and the conv window at each boundary, so a
-packed row equals its documents run alone. Activation checkpoints: the projections are
-`qkv_proj`, the rule's output `context`, the output `out_proj` (model.remat).
+(`chunked_gated_delta_rule`; with `model.linear_attention.impl` pallas the Pallas kernels of
+pallas_kernels/gated_delta.py, per shard of batch and key-head groups), the gated RMSNorm with
+epsilon `model.norm_eps`, out_proj. Packed documents (`segment_ids`) reset the rule's state
+and the conv window at each boundary, so a packed row equals its documents run alone.
+Activation checkpoints: the projections are `qkv_proj`, the rule's output `context`, the
+output `out_proj` (model.remat).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +45,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.models import gated_deltanet as gdn
+from jaxtrain.models import lora
+from jaxtrain.models.attention import kernel_shards
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.layers import matmul_weight, param, weight_matmul
+from jaxtrain.pallas_kernels.gated_delta import sharded_gated_delta_rule
 from jaxtrain.pallas_kernels.remat_names import ATTENTION_RESIDUALS
 from jaxtrain.sharding import constrain
 
@@ -81,6 +92,15 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = p(
             (hk, r * dv, d), ("kv_heads", "head_dim", "embed"), cfg.init_std / (2 * cfg.n_layers) ** 0.5
         )
+        embed, heads = [(d, "embed")], (hk, "kv_heads")
+        for name, out in {
+            "in_proj_qkv": [heads, (width, "head_dim")],
+            "in_proj_z": [heads, (r * dv, "head_dim")],
+            "in_proj_b": [heads, (r, None)],
+            "in_proj_a": [heads, (r, None)],
+        }.items():
+            lora.adapter(self, name, cfg, rngs, inputs=embed, outputs=out)
+        lora.adapter(self, "out_proj", cfg, rngs, inputs=[heads, (r * dv, "head_dim")], outputs=embed)
         self.cfg = cfg
 
     def __call__(self, x, positions, segment_ids, fp8=None):
@@ -128,14 +148,15 @@ class GatedDeltaNet(nnx.Module):
         b, s, _ = x.shape
         hv, dv = la.num_value_heads, la.value_head_dim
 
-        def project(w, axes):
-            y = weight_matmul("bsd,dhc->bshc", x, matmul_weight(w[...], axes, cfg), cfg, None)
-            return checkpoint_name(constrain(y, _ACT_AXES), "qkv_proj")
+        def project(name, axes):
+            w = getattr(self, name)[...]
+            y = weight_matmul("bsd,dhc->bshc", x, matmul_weight(w, axes, cfg), cfg, None)
+            return checkpoint_name(constrain(lora.add(self, name, x, y), _ACT_AXES), "qkv_proj")
 
-        qkv = project(self.in_proj_qkv, _GROUP_AXES)
-        z = project(self.in_proj_z, _GROUP_AXES).reshape(b, s, hv, dv)
-        beta_in = project(self.in_proj_b, _GATE_AXES).reshape(b, s, hv)
-        a = project(self.in_proj_a, _GATE_AXES).reshape(b, s, hv)
+        qkv = project("in_proj_qkv", _GROUP_AXES)
+        z = project("in_proj_z", _GROUP_AXES).reshape(b, s, hv, dv)
+        beta_in = project("in_proj_b", _GATE_AXES).reshape(b, s, hv)
+        a = project("in_proj_a", _GATE_AXES).reshape(b, s, hv)
         return qkv, z, beta_in, a
 
     def _mix(
@@ -171,13 +192,22 @@ class GatedDeltaNet(nnx.Module):
         g, beta = gdn.decay_and_beta(a, beta_in, self.A_log[...].reshape(hv), self.dt_bias[...].reshape(hv))
         if valid is not None:
             g, beta = jnp.where(valid[..., None], g, 0), jnp.where(valid[..., None], beta, 0)
-        rule = gdn.recurrent_gated_delta_rule if recurrent else gdn.chunked_gated_delta_rule
+        if recurrent:
+            rule = gdn.recurrent_gated_delta_rule
+        elif la.impl == "pallas":  # the Pallas kernels per shard, heads split as _ACT_AXES's
+            mesh, batch_axes, head_axes = kernel_shards(q, heads=_ACT_AXES[2])
+            rule = functools.partial(
+                sharded_gated_delta_rule, mesh=mesh, batch_axes=batch_axes, head_axes=head_axes
+            )
+        else:  # xla, and auto (resolved by planning/resolve.py; a model built directly runs xla)
+            rule = gdn.chunked_gated_delta_rule
         core, state = rule(q, k, v, g, beta, initial_state=state, segment_ids=segment_ids)
         core = checkpoint_name(core, ATTENTION_RESIDUALS)
         out = gdn.gated_rms_norm(core, z, self.norm[...].astype(core.dtype), eps=cfg.norm_eps)
         out = constrain(out.reshape(b, s, hk, r * dv), _ACT_AXES)
         wo = matmul_weight(self.out_proj[...], ("kv_heads", "head_dim", "embed"), cfg)
-        out = checkpoint_name(weight_matmul("bshc,hcd->bsd", out, wo, cfg, None), "out_proj")
+        y = lora.add(self, "out_proj", out, weight_matmul("bshc,hcd->bsd", out, wo, cfg, None))
+        out = checkpoint_name(y, "out_proj")
         return out, conv_state, state
 
 

@@ -10,6 +10,16 @@ wq, ...), and so do their adapters: A covers the weight's input dims, B its outp
                        b [r, D]        ("lora_rank", "embed")
     w_gate [D, F]  ->  a [D, r], b [r, F]     (MoE experts: a leading expert dim on both)
 
+Two adapters are not shaped like their one weight, because PEFT adapts Hugging Face's module,
+which jaxtrain stores differently:
+- with `model.attention_output_gate`, HF's q_proj holds per head the query rows, then the
+  gate's, which jaxtrain keeps as wq and wq_gate. PEFT puts ONE adapter on q_proj (its x A
+  feeds both halves), so wq's adapter spans both: b [r, H, 2 hd], the query's update the first
+  hd of each head, the gate's the last (`halves`; `merged` folds each into its weight);
+- gated DeltaNet's in_proj_qkv keeps its HF rows regrouped per key head
+  (models/linear_attention.py); its adapter's b is regrouped the same way, which only the PEFT
+  interchange sees (jaxtrain/interchange/peft.py), as a and b here keep the weight's layout.
+
 so the sharding rules place A like the weight's input dim and B like its output dim, and
 `lora_rank` (no rule) stays whole. A starts kaiming-uniform over fan_in = the input size, as
 torch's Linear and PEFT initialise lora_A; B starts at zero, so a fresh adapter is the base.
@@ -130,10 +140,27 @@ def adapter(module, name: str, cfg: ModelConfig, rngs: nnx.Rngs, *, inputs, outp
 def add(module, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
     """y (= x @ W for `module`'s weight `name`) plus its adapter's update, if it has one and
     adapters are on."""
+    u = update(module, name, x)
+    return y if u is None else y + u.astype(y.dtype)
+
+
+def update(module, name: str, x: jax.Array) -> jax.Array | None:
+    """The adapter's (alpha / r) B (A dropout(x)) of `module`'s weight `name`, or None (no
+    adapter, or adapters off). One call draws one dropout mask: a caller that adds one update
+    to two weights (`halves`) calls it once, as PEFT does."""
     ad = getattr(module, name + SUFFIX, None)
     if ad is None or not enabled():
-        return y
-    return y + ad(x).astype(y.dtype)
+        return None
+    return ad(x)
+
+
+def halves(u: jax.Array | None, part: int) -> jax.Array | None:
+    """The first (`part` 0) or second (1) half of the last dim of an update (or None): the
+    query's or the gate's share of the gated q_proj's adapter (module docstring)."""
+    if u is None:
+        return None
+    n = u.shape[-1] // 2
+    return u[..., :n] if part == 0 else u[..., n:]
 
 
 def effective_weight(module, name: str, w: jax.Array) -> jax.Array:
@@ -191,17 +218,29 @@ def merged(params: dict, cfg: ModelConfig) -> dict:
     scale = cfg.lora.scale
 
     def fold(tree: dict) -> dict:
+        gated = "wq_gate" in tree and "wq" + SUFFIX in tree  # one adapter over both (module docstring)
         out = {}
         for k, v in tree.items():
             if k.endswith(SUFFIX):
                 continue
             if isinstance(v, dict):
                 out[k] = fold(v)
-            elif k + SUFFIX in tree:
+            elif k + SUFFIX in tree and not (gated and k == "wq"):
                 ad = tree[k + SUFFIX]
                 out[k] = (v + delta(ad["a"], ad["b"], v.shape) * scale).astype(v.dtype)
             else:
                 out[k] = v
+        if gated:
+            out["wq"], out["wq_gate"] = _fold_gated_query(tree, scale)
         return out
 
     return fold(params)
+
+
+def _fold_gated_query(tree: dict, scale: float) -> tuple:
+    """(wq, wq_gate) + (alpha / r) A B when wq's adapter spans the gated q_proj: its b
+    [..., r, H, 2 hd] gives the query the first hd of each head, the gate the last."""
+    wq, gate, ad = tree["wq"], tree["wq_gate"], tree["wq" + SUFFIX]
+    both = delta(ad["a"], ad["b"], (*wq.shape[:-1], 2 * wq.shape[-1])) * scale
+    hd = wq.shape[-1]
+    return (wq + both[..., :hd]).astype(wq.dtype), (gate + both[..., hd:]).astype(gate.dtype)

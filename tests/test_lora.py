@@ -3,6 +3,8 @@
 The oracle is tests/assets/lora/ (tests/assets/make_lora_assets.py, torch 2.13 + peft 0.21):
 a PEFT adapter with non-zero B on the tiny HF Llama, four fixed batches with loss masks,
 and torch AdamW over peft's trainable parameters (clip 0.3, which binds at every step).
+tests/assets/lora_qwen3_5/ (the same script's `qwen3_5`): peft's adapter on every projection of
+the tiny Qwen3.5 hybrid (gated DeltaNet and gated attention) and peft's logits with it.
 """
 
 import functools
@@ -482,3 +484,72 @@ def test_adapters_beside_every_layer_feature_equal_the_weights_merged_by_hand():
     (loss, logits), (want_loss, want_logits) = results
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+
+
+HYBRID = ASSETS / "lora_qwen3_5"  # tests/assets/make_lora_assets.py qwen3_5
+HYBRID_BASE = ASSETS / "hf" / "qwen3_5_hybrid"
+HYBRID_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", *models.config.LINEAR_LORA_TARGETS)
+
+
+def _hybrid_run(tmp_path):
+    """The Qwen3.5 hybrid as a user trains it: `hf-to-ckpt` of the HF base as train.init_from,
+    peft's adapter as model.lora.init_from, on tensor=2 (the DeltaNet key-head groups and the
+    attention heads split): (cfg, program, the initial state's whole parameter tree, host)."""
+    model_cfg = hf_to_ckpt(HYBRID_BASE, tmp_path / "base")
+    lo = models.config.LoRAConfig(rank=4, alpha=8, targets=HYBRID_TARGETS, init_from=str(HYBRID / "adapter"))
+    cfg = tiny_config(
+        tmp_path / "run", f"train.init_from={tmp_path / 'base'}", "mesh.tensor=2", "train.seq_len=72"
+    )
+    cfg = replace(cfg, model={**model_cfg.__dict__, "lora": lo, "remat": "none"})
+    cfg, mesh, rules = on_mesh(cfg)
+    with jax.set_mesh(mesh), sharding.axis_rules(rules):
+        program = build_program(cfg, mesh, rules)
+        state = initial_state(cfg, program, abstract_state(program), lambda _: None)
+    return cfg, program, lora.join(*jax.device_get((state.frozen, state.params)))
+
+
+@pytest.mark.composes("linear_attention+lora")
+def test_peft_adapter_on_the_hybrids_deltanet_and_gated_query_gives_peft_logits(tmp_path):
+    """peft's adapter (r=4, alpha=8, lora_B random) on every projection of the tiny Qwen3.5
+    hybrid: the gated DeltaNet layers' in_proj_qkv (its lora_B rows regrouped per key head as
+    the weight's), in_proj_z, in_proj_b, in_proj_a, out_proj, and the full-attention layer's
+    q_proj, whose one adapter spans the query and gate halves. Read as a run reads it, the
+    logits are peft's; merged into the base, too; it exports to the bytes peft saved."""
+    from safetensors.numpy import load_file
+
+    cfg, program, whole = _hybrid_run(tmp_path)
+    expected = np.load(HYBRID / "expected.npz")
+    tokens, want = expected["tokens"], expected["logits"]
+    model = models.merge(program.graphdef, program.abstract_params, whole)
+    np.testing.assert_allclose(np.asarray(model(tokens)), want, rtol=0, atol=1e-5)  # 3.6e-6 seen
+    blocks = lora.split(whole)[1]["blocks"]  # layers 0-2 DeltaNet, 3 full attention
+    assert blocks["layer_3"]["attn"]["wq_lora"]["b"].shape[-2:] == (4, 2 * 32)  # heads, query | gate
+    assert blocks["layer_0"]["attn"]["in_proj_qkv_lora"]["b"].shape[-2:] == (2, 2 * 16 + 2 * 8)  # groups
+    assert sum(x.size for x in jax.tree.leaves(lora.split(whole)[1])) == cfg.model.adapter_param_count()
+    with lora.adapters_disabled():  # the adapter matters well beyond the tolerance
+        assert np.abs(np.asarray(model(tokens)) - want).max() > 1e-2
+
+    plain = models.ModelConfig(**{**cfg.model.__dict__, "lora": None})
+    g, abstract = models.abstract_model(lambda: models.Transformer(plain, rngs=nnx.Rngs(0)))
+    merged = models.merge(g, abstract, lora.merged(whole, cfg.model))
+    np.testing.assert_allclose(np.asarray(merged(tokens)), want, rtol=0, atol=2e-5)
+
+    out = write_adapter(lora.split(whole)[1], cfg.model, tmp_path / "adapter", base=HYBRID_BASE.name)
+    theirs, ours = (
+        load_file(HYBRID / "adapter" / "adapter_model.safetensors"),
+        load_file(out / "adapter_model.safetensors"),
+    )
+    assert sorted(ours) == sorted(theirs)
+    for k in theirs:
+        assert np.array_equal(ours[k], theirs[k]), k  # read and written back: exact
+    assert json.loads((out / "adapter_config.json").read_text()) == json.loads(
+        (HYBRID / "adapter" / "adapter_config.json").read_text()
+    )
+
+
+def test_deltanet_targets_without_deltanet_layers_are_refused():
+    """in_proj_qkv etc. name the gated DeltaNet layers' projections: on a model without such
+    layers they would adapt nothing, so the config says so."""
+    lo = models.config.LoRAConfig(targets=("wq", "in_proj_qkv"))
+    with pytest.raises(ValueError, match=r"model.lora.targets \['in_proj_qkv'\].*no linear_attention layer"):
+        models.ModelConfig(lora=lo).validate()

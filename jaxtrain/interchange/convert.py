@@ -72,6 +72,8 @@ RUNTIME_FIELDS = (
 )
 # Inside model.moe: how the layer runs on a backend (planning/resolve.py), not what it holds.
 MOE_RUNTIME_FIELDS = ("exchange", "grouped_matmul", "dispatch_per_shard")
+# Inside model.linear_attention: which implementation runs the delta rule.
+LINEAR_ATTENTION_RUNTIME_FIELDS = ("impl",)
 
 
 def _path(path: str | os.PathLike) -> epath.Path:
@@ -109,6 +111,10 @@ def architecture_of(cfg: ModelConfig) -> dict:
     d = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUNTIME_FIELDS}
     if d.get("moe") is not None:
         d["moe"] = {k: v for k, v in d["moe"].items() if k not in MOE_RUNTIME_FIELDS}
+    if d.get("linear_attention") is not None:
+        d["linear_attention"] = {
+            k: v for k, v in d["linear_attention"].items() if k not in LINEAR_ATTENTION_RUNTIME_FIELDS
+        }
     return d
 
 

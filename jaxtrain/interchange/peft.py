@@ -10,6 +10,14 @@ transposed with `in` unflattened, b [r, *out] is lora_B transposed. HF's q/k pro
 already use the rotate-half RoPE layout our wq/wk have (models/hf/), so an adapter on them
 needs no permutation either. Expert adapters of MoE layers have no PEFT form here (transformers
 5 fuses the experts into one parameter), and are refused.
+
+Two of HF's modules are stored differently here, and their lora_B rows follow the weight's:
+- the gated q_proj (model.attention_output_gate; per head: query rows, then gate rows) is our
+  wq and wq_gate; PEFT's one adapter on it is wq's, whose b [r, H, 2 hd] is lora_B's rows in
+  HF's order already (models/lora.py), so it needs no permutation;
+- gated DeltaNet's in_proj_qkv (rows: every q head, every k head, every v head) is regrouped
+  per key head (models/linear_attention.py); lora_B's rows are regrouped the same way
+  (`_b_to_ours` / `_b_to_hf`). lora_A is the input side and needs nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxtrain.models import lora
+from jaxtrain.models import linear_attention, lora
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.hf import HFConversionError, _hf_names
 
@@ -117,6 +125,26 @@ def _node(tree: dict, path) -> dict:
     return tree
 
 
+def _regrouped(path) -> bool:
+    """Whether the adapter at `path` is gated DeltaNet's in_proj_qkv's, whose lora_B rows are
+    regrouped per key head here (module docstring)."""
+    return path[-1] == "in_proj_qkv" + lora.SUFFIX
+
+
+def _b_to_hf(path, b: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """One adapter's b [r, *out] -> PEFT's lora_B [out, r] (HF's row order)."""
+    if _regrouped(path):  # b is laid out as the weight [D, hk, width] with r for D
+        return linear_attention.qwen3_5_tensor_to_hf("in_proj_qkv", b, cfg)
+    return b.reshape(b.shape[0], -1).T
+
+
+def _b_to_ours(path, lora_b: np.ndarray, shape: tuple[int, ...], cfg: ModelConfig) -> np.ndarray:
+    """`_b_to_hf`'s inverse: lora_B [out, r] -> b of `shape` [r, *out]."""
+    if _regrouped(path):
+        return linear_attention.qwen3_5_tensor_to_ours("in_proj_qkv", lora_b, cfg)
+    return lora_b.T.reshape(shape)
+
+
 def adapter_tensors(adapters: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Our adapter tree (numpy or jax) -> PEFT's {key: float32 [r, in] / [out, r]}."""
     r, out = cfg.lora.rank, {}
@@ -124,7 +152,7 @@ def adapter_tensors(adapters: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
         node = _node(adapters, path)
         a, b = (np.asarray(node[k][index], np.float32) for k in ("a", "b"))
         out[key_a] = np.ascontiguousarray(a.reshape(-1, r).T)
-        out[key_b] = np.ascontiguousarray(b.reshape(r, -1).T)
+        out[key_b] = np.ascontiguousarray(_b_to_hf(path, b, cfg))
     return out
 
 
@@ -195,7 +223,7 @@ def read_adapter(path: str | Path, cfg: ModelConfig, target: dict | None = None)
                 shape = node[name].shape[len(index) :]
                 if w.size != int(np.prod(shape)) or w.shape[-1 if name == "a" else 0] != lo.rank:
                     raise PeftError(f"{label}: tensor {key!r} has shape {w.T.shape}; the model needs {shape}")
-                node[name][index] = w.reshape(shape)
+                node[name][index] = w.reshape(shape) if name == "a" else _b_to_ours(path_, w.T, shape, cfg)
         extra = sorted(keys - wanted)
         if extra:
             raise PeftError(f"{label}: tensors the model has no adapter for, e.g. {extra[0]!r}")

@@ -9,6 +9,8 @@ memory), in this order, each step seeing the ones before it:
 | model.attention_impl      | platform, chip, | GPU fastest measured (attention_speeds), TPU pallas, CPU xla |
 |                           | model.mla       | xla for MLA whose value head dim differs from its qk one   |
 | model.gpu_flash_kernel    | platform, chip  | GPU: mosaic (Hopper) where it takes the case, else triton  |
+| model.linear_attention.impl | (none yet)    | xla everywhere: the Pallas kernel is not yet run or timed  |
+|                           |                 | on a TPU or GPU (opt in with pallas)                       |
 | model.cpu_tuning          | platform        | true on CPU: models/cpu_tuning.py's program changes        |
 | model.scan_layers         | platform, mesh  | unrolled on one GPU (up to UNROLL_MAX_LAYERS), else scanned |
 | model.moe.exchange        | platform        | padded on CPU (no ragged_all_to_all there), ragged else    |
@@ -236,6 +238,19 @@ def _attention_impl(cfg: Config, p: Placement) -> tuple[str, str]:
     return "xla", "on CPU the Pallas kernels only run interpreted"
 
 
+def _linear_attention_impl(cfg: Config, p: Placement) -> tuple[str, str | None]:
+    # xla on every platform for now: the Pallas gated-delta kernels (pallas_kernels/
+    # gated_delta.py) equal both jnp references in the interpreter and compile deviceless for
+    # TPU v5p and H100, but have never run on a TPU or GPU and have no timing to choose them by.
+    # A run opts in with model.linear_attention.impl=pallas; revisit once they are measured.
+    if not cfg.model.has_linear_attention:
+        return "xla", None  # no gated DeltaNet layer: nothing runs it
+    return "xla", (
+        "the gated delta rule in XLA; the Pallas kernel is not yet run or timed on a TPU or GPU "
+        "(opt in with model.linear_attention.impl=pallas)"
+    )
+
+
 def _attention_head_dims(m) -> tuple[int, int | None]:
     """(the query/key head dim, the value head dim where it differs: latent attention's)."""
     if m.mla is None:
@@ -428,6 +443,7 @@ def _remat(cfg: Config, p: Placement) -> tuple[str, str]:
 _SETTINGS = (
     ("model.attention_impl", _attention_impl),
     ("model.gpu_flash_kernel", _gpu_flash_kernel),
+    ("model.linear_attention.impl", _linear_attention_impl),
     ("model.cpu_tuning", _cpu_tuning),
     ("model.scan_layers", _scan_layers),
     ("model.moe.exchange", _moe_exchange),

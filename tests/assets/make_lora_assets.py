@@ -14,10 +14,20 @@ attention) it writes:
   expected.json   per-step losses (the mean token cross-entropy over loss_mask, before each
                   step's update), the optimizer settings, the base's logits' fingerprint
 The test (tests/test_lora.py) trains the same in jaxtrain on data=2 x fsdp=2 and compares.
+
+    /tmp/hf311/bin/python tests/assets/make_lora_assets.py qwen3_5
+writes tests/assets/lora_qwen3_5/ instead (`llama` the above; no argument: both): from the tiny
+HF Qwen3.5 hybrid tests/assets/hf/qwen3_5_hybrid (gated DeltaNet layers, a full-attention
+layer whose q_proj holds query and gate rows), a PEFT adapter (r=4, alpha=8) on every
+projection, the DeltaNet ones included (HYBRID_TARGETS), lora_B drawn at random, and
+  adapter/         the adapter as peft saves it
+  expected.npz     tokens [2, 72] (over a 64-token chunk of the delta rule) and peft's logits
+  expected.json    the versions that made it
 """
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +41,9 @@ OUT = HERE / "lora"
 STEPS, ROWS, SEQ = 4, 8, 16
 OPT = dict(lr=1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=0.3)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+HYBRID_BASE = HERE / "hf" / "qwen3_5_hybrid"
+HYBRID_OUT = HERE / "lora_qwen3_5"
+HYBRID_TARGETS = [*TARGETS, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
 
 
 def batches(vocab: int) -> dict:
@@ -53,6 +66,54 @@ def masked_loss(model, inputs, targets, mask):
     )
     m = torch.from_numpy(mask).reshape(-1)
     return (ce * m).sum() / m.sum()
+
+
+def versions() -> dict:
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
+
+
+def randomize_b(model, seed: int, std: float = 0.05) -> None:
+    """lora_B drawn from N(0, std) (peft starts it at zero, where the adapter does nothing)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+
+
+def stable_config(path: Path, base: str) -> None:
+    """adapter_config.json without this machine's base path, target_modules sorted."""
+    saved = json.loads(path.read_text())
+    saved["base_model_name_or_path"] = base
+    saved["target_modules"] = sorted(saved["target_modules"])
+    path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+
+
+def hybrid():
+    """tests/assets/lora_qwen3_5/ (module docstring): peft's adapter over the Qwen3.5 hybrid's
+    gated DeltaNet projections and gated q_proj, and the logits peft computes with it."""
+    torch.manual_seed(0)
+    base = transformers.Qwen3_5ForCausalLM.from_pretrained(
+        HYBRID_BASE, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=HYBRID_TARGETS, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"
+    )
+    model = peft.get_peft_model(base, config).eval()
+    randomize_b(model, seed=2)
+    tokens = np.random.default_rng(3).integers(0, base.config.vocab_size, size=(2, 72)).astype(np.int32)
+    with torch.no_grad():
+        logits = model(input_ids=torch.from_numpy(tokens).long()).logits.float().numpy()
+    if HYBRID_OUT.exists():
+        shutil.rmtree(HYBRID_OUT)
+    HYBRID_OUT.mkdir(parents=True)
+    model.save_pretrained(HYBRID_OUT / "adapter")
+    (HYBRID_OUT / "adapter" / "README.md").unlink(missing_ok=True)
+    stable_config(HYBRID_OUT / "adapter" / "adapter_config.json", HYBRID_BASE.name)
+    np.savez_compressed(HYBRID_OUT / "expected.npz", tokens=tokens, logits=logits.astype(np.float32))
+    expected = {"base": str(HYBRID_BASE.relative_to(HERE)), "targets": HYBRID_TARGETS, "versions": versions()}
+    (HYBRID_OUT / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
+    print("qwen3_5 hybrid: max |logit|", float(np.abs(logits).max()))
 
 
 def main():
@@ -118,4 +179,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    for name in sys.argv[1:] or ["llama", "qwen3_5"]:
+        {"llama": main, "qwen3_5": hybrid}[name]()
