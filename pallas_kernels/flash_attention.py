@@ -55,7 +55,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from jaxtrain.pallas_kernels.mesh_utils import device_kind, resolve_backend
+from jaxtrain.pallas_kernels.mesh_utils import device_kind, kernel_backend
 from jaxtrain.pallas_kernels.remat_names import ATTENTION_RESIDUALS
 from jaxtrain.pallas_kernels.sinks import sink_grad
 from jaxtrain.pallas_kernels.tile_ranges import PY_OPS, position_mask, ranges_for_kv_tile, ranges_for_q_tile
@@ -86,7 +86,6 @@ __all__ = [
 
 # Finite stand-in for -inf: keeps exp() and max() free of inf - inf = NaN.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-_BACKENDS = ("tpu", "gpu", "cpu")
 # The GPU kernel family: this file's Triton kernels (any GPU), or the Hopper (sm90) kernels of
 # flash_mgpu.py written for Pallas' Mosaic GPU backend (wgmma, TMA, warp specialisation).
 GPU_KERNELS = ("triton", "mosaic")
@@ -1242,14 +1241,7 @@ def flash_attention(
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, q_heads)
-    if backend is None:
-        backend = resolve_backend(q)
-    elif backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS} or None, got {backend!r}")
-    if interpret is None:
-        interpret = backend == "cpu"
-    if backend == "cpu" and not interpret:
-        raise ValueError("backend='cpu' only runs in interpret mode (interpret=True or None)")
+    backend, interpret = kernel_backend(q, backend, interpret)
     gpu_kernel = check_gpu_kernel(
         gpu_kernel,
         backend=backend,

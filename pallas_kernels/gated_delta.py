@@ -76,16 +76,14 @@ from jaxtrain.pallas_kernels.flash_attention import (
     matmul_precision,
 )
 from jaxtrain.pallas_kernels.mesh_utils import (
-    axes_tuple,
+    check_shard_axes,
     device_kind,
+    kernel_backend,
     mesh_backend,
     reshard_to_specs,
-    resolve_backend,
 )
 
 __all__ = ["chunked_gated_delta_rule_pallas", "sharded_gated_delta_rule"]
-
-_BACKENDS = ("tpu", "gpu", "cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -483,14 +481,7 @@ def chunked_gated_delta_rule_pallas(
     dv, 64 on GPU). Like every Pallas call it cannot be auto-partitioned: call it per shard
     (inside shard_map) on a mesh.
     """
-    if backend is None:
-        backend = resolve_backend(q)
-    elif backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS} or None, got {backend!r}")
-    if interpret is None:
-        interpret = backend == "cpu"
-    if backend == "cpu" and not interpret:
-        raise ValueError("backend='cpu' only runs in interpret mode (interpret=True or None)")
+    backend, interpret = kernel_backend(q, backend, interpret)
     if chunk_size is None:
         chunk_size = _GPU_F32_CHUNK if backend == "gpu" and q.dtype == jnp.float32 else CHUNK_SIZE
     if chunk_size < 1:
@@ -598,14 +589,7 @@ def sharded_gated_delta_rule(
     )
     if mesh is None or math.prod(mesh.axis_sizes) == 1:
         return chunked_gated_delta_rule_pallas(q, k, v, g, beta, initial_state, segment_ids, **kwargs)
-    batch_axes = axes_tuple("batch_axes", batch_axes)
-    head_axes = axes_tuple("head_axes", head_axes)
-    for name, axes in (("batch_axes", batch_axes), ("head_axes", head_axes)):
-        for a in axes:
-            if a not in mesh.axis_names:
-                raise ValueError(f"{name}: {a!r} is not a mesh axis (mesh axes: {mesh.axis_names})")
-    if set(batch_axes) & set(head_axes):
-        raise ValueError(f"batch_axes {batch_axes} and head_axes {head_axes} overlap")
+    batch_axes, head_axes = check_shard_axes(mesh, batch_axes, head_axes)
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     n_batch = math.prod(sizes[a] for a in batch_axes)
     n_head = math.prod(sizes[a] for a in head_axes)

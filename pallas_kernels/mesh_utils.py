@@ -152,3 +152,35 @@ def shard_over_sequence(local, q, k, v, segment_ids, *, mesh, axis_name, batch_a
     # and interpret mode fails the varying-axes check (JAX_NOTES, Pallas).
     fn = jax.shard_map(fn_local, mesh=mesh, in_specs=in_specs, out_specs=x_spec, check_vma=False)
     return fn(*reshard_to_specs(mesh, args, in_specs))
+
+
+KERNEL_BACKENDS = ("tpu", "gpu", "cpu")
+
+
+def kernel_backend(x, backend: str | None, interpret: bool | None) -> tuple[str, bool]:
+    """A Pallas kernel's (backend, interpret), decided once: `backend` 'tpu' (Mosaic), 'gpu'
+    (Triton) or 'cpu', None: from x's devices (`resolve_backend`); `interpret` None: the
+    interpreter on 'cpu' only, the one way a kernel runs there."""
+    if backend is None:
+        backend = resolve_backend(x)
+    elif backend not in KERNEL_BACKENDS:
+        raise ValueError(f"backend must be one of {KERNEL_BACKENDS} or None, got {backend!r}")
+    if interpret is None:
+        interpret = backend == "cpu"
+    if backend == "cpu" and not interpret:
+        raise ValueError("backend='cpu' only runs in interpret mode (interpret=True or None)")
+    return backend, interpret
+
+
+def check_shard_axes(mesh, batch_axes, head_axes) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(batch_axes, head_axes) as tuples of `mesh`'s axes, disjoint: how a kernel called per
+    shard splits its batch and its heads."""
+    batch_axes = axes_tuple("batch_axes", batch_axes)
+    head_axes = axes_tuple("head_axes", head_axes)
+    for name, axes in (("batch_axes", batch_axes), ("head_axes", head_axes)):
+        for a in axes:
+            if a not in mesh.axis_names:
+                raise ValueError(f"{name}: {a!r} is not a mesh axis (mesh axes: {mesh.axis_names})")
+    if set(batch_axes) & set(head_axes):
+        raise ValueError(f"batch_axes {batch_axes} and head_axes {head_axes} overlap")
+    return batch_axes, head_axes

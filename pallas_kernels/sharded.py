@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.pallas_kernels.chunked import flash_attention_any_length
 from jaxtrain.pallas_kernels.flash_attention import BlockSizes
-from jaxtrain.pallas_kernels.mesh_utils import axes_tuple, mesh_backend, reshard_to_specs
+from jaxtrain.pallas_kernels.mesh_utils import check_shard_axes, mesh_backend, reshard_to_specs
 
 __all__ = ["shard_attention", "sharded_flash_attention"]
 
@@ -90,14 +90,7 @@ def shard_attention(
     )
     if mesh is None or math.prod(mesh.axis_sizes) == 1:
         return call(q, k, v, segment_ids, sinks)
-    batch_axes = axes_tuple("batch_axes", batch_axes)
-    head_axes = axes_tuple("head_axes", head_axes)
-    for name, axes in (("batch_axes", batch_axes), ("head_axes", head_axes)):
-        for a in axes:
-            if a not in mesh.axis_names:
-                raise ValueError(f"{name}: {a!r} is not a mesh axis (mesh axes: {mesh.axis_names})")
-    if set(batch_axes) & set(head_axes):
-        raise ValueError(f"batch_axes {batch_axes} and head_axes {head_axes} overlap")
+    batch_axes, head_axes = check_shard_axes(mesh, batch_axes, head_axes)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 4:
             raise ValueError(
