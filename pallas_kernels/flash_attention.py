@@ -95,7 +95,7 @@ _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(
 _TPU_BLOCK_UNIT = 128
 _TRITON_MIN_BLOCK = 16  # tl.dot needs every dim >= 16
 # VMEM per TensorCore by TPU device_kind (jax._src.tpu_info); unknown kinds get 64 MiB.
-_TPU_VMEM_BYTES = {
+TPU_VMEM_BYTES = {
     "TPU v4": 16 << 20,
     "TPU v5": 64 << 20,
     "TPU v5p": 64 << 20,
@@ -104,8 +104,8 @@ _TPU_VMEM_BYTES = {
     "TPU v6 lite": 128 << 20,
     "TPU v6e": 128 << 20,
 }
-_TPU_DEFAULT_VMEM_BYTES = 64 << 20
-_TPU_VMEM_USABLE = 0.85  # fraction of VMEM the kernels may plan for
+TPU_DEFAULT_VMEM_BYTES = 64 << 20
+TPU_VMEM_USABLE = 0.85  # fraction of VMEM the kernels may plan for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1035,8 +1035,8 @@ def _tpu_vmem_need(cfg: FlashConfig, itemsize: int) -> int:
 def _check_tpu_vmem(cfg: FlashConfig, dtype) -> int:
     """VMEM limit for the TPU kernels; ValueError when one head's sequence cannot fit."""
     need = _tpu_vmem_need(cfg, jnp.dtype(dtype).itemsize)
-    capacity = _TPU_VMEM_BYTES.get(device_kind() or "", _TPU_DEFAULT_VMEM_BYTES)
-    if need > capacity * _TPU_VMEM_USABLE:
+    capacity = TPU_VMEM_BYTES.get(device_kind() or "", TPU_DEFAULT_VMEM_BYTES)
+    if need > capacity * TPU_VMEM_USABLE:
         fused = " with the fused backward (block_sizes.fused_bwd=False needs less)" if cfg.fused_bwd else ""
         raise ValueError(
             f"seq={cfg.seq_len}, head_dim={cfg.head_dim}, {jnp.dtype(dtype).name}: the kernels "
@@ -1103,8 +1103,8 @@ def flash_config(
     if backend == "tpu":
         if blocks.fused_bwd is None and cfg.fused_bwd:
             itemsize = jnp.dtype(dtype).itemsize
-            capacity = _TPU_VMEM_BYTES.get(device_kind() or "", _TPU_DEFAULT_VMEM_BYTES)
-            if _tpu_vmem_need(cfg, itemsize) > capacity * _TPU_VMEM_USABLE:
+            capacity = TPU_VMEM_BYTES.get(device_kind() or "", TPU_DEFAULT_VMEM_BYTES)
+            if _tpu_vmem_need(cfg, itemsize) > capacity * TPU_VMEM_USABLE:
                 cfg = dataclasses.replace(cfg, fused_bwd=False)  # the split kernels need less VMEM
         cfg = dataclasses.replace(cfg, vmem_limit=_check_tpu_vmem(cfg, dtype))
     return cfg

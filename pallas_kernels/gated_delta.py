@@ -68,13 +68,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.models.gated_deltanet import CHUNK_SIZE, _continues, _initial_state, _prepare
 from jaxtrain.pallas_kernels.flash_attention import (
-    _TPU_DEFAULT_VMEM_BYTES,
-    _TPU_VMEM_BYTES,
-    _TPU_VMEM_USABLE,
+    TPU_DEFAULT_VMEM_BYTES,
+    TPU_VMEM_BYTES,
+    TPU_VMEM_USABLE,
     matmul_precision,
 )
+from jaxtrain.pallas_kernels.gated_delta_inputs import CHUNK_SIZE, continues, prepare
+from jaxtrain.pallas_kernels.gated_delta_inputs import initial_state as entry_state
 from jaxtrain.pallas_kernels.mesh_utils import (
     check_shard_axes,
     device_kind,
@@ -312,8 +313,8 @@ def _tpu_vmem_limit(cfg, kind: str) -> int:
         need = 4 * cfg.seq * (2 * cfg.dk + 2 * cfg.block_v) + 4 * n * cfg.dk * cfg.block_v + 5 * rows
     else:  # q, k, dq, dk; v, dO, dv; states; beta, G, a, b, their grads, segment ids
         need = 4 * cfg.seq * (4 * cfg.dk + 3 * cfg.block_v) + 4 * n * cfg.dk * cfg.block_v + 9 * rows
-    capacity = _TPU_VMEM_BYTES.get(device_kind() or "", _TPU_DEFAULT_VMEM_BYTES)
-    if need > capacity * _TPU_VMEM_USABLE:
+    capacity = TPU_VMEM_BYTES.get(device_kind() or "", TPU_DEFAULT_VMEM_BYTES)
+    if need > capacity * TPU_VMEM_USABLE:
         raise ValueError(
             f"gated delta rule {kind}: one head's whole sequence ({cfg.seq} tokens, dk={cfg.dk},"
             f" block_v={cfg.block_v}) takes about {need >> 20} MiB of TPU VMEM, more than fits"
@@ -495,12 +496,12 @@ def chunked_gated_delta_rule_pallas(
     batch, seq, k_heads, dk = q.shape
     # The reference's own validation, float32 cast, L2 norm and scale; it repeats key heads over
     # value heads, undone by a strided slice so that the kernels read one copy per key head.
-    q, k, v, g, beta = _prepare(q, k, v, g, beta, use_qk_l2norm_in_kernel)
+    q, k, v, g, beta = prepare(q, k, v, g, beta, use_qk_l2norm_in_kernel)
     heads, dv = v.shape[2:]
     groups = heads // k_heads
     q, k = q[:, :, ::groups], k[:, :, ::groups]
-    s0 = _initial_state(initial_state, q, v)
-    _continues(segment_ids, (batch, seq))  # validates the shape
+    s0 = entry_state(initial_state, q, v)
+    continues(segment_ids, (batch, seq))  # validates the shape
     if block_v is None:
         block_v = _GPU_BLOCK_V if backend == "gpu" and dv % _GPU_BLOCK_V == 0 else dv
     if dv % block_v:
