@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxtrain.models import gated_deltanet as gdn  # noqa: E402
 from jaxtrain.pallas_kernels.gated_delta import chunked_gated_delta_rule_pallas  # noqa: E402
+from tests.test_flash_attention_deviceless import CUSTOM_CALL, _devices  # noqa: E402  compile-only devices
 
 TOL = 1e-5  # float32, of the largest |value|
 STATIC = ("use_qk_l2norm_in_kernel",)
@@ -167,21 +168,8 @@ def test_tpu_sequence_must_fit_vmem():
 # Deviceless compiles: the real Mosaic TPU and Triton (sm_90a) compilers, no hardware.
 # ----------------------------------------------------------------------------
 
-CUSTOM_CALL = {"tpu": "tpu_custom_call", "gpu": "__gpu$xla.gpu.triton"}
 # Qwen3.5-35B-A3B's linear-attention layers: 16 key heads, 32 value heads, head dims 128.
 QWEN_HEADS = dict(k_heads=16, v_heads=32, dk=128, dv=128)
-
-
-@functools.cache
-def _devices(target: str):
-    from jaxtrain.sharding import targets
-
-    try:
-        if target == "tpu":
-            return targets.tpu_topology_devices("v5p:2x2x2")
-        return targets.h100_devices(num_hosts=1, gpus_per_host=8)
-    except targets.DevicelessUnavailableError as e:
-        return str(e)
 
 
 @pytest.mark.deviceless
