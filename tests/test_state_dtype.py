@@ -337,6 +337,7 @@ def tiny_curve(state_dtype, steps):
 
 
 @pytest.mark.slow  # two 300-step runs
+@pytest.mark.optimized_codegen
 @pytest.mark.composes("state_16bit+adamw", "lm+state_16bit", "dense+state_16bit")
 def test_bfloat16_state_tiny_loss_curve_follows_float32_at_b2_0999():
     """300 steps of the tiny config (64-token rows) at b2 = 0.999, where nu's changes fall
