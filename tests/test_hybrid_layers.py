@@ -517,9 +517,15 @@ def test_qk_clip_scales_the_full_layers_heads_over_tau():
         "model.norm_scale_offset=1.0",
     )
     cfg, initial, batch, plain, _ = one_step(*hybrid)
-    maxima = []
-    reference_forward(initial, jnp.asarray(batch["inputs"]), cfg.model, maxima=maxima)
-    logits = np.asarray(jnp.stack(maxima))  # [full layers 1 and 3, heads]
+
+    def full_layer_maxima(params, tokens):  # one program, not an eager op per line
+        maxima = []
+        reference_forward(params, tokens, cfg.model, maxima=maxima)
+        return jnp.stack(maxima)
+
+    logits = np.asarray(
+        jax.jit(full_layer_maxima)(initial, jnp.asarray(batch["inputs"]))
+    )  # [layers 1, 3; heads]
     tau = tau_between_heads(logits)
     assert (logits > tau).any() and (logits < tau).any()
     _, _, _, clipped, metrics = one_step(*hybrid, f"optimizer.qk_clip.tau={tau}")
