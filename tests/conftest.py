@@ -276,10 +276,11 @@ def program_on_mesh(cfg):
 
 # The suite's default (above) skips LLVM's optimisation of the CPU code, which halves the compile
 # time of the many programs run a few times each. A program run hundreds of times (a 300-step loss
-# curve, kill -9 runs that train and resume) pays for it in every step instead: optimised code ran
+# curve, a module fixture's 50-step curve) pays for it in every step instead: optimised code ran
 # the tiny step 2.3x faster (17 against 38 ms) for the same compile time, and took the 300-step
-# bfloat16-state curve from 56 to 34 s. Tests marked `optimized_codegen` get it, in their own process
-# (below) and in the CLI subprocesses they start (child_env copies this environment).
+# bfloat16-state curve from 56 to 32 s (two full runs of the suite on one host). Tests marked
+# `optimized_codegen` get it, in their own process (below) and in the CLI subprocesses they start
+# (child_env copies this environment).
 OPTIMIZED_CODEGEN = {"xla_backend_optimization_level": 2}
 
 
